@@ -1,0 +1,54 @@
+"""Optional packages: whether they are installed, and importing them with an actionable error.
+
+Each optional integration sits behind a pip extra of this project; the error names the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+
+# module name -> (pip extra, what needs it)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "mlflow": ("mlflow", "MLflow tracking"),
+    "comet_ml": ("comet", "Comet tracking"),
+    "wandb": ("wandb", "Weights & Biases tracking"),
+    "tensorboard": ("tensorboard", "TensorBoard logging"),
+    "nvidia_resiliency_ext": ("resiliency", "fault tolerance, in-process restart and NVRx straggler detection"),
+    "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
+    "tokenizers": ("hf", "Hugging Face tokenizers"),
+    "matplotlib": ("plot", "plotting training curves"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def is_installed(module: str) -> bool:
+    """True if `module` can be imported (checked without importing it; cached per process)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install_hint(module: str) -> str:
+    extra, _ = EXTRAS.get(module, (None, None))
+    if extra is None:
+        return f"pip install {module}"
+    return f"pip install 'megatron-bridge[{extra}]'"
+
+
+def missing_message(module: str, why: str | None = None) -> str:
+    _, what = EXTRAS.get(module, (None, module))
+    return f"{why or what} needs the '{module}' package, which is not installed ({install_hint(module)})"
+
+
+def require(module: str, why: str | None = None) -> ModuleType:
+    """Import an optional package, or raise ModuleNotFoundError naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] != module.split(".")[0]:
+            raise
+        raise ModuleNotFoundError(missing_message(module.split(".")[0], why), name=module) from exc

@@ -1,0 +1,195 @@
+"""`GPTModelProvider`: a GPT architecture as a config, and the builder of its megatron-core model."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Literal, Optional, Union
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+logger = logging.getLogger(__name__)
+
+
+@config_dataclass
+class GPTModelProvider(TransformerConfig, ConfigBase):
+    """megatron-core `TransformerConfig` plus the GPT-level fields, with deferred post-init.
+
+    Construction stores values only; `finalize()` runs megatron-core's checks and derived values
+    (ffn_hidden_size, kv_channels, init methods, ...). `provide()` builds the `GPTModel` for one
+    pipeline stage.
+    """
+
+    fp16_lm_cross_entropy: bool = False
+    """Compute the cross entropy of the output layer in fp16."""
+
+    parallel_output: bool = True
+    """Keep the logits split over tensor-parallel ranks (the loss handles the split)."""
+
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the input embedding."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position encoding."""
+
+    rotary_base: int = 10000
+    """RoPE base period."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates."""
+
+    seq_len_interpolation_factor: Optional[float] = None
+    """Scale RoPE positions by 1/factor (linear position interpolation)."""
+
+    rope_scaling: bool = False
+    """Apply Llama 3.1-style RoPE frequency scaling."""
+
+    rope_scaling_factor: float = 8.0
+    """Scaling factor of Llama 3.1-style RoPE scaling."""
+
+    seq_length: int = 1024
+    """Tokens per sample; must equal the dataset's sequence length."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size before padding (default: the tokenizer's)."""
+
+    should_pad_vocab: bool = True
+    """Pad the vocabulary (see make_vocab_size_divisible_by)."""
+
+    transformer_layer_spec: Optional[Union[str, Callable]] = None
+    """Callable (or its import path) taking (provider, vp_stage) and returning the decoder block or
+    layer spec. None: TransformerEngine layers when transformer_impl is 'transformer_engine' and TE
+    is installed, else megatron-core's local layers."""
+
+    scatter_embedding_sequence_parallel: bool = True
+    """Scatter the embedding output over the sequence dimension with sequence parallelism."""
+
+    tp_comm_overlap_cfg: Optional[Union[str, dict]] = None
+    """TransformerEngine userbuffer settings for tensor-parallel communication overlap."""
+
+    # ------------------------------------------------------------------ finalize
+    def __post_init__(self) -> None:
+        """Skip megatron-core's post-init; `finalize()` runs it."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            value = getattr(self, name)
+            p.check(value is not None and value > 0, name, f"must be positive, got {value}", f"set model.{name}")
+        if p:
+            return
+        tp = self.tensor_model_parallel_size
+        p.check(
+            self.num_attention_heads % tp == 0,
+            "num_attention_heads",
+            f"{self.num_attention_heads} heads do not split over tensor_model_parallel_size={tp}",
+            "choose a TP size that divides the number of heads",
+        )
+        groups = self.num_query_groups or self.num_attention_heads
+        p.check(
+            groups % tp == 0 or tp % groups == 0,
+            "num_query_groups",
+            f"{groups} query groups and tensor_model_parallel_size={tp}: neither divides the other",
+            "choose a TP size that divides (or is a multiple of) num_query_groups",
+        )
+        if self.kv_channels is None:
+            p.check(
+                self.hidden_size % self.num_attention_heads == 0,
+                "hidden_size",
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}",
+                "set model.kv_channels explicitly or change the sizes",
+            )
+        p.check(
+            not self.sequence_parallel or tp > 1,
+            "sequence_parallel",
+            "sequence parallelism needs tensor_model_parallel_size > 1",
+            "set model.sequence_parallel=False or raise the TP size",
+        )
+        if self.vocab_size is not None:
+            p.check(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}", "use e.g. 32000")
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self._derive("pipeline_dtype", self.params_dtype)
+        if not p:
+            self._run_parent_post_init(TransformerConfig, p)
+
+    # ------------------------------------------------------------------ building
+    def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
+        """Vocabulary size after padding for efficient tensor-parallel splits."""
+        vocab = vocab_size if vocab_size is not None else self.vocab_size
+        if vocab is None:
+            raise ValueError("model.vocab_size is not set and no tokenizer vocabulary was given")
+        if not self.should_pad_vocab:
+            return vocab
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return int(math.ceil(vocab / multiple) * multiple)
+
+    def layer_spec(self, vp_stage: Optional[int] = None) -> Any:
+        """The decoder spec `provide()` uses (see `transformer_layer_spec`)."""
+        spec = self.transformer_layer_spec
+        if spec is not None:
+            if isinstance(spec, str):
+                from megatron_bridge.training.config.serialization import import_object
+
+                spec = import_object(spec)
+            return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            self, use_transformer_engine=self.uses_transformer_engine(), normalization=self.normalization, vp_stage=vp_stage
+        )
+
+    def uses_transformer_engine(self) -> bool:
+        """TE layers when asked for (transformer_impl) and installed; a default ask falls back to
+        local layers with a log line, an explicit one fails."""
+        if self.transformer_impl != "transformer_engine":
+            return False
+        from megatron_bridge.extras import is_installed, require
+
+        if is_installed("transformer_engine"):
+            return True
+        if self.is_explicit("transformer_impl"):
+            require("transformer_engine", "model.transformer_impl='transformer_engine'")
+        logger.info("TransformerEngine is not installed: building megatron-core local layers instead")
+        return False
+
+    def provide(self, pre_process: Optional[bool] = None, post_process: Optional[bool] = None, vp_stage: Optional[int] = None):
+        """Build the `GPTModel` of this pipeline stage (and virtual stage `vp_stage`)."""
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        return GPTModel(
+            config=self,
+            transformer_layer_spec=self.layer_spec(vp_stage),
+            vocab_size=self.padded_vocab_size(),
+            max_sequence_length=self.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
+            parallel_output=self.parallel_output,
+            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
+            rotary_base=self.rotary_base,
+            rope_scaling=self.rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
+            scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
+            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            vp_stage=vp_stage,
+        )
+
+
+def _is_module_spec(obj: Any) -> bool:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return isinstance(obj, ModuleSpec)

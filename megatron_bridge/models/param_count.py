@@ -1,0 +1,99 @@
+"""Parameter counts and FLOPs from a GPT architecture, without building the model.
+
+Matches what megatron-core's GPTModel allocates (local or TransformerEngine layers, which hold the
+same parameters), so a 405B recipe can be sized on a laptop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameters of a GPT model, counted from its shape."""
+
+    total: int
+    """All parameters."""
+
+    active: int
+    """Parameters used per token (differs from total for mixture-of-experts models)."""
+
+    embedding: int
+    """Input embedding (and learned positions) plus an untied output layer."""
+
+
+def _moe_layers(m: Any) -> list[bool]:
+    if not m.num_moe_experts:
+        return [False] * m.num_layers
+    freq = m.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(m.num_layers)]
+    return [bool(x) for x in freq]
+
+
+def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
+    """Count the parameters of GPT provider `m` (finalized or not) for `vocab_size` (default:
+    the provider's own, padded)."""
+    h = m.hidden_size
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    kv = m.kv_channels or h // heads
+    ffn = m.ffn_hidden_size or 4 * h
+    gated = 2 if m.gated_linear_unit else 1
+    bias = bool(m.add_bias_linear)
+    qkv_bias = bias or bool(getattr(m, "add_qkv_bias", False))
+    norm = h * (1 if m.normalization == "RMSNorm" else 2)
+    vocab = m.padded_vocab_size(vocab_size)
+
+    q_out = heads * kv
+    kv_out = 2 * groups * kv
+    attention = h * (q_out + kv_out) + (q_out + kv_out if qkv_bias else 0)
+    attention += q_out * h + (h if bias else 0)
+    if m.qk_layernorm:
+        attention += 2 * kv * (1 if m.normalization == "RMSNorm" else 2)
+
+    def mlp(width: int) -> int:
+        return h * width * gated + (width * gated if bias else 0) + width * h + (h if bias else 0)
+
+    dense_mlp = mlp(ffn)
+    moe_total = moe_active = 0
+    if m.num_moe_experts:
+        expert = mlp(m.moe_ffn_hidden_size or ffn)
+        router = h * m.num_moe_experts
+        shared = 0
+        if m.moe_shared_expert_intermediate_size:
+            shared = mlp(m.moe_shared_expert_intermediate_size)
+            if getattr(m, "moe_shared_expert_gate", False):
+                shared += h
+        moe_total = router + m.num_moe_experts * expert + shared
+        moe_active = router + m.moe_router_topk * expert + shared
+
+    total = active = 0
+    for is_moe in _moe_layers(m):
+        layer = 2 * norm + attention
+        total += layer + (moe_total if is_moe else dense_mlp)
+        active += layer + (moe_active if is_moe else dense_mlp)
+    final_norm = norm
+    embedding = vocab * h
+    if m.position_embedding_type == "learned_absolute":
+        embedding += m.seq_length * h
+    if not m.share_embeddings_and_output_weights:
+        embedding += vocab * h
+    total += final_norm + embedding
+    active += final_norm + embedding
+    return ParameterCount(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(m: Any, seq_length: int | None = None, vocab_size: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters
+    plus the attention score/context matmuls."""
+    count = count_parameters(m, vocab_size)
+    seq = seq_length or m.seq_length
+    non_embedding = count.active - count.embedding
+    output_layer = m.padded_vocab_size(vocab_size) * m.hidden_size
+    heads = m.num_attention_heads
+    kv = m.kv_channels or m.hidden_size // heads
+    attention = 2 * 2 * m.num_layers * seq * heads * kv  # QK^T and AV, forward, per token
+    return 3.0 * (2.0 * (non_embedding + output_layer) + attention)

@@ -1,0 +1,157 @@
+"""Overlap of communication with computation, derived from the parallel layout.
+
+`runtime_config_update` finalizes this after the data-parallel size is known and applies it to
+the model, DDP and optimizer configs. Precedence: a field the user set explicitly on the target
+config wins; then a value set explicitly here; then the default derived from the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import field
+from typing import Any, Optional, Union
+
+from megatron_bridge.extras import is_installed
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass, values_equal
+from megatron_bridge.training.config.errors import Problems
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_SIZE = 128 * 1024 * 1024
+"""Gradient bucket size (parameters) used when data-parallel overlap is on."""
+
+
+@config_dataclass(kw_only=True)
+class CommOverlapConfig(ConfigBase):
+    """Which communication to overlap with computation. None means: derive from the layout."""
+
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel communication with GEMMs (needs TP >= 2, sequence parallelism and
+    TransformerEngine; otherwise turned off with a warning)."""
+
+    tp_comm_overlap_cfg: Optional[Union[str, dict]] = None
+    """TransformerEngine userbuffer settings for TP overlap."""
+
+    tp_comm_bootstrap_backend: Optional[str] = None
+    """Backend used to bootstrap the userbuffers ('nccl', 'mpi' or 'gloo')."""
+
+    overlap_p2p_comm: Optional[bool] = None
+    """Overlap pipeline send/receive with compute (default: on with virtual pipelining)."""
+
+    batch_p2p_comm: Optional[bool] = None
+    """Batch pipeline send/receive into one call (default: on with plain pipelining)."""
+
+    overlap_grad_reduce: Optional[bool] = None
+    """Overlap the gradient reduce-scatter with the backward pass (default: on when DP > 1 with the
+    distributed optimizer)."""
+
+    overlap_param_gather: Optional[bool] = None
+    """Overlap the parameter all-gather with the forward pass (default: as overlap_grad_reduce)."""
+
+    overlap_param_gather_with_optimizer_step: Optional[bool] = None
+    """Start the first parameter all-gather during the optimizer step."""
+
+    align_param_gather: Optional[bool] = None
+    """Launch parameter all-gathers on all pipeline stages together (default: on with virtual
+    pipelining and DP overlap)."""
+
+    bucket_size: Optional[int] = None
+    """Gradient bucket size in parameters (default: 128 Mi with DP overlap)."""
+
+    defer_embedding_wgrad_compute: Optional[bool] = None
+    """Defer the embedding weight-gradient GEMM to overlap it with pipeline flush."""
+
+    wgrad_deferral_limit: Optional[int] = None
+    """How many microbatches of embedding weight gradients to defer."""
+
+    data_parallel_size: Optional[int] = field(init=False, default=None)
+    """Derived: set by runtime_config_update before finalize."""
+
+    def _finalize(self, problems: Problems) -> None:
+        if self.data_parallel_size is None:
+            problems.add(
+                "data_parallel_size",
+                "is unknown: comm_overlap is finalized by runtime_config_update",
+                "call runtime_config_update(cfg) instead of finalizing comm_overlap directly",
+            )
+        if self.bucket_size is not None:
+            problems.check(self.bucket_size > 0, "bucket_size", f"must be positive, got {self.bucket_size}", "use e.g. 134217728")
+
+    # ------------------------------------------------------------------ applying
+    def planned(self, model: Any, ddp: Any) -> dict[str, dict[str, Any]]:
+        """The values to apply, per target section, derived from the layout and explicit fields."""
+        tp = model.tensor_model_parallel_size
+        pp = model.pipeline_model_parallel_size
+        vp = model.virtual_pipeline_model_parallel_size or 1
+        dp = self.data_parallel_size or 1
+        dist_opt = ddp.use_distributed_optimizer
+
+        tp_overlap = self.tp_comm_overlap
+        if tp_overlap:
+            reasons = []
+            if tp < 2:
+                reasons.append(f"tensor_model_parallel_size={tp} (needs >= 2)")
+            if not model.sequence_parallel:
+                reasons.append("sequence_parallel is off")
+            if model.transformer_impl != "transformer_engine" or not is_installed("transformer_engine"):
+                reasons.append("TransformerEngine layers are not in use")
+            if reasons:
+                logger.warning("comm_overlap: tensor-parallel overlap turned off: %s", "; ".join(reasons))
+                tp_overlap = False
+
+        if pp > 1 and vp > 1:
+            p2p = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
+        elif pp > 1:
+            p2p = dict(overlap_p2p_comm=False, batch_p2p_comm=True)
+        else:
+            p2p = dict(overlap_p2p_comm=False, batch_p2p_comm=False)
+
+        dp_overlap = dp > 1 and dist_opt
+        model_values = dict(tp_comm_overlap=tp_overlap, **p2p)
+        if tp_overlap:
+            model_values["tp_comm_overlap_cfg"] = self.tp_comm_overlap_cfg
+            model_values["tp_comm_bootstrap_backend"] = self.tp_comm_bootstrap_backend
+        model_values["defer_embedding_wgrad_compute"] = self.defer_embedding_wgrad_compute
+        model_values["wgrad_deferral_limit"] = self.wgrad_deferral_limit
+        ddp_values = dict(
+            overlap_grad_reduce=dp_overlap,
+            overlap_param_gather=dp_overlap,
+            align_param_gather=dp_overlap and pp > 1 and vp > 1,
+            bucket_size=DEFAULT_BUCKET_SIZE if dp_overlap else None,
+        )
+        optimizer_values = dict(overlap_param_gather_with_optimizer_step=self.overlap_param_gather_with_optimizer_step)
+        for name in ("overlap_p2p_comm", "batch_p2p_comm"):
+            if getattr(self, name) is not None:
+                model_values[name] = getattr(self, name)
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "bucket_size"):
+            if getattr(self, name) is not None:
+                ddp_values[name] = getattr(self, name)
+        return {
+            "model": {k: v for k, v in model_values.items() if v is not None},
+            "ddp": ddp_values,
+            "optimizer": {k: v for k, v in optimizer_values.items() if v is not None},
+        }
+
+    def apply(self, model: Any, ddp: Any, optimizer: Any, problems: Problems) -> None:
+        """Apply `planned()` values to fields the user did not set explicitly on the targets."""
+        targets = {"model": model, "ddp": ddp, "optimizer": optimizer}
+        changed = []
+        for section, values in self.planned(model, ddp).items():
+            target = targets[section]
+            for name, value in values.items():
+                if not hasattr(target, name):
+                    continue
+                current = getattr(target, name)
+                if target.is_explicit(name):
+                    if self.is_explicit(name) and not values_equal(current, value):
+                        problems.add(
+                            f"{section}.{name}",
+                            f"{current!r} contradicts comm_overlap.{name}={value!r}",
+                            f"set {name} in one place only",
+                        )
+                    continue
+                if not values_equal(current, value):
+                    changed.append(f"{section}.{name}={value!r}")
+                target.apply_default(name, value)
+        if changed:
+            logger.info("comm_overlap (dp=%s) set %s", self.data_parallel_size, ", ".join(changed))

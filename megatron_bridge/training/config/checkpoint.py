@@ -1,0 +1,176 @@
+"""Where and how checkpoints are saved and loaded."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Optional
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+ASYNC_FORMATS = ("torch_dist",)
+
+
+@config_dataclass(kw_only=True)
+class CheckpointConfig(ConfigBase):
+    """Configuration settings for model checkpointing (saving and loading)."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to (None: never save)."""
+
+    save_interval: Optional[int] = None
+    """Save every N iterations (a checkpoint is also saved at the end of training and on exit)."""
+
+    save_optim: bool = True
+    """Save optimizer state."""
+
+    save_rng: bool = True
+    """Save RNG states."""
+
+    load: Optional[str] = None
+    """Directory to resume from: its latest complete checkpoint, or `ckpt_step`."""
+
+    load_optim: bool = True
+    """Load optimizer state when resuming."""
+
+    load_main_params_from_ckpt: bool = False
+    """Load fp32 main parameters from the checkpoint instead of re-deriving them from the model."""
+
+    load_rng: bool = True
+    """Load RNG states when resuming."""
+
+    non_persistent_save_interval: Optional[int] = None
+    """Iterations between non-persistent (fast, temporary) saves."""
+
+    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = None
+    """Kind of non-persistent checkpoint."""
+
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    """Directory for global non-persistent checkpoints."""
+
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    """Directory for local non-persistent checkpoints."""
+
+    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
+    """Algorithm for local non-persistent checkpoints."""
+
+    finetune: bool = False
+    """Load model weights only: no optimizer or RNG state, and the iteration count restarts at 0."""
+
+    pretrained_checkpoint: Optional[str] = None
+    """Directory containing a pretrained model checkpoint for finetuning.
+
+    Either a parent directory with a tracker file and `iter_*` subdirectories, or one `iter_*`
+    directory holding the checkpoint itself."""
+
+    ckpt_step: Optional[int] = None
+    """Load this iteration instead of the latest."""
+
+    exit_on_missing_checkpoint: bool = False
+    """Exit with an error when `load` is set but holds no checkpoint (instead of starting fresh)."""
+
+    ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
+    """On-disk format of checkpoints."""
+
+    fully_parallel_save: bool = True
+    """Spread the writing of replicated tensors over data-parallel ranks."""
+
+    fully_parallel_load: bool = False
+    """Spread the reading of replicated tensors over data-parallel ranks."""
+
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (torch_dist only)."""
+
+    use_persistent_ckpt_worker: bool = True
+    """Use a persistent background worker for async checkpoint saves. When enabled, creates a
+    dedicated worker for async saves; otherwise temporary workers are created per save."""
+
+    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
+    """Async checkpoint strategy: "nvrx" (nvidia-resiliency-ext, falls back to "mcore" when it is
+    not installed) or "mcore"."""
+
+    async_write_results_mp_mode: Literal["fork", "spawn", "forkserver"] = "fork"
+    """Multiprocessing start method for the async write results queue."""
+
+    ckpt_assume_constant_structure: bool = False
+    """Reuse the save plan across saves (the model structure must not change)."""
+
+    dist_ckpt_strictness: Literal[
+        "assume_ok_unexpected",
+        "log_unexpected",
+        "log_all",
+        "raise_unexpected",
+        "raise_all",
+        "return_unexpected",
+        "return_all",
+        "ignore_all",
+    ] = "assume_ok_unexpected"
+    """How to treat mismatching keys between the checkpoint and the model when loading."""
+
+    storage_writers_per_rank: int = 1
+    """Number of storage writers per rank for torch_dist checkpoint format. Affects the number of
+    checkpoint files: saving_ranks * storage_writers_per_rank."""
+
+    strict_fsdp_dtensor_load: bool = False
+    """Whether to enforce strict loading for FSDP DTensor checkpoints."""
+
+    most_recent_k: Optional[int] = -1
+    """Keep only the k most recent checkpoints (-1: keep all). Old ones are deleted only after a
+    new one is complete."""
+
+    save_tokenizer_assets: bool = True
+    """Copy the tokenizer files into each checkpoint."""
+
+    custom_manager_class: Optional[str] = None
+    """Import path of a class implementing the checkpoint manager protocol (save / load /
+    finalize_async_saves) that replaces the default, e.g. 'mypackage.ckpt.MyManager'."""
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        if self.async_save:
+            p.check(self.save is not None, "async_save", "async_save needs a save directory", "set checkpoint.save")
+            p.check(
+                self.ckpt_format in ASYNC_FORMATS,
+                "async_save",
+                f"async_save is not supported with ckpt_format={self.ckpt_format!r}",
+                f"use ckpt_format in {list(ASYNC_FORMATS)} or turn async_save off",
+            )
+        if self.ckpt_step is not None:
+            p.check(
+                self.load is not None or self.pretrained_checkpoint is not None,
+                "ckpt_step",
+                f"ckpt_step={self.ckpt_step} is set but there is nothing to load",
+                "set checkpoint.load (or pretrained_checkpoint), or remove ckpt_step",
+            )
+            p.check(self.ckpt_step >= 0, "ckpt_step", f"must be >= 0, got {self.ckpt_step}", "use an iteration number")
+        if self.pretrained_checkpoint is not None:
+            p.check(
+                os.path.isdir(self.pretrained_checkpoint),
+                "pretrained_checkpoint",
+                f"directory {self.pretrained_checkpoint!r} does not exist",
+                "point it at a checkpoint directory or one of its iter_* subdirectories",
+            )
+        if self.save_interval is not None:
+            p.check(
+                self.save_interval > 0, "save_interval", f"must be positive, got {self.save_interval}", "use 1 or more"
+            )
+        if self.most_recent_k is not None:
+            p.check(
+                self.most_recent_k == -1 or self.most_recent_k >= 1,
+                "most_recent_k",
+                f"must be -1 (keep all) or >= 1, got {self.most_recent_k}",
+                "use -1 or a positive count",
+            )
+        p.check(
+            self.storage_writers_per_rank >= 1,
+            "storage_writers_per_rank",
+            f"must be >= 1, got {self.storage_writers_per_rank}",
+            "use 1 or more",
+        )
+        if self.custom_manager_class is not None:
+            p.check(
+                "." in self.custom_manager_class,
+                "custom_manager_class",
+                f"{self.custom_manager_class!r} is not a fully qualified class name",
+                "use 'package.module.ClassName'",
+            )

@@ -1,0 +1,385 @@
+"""Checks that span sections of a `ConfigContainer`, and the derived values that need several.
+
+Each check adds problems to a `Problems` collector; `ConfigContainer.validate()` raises them all
+at once. Values derived here (scheduler steps, evaluation batch sizes, default weight decay) are
+computed in `derive_*` functions, in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.config.errors import Problems
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config.container import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
+
+
+def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Every check between sections, then the derived values that depend on them."""
+    check_batch_sizes(cfg, problems)
+    check_pipeline_layout(cfg, problems)
+    check_mixed_precision_consistency(cfg, problems)
+    check_sequence_lengths(cfg, problems)
+    check_context_parallel(cfg, problems)
+    check_deterministic_mode(cfg, problems)
+    check_activation_offloading(cfg, problems)
+    check_peft(cfg, problems)
+    check_vocab(cfg, problems)
+    derive_weight_decay(cfg, problems)
+    derive_scheduler_steps(cfg, problems)
+
+
+# ---------------------------------------------------------------------- before sections finalize
+def apply_deprecated_training_fields(cfg: "ConfigContainer", problems: Problems) -> None:
+    """train.eval_iters / eval_interval / skip_train moved to `validation`; honour old configs."""
+    for name in ("eval_iters", "eval_interval", "skip_train"):
+        old = getattr(cfg.train, name)
+        if old is None:
+            continue
+        if cfg.validation.is_explicit(name) and getattr(cfg.validation, name) != old:
+            problems.add(
+                f"train.{name}",
+                f"{old!r} disagrees with validation.{name}={getattr(cfg.validation, name)!r}",
+                f"set only validation.{name} (train.{name} is deprecated)",
+            )
+            continue
+        logger.warning("train.%s is deprecated: using it as validation.%s=%r", name, name, old)
+        cfg.validation.apply_default(name, old)
+
+
+def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The distributed optimizer and overlapped parameter gathering are one setting that lives in
+    two sections (ddp and optimizer). The side the user set explicitly wins; if neither was set
+    explicitly, "on" wins. Each change is logged."""
+    for name in ("use_distributed_optimizer", "overlap_param_gather"):
+        ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
+        if ddp_value == opt_value:
+            continue
+        ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
+        if ddp_explicit and opt_explicit:
+            problems.add(
+                f"optimizer.{name}",
+                f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
+                "set both to the same value (or only one of them)",
+            )
+            continue
+        if ddp_explicit or (not opt_explicit and ddp_value):
+            value, target, changed = ddp_value, cfg.optimizer, "optimizer"
+        else:
+            value, target, changed = opt_value, cfg.ddp, "ddp"
+        logger.info("setting %s.%s=%s to match the other section", changed, name, value)
+        target.apply_default(name, value)
+
+
+# ---------------------------------------------------------------------- batch sizes
+def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
+    train, dp = cfg.train, cfg.data_parallel_size
+    if dp is None or not train.micro_batch_size or not train.global_batch_size:
+        return
+    if train.rampup_batch_size is None:
+        _check_divisible(problems, "train", train.global_batch_size, train.micro_batch_size, dp)
+    val = cfg.validation
+    if val.eval_micro_batch_size is None:
+        val._derive("eval_micro_batch_size", train.micro_batch_size)
+    if val.eval_global_batch_size is None:
+        val._derive("eval_global_batch_size", train.global_batch_size)
+    if val.eval_iters:
+        _check_divisible(problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_")
+
+
+def _check_divisible(problems: Problems, section: str, gbs: int, mbs: int, dp: int, prefix: str = "") -> None:
+    unit = mbs * dp
+    problems.check(
+        gbs % unit == 0,
+        f"{section}.{prefix}global_batch_size",
+        f"{gbs} is not divisible by {prefix}micro_batch_size x data_parallel_size = {mbs} x {dp} = {unit}",
+        f"use a multiple of {unit}, e.g. {max(unit, gbs // unit * unit)}",
+    )
+
+
+def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
+    m = cfg.model
+    pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
+    if pp > 1 and not uneven and m.pipeline_model_parallel_layout is None:
+        stages = pp * (vp or 1)
+        problems.check(
+            m.num_layers % stages == 0,
+            "model.num_layers",
+            f"{m.num_layers} layers do not split evenly over {pp} pipeline stages x {vp or 1} virtual stages",
+            "change the pipeline sizes or set num_layers_in_first/last_pipeline_stage",
+        )
+    if vp is not None and vp > 1:
+        problems.check(
+            pp > 1,
+            "model.virtual_pipeline_model_parallel_size",
+            f"virtual pipelining ({vp}) needs pipeline_model_parallel_size > 1",
+            "raise the pipeline size or unset the virtual size",
+        )
+    if m.num_moe_experts:
+        problems.check(
+            m.num_moe_experts % m.expert_model_parallel_size == 0,
+            "model.expert_model_parallel_size",
+            f"{m.num_moe_experts} experts do not split over expert_model_parallel_size={m.expert_model_parallel_size}",
+            "choose an EP size that divides the number of experts",
+        )
+        dp = cfg.data_parallel_size
+        etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+        if dp is not None:
+            ranks = dp * m.context_parallel_size * m.tensor_model_parallel_size
+            problems.check(
+                ranks % (m.expert_model_parallel_size * etp) == 0,
+                "model.expert_model_parallel_size",
+                f"DP x CP x TP = {ranks} ranks per pipeline stage is not divisible by "
+                f"EP x expert TP = {m.expert_model_parallel_size} x {etp}",
+                "choose EP so that it divides DP x CP x TP / expert TP",
+            )
+    elif m.expert_model_parallel_size > 1:
+        problems.add(
+            "model.expert_model_parallel_size",
+            f"expert parallelism ({m.expert_model_parallel_size}) on a model without experts",
+            "set num_moe_experts or expert_model_parallel_size=1",
+        )
+
+
+# ---------------------------------------------------------------------- precision
+def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems) -> None:
+    m, opt = cfg.model, cfg.optimizer
+    for name in ("bf16", "fp16"):
+        problems.check(
+            getattr(m, name) == getattr(opt, name),
+            f"optimizer.{name}",
+            f"model.{name}={getattr(m, name)} but optimizer.{name}={getattr(opt, name)}",
+            f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
+        )
+    problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
+    problems.check(
+        not (m.fp8 and m.fp4),
+        "model.fp4",
+        f"model.fp8={m.fp8!r} and model.fp4={m.fp4!r} are both set",
+        "train in FP8 or in FP4, not both",
+    )
+    if m.fp8 or m.fp4:
+        problems.check(
+            m.bf16 or m.fp16,
+            "model.fp8" if m.fp8 else "model.fp4",
+            "FP8/FP4 training needs bf16 or fp16 as the higher precision",
+            "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'",
+        )
+
+
+# ---------------------------------------------------------------------- sequence
+def dataset_seq_length(dataset: object):
+    if isinstance(dataset, GPTDatasetConfig):
+        return dataset.sequence_length
+    if isinstance(dataset, FinetuningDatasetConfig):
+        return dataset.seq_length
+    return getattr(dataset, "seq_length", None)
+
+
+def check_sequence_lengths(cfg: "ConfigContainer", problems: Problems) -> None:
+    data_seq = dataset_seq_length(cfg.dataset)
+    if data_seq is None:
+        return
+    model_seq = cfg.model.seq_length
+    if isinstance(cfg.dataset, FinetuningDatasetConfig):
+        ok = data_seq <= model_seq
+        problem = f"dataset.seq_length={data_seq} exceeds model.seq_length={model_seq}"
+    else:
+        ok = data_seq == model_seq
+        problem = f"model.seq_length={model_seq} but dataset sequence length is {data_seq}"
+    problems.check(ok, "dataset.seq_length", problem, "set both to the same value")
+
+
+def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
+    m = cfg.model
+    cp = m.context_parallel_size
+    if cp > 1:
+        problems.check(
+            m.seq_length % (2 * cp) == 0,
+            "model.seq_length",
+            f"{m.seq_length} is not divisible by 2 x context_parallel_size = {2 * cp}",
+            f"use a multiple of {2 * cp}",
+        )
+    kinds = m.cp_comm_type
+    if kinds is None:
+        return
+    kind_list = kinds if isinstance(kinds, list) else [kinds]
+    if isinstance(kinds, list):
+        problems.check(
+            len(kinds) == m.num_layers,
+            "model.cp_comm_type",
+            f"a per-layer list needs {m.num_layers} entries, got {len(kinds)}",
+            "give one entry per layer or a single string",
+        )
+    bad = [k for k in kind_list if k not in CP_COMM_TYPES]
+    problems.check(not bad, "model.cp_comm_type", f"unknown kind(s) {bad}", f"use {list(CP_COMM_TYPES)}")
+    hierarchical = m.hierarchical_context_parallel_sizes
+    if "a2a+p2p" in kind_list:
+        if problems.check(
+            hierarchical is not None,
+            "model.hierarchical_context_parallel_sizes",
+            "cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes",
+            "set it, e.g. [2, 4] for context_parallel_size=8",
+        ):
+            product = 1
+            for size in hierarchical:
+                product *= size
+            problems.check(
+                product == cp,
+                "model.hierarchical_context_parallel_sizes",
+                f"their product {product} differs from context_parallel_size={cp}",
+                "make the sizes multiply to context_parallel_size",
+            )
+    elif hierarchical is not None:
+        problems.add(
+            "model.hierarchical_context_parallel_sizes",
+            f"set to {hierarchical} but cp_comm_type is {kinds!r}",
+            "use cp_comm_type='a2a+p2p' or unset hierarchical_context_parallel_sizes",
+        )
+
+
+def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None:
+    m = cfg.model
+    if not m.deterministic_mode:
+        return
+    problems.check(
+        not m.cross_entropy_loss_fusion,
+        "model.cross_entropy_loss_fusion",
+        "the fused cross entropy is not deterministic",
+        "set model.cross_entropy_loss_fusion=False in deterministic mode",
+    )
+    algo = os.environ.get("NCCL_ALGO", cfg.env_vars.get("NCCL_ALGO"))
+    problems.check(
+        algo in DETERMINISTIC_NCCL_ALGOS,
+        "env_vars.NCCL_ALGO",
+        f"deterministic mode needs NCCL_ALGO in {list(DETERMINISTIC_NCCL_ALGOS)}, got {algo!r}",
+        "set env_vars={'NCCL_ALGO': 'Ring'}",
+    )
+
+
+def check_activation_offloading(cfg: "ConfigContainer", problems: Problems) -> None:
+    m = cfg.model
+    if getattr(m, "fine_grained_activation_offloading", False):
+        problems.check(
+            m.transformer_impl == "transformer_engine",
+            "model.fine_grained_activation_offloading",
+            f"needs TransformerEngine layers, but transformer_impl={m.transformer_impl!r}",
+            "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
+        )
+
+
+def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
+    if cfg.peft is None:
+        return
+    problems.check(
+        cfg.checkpoint.pretrained_checkpoint is not None,
+        "peft",
+        "parameter-efficient fine-tuning needs the weights it adapts",
+        "set checkpoint.pretrained_checkpoint",
+    )
+    problems.add("peft", "PEFT methods are not implemented in this version", "remove peft and fine-tune all weights")
+
+
+def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
+    tok, m = cfg.tokenizer, cfg.model
+    if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
+        return
+    vocab = tok.vocab_size + tok.vocab_extra_ids
+    if m.vocab_size is None:
+        m._derive("vocab_size", vocab)
+    elif m.is_explicit("vocab_size"):
+        problems.check(
+            m.vocab_size >= vocab,
+            "model.vocab_size",
+            f"{m.vocab_size} is smaller than the tokenizer's {vocab}",
+            "raise model.vocab_size or leave it unset to use the tokenizer's",
+        )
+
+
+# ---------------------------------------------------------------------- derived values
+def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
+    s, wd = cfg.scheduler, cfg.optimizer.weight_decay
+    if s.start_weight_decay is None:
+        s._derive("start_weight_decay", wd)
+    if s.end_weight_decay is None:
+        s._derive("end_weight_decay", wd)
+    if s.weight_decay_incr_style == "constant":
+        problems.check(
+            s.start_weight_decay == s.end_weight_decay,
+            "scheduler.end_weight_decay",
+            f"constant weight decay but start ({s.start_weight_decay}) != end ({s.end_weight_decay})",
+            "set weight_decay_incr_style='linear' or 'cosine', or make them equal",
+        )
+    elif s.start_weight_decay is not None and s.end_weight_decay is not None:
+        problems.check(
+            s.start_weight_decay <= s.end_weight_decay,
+            "scheduler.start_weight_decay",
+            f"start_weight_decay ({s.start_weight_decay}) exceeds end_weight_decay ({s.end_weight_decay})",
+            "weight decay can only increase; swap them or use weight_decay_incr_style='constant'",
+        )
+
+
+def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Scheduler lengths in samples, from iteration- or sample-based settings."""
+    s, t = cfg.scheduler, cfg.train
+    gbs = t.global_batch_size
+    if not gbs or (t.train_iters is None and t.train_samples is None):
+        return
+    sample_based = t.train_samples is not None
+    if sample_based:
+        iteration_fields = [n for n in ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters", "max_steps") if getattr(s, n)]
+        problems.check(
+            not iteration_fields,
+            f"scheduler.{iteration_fields[0]}" if iteration_fields else "scheduler",
+            f"sample-based training (train.train_samples) with iteration-based scheduler fields {iteration_fields}",
+            "give scheduler lengths in samples (lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)",
+        )
+        total = t.train_samples
+        decay = s.lr_decay_samples or total
+        warmup = int(s.lr_warmup_fraction * decay) if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+        wsd = s.lr_wsd_decay_samples
+    else:
+        sample_fields = [n for n in ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples") if getattr(s, n)]
+        problems.check(
+            not sample_fields,
+            f"scheduler.{sample_fields[0]}" if sample_fields else "scheduler",
+            f"iteration-based training (train.train_iters) with sample-based scheduler fields {sample_fields}",
+            "give scheduler lengths in iterations (lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)",
+        )
+        length = s.max_steps or t.train_iters
+        total = length * gbs
+        decay = (s.lr_decay_iters or length) * gbs
+        if s.lr_warmup_fraction is not None:
+            warmup = int(s.lr_warmup_fraction * decay)
+        else:
+            warmup = s.lr_warmup_iters * gbs
+        wsd = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+    s._derive("lr_decay_steps", decay)
+    s._derive("lr_warmup_steps", warmup)
+    s._derive("wd_incr_steps", total)
+    s._derive("wsd_decay_steps", wsd)
+    if s.lr_decay_style != "constant":
+        problems.check(
+            warmup < decay,
+            "scheduler.lr_warmup_iters" if not sample_based else "scheduler.lr_warmup_samples",
+            f"warmup ({warmup} samples) is not shorter than the decay ({decay} samples)",
+            "shorten the warmup or lengthen lr_decay_iters / the training run",
+        )
+    if wsd is not None:
+        problems.check(
+            wsd <= decay,
+            "scheduler.lr_wsd_decay_iters",
+            f"the WSD decay phase ({wsd} samples) is longer than the whole decay ({decay} samples)",
+            "shorten lr_wsd_decay_iters",
+        )
+

@@ -1,0 +1,287 @@
+"""`ConfigContainer`: every section of a run in one object."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import field
+from typing import Any, Optional, Union
+
+from megatron_bridge.models.gpt_provider import GPTModelProvider
+from megatron_bridge.training.comm_overlap import CommOverlapConfig
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass, finalize_into
+from megatron_bridge.training.config.checkpoint import CheckpointConfig
+from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
+from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.training.config.logger import LoggerConfig
+from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
+from megatron_bridge.training.config.optimizer import OptimizerConfig, OptimizerConfigOverrideProvider
+from megatron_bridge.training.config.profiling import ProfilingConfig, TensorInspectConfig
+from megatron_bridge.training.config.resiliency import (
+    FaultToleranceConfig,
+    InProcessRestartConfig,
+    NVRxStragglerDetectionConfig,
+    RerunStateMachineConfig,
+    StragglerDetectionConfig,
+)
+from megatron_bridge.training.config.scheduler import SchedulerConfig
+from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
+from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+logger = logging.getLogger(__name__)
+
+# Sections in the order validate() finalizes them (the model first: others read its derived values).
+SECTIONS = (
+    "model",
+    "train",
+    "validation",
+    "optimizer",
+    "scheduler",
+    "ddp",
+    "dataset",
+    "tokenizer",
+    "checkpoint",
+    "logger",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "profiling",
+    "mixed_precision",
+    "comm_overlap",
+    "ft",
+    "straggler",
+    "nvrx_straggler",
+    "inprocess_restart",
+    "tensor_inspect",
+    "optimizer_config_override_provider",
+)
+
+
+def current_world_size() -> int:
+    """World size of the initialized process group, else WORLD_SIZE, else 1."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # a broken distributed build must not break config handling
+        pass
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@config_dataclass(kw_only=True)
+class ConfigContainer(ConfigBase):
+    """Top-level container holding all configuration objects of a run."""
+
+    train: TrainingConfig
+    """Training loop: length, batch sizes, exit conditions."""
+
+    model: GPTModelProvider
+    """Model architecture and parallel layout (builds the model)."""
+
+    optimizer: OptimizerConfig
+    """Optimizer settings."""
+
+    dataset: Union[GPTDatasetConfig, FinetuningDatasetConfig, DatasetProvider]
+    """Dataset and dataloader settings."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate and weight-decay schedule."""
+
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Console and tracker logging."""
+
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint saving and loading."""
+
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    """Random seeds."""
+
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    """Result validation (NaN/spiky loss checks, re-runs)."""
+
+    optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
+        default_factory=OptimizerConfigOverrideProvider
+    )
+    """Decides per-parameter-group optimizer settings."""
+
+    ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
+    """Data-parallel wrapping of the model."""
+
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Evaluation schedule."""
+
+    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
+    """Process-group initialization."""
+
+    ft: Optional[FaultToleranceConfig] = None
+    """Fault tolerance with nvidia-resiliency-ext."""
+
+    straggler: Optional[StragglerDetectionConfig] = None
+    """megatron-core straggler detection."""
+
+    nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
+    """nvidia-resiliency-ext straggler detection."""
+
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    """Profilers."""
+
+    peft: Optional[Any] = None
+    """Parameter-efficient fine-tuning method (needs a pretrained checkpoint)."""
+
+    comm_overlap: Optional[CommOverlapConfig] = None
+    """Communication overlap (None: leave model/ddp/optimizer settings as they are)."""
+
+    mixed_precision: Optional[Union[MixedPrecisionConfig, str]] = None
+    """Mixed-precision preset name (e.g. 'bf16_mixed') or config (None: keep the fields as set)."""
+
+    tensor_inspect: Optional[TensorInspectConfig] = None
+    """Tensor statistics collection."""
+
+    inprocess_restart: Optional[InProcessRestartConfig] = None
+    """In-process restart with nvidia-resiliency-ext."""
+
+    env_vars: dict[str, Any] = field(default_factory=dict)
+    """Environment variables set (if not already set) by runtime_config_update."""
+
+    data_parallel_size: Optional[int] = field(init=False, default=None)
+    """Derived: world size // (TP x PP x CP), set by runtime_config_update."""
+
+    # ------------------------------------------------------------------ derived sizes
+    def get_data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for `world_size` ranks (raises ValueError if it does not divide)."""
+        m = self.model
+        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        if model_parallel <= 0 or world_size % model_parallel != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+                f"= {m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} x {m.context_parallel_size}"
+            )
+        return world_size // model_parallel
+
+    def set_data_parallel_size(self, world_size: Optional[int] = None, problems: Optional[Problems] = None) -> None:
+        """Compute `data_parallel_size` (and the comm-overlap copy of it) for `world_size`."""
+        world = current_world_size() if world_size is None else world_size
+        try:
+            dp = self.get_data_parallel_size(world)
+        except ValueError as exc:
+            if problems is None:
+                raise
+            problems.add(
+                "data_parallel_size",
+                str(exc),
+                "launch a multiple of TP x PP x CP processes or change the parallel sizes",
+            )
+            return
+        self.apply_default("data_parallel_size", dp)
+        if self.comm_overlap is not None:
+            self.comm_overlap.apply_default("data_parallel_size", dp)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Finalize every section, run the cross-section checks, compute derived values; raise one
+        `ConfigValidationError` listing every problem found."""
+        problems = Problems()
+        self.validate_into(problems)
+        problems.raise_if_any()
+
+    def validate_into(self, problems: Problems) -> None:
+        """`validate()`, collecting into `problems` instead of raising."""
+        from megatron_bridge.training.config import checks
+
+        if self.data_parallel_size is None:
+            self.set_data_parallel_size(problems=problems)
+        checks.apply_deprecated_training_fields(self, problems)
+        checks.sync_distributed_optimizer(self, problems)
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if section is None or isinstance(section, str):
+                continue
+            if name == "comm_overlap" and section.data_parallel_size is None:
+                continue  # reported as data_parallel_size above
+            finalize_into(section, problems.at(name))
+        checks.cross_section(self, problems)
+
+    # ------------------------------------------------------------------ reporting
+    def log_non_default_values(self) -> dict[str, dict[str, tuple[Any, Any]]]:
+        """Log (and return) per section the fields whose value differs from the default:
+        megatron-core's default for fields megatron-core defines, the section's own otherwise.
+        Values that finalize derived from other fields are left out."""
+        report: dict[str, dict[str, tuple[Any, Any]]] = {}
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if not dataclasses.is_dataclass(section):
+                continue
+            diff = non_default_values(section)
+            if diff:
+                report[f.name] = diff
+                lines = ", ".join(f"{k}={v[0]!r} (default {v[1]!r})" for k, v in diff.items())
+                logger.info("%s: %s", f.name, lines)
+        return report
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (with `_target_` class paths) that `from_dict` turns back into this."""
+        from megatron_bridge.training.config.serialization import to_dict
+
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], allowed_prefixes: tuple[str, ...] = ()) -> "ConfigContainer":
+        """Rebuild a container from `to_dict()` output (or hand-written equivalent)."""
+        from megatron_bridge.training.config.serialization import from_dict
+
+        return from_dict(data, cls, allowed_prefixes=allowed_prefixes)
+
+    def to_yaml(self, path: Optional[Union[str, os.PathLike]] = None) -> str:
+        """YAML text of this config; also written to `path` when given."""
+        from megatron_bridge.training.config.serialization import to_yaml
+
+        return to_yaml(self, path)
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, os.PathLike], allowed_prefixes: tuple[str, ...] = ()) -> "ConfigContainer":
+        """Load a container from a YAML file written by `to_yaml` (or by hand)."""
+        from megatron_bridge.training.config.serialization import from_yaml
+
+        return from_yaml(path, cls, allowed_prefixes=allowed_prefixes)
+
+    def print_yaml(self) -> None:
+        """Print this config as YAML."""
+        print(self.to_yaml(), end="")
+
+
+def _mcore_parent(obj: Any) -> Optional[type]:
+    for klass in type(obj).__mro__[1:]:
+        if klass.__module__.startswith("megatron.core") and dataclasses.is_dataclass(klass):
+            return klass
+    return None
+
+
+def non_default_values(obj: Any) -> dict[str, tuple[Any, Any]]:
+    """Fields of `obj` that differ from the default, as name -> (value, default)."""
+    from megatron_bridge.training.config.base import values_equal
+
+    parent = _mcore_parent(obj)
+    parent_fields = {f.name: f for f in dataclasses.fields(parent)} if parent else {}
+    defaults = {}
+    for own in dataclasses.fields(obj):
+        f = parent_fields.get(own.name, own)
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            defaults[f.name] = f.default_factory()  # type: ignore[misc]
+    derived = obj.derived_fields() if isinstance(obj, ConfigBase) else frozenset()
+    diff = {}
+    for name, default in defaults.items():
+        value = getattr(obj, name, default)
+        if name in derived:  # computed by finalize from other fields: not a choice
+            continue
+        if not values_equal(value, default):
+            diff[name] = (value, default)
+    return diff

@@ -1,0 +1,323 @@
+"""Datasets and dataloaders: megatron-core GPT datasets, fine-tuning JSONL, and user providers."""
+
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Tuple, Union
+
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class DataloaderConfig(ConfigBase):
+    """Base configuration for data loading."""
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = None
+    """'single': one pass in order; 'cyclic': repeated passes, reshuffled each epoch; 'batch':
+    global-batch sampling that pads each global batch to a common length (fine-tuning);
+    'external': the dataset is already an iterator and is used as is."""
+
+    num_workers: int = 2
+    """Dataloader number of workers."""
+
+    data_sharding: bool = True
+    """Shard the data over data-parallel ranks when building cyclic samplers."""
+
+    pin_memory: bool = True
+    """Whether to pin memory during data loading for faster GPU training."""
+
+    drop_last: bool = True
+    """Whether to drop the last incomplete batch."""
+
+    persistent_workers: bool = True
+    """Keep dataloader workers alive across epochs. Turned off when num_workers is 0."""
+
+    trust_remote_code: Optional[bool] = None
+    """Whether remote code execution should be trusted for a given HF path."""
+
+    def _finalize_dataloader(self, problems: Problems) -> None:
+        problems.check(
+            self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}", "use 0 or more"
+        )
+        if self.num_workers == 0 and self.persistent_workers:
+            self._derive("persistent_workers", False)
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        self._finalize_dataloader(problems)
+
+
+@dataclass
+class DatasetBuildContext:
+    """What a dataset builder gets from the framework."""
+
+    train_samples: int = None
+    """Number of samples for the training dataset."""
+
+    valid_samples: int = None
+    """Number of samples for the validation dataset."""
+
+    test_samples: int = None
+    """Number of samples for the test dataset."""
+
+    tokenizer: Optional[Any] = None
+    """The tokenizer built from `cfg.tokenizer`."""
+
+    pg_collection: Optional[Any] = None
+    """megatron-core ProcessGroupCollection of the run."""
+
+
+@config_dataclass(kw_only=True)
+class DatasetProvider(DataloaderConfig, abc.ABC):
+    """Base class for user datasets: subclass it as a dataclass, implement `build_datasets`, and
+    put an instance in `cfg.dataset`. It inherits every dataloader setting.
+
+    Example::
+
+        @dataclass
+        class MyData(DatasetProvider):
+            path: str = "data.txt"
+            seq_length: int = 128
+
+            def build_datasets(self, context):
+                return MyDataset(self.path, context.train_samples), None, None
+    """
+
+    @abc.abstractmethod
+    def build_datasets(self, context: DatasetBuildContext) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
+        """Return (train, valid, test) datasets; any may be None. Each dataset yields dicts of
+        tensors the forward step understands (the standard GPT step wants tokens, labels,
+        loss_mask, position_ids and optionally attention_mask)."""
+        raise NotImplementedError
+
+
+def parse_data_path(data_path: Union[str, list[str]]) -> Tuple[list[str], Optional[list[float]]]:
+    """Turn Megatron-LM `--data-path` values into a blend: prefixes with optional weights.
+
+    Accepts "a b c", ["a", "b"], or weights interleaved before each prefix: "0.3 a 0.7 b".
+    """
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
+    if not items:
+        raise ValueError("data_path is empty")
+
+    def as_weight(text: str) -> Optional[float]:
+        return float(text) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", text) else None
+
+    weights = [as_weight(x) for x in items[0::2]]
+    if len(items) % 2 == 0 and all(w is not None for w in weights):
+        prefixes = items[1::2]
+        if any(w < 0 for w in weights):
+            raise ValueError(f"blend weights must be >= 0, got {weights}")
+        return prefixes, weights
+    if any(as_weight(x) is not None for x in items):
+        raise ValueError(f"cannot tell weights from paths in {items}; give a weight before every path or none")
+    return items, None
+
+
+@config_dataclass(kw_only=True)
+class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
+    """Megatron Core GPTDatasetConfig with deferred post-init.
+
+    Construction stores values only; `finalize()` turns `data_path` into `blend`, fills in the
+    split and mock flags, and checks everything. `seq_length` is accepted as an alias of
+    `sequence_length`.
+    """
+
+    _field_aliases = {"seq_length": "sequence_length"}
+
+    random_seed: int = 1234
+    """The seed for all RNG during dataset creation (sample order, mock data)."""
+
+    sequence_length: Optional[int] = None
+    """Tokens per sample; must equal model.seq_length."""
+
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+
+    reset_attention_mask: bool = False
+    """Block attention across end-of-document tokens."""
+
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+
+    data_path: Optional[Union[str, list[str]]] = None
+    """CLI-friendly alternative to `blend`: one path prefix, space-separated prefixes, or a list,
+    optionally with a weight before each prefix (Megatron-LM `--data-path`). Converted to `blend`
+    by finalize()."""
+
+    skip_getting_attention_mask_from_dataset: bool = True
+    """Pass no attention mask from the dataset; the attention backend builds the causal mask."""
+
+    def __post_init__(self) -> None:
+        """Skip megatron-core's post-init; `finalize()` runs it."""
+
+    @property
+    def seq_length(self) -> Optional[int]:
+        """Alias for `sequence_length`."""
+        return self.sequence_length
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        self._finalize_dataloader(p)
+        if p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length"):
+            p.check(
+                self.sequence_length > 0,
+                "sequence_length",
+                f"must be positive, got {self.sequence_length}",
+                "use e.g. 4096",
+            )
+        if self.data_path is not None:
+            if self.blend is not None or self.blend_per_split is not None:
+                p.add("data_path", "data_path and blend/blend_per_split are both set", "give the data one way")
+            else:
+                try:
+                    self._derive("blend", parse_data_path(self.data_path))
+                except ValueError as exc:
+                    p.add("data_path", str(exc), "e.g. dataset.data_path='0.7 /data/a 0.3 /data/b'")
+        if self.blend is not None and self.split is None:
+            self._derive("split", "99,1,0")
+        if self.split is not None:
+            p.check(
+                bool(re.fullmatch(r"\s*\d*\.?\d+(\s*[,/]\s*\d*\.?\d+){0,2}\s*", self.split))
+                and sum(map(float, re.findall(r"\d*\.?\d+", self.split))) > 0,
+                "split",
+                f"{self.split!r} is not a train,valid,test weighting",
+                "use e.g. '969,30,1'",
+            )
+        if self.blend is not None and self.blend[1] is not None:
+            p.check(
+                len(self.blend[0]) == len(self.blend[1]),
+                "blend",
+                f"{len(self.blend[0])} prefixes but {len(self.blend[1])} weights",
+                "give one weight per prefix",
+            )
+        if not p:
+            self._run_parent_post_init(BlendedMegatronDatasetConfig, p)
+
+
+@config_dataclass(kw_only=True)
+class GPTFIMDatasetConfig(GPTDatasetConfig):
+    """Configuration object for GPT fill-in-the-middle (FIM) datasets."""
+
+    fim_rate: Optional[float] = None
+    """Probability to convert a training sample into a FIM format."""
+
+    fim_spm_rate: Optional[float] = None
+    """Probability that a FIM sample uses the SPM format over the PSM format."""
+
+    fim_extra_tokens: Optional[dict] = None
+    """The prefix, middle, suffix, PAD and EOD tokens, as a dict."""
+
+    fim_split_sample: Optional[str] = None
+    """String around which to split the sample for FIM."""
+
+    fim_fragment_rate: Optional[float] = None
+    """Rate of FIM on each fragment when split_sample is not None."""
+
+    fim_no_prefix: Optional[str] = None
+    """Do not apply FIM to fragments that start with this prefix."""
+
+    def _finalize(self, problems: Problems) -> None:
+        super()._finalize(problems)
+        for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+            value = getattr(self, name)
+            problems.check(
+                value is None or 0.0 <= value <= 1.0, name, f"must be within [0, 1], got {value}", "use a probability"
+            )
+        if self.fim_rate:
+            problems.check(
+                bool(self.fim_extra_tokens),
+                "fim_extra_tokens",
+                "FIM needs its prefix/middle/suffix/pad/eod tokens",
+                "set dataset.fim_extra_tokens={prefix: ..., middle: ..., suffix: ..., pad: ..., eod: ...}",
+            )
+
+
+@config_dataclass(kw_only=True)
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """GPT dataset of random tokens (no files): for smoke tests, benchmarks and CPU runs."""
+
+    blend: None = field(init=False, repr=False, default=None)
+    """Always None: mock data has no files."""
+
+    blend_per_split: None = field(init=False, repr=False, default=None)
+    """Always None: mock data has no files."""
+
+    def _finalize(self, problems: Problems) -> None:
+        problems.check(
+            self.data_path is None,
+            "data_path",
+            f"mock data takes no files, got data_path={self.data_path!r}",
+            "remove dataset.data_path or use GPTDatasetConfig",
+        )
+        if self.data_path is None:
+            super()._finalize(problems)
+
+
+@config_dataclass(kw_only=True)
+class FinetuningDatasetConfig(DataloaderConfig):
+    """Configuration specific to finetuning datasets, inheriting from DataloaderConfig.
+
+    `dataset_root` holds training.jsonl, validation.jsonl and test.jsonl; each line is a JSON object
+    with an "input" (prompt) and an "output" (answer). The loss covers answer tokens only.
+    """
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "batch"
+    """Dataloader type for fine-tuning. Defaults to 'batch', which pads each global batch to a
+    common length."""
+
+    dataset_root: Optional[Union[str, Path]] = None
+    """Directory with training.jsonl / validation.jsonl / test.jsonl."""
+
+    seq_length: Optional[int] = None
+    """Maximum tokens per sample (prompt + answer); longer samples are truncated."""
+
+    seed: int = 1234
+    """Seed for shuffling."""
+
+    memmap_workers: int = 1
+    """Workers used to index the JSONL files."""
+
+    max_train_samples: Optional[int] = None
+    """Use at most this many training examples."""
+
+    packed_sequence_specs: Optional[dict] = None
+    """Packed-sequence settings. Sequence packing is not supported yet; must stay None."""
+
+    dataset_kwargs: Optional[dict[str, Any]] = None
+    """Extra options: `prompt_key` / `answer_key` (default "input" / "output")."""
+
+    do_validation: bool = True
+    """Build the validation split."""
+
+    do_test: bool = True
+    """Build the test split."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        self._finalize_dataloader(p)
+        p.check(self.dataset_root is not None, "dataset_root", "is not set", "set dataset.dataset_root to a directory")
+        if p.check(self.seq_length is not None, "seq_length", "is not set", "set dataset.seq_length"):
+            p.check(self.seq_length > 1, "seq_length", f"must be > 1, got {self.seq_length}", "use e.g. 2048")
+        if self.max_train_samples is not None:
+            p.check(
+                self.max_train_samples > 0,
+                "max_train_samples",
+                f"must be positive, got {self.max_train_samples}",
+                "use a positive count or None",
+            )
+        p.check(
+            self.packed_sequence_specs is None,
+            "packed_sequence_specs",
+            "sequence packing is not supported",
+            "remove dataset.packed_sequence_specs",
+        )

@@ -1,0 +1,136 @@
+"""Process groups, data-parallel wrapping and random seeds."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Tuple
+
+from megatron.core.distributed import DistributedDataParallelConfig as MCoreDistributedDataParallelConfig
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class DistributedInitConfig(ConfigBase):
+    """Configuration settings for distributed training initialization."""
+
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: `nccl` (GPUs), `gloo` (CPUs), or `auto` (nccl when CUDA is available,
+    else gloo). The backend decides the device: nccl trains on GPUs, gloo on CPUs."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout for collectives; a rank that waits longer fails instead of hanging."""
+
+    distributed_timeout_seconds_after_init: Optional[int] = None
+    """A shorter collective timeout to switch to once initialization is done."""
+
+    align_grad_reduce: bool = True
+    """Launch gradient reduction at the same time on all pipeline stages."""
+
+    local_rank: Optional[int] = None
+    """Local rank on the node (default: the LOCAL_RANK environment variable, else 0)."""
+
+    lazy_mpu_init: bool = False
+    """Set up model-parallel state without initializing torch.distributed (external launchers)."""
+
+    use_torch_fsdp2: bool = False
+    """Wrap the model with PyTorch FSDP2 instead of megatron DDP."""
+
+    nccl_communicator_config_path: Optional[str] = None
+    """YAML file with per-group NCCL communicator settings."""
+
+    use_tp_pp_dp_mapping: bool = False
+    """Order ranks TP-PP-DP instead of TP-DP-PP."""
+
+    use_gloo_process_groups: bool = True
+    """Also create gloo groups next to the NCCL ones (used by checkpointing)."""
+
+    use_sharp: bool = False
+    """Use SHARP in-network reductions for data-parallel groups."""
+
+    high_priority_stream_groups: Optional[list[str]] = None
+    """Process groups that get high-priority CUDA streams."""
+
+    disable_jit_fuser: bool = False
+    """Turn off the TorchScript/nvFuser JIT fuser."""
+
+    external_gpu_device_mapping: bool = False
+    """If True, indicates that GPU device mapping has been externally managed (e.g., via
+    CUDA_VISIBLE_DEVICES). When True, uses device 0 instead of local rank for CUDA device selection."""
+
+    enable_megatron_core_experimental: bool = False
+    """Enable experimental features for Megatron Core."""
+
+    use_decentralized_pg: bool = False
+    """Use ProcessGroupCollection passed through functions instead of relying on mcore's global
+    parallel state (mpu) variables."""
+
+    @property
+    def lazy_init(self) -> bool:
+        return self.lazy_mpu_init
+
+    def _finalize(self, problems: Problems) -> None:
+        problems.check(
+            self.distributed_timeout_minutes > 0,
+            "distributed_timeout_minutes",
+            f"must be positive, got {self.distributed_timeout_minutes}",
+            "use e.g. 10",
+        )
+        problems.check(
+            not self.use_torch_fsdp2,
+            "use_torch_fsdp2",
+            "PyTorch FSDP2 wrapping is not supported by this framework",
+            "use megatron DDP with ddp.use_distributed_optimizer=True",
+        )
+
+
+@config_dataclass(kw_only=True)
+class RNGConfig(ConfigBase):
+    """Random seeds."""
+
+    seed: int = 1234
+    """Seed for Python, NumPy and torch; model-parallel ranks derive their own streams from it."""
+
+    te_rng_tracker: bool = False
+    """Use TransformerEngine's RNG tracker (needed for CUDA graphs)."""
+
+    inference_rng_tracker: bool = False
+    """Use the RNG tracker meant for inference."""
+
+    data_parallel_random_init: bool = False
+    """Initialize data-parallel replicas with different weights (normally they start identical)."""
+
+    def _finalize(self, problems: Problems) -> None:
+        problems.check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}", "use a non-negative int")
+
+
+@config_dataclass(kw_only=True)
+class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBase):
+    """Megatron Core DistributedDataParallelConfig with deferred post-init.
+
+    Construction stores values only; `finalize()` runs megatron-core's checks and derived values.
+    """
+
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
+    """fnmatch patterns selecting parameters whose gradients should be locally accumulated in
+    FP32. The special pattern 'all' matches every parameter."""
+
+    def __post_init__(self) -> None:
+        """Skip megatron-core's post-init; `finalize()` runs it."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        problems.check(
+            self.bucket_size is None or self.bucket_size > 0,
+            "bucket_size",
+            f"must be positive, got {self.bucket_size}",
+            "use a positive number of parameters or None",
+        )
+        problems.check(
+            not self.reuse_grad_buf_for_mxfp8_param_ag or self.fp8_param_gather,
+            "reuse_grad_buf_for_mxfp8_param_ag",
+            "reusing the grad buffer for the param all-gather needs fp8_param_gather",
+            "set ddp.fp8_param_gather=True or turn reuse_grad_buf_for_mxfp8_param_ag off",
+        )
+        self._run_parent_post_init(MCoreDistributedDataParallelConfig, problems)
+

@@ -1,0 +1,161 @@
+"""What to log, how often, and to which experiment trackers."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class LoggerConfig(ConfigBase):
+    """Configuration settings for logging: console, TensorBoard, W&B, MLflow and Comet."""
+
+    log_interval: int = 100
+    """Log training metrics every N iterations."""
+
+    log_params_norm: bool = False
+    """Compute and log the norm of all parameters (costs an extra pass over the weights)."""
+
+    log_throughput: bool = False
+    """Log TFLOP/s per device and model FLOPs utilization."""
+
+    log_progress: bool = False
+    """Write a progress.txt with job throughput and progress in the checkpoint directory."""
+
+    timing_log_level: Literal[-1, 0, 1, 2] = 0
+    """Granularity of timers: -1 none; 0 iteration time only (no overhead); 1 also operations run
+    about once per iteration (optimizer, gradient all-reduce); 2 also operations run many times per
+    iteration (forward/backward per microbatch). Levels 1 and 2 may slow iterations down."""
+
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    """How timers are reduced across ranks."""
+
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard event files here (None: no TensorBoard)."""
+
+    tensorboard_log_interval: int = 1
+    """Write to TensorBoard every N logged iterations."""
+
+    tensorboard_queue_size: int = 1000
+    """Events queued before TensorBoard flushes to disk."""
+
+    log_timers_to_tensorboard: bool = False
+    """Send timer values to the trackers."""
+
+    log_loss_scale_to_tensorboard: bool = True
+    """Send the loss scale to the trackers."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Send validation perplexity to the trackers."""
+
+    log_memory_to_tensorboard: bool = False
+    """Send memory usage to the trackers."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Send the world size to the trackers."""
+
+    wandb_project: Optional[str] = None
+    """Weights & Biases project (None: no W&B)."""
+
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
+
+    wandb_save_dir: Optional[str] = None
+    """Local directory for W&B files."""
+
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user."""
+
+    mlflow_experiment: Optional[str] = None
+    """The MLFlow experiment name (None: no MLflow)."""
+
+    mlflow_run_name: Optional[str] = None
+    """The MLFlow run name."""
+
+    mlflow_tracking_uri: Optional[str] = None
+    """Optional MLFlow tracking URI."""
+
+    mlflow_tags: Optional[dict[str, str]] = None
+    """Optional tags to apply to the MLFlow run."""
+
+    comet_project: Optional[str] = None
+    """The Comet ML project name. Comet logging is disabled when this is None."""
+
+    comet_experiment_name: Optional[str] = None
+    """The Comet ML experiment name."""
+
+    comet_workspace: Optional[str] = None
+    """The Comet ML workspace. If not set, uses the default workspace for the API key."""
+
+    comet_api_key: Optional[str] = None
+    """The Comet ML API key. Can also be set via COMET_API_KEY environment variable."""
+
+    comet_tags: Optional[list[str]] = None
+    """Optional list of tags to apply to the Comet ML experiment."""
+
+    comet_offline_directory: Optional[str] = None
+    """Write Comet experiments to this directory instead of the Comet servers."""
+
+    peak_tflops_per_device: Optional[float] = None
+    """Peak dense TFLOP/s of one device for model-FLOPs-utilization (default: looked up from the
+    GPU name for known GPUs)."""
+
+    logging_level: Optional[int] = None
+    """Set default logging level."""
+
+    filter_warnings: bool = True
+    """Silence known noisy warnings from dependencies."""
+
+    modules_to_filter: Optional[list[str]] = None
+    """Logger names whose records are dropped."""
+
+    set_level_for_all_loggers: bool = False
+    """Apply logging_level to every logger, not just this package's."""
+
+    log_energy: bool = False
+    """Log GPU energy use."""
+
+    save_config_filepath: Optional[str] = None
+    """Write the resolved config as YAML to this file at start-up."""
+
+    skip_train_metrics_log: bool = False
+    """Skips logging of training metrics to all logging backends and to the console as well."""
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        p.check(self.log_interval > 0, "log_interval", f"must be positive, got {self.log_interval}", "use 1 or more")
+        p.check(
+            self.tensorboard_log_interval > 0,
+            "tensorboard_log_interval",
+            f"must be positive, got {self.tensorboard_log_interval}",
+            "use 1 or more",
+        )
+        if self.tensorboard_dir is not None:
+            p.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
+        if self.wandb_project is not None:
+            p.require_package("wandb", "wandb_project", "W&B logging")
+        if self.mlflow_experiment is not None:
+            p.check(
+                bool(self.mlflow_run_name),
+                "mlflow_run_name",
+                f"mlflow_experiment={self.mlflow_experiment!r} is set but mlflow_run_name is not",
+                "set logger.mlflow_run_name",
+            )
+            p.require_package("mlflow", "mlflow_experiment", "MLflow logging")
+        if self.comet_project is not None:
+            p.check(
+                bool(self.comet_experiment_name),
+                "comet_experiment_name",
+                f"comet_project={self.comet_project!r} is set but comet_experiment_name is not",
+                "set logger.comet_experiment_name",
+            )
+            p.require_package("comet_ml", "comet_project", "Comet logging")
+        if self.peak_tflops_per_device is not None:
+            p.check(
+                self.peak_tflops_per_device > 0,
+                "peak_tflops_per_device",
+                f"must be positive, got {self.peak_tflops_per_device}",
+                "use the device's dense peak, e.g. 989 for H100 bf16",
+            )

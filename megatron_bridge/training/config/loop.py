@@ -1,0 +1,172 @@
+"""How long and with what batches to train, and when to evaluate."""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import field
+from typing import Literal, Optional
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class TrainingConfig(ConfigBase):
+    """Settings of the training loop: length, batch sizes, exit conditions, garbage collection."""
+
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward pass on one model replica."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step across all data-parallel replicas; a multiple of
+    micro_batch_size x data-parallel size (the quotient is the number of microbatches)."""
+
+    rampup_batch_size: Optional[list[int]] = None
+    """Batch size ramp-up as [start_batch_size, batch_size_increment, ramp_up_samples]."""
+
+    decrease_batch_size_if_needed: bool = False
+    """Lower the global batch size when the data-parallel size changes (e.g. after a failure)."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Call torch.cuda.empty_cache() each iteration: 0 never, 1 after the step, 2 also after eval."""
+
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    """Check every N iterations that weights are identical across data-parallel replicas."""
+
+    train_sync_interval: Optional[int] = None
+    """Synchronize the CPU with the GPU every N iterations to bound launch-ahead."""
+
+    train_iters: Optional[int] = None
+    """Number of optimizer steps to train for. Exactly one of train_iters / train_samples."""
+
+    train_samples: Optional[int] = None
+    """Number of samples to train for; train_iters is derived as train_samples / global_batch_size."""
+
+    exit_interval: Optional[int] = None
+    """Save (if a save directory is set) and exit when the iteration is a multiple of this."""
+
+    exit_duration_in_mins: Optional[float] = None
+    """Save and exit after this many minutes of training."""
+
+    exit_signal_handler: bool = False
+    """On `exit_signal`, save a checkpoint and exit cleanly at the next iteration boundary."""
+
+    exit_signal: signal.Signals = signal.SIGTERM
+    """The signal that triggers a save-and-exit when exit_signal_handler is on."""
+
+    exit_signal_handler_for_dataloader: bool = False
+    """Also install the exit signal handler in dataloader worker processes."""
+
+    manual_gc: bool = False
+    """Disable automatic garbage collection and collect every `manual_gc_interval` iterations, so
+    all ranks pause together instead of at random times."""
+
+    manual_gc_interval: int = 0
+    """Iterations between manual garbage collections (0: only at checkpoint/eval boundaries)."""
+
+    manual_gc_eval: bool = True
+    """With manual_gc, also collect garbage before and after each evaluation."""
+
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Iterations whose batch is consumed but whose optimizer step is skipped."""
+
+    check_optimizer_step_success: bool = True
+    """Checks optimizer.step() succeeded at each training step."""
+
+    skip_sync_grad_norm_across_mp: bool = False
+    """Skips syncing the grad norm across the model parallel group."""
+
+    eval_iters: Optional[int] = None
+    """Deprecated: use validation.eval_iters."""
+
+    eval_interval: Optional[int] = None
+    """Deprecated: use validation.eval_interval."""
+
+    skip_train: Optional[bool] = None
+    """Deprecated: use validation.skip_train."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        if p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size"):
+            p.check(
+                self.micro_batch_size > 0,
+                "micro_batch_size",
+                f"must be positive, got {self.micro_batch_size}",
+                "use 1 or more",
+            )
+        if p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size"):
+            p.check(
+                self.global_batch_size > 0,
+                "global_batch_size",
+                f"must be positive, got {self.global_batch_size}",
+                "use 1 or more",
+            )
+        if self.train_iters is not None and self.train_samples is not None:
+            p.add(
+                "train_iters",
+                f"train_iters ({self.train_iters}) and train_samples ({self.train_samples}) are both set",
+                "set exactly one of train.train_iters / train.train_samples",
+            )
+        elif self.train_iters is None and self.train_samples is None:
+            p.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
+        elif self.train_iters is not None:
+            p.check(self.train_iters > 0, "train_iters", f"must be positive, got {self.train_iters}", "use 1 or more")
+        elif p.check(
+            self.train_samples > 0, "train_samples", f"must be positive, got {self.train_samples}", "use 1 or more"
+        ) and (self.global_batch_size or 0) > 0:
+            if self.rampup_batch_size is None:
+                self._derive("train_iters", math.ceil(self.train_samples / self.global_batch_size))
+        if self.rampup_batch_size is not None:
+            p.check(
+                len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
+                "rampup_batch_size",
+                f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
+                "e.g. [32, 32, 1000000]",
+            )
+        for name in ("exit_interval", "manual_gc_interval", "check_weight_hash_across_dp_replicas_interval"):
+            value = getattr(self, name)
+            p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more, or None")
+        if self.exit_duration_in_mins is not None:
+            p.check(
+                self.exit_duration_in_mins > 0,
+                "exit_duration_in_mins",
+                f"must be positive, got {self.exit_duration_in_mins}",
+                "use a positive number of minutes or None",
+            )
+
+
+@config_dataclass(kw_only=True)
+class ValidationConfig(ConfigBase):
+    """When and how much to evaluate on the validation set."""
+
+    eval_interval: Optional[int] = 1000
+    """Evaluate every N iterations (None: only at the end of training)."""
+
+    eval_iters: Optional[int] = 100
+    """Batches per evaluation (0: no evaluation)."""
+
+    eval_global_batch_size: Optional[int] = None
+    """Global batch size for evaluation; defaults to train.global_batch_size."""
+
+    eval_micro_batch_size: Optional[int] = None
+    """Micro batch size for evaluation; defaults to train.micro_batch_size."""
+
+    skip_train: bool = False
+    """Skip training: only evaluate (validation and test) and exit."""
+
+    test_iters: Optional[int] = None
+    """Batches for the final test evaluation; defaults to eval_iters."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        for name in ("eval_interval", "eval_iters", "eval_global_batch_size", "eval_micro_batch_size", "test_iters"):
+            value = getattr(self, name)
+            minimum = 1 if name in ("eval_interval", "eval_global_batch_size", "eval_micro_batch_size") else 0
+            problems.check(
+                value is None or value >= minimum,
+                name,
+                f"must be >= {minimum}, got {value}",
+                f"use {minimum} or more, or None",
+            )

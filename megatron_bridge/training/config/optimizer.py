@@ -1,0 +1,104 @@
+"""The optimizer, and the hook that decides per-parameter-group settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.training.config.scheduler import SchedulerConfig
+
+SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+
+
+@config_dataclass
+class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
+    """Megatron Core OptimizerConfig with deferred post-init.
+
+    Construction stores values only; `finalize()` runs megatron-core's checks and derived values.
+    """
+
+    def __post_init__(self) -> None:
+        """Skip megatron-core's post-init; `finalize()` runs it."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        if p.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
+            p.check(self.lr > 0, "lr", f"must be positive, got {self.lr}", "use e.g. 3e-4")
+            if self.min_lr is not None:
+                p.check(
+                    0.0 <= self.min_lr <= self.lr,
+                    "min_lr",
+                    f"min_lr ({self.min_lr}) must be within [0, lr={self.lr}]",
+                    "lower optimizer.min_lr",
+                )
+        p.check(
+            self.weight_decay >= 0.0,
+            "weight_decay",
+            f"must be >= 0, got {self.weight_decay}",
+            "use e.g. 0.1 (0.0 turns weight decay off)",
+        )
+        p.check(
+            self.optimizer in SUPPORTED_OPTIMIZERS,
+            "optimizer",
+            f"unknown optimizer {self.optimizer!r}",
+            f"use one of {list(SUPPORTED_OPTIMIZERS)}",
+        )
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            p.check(0.0 <= value < 1.0, name, f"must be within [0, 1), got {value}", "use e.g. 0.9 / 0.95")
+        p.check(self.adam_eps > 0, "adam_eps", f"must be positive, got {self.adam_eps}", "use e.g. 1e-8")
+        p.check(self.clip_grad >= 0, "clip_grad", f"must be >= 0, got {self.clip_grad}", "use 0.0 to disable")
+        if self.use_precision_aware_optimizer:
+            p.check(
+                self.optimizer == "adam",
+                "use_precision_aware_optimizer",
+                "the precision-aware optimizer only supports adam",
+                "set optimizer.optimizer='adam'",
+            )
+            p.check(
+                self.use_distributed_optimizer,
+                "use_precision_aware_optimizer",
+                "the precision-aware optimizer needs the distributed optimizer",
+                "set ddp.use_distributed_optimizer=True",
+            )
+        else:
+            for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+                value = getattr(self, name)
+                p.check(
+                    value == torch.float32,
+                    name,
+                    f"{value} needs the precision-aware optimizer",
+                    f"set optimizer.use_precision_aware_optimizer=True or {name}=torch.float32",
+                )
+        if not p:
+            self._run_parent_post_init(MCoreOptimizerConfig, p)
+
+
+@dataclass
+class OptimizerConfigOverrideProviderContext:
+    """What an `OptimizerConfigOverrideProvider` may look at to decide parameter groups."""
+
+    scheduler_config: SchedulerConfig = None
+    optimizer_config: OptimizerConfig = None
+    model: Union[Any, list[Any]] = None
+
+
+@config_dataclass
+class OptimizerConfigOverrideProvider(ConfigBase):
+    """Decides per-parameter-group optimizer settings (megatron-core `ParamKey` ->
+    `ParamGroupOverride`). Subclass it and put an instance in `cfg.optimizer_config_override_provider`
+    to change the groups `pretrain()` builds."""
+
+    def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Optional[dict]:
+        """By default weight decay is skipped for biases and 1-D parameters (norm weights), except
+        q/k layernorms when `optimizer.apply_wd_to_qk_layernorm` is set; `optimizer.decoupled_lr`
+        gives embedding and output layers their own learning rate."""
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        return get_standard_config_overrides(context.optimizer_config)

@@ -1,0 +1,107 @@
+"""Profiling and tensor inspection."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class ProfilingConfig(ConfigBase):
+    """Configuration settings for profiling the training process."""
+
+    use_nsys_profiler: bool = False
+    """Mark the profiled step range for Nsight Systems (run under `nsys profile -c cudaProfilerApi`)."""
+
+    use_pytorch_profiler: bool = False
+    """Record the profiled step range with the PyTorch profiler (Chrome/Perfetto trace files)."""
+
+    profile_step_start: int = 10
+    """First iteration profiled."""
+
+    profile_step_end: int = 12
+    """Iteration after the last one profiled."""
+
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile."""
+
+    profile_dir: Optional[str] = None
+    """Where PyTorch profiler traces go (default: `<tensorboard_dir or save>/profile`, else ./profile)."""
+
+    record_memory_history: bool = False
+    """Record CUDA memory history and dump a snapshot (GPU only)."""
+
+    memory_snapshot_path: str = "snapshot.pickle"
+    """File for the CUDA memory snapshot."""
+
+    record_shapes: bool = False
+    """Record tensor shapes in the PyTorch profiler."""
+
+    nvtx_ranges: bool = False
+    """Emit NVTX ranges around forward/backward/optimizer (GPU only)."""
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        p.check(
+            not (self.use_nsys_profiler and self.use_pytorch_profiler),
+            "use_pytorch_profiler",
+            "use_nsys_profiler and use_pytorch_profiler are both on",
+            "enable one profiler at a time",
+        )
+        if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
+            if p.check(
+                self.profile_step_start >= 0,
+                "profile_step_start",
+                f"must be >= 0, got {self.profile_step_start}",
+                "use an iteration number",
+            ):
+                p.check(
+                    self.profile_step_end > self.profile_step_start,
+                    "profile_step_end",
+                    f"profile_step_end ({self.profile_step_end}) must be greater than "
+                    f"profile_step_start ({self.profile_step_start})",
+                    "set profiling.profile_step_end above profile_step_start",
+                )
+            p.check(
+                all(r >= 0 for r in self.profile_ranks),
+                "profile_ranks",
+                f"ranks must be >= 0, got {self.profile_ranks}",
+                "list global ranks, e.g. [0]",
+            )
+
+
+@config_dataclass(kw_only=True)
+class TensorInspectConfig(ConfigBase):
+    """Configuration for Nvidia-DL-Framework-Inspect integration."""
+
+    enabled: bool = False
+    """Enable tensor inspection and statistics collection."""
+
+    features: Optional[Union[dict[str, Any], str, Path]] = None
+    """Feature configuration as a Python dict or a YAML file path."""
+
+    feature_dirs: Optional[list[str]] = None
+    """Directories containing feature implementations (searched recursively)."""
+
+    log_dir: Optional[str] = None
+    """Root directory to store inspection logs/statistics. Defaults to checkpoint save dir if unset."""
+
+    init_training_step: int = 0
+    """Initial training step for the inspector (used when resuming)."""
+
+    def _finalize(self, problems: Problems) -> None:
+        if not self.enabled:
+            return
+        if problems.require_package("nvdlfw_inspect", "enabled", "tensor inspection") and self.feature_dirs is None:
+            from megatron_bridge.extras import is_installed
+
+            if is_installed("transformer_engine"):
+                import importlib.util
+
+                spec = importlib.util.find_spec("transformer_engine.debug.features")
+                if spec is not None and spec.submodule_search_locations:
+                    self.apply_default("feature_dirs", list(spec.submodule_search_locations))

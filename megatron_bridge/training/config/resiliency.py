@@ -1,0 +1,266 @@
+"""Result validation, fault tolerance, in-process restart and straggler detection."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+
+@config_dataclass(kw_only=True)
+class RerunStateMachineConfig(ConfigBase):
+    """Configuration for the rerun state machine used for result validation or stats."""
+
+    rerun_mode: Literal["disabled", "validate_results", "report_determinism_stats"] = "disabled"
+    """Use re-run engine to validate results (default) or to emit stats on variability of
+    computations due to non-deterministic algorithms."""
+
+    check_for_nan_in_loss: bool = True
+    """Stop with an error naming the iteration and rank when the loss is NaN or Inf."""
+
+    check_for_spiky_loss: bool = False
+    """Report a loss far above the recent maximum (see spiky_loss_factor)."""
+
+    spiky_loss_factor: float = 10.0
+    """Factor for detecting spiky loss. A loss is considered spiky if it exceeds this multiple of
+    the max observed loss over the sample window."""
+
+    error_injection_rate: int = 0
+    """Inject a fault into one in N validated results (0: never); for testing the machinery."""
+
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
+    """Kind of injected fault."""
+
+    def _finalize(self, problems: Problems) -> None:
+        problems.check(
+            self.spiky_loss_factor > 1.0,
+            "spiky_loss_factor",
+            f"must be > 1, got {self.spiky_loss_factor}",
+            "use e.g. 10.0",
+        )
+        problems.check(
+            self.error_injection_rate >= 0,
+            "error_injection_rate",
+            f"must be >= 0, got {self.error_injection_rate}",
+            "use 0 to disable",
+        )
+
+
+@config_dataclass(kw_only=True)
+class FaultToleranceConfig(ConfigBase):
+    """Configuration settings related to fault tolerance mechanisms (nvidia-resiliency-ext)."""
+
+    enable_ft_package: bool = False
+    """Report heartbeats and sections to nvidia-resiliency-ext's ft_launcher, which restarts hung
+    or crashed ranks."""
+
+    calc_ft_timeouts: bool = False
+    """Compute section timeouts from observed durations and store them with checkpoints."""
+
+    simulate_fault: bool = False
+    """Inject a simulated fault (for testing fault tolerance)."""
+
+    simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
+    """How the simulated fault should behave. 'random' will randomly choose one of the other two."""
+
+    simulated_fault_rank: Optional[int] = None
+    """Rank on which simulated fault should occur (default: a random rank)."""
+
+    simulated_fault_base_delay: int = 0
+    """Base delay before simulated fault thread is started. A small random delay is added to this."""
+
+    def _finalize(self, problems: Problems) -> None:
+        if self.enable_ft_package:
+            problems.require_package("nvidia_resiliency_ext", "enable_ft_package", "fault tolerance")
+        problems.check(
+            self.simulated_fault_base_delay >= 0,
+            "simulated_fault_base_delay",
+            f"must be >= 0, got {self.simulated_fault_base_delay}",
+            "use seconds >= 0",
+        )
+        if self.simulated_fault_rank is not None:
+            problems.check(
+                self.simulated_fault_rank >= 0,
+                "simulated_fault_rank",
+                f"must be >= 0, got {self.simulated_fault_rank}",
+                "use a global rank",
+            )
+
+
+@config_dataclass(kw_only=True)
+class StragglerDetectionConfig(ConfigBase):
+    """Configuration settings for detecting and logging GPU stragglers (megatron-core detector)."""
+
+    log_straggler: bool = False
+    """Measure per-rank GPU throughput and log the slowest and fastest ranks."""
+
+    enable_straggler_on_startup: bool = True
+    """If set, StragglerDetector is enabled on startup."""
+
+    straggler_ctrlr_port: int = 65535
+    """Port of the detector's control server (toggle it at run time)."""
+
+    straggler_minmax_count: int = 1
+    """How many slowest/fastest ranks to report."""
+
+    def _finalize(self, problems: Problems) -> None:
+        problems.check(
+            0 < self.straggler_ctrlr_port < 65536,
+            "straggler_ctrlr_port",
+            f"must be a TCP port, got {self.straggler_ctrlr_port}",
+            "use 1..65535",
+        )
+        problems.check(
+            self.straggler_minmax_count >= 1,
+            "straggler_minmax_count",
+            f"must be >= 1, got {self.straggler_minmax_count}",
+            "use 1 or more",
+        )
+
+
+@config_dataclass(kw_only=True)
+class NVRxStragglerDetectionConfig(ConfigBase):
+    """Configuration settings for NVIDIA Resiliency Extension straggler detection."""
+
+    enabled: bool = False
+    """Enable NVRx straggler detection."""
+
+    report_time_interval: float = 300.0
+    """Interval [seconds] of the straggler check."""
+
+    calc_relative_gpu_perf: bool = True
+    """Calculate relative GPU performance scores."""
+
+    calc_individual_gpu_perf: bool = True
+    """Calculate individual GPU performance scores."""
+
+    num_gpu_perf_scores_to_print: int = 5
+    """How many best and worst perf scores to print (0 - does not print periodically, but only if
+    stragglers are detected)."""
+
+    gpu_relative_perf_threshold: float = 0.7
+    """Threshold for relative GPU performance scores."""
+
+    gpu_individual_perf_threshold: float = 0.7
+    """Threshold for individual GPU performance scores."""
+
+    stop_if_detected: bool = False
+    """Set to True, to terminate the workload if stragglers are detected."""
+
+    enable_logging: bool = True
+    """Set to True, to log GPU performance scores."""
+
+    profiling_interval: int = 1
+    """Profiling interval passed to straggler.Detector.initialize."""
+
+    logger_name: str = "megatron_bridge.NVRxStragglerDetection"
+    """Logger name for straggler detection messages."""
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        p.check(
+            self.report_time_interval > 0,
+            "report_time_interval",
+            f"must be positive, got {self.report_time_interval}",
+            "use seconds, e.g. 300",
+        )
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            value = getattr(self, name)
+            p.check(0.0 <= value <= 1.0, name, f"must be within [0, 1], got {value}", "use e.g. 0.7")
+        p.check(
+            self.num_gpu_perf_scores_to_print >= 0,
+            "num_gpu_perf_scores_to_print",
+            f"must be >= 0, got {self.num_gpu_perf_scores_to_print}",
+            "use 0 or more",
+        )
+        p.check(
+            self.profiling_interval >= 1,
+            "profiling_interval",
+            f"must be >= 1, got {self.profiling_interval}",
+            "use 1 or more",
+        )
+        if self.enabled:
+            p.require_package("nvidia_resiliency_ext", "enabled", "NVRx straggler detection")
+
+
+@config_dataclass(kw_only=True)
+class InProcessRestartConfig(ConfigBase):
+    """Configuration settings for NVIDIA Resiliency Extension in-process restart functionality."""
+
+    enabled: bool = False
+    """Enable in-process restart mechanism from nvidia-resiliency-ext."""
+
+    max_iterations: Optional[int] = None
+    """Maximum number of in-process restart iterations."""
+
+    monitor_thread_interval: float = 1.0
+    """Monitoring interval (in seconds) for the monitoring thread."""
+
+    monitor_process_interval: float = 1.0
+    """Monitoring interval (in seconds) for the monitoring process."""
+
+    progress_watchdog_interval: float = 1.0
+    """Interval (in seconds) for automatic progress watchdog timestamp updates."""
+
+    heartbeat_interval: float = 30.0
+    """Monitoring interval (in seconds) for detecting unresponsive ranks."""
+
+    soft_timeout: float = 60.0
+    """Soft progress timeout (in seconds)."""
+
+    hard_timeout: float = 90.0
+    """Hard progress timeout (in seconds)."""
+
+    heartbeat_timeout: float = 60.0
+    """Timeout (in seconds) for a missing rank detection heartbeat."""
+
+    barrier_timeout: float = 120.0
+    """Timeout (in seconds) for internal distributed barrier."""
+
+    completion_timeout: float = 120.0
+    """Timeout (in seconds) for barrier on completion on all ranks."""
+
+    last_call_wait: float = 1.0
+    """Time interval (in seconds) for other ranks to report concurrent terminal failures."""
+
+    termination_grace_time: float = 1.0
+    """Interval (in seconds) between SIGTERM and SIGKILL issued on hard timeout."""
+
+    granularity: Literal["node", "rank"] = "node"
+    """Granularity for in-process restart."""
+
+    active_world_size: Optional[int] = None
+    """The number of ranks initially executing the workload. The remaining ranks from the
+    allocation are set aside as warm reserve. If None, defaults to WORLD_SIZE environment variable."""
+
+    empty_cuda_cache: bool = True
+    """Empty CUDA cache during restart finalization."""
+
+    max_rank_faults: Optional[int] = None
+    """Maximum number of rank faults allowed before terminating the job."""
+
+    monitor_process_logdir: Optional[str] = None
+    """Directory for monitor process log files. If None, monitor process logging is disabled."""
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        if not self.enabled:
+            return
+        p.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
+        p.check(
+            self.soft_timeout < self.hard_timeout,
+            "soft_timeout",
+            f"soft_timeout ({self.soft_timeout}) must be below hard_timeout ({self.hard_timeout})",
+            "raise inprocess_restart.hard_timeout",
+        )
+        for name in ("monitor_thread_interval", "monitor_process_interval", "heartbeat_interval", "barrier_timeout"):
+            value = getattr(self, name)
+            p.check(value > 0, name, f"must be positive, got {value}", "use seconds > 0")
+        if self.max_iterations is not None:
+            p.check(
+                self.max_iterations >= 1,
+                "max_iterations",
+                f"must be >= 1, got {self.max_iterations}",
+                "use 1 or more, or None for no limit",
+            )

@@ -1,0 +1,128 @@
+"""Learning-rate and weight-decay schedule.
+
+The schedule is stepped in samples (megatron-core's `OptimizerParamScheduler` is advanced by the
+global batch size each iteration). Users give lengths in iterations *or* in samples; the derived
+`*_steps` fields, in samples, are computed by `ConfigContainer.validate()` because they need the
+training length and batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Literal, Optional
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass
+from megatron_bridge.training.config.errors import Problems
+
+ITERATION_FIELDS = ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters", "max_steps")
+SAMPLE_FIELDS = ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples")
+
+
+@config_dataclass(kw_only=True)
+class SchedulerConfig(ConfigBase):
+    """Configuration settings for the learning rate scheduler and weight decay."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the decay from optimizer.lr to optimizer.min_lr after warmup."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which to decay the LR (default: the schedule length, max_steps or train_iters)."""
+
+    lr_decay_samples: Optional[int] = None
+    """Samples over which to decay the LR (sample-based training; default: train_samples)."""
+
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """Shape of the final decay phase of the warmup-stable-decay (WSD) schedule."""
+
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the final decay phase of WSD."""
+
+    lr_wsd_decay_samples: Optional[int] = None
+    """Samples of the final decay phase of WSD (sample-based training)."""
+
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup length as a fraction of the decay length; excludes lr_warmup_iters/samples."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear LR warmup."""
+
+    lr_warmup_samples: int = 0
+    """Samples of linear LR warmup (sample-based training)."""
+
+    lr_warmup_init: float = 0.0
+    """LR at the start of warmup."""
+
+    max_steps: Optional[int] = None
+    """Length of the schedule in iterations when it should differ from train_iters, e.g. a job that
+    runs the first part of a longer planned run. Defaults to train_iters."""
+
+    override_opt_param_scheduler: bool = False
+    """On resume, use this config's schedule instead of the one in the checkpoint."""
+
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, use the schedule stored in the checkpoint."""
+
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the start (default: optimizer.weight_decay)."""
+
+    end_weight_decay: Optional[float] = None
+    """Weight decay at the end (default: optimizer.weight_decay)."""
+
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay moves from start_weight_decay to end_weight_decay."""
+
+    lr_decay_steps: Optional[int] = field(init=False, default=None)
+    """Derived: decay length in samples."""
+
+    lr_warmup_steps: Optional[int] = field(init=False, default=None)
+    """Derived: warmup length in samples."""
+
+    wd_incr_steps: Optional[int] = field(init=False, default=None)
+    """Derived: weight-decay ramp length in samples."""
+
+    wsd_decay_steps: Optional[int] = field(init=False, default=None)
+    """Derived: WSD final-decay length in samples."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            p.add(
+                "override_opt_param_scheduler",
+                "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set",
+                "set at most one of them",
+            )
+        iteration_set = [n for n in ITERATION_FIELDS if getattr(self, n)]
+        sample_set = [n for n in SAMPLE_FIELDS if getattr(self, n)]
+        if iteration_set and sample_set:
+            p.add(
+                sample_set[0],
+                f"iteration-based fields {iteration_set} are mixed with sample-based fields {sample_set}",
+                "give schedule lengths either all in iterations or all in samples",
+            )
+        if self.lr_warmup_fraction is not None:
+            p.check(
+                0.0 <= self.lr_warmup_fraction <= 1.0,
+                "lr_warmup_fraction",
+                f"must be within [0, 1], got {self.lr_warmup_fraction}",
+                "use e.g. 0.01",
+            )
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                p.add(
+                    "lr_warmup_fraction",
+                    "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
+                    "set only one way of giving the warmup length",
+                )
+        for name in (*ITERATION_FIELDS, *SAMPLE_FIELDS):
+            value = getattr(self, name)
+            p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more")
+        for name in ("start_weight_decay", "end_weight_decay"):
+            value = getattr(self, name)
+            p.check(value is None or value >= 0.0, name, f"must be >= 0, got {value}", "use 0.0 or more")
+        if self.lr_decay_style == "WSD":
+            p.check(
+                bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
+                "lr_wsd_decay_iters",
+                "the WSD schedule needs the length of its final decay phase",
+                "set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples)",
+            )

@@ -1,0 +1,312 @@
+"""Mixed-precision recipes: one config that sets the precision fields of model, optimizer and DDP.
+
+A preset is applied by `runtime_config_update`. It never overwrites a field the user set
+explicitly: where the user's value contradicts the preset, validation reports it. Fields of the
+FP8 group are applied only when the preset trains in FP8 (likewise FP4, and loss scaling with
+FP16); otherwise the target keeps its own value.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Literal, Optional, Union
+
+import torch
+
+from megatron_bridge.training.config.base import ConfigBase, config_dataclass, field_names, values_equal
+from megatron_bridge.training.config.errors import ConfigProblem, ConfigValidationError, Problems
+
+logger = logging.getLogger(__name__)
+
+
+@config_dataclass(kw_only=True)
+class MixedPrecisionConfig(ConfigBase):
+    """Precision of parameters, compute, gradients and communication."""
+
+    fp32: bool = False
+    """Train in full fp32 (all other precision flags off)."""
+
+    fp16: bool = False
+    """fp16 parameters and compute, fp32 main weights in the optimizer, dynamic loss scaling."""
+
+    bf16: bool = False
+    """bf16 parameters and compute, fp32 main weights in the optimizer."""
+
+    params_dtype: Optional[torch.dtype] = None
+    """dtype of model parameters."""
+
+    pipeline_dtype: Optional[torch.dtype] = None
+    """dtype of activations sent between pipeline stages."""
+
+    autocast_dtype: Optional[torch.dtype] = None
+    """dtype of autocast regions (default: params_dtype)."""
+
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and all-reduce gradients in fp32."""
+
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 format: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 backward). None: no FP8."""
+
+    fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] = "tensorwise"
+    """FP8 scaling: per-tensor current (tensorwise), delayed (amax history), MX block (mxfp8),
+    or sub-channel blockwise."""
+
+    first_last_layers_bf16: bool = False
+    """Keep the first and last layers in bf16 when training in FP8."""
+
+    num_layers_at_start_in_bf16: int = 0
+    """Layers at the start kept in bf16 (with first_last_layers_bf16)."""
+
+    num_layers_at_end_in_bf16: int = 0
+    """Layers at the end kept in bf16 (with first_last_layers_bf16)."""
+
+    fp8_margin: int = 0
+    """Margin for FP8 scaling factors."""
+
+    fp8_amax_history_len: int = 1
+    """amax history length for delayed scaling."""
+
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """How the scale is computed from the amax history."""
+
+    fp8_wgrad: bool = True
+    """Compute weight gradients in FP8."""
+
+    fp8_dot_product_attention: bool = False
+    """Run dot-product attention in FP8."""
+
+    fp8_multi_head_attention: bool = False
+    """Run multi-head attention projections in FP8."""
+
+    fp8_param: Optional[bool] = None
+    """Keep parameters in FP8 (default: fp8_param_gather)."""
+
+    fp8_param_gather: bool = False
+    """All-gather parameters in FP8 with the distributed optimizer."""
+
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Reuse the gradient buffer for the MXFP8 parameter all-gather."""
+
+    fp4: Optional[Literal["e2m1"]] = None
+    """FP4 format. None: no FP4."""
+
+    fp4_recipe: Literal["nvfp4"] = "nvfp4"
+    """FP4 scaling recipe."""
+
+    loss_scale: Optional[float] = None
+    """Static loss scale (fp16); None: dynamic loss scaling."""
+
+    initial_loss_scale: float = 4294967296.0
+    """Initial dynamic loss scale (fp16)."""
+
+    min_loss_scale: float = 1.0
+    """Lowest dynamic loss scale (fp16)."""
+
+    loss_scale_window: float = 1000
+    """Iterations without overflow before the loss scale grows (fp16)."""
+
+    hysteresis: int = 2
+    """Overflows tolerated before the loss scale shrinks (fp16)."""
+
+    def _finalize(self, problems: Problems) -> None:
+        self._restore_derived()
+        p = problems
+        p.check(not (self.fp16 and self.bf16), "bf16", "fp16 and bf16 are both on", "choose one of them")
+        p.check(
+            not (self.fp32 and (self.fp16 or self.bf16)),
+            "fp32",
+            "fp32 is on together with fp16/bf16",
+            "choose one precision",
+        )
+        p.check(
+            not (self.fp8 and self.fp4),
+            "fp4",
+            f"fp8={self.fp8!r} and fp4={self.fp4!r} are both set",
+            "train in FP8 or in FP4, not both",
+        )
+        if self.fp8 or self.fp4:
+            p.check(
+                self.bf16 or self.fp16,
+                "fp8" if self.fp8 else "fp4",
+                "FP8/FP4 training needs bf16 or fp16 as the higher precision",
+                "set bf16=True (or fp16=True)",
+            )
+        if self.fp8_param is None:
+            self._derive("fp8_param", self.fp8_param_gather)
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, model: ConfigBase, optimizer: Optional[ConfigBase], ddp: Optional[ConfigBase], problems: Problems, name: str) -> None:
+        """Set the precision fields of model/optimizer/ddp that the user did not set explicitly.
+
+        `problems` collects contradictions between this preset and explicit user values; `name`
+        identifies the preset in messages.
+        """
+        changed: list[str] = []
+        for section, target in (("model", model), ("optimizer", optimizer), ("ddp", ddp)):
+            if target is None:
+                continue
+            for field_name, value in self._values_for(target).items():
+                current = getattr(target, field_name)
+                if isinstance(target, ConfigBase) and target.is_explicit(field_name):
+                    if not values_equal(current, value):
+                        problems.add(
+                            f"{section}.{field_name}",
+                            f"{current!r} was set explicitly but mixed_precision {name!r} sets {value!r}",
+                            f"remove the explicit {section}.{field_name} or choose another mixed_precision preset",
+                        )
+                    continue
+                if not values_equal(current, value):
+                    changed.append(f"{section}.{field_name}={_short(value)}")
+                if isinstance(target, ConfigBase):
+                    target.apply_default(field_name, value)
+                else:
+                    setattr(target, field_name, value)
+        if changed:
+            logger.info("mixed_precision %r set %s", name, ", ".join(changed))
+
+    def _values_for(self, target: object) -> dict:
+        names = field_names(type(target))
+        values = {name: getattr(self, name) for name in field_names(type(self)) if name in names}
+        if "fp8_param" in names:
+            values["fp8_param"] = self.fp8_param if self.fp8_param is not None else self.fp8_param_gather
+        for name in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
+            if values.get(name, 0) is None:  # None means "keep the target's own default"
+                values.pop(name)
+        return {k: v for k, v in values.items() if self._matters(k)}
+
+    def _matters(self, field_name: str) -> bool:
+        if field_name.startswith("fp8_") or field_name in (
+            "first_last_layers_bf16",
+            "num_layers_at_start_in_bf16",
+            "num_layers_at_end_in_bf16",
+            "reuse_grad_buf_for_mxfp8_param_ag",
+        ):
+            return self.fp8 is not None
+        if field_name == "fp4_recipe":
+            return self.fp4 is not None
+        if field_name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+            return self.fp16
+        return True
+
+
+def _short(value: object) -> str:
+    return str(value).replace("torch.", "") if isinstance(value, torch.dtype) else repr(value)
+
+
+# ---------------------------------------------------------------------- presets
+def fp32() -> MixedPrecisionConfig:
+    """Full fp32 training."""
+    return MixedPrecisionConfig(fp32=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, grad_reduce_in_fp32=True)
+
+
+def bf16_mixed() -> MixedPrecisionConfig:
+    """bf16 parameters and compute, fp32 main weights and gradient reduction."""
+    return MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+
+
+def fp16_mixed() -> MixedPrecisionConfig:
+    """fp16 parameters and compute with dynamic loss scaling."""
+    return MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+
+
+def _with(base: Callable[[], MixedPrecisionConfig], **fp_fields) -> MixedPrecisionConfig:
+    cfg = base()
+    for key, value in fp_fields.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+_DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_param_gather=True)
+_CURRENT = dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_param_gather=True)
+_MXFP8 = dict(fp8="hybrid", fp8_recipe="mxfp8", fp8_param_gather=False, reuse_grad_buf_for_mxfp8_param_ag=False)
+_BLOCKWISE = dict(fp8="e4m3", fp8_recipe="blockwise", fp8_param_gather=False)
+
+
+def bf16_with_fp8_delayed_scaling_mixed() -> MixedPrecisionConfig:
+    """bf16 with FP8 (hybrid) matmuls, delayed scaling over a 1024-step amax history."""
+    return _with(bf16_mixed, **_DELAYED)
+
+
+def fp16_with_fp8_delayed_scaling_mixed() -> MixedPrecisionConfig:
+    """fp16 with FP8 (hybrid) matmuls, delayed scaling."""
+    return _with(fp16_mixed, **_DELAYED)
+
+
+def bf16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """bf16 with FP8 (hybrid) matmuls, per-tensor current scaling; first and last layer in bf16."""
+    return _with(bf16_mixed, **_CURRENT)
+
+
+def fp16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """fp16 with FP8 (hybrid) matmuls, per-tensor current scaling; first and last layer in fp16."""
+    return _with(fp16_mixed, **_CURRENT)
+
+
+def bf16_with_mxfp8_mixed() -> MixedPrecisionConfig:
+    """bf16 with MXFP8 block-scaled matmuls (Blackwell)."""
+    return _with(bf16_mixed, **_MXFP8)
+
+
+def fp16_with_mxfp8_mixed() -> MixedPrecisionConfig:
+    """fp16 with MXFP8 block-scaled matmuls (Blackwell)."""
+    return _with(fp16_mixed, **_MXFP8)
+
+
+def bf16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
+    """bf16 with FP8 (e4m3) sub-channel (blockwise) scaling."""
+    return _with(bf16_mixed, **_BLOCKWISE)
+
+
+def fp16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
+    """fp16 with FP8 (e4m3) sub-channel (blockwise) scaling."""
+    return _with(fp16_mixed, **_BLOCKWISE)
+
+
+def bf16_with_nvfp4_mixed() -> MixedPrecisionConfig:
+    """bf16 with NVFP4 matmuls (Blackwell)."""
+    return _with(bf16_mixed, fp4="e2m1", fp4_recipe="nvfp4")
+
+
+PRESETS: dict[str, Callable[[], MixedPrecisionConfig]] = {
+    f.__name__: f
+    for f in (
+        fp32,
+        bf16_mixed,
+        fp16_mixed,
+        bf16_with_fp8_delayed_scaling_mixed,
+        fp16_with_fp8_delayed_scaling_mixed,
+        bf16_with_fp8_current_scaling_mixed,
+        fp16_with_fp8_current_scaling_mixed,
+        bf16_with_mxfp8_mixed,
+        fp16_with_mxfp8_mixed,
+        bf16_with_fp8_subchannel_scaling_mixed,
+        fp16_with_fp8_subchannel_scaling_mixed,
+        bf16_with_nvfp4_mixed,
+    )
+}
+"""The preset registry: name -> function returning a fresh `MixedPrecisionConfig`."""
+
+
+def register_preset(name: str, factory: Callable[[], MixedPrecisionConfig]) -> None:
+    """Add a preset (e.g. from a user package) under `name`."""
+    PRESETS[_normalize(name)] = factory
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def get_mixed_precision_config(name_or_config: Union[str, MixedPrecisionConfig]) -> MixedPrecisionConfig:
+    """A preset by name ('bf16_mixed', 'bf16-mixed', ...) or the given config unchanged."""
+    if isinstance(name_or_config, MixedPrecisionConfig):
+        return name_or_config
+    key = _normalize(str(name_or_config))
+    if key not in PRESETS:
+        raise ConfigValidationError(
+            ConfigProblem(
+                "mixed_precision",
+                f"unknown preset {name_or_config!r}",
+                "use one of: " + ", ".join(sorted(PRESETS)),
+            )
+        )
+    return PRESETS[key]()

@@ -1,0 +1,1 @@
+"""Tokenizers: the config (`config.TokenizerConfig`) and the builder used at setup."""
