@@ -8,8 +8,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "sequence parallelism needs tensor_model_parallel_size > 1",
             "set model.sequence_parallel=False or raise the TP size",
         )
+        if self.fine_grained_activation_offloading:
+            p.check(
+                self.transformer_impl == "transformer_engine",
+                "fine_grained_activation_offloading",
+                f"needs TransformerEngine layers, but transformer_impl={self.transformer_impl!r}",
+                "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
+            )
         if self.vocab_size is not None:
             p.check(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}", "use e.g. 32000")
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:

@@ -12,8 +12,8 @@ from dataclasses import field
 from typing import Any, Optional, Union
 
 from megatron_bridge.extras import is_installed
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass, values_equal
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
+from megatron_bridge.config.errors import Problems
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass, field_names, values_equal
-from megatron_bridge.training.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names, values_equal
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 
 logger = logging.getLogger(__name__)
 

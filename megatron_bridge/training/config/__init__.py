@@ -15,7 +15,7 @@ from megatron_bridge.training.config.data import (
     MockGPTDatasetConfig,
 )
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
-from megatron_bridge.training.config.errors import ConfigValidationError, MissingPackageError
+from megatron_bridge.config.errors import ConfigValidationError, MissingPackageError
 from megatron_bridge.training.config.logger import LoggerConfig
 from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
 from megatron_bridge.training.config.optimizer import (

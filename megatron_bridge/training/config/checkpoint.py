@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Literal, Optional
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 ASYNC_FORMATS = ("torch_dist",)
 

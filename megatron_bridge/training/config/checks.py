@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.errors import Problems
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -31,7 +31,6 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
     check_sequence_lengths(cfg, problems)
     check_context_parallel(cfg, problems)
     check_deterministic_mode(cfg, problems)
-    check_activation_offloading(cfg, problems)
     check_peft(cfg, problems)
     check_vocab(cfg, problems)
     derive_weight_decay(cfg, problems)
@@ -92,7 +91,8 @@ def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
         val._derive("eval_micro_batch_size", train.micro_batch_size)
     if val.eval_global_batch_size is None:
         val._derive("eval_global_batch_size", train.global_batch_size)
-    if val.eval_iters:
+    eval_sizes_given = not {"eval_micro_batch_size", "eval_global_batch_size"} <= val.derived_fields()
+    if val.eval_iters and eval_sizes_given:  # derived from train's: already checked above
         _check_divisible(problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_")
 
 
@@ -265,17 +265,6 @@ def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None
         f"deterministic mode needs NCCL_ALGO in {list(DETERMINISTIC_NCCL_ALGOS)}, got {algo!r}",
         "set env_vars={'NCCL_ALGO': 'Ring'}",
     )
-
-
-def check_activation_offloading(cfg: "ConfigContainer", problems: Problems) -> None:
-    m = cfg.model
-    if getattr(m, "fine_grained_activation_offloading", False):
-        problems.check(
-            m.transformer_impl == "transformer_engine",
-            "model.fine_grained_activation_offloading",
-            f"needs TransformerEngine layers, but transformer_impl={m.transformer_impl!r}",
-            "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
-        )
 
 
 def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:

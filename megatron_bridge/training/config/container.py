@@ -10,11 +10,11 @@ from typing import Any, Optional, Union
 
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass, finalize_into
+from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.errors import Problems
 from megatron_bridge.training.config.logger import LoggerConfig
 from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
 from megatron_bridge.training.config.optimizer import OptimizerConfig, OptimizerConfigOverrideProvider
@@ -194,7 +194,7 @@ class ConfigContainer(ConfigBase):
         """`validate()`, collecting into `problems` instead of raising."""
         from megatron_bridge.training.config import checks
 
-        if self.data_parallel_size is None:
+        if self.data_parallel_size is None and not problems.at("data_parallel_size"):
             self.set_data_parallel_size(problems=problems)
         checks.apply_deprecated_training_fields(self, problems)
         checks.sync_distributed_optimizer(self, problems)
@@ -265,7 +265,7 @@ def _mcore_parent(obj: Any) -> Optional[type]:
 
 def non_default_values(obj: Any) -> dict[str, tuple[Any, Any]]:
     """Fields of `obj` that differ from the default, as name -> (value, default)."""
-    from megatron_bridge.training.config.base import values_equal
+    from megatron_bridge.config.base import values_equal
 
     parent = _mcore_parent(obj)
     parent_fields = {f.name: f for f in dataclasses.fields(parent)} if parent else {}

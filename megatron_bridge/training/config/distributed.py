@@ -6,8 +6,8 @@ from typing import Literal, Optional, Tuple
 
 from megatron.core.distributed import DistributedDataParallelConfig as MCoreDistributedDataParallelConfig
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 
 @config_dataclass(kw_only=True)

@@ -7,8 +7,8 @@ import signal
 from dataclasses import field
 from typing import Literal, Optional
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 
 @config_dataclass(kw_only=True)

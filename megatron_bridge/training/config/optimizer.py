@@ -8,8 +8,8 @@ from typing import Any, Optional, Union
 import torch
 from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 from megatron_bridge.training.config.scheduler import SchedulerConfig
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd")

@@ -6,8 +6,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 
 @config_dataclass(kw_only=True)

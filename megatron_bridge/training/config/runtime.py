@@ -6,8 +6,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
-from megatron_bridge.training.config.base import finalize_into
-from megatron_bridge.training.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.base import finalize_into
+from megatron_bridge.config.errors import ConfigValidationError, Problems
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer

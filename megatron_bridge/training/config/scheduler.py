@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Literal, Optional
 
-from megatron_bridge.training.config.base import ConfigBase, config_dataclass
-from megatron_bridge.training.config.errors import Problems
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
 
 ITERATION_FIELDS = ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters", "max_steps")
 SAMPLE_FIELDS = ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples")

@@ -1,0 +1,254 @@
+"""What every config class shares.
+
+* **Which fields the user set.** A field counts as the user's once it is passed to the constructor
+  or assigned afterwards (in a recipe, a script, from YAML or an override), even when the value
+  equals the default. Presets consult this and never overwrite such a field.
+* **Type-checked assignment.** A value the user sets must fit the field's declared type; a string
+  where an int is declared raises `TypeError` at once.
+* **Deferred finalize.** Subclasses of megatron-core configs do nothing in `__post_init__`; their
+  checks and derived values run in `finalize()`, so recipes and overrides can edit fields first.
+* **Derived values stay fresh.** When `finalize()` fills in a field, the previous
+  value is remembered; the next `finalize()` puts it back before recomputing, so editing
+  `hidden_size` after a finalize does not leave a stale `ffn_hidden_size` behind. A field the user
+  sets explicitly is never put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from abc import ABCMeta
+from typing import Any, ClassVar, Iterator
+
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.typecheck import type_problem
+
+# Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
+# carried by copy.deepcopy and pickle but ignored by dataclasses.fields/asdict/replace.
+_EXPLICIT = "_mb_explicit"
+_DERIVED = "_mb_derived"
+_TRACKING = "_mb_tracking"
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=None)
+def init_field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+@functools.lru_cache(maxsize=None)
+def field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+class _ConfigMeta(ABCMeta):
+    """Records which constructor arguments the caller passed, then turns on tracking."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        aliases = cls._field_aliases
+        if aliases:
+            for alias, target in aliases.items():
+                if alias in kwargs:
+                    if target in kwargs:
+                        raise TypeError(f"{cls.__name__}: pass either {alias!r} or {target!r}, not both")
+                    kwargs[target] = kwargs.pop(alias)
+        for name, value in kwargs.items():
+            why = type_problem(cls, name, value) if name in field_names(cls) else None
+            if why:
+                raise TypeError(f"{cls.__name__}.{name}: {why}")
+        obj = super().__call__(*args, **kwargs)
+        explicit = set(init_field_names(cls)[: len(args)])
+        explicit.update(k for k in kwargs if k in field_names(cls))
+        d = obj.__dict__
+        d[_EXPLICIT] = explicit
+        d.setdefault(_DERIVED, {})
+        d[_TRACKING] = True
+        return obj
+
+
+class ConfigBase(metaclass=_ConfigMeta):
+    """Base of every config dataclass in megatron_bridge (see the module docstring)."""
+
+    _field_aliases: ClassVar[dict[str, str]] = {}
+    """Alternative constructor/override names for fields, e.g. `seq_length` for `sequence_length`."""
+
+    # ------------------------------------------------------------------ user-set fields
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        if d.get(_TRACKING) and name in field_names(type(self)):
+            why = type_problem(type(self), name, value)
+            if why:
+                raise TypeError(f"{type(self).__name__}.{name}: {why}")
+            object.__setattr__(self, name, value)
+            d[_EXPLICIT].add(name)
+            d[_DERIVED].pop(name, None)
+            return
+        aliased = type(self)._field_aliases.get(name)
+        if aliased is not None:
+            setattr(self, aliased, value)
+            return
+        object.__setattr__(self, name, value)
+
+    def is_explicit(self, name: str) -> bool:
+        """True if the user set `name` (constructor, assignment, YAML or override)."""
+        return name in self.__dict__.get(_EXPLICIT, ())
+
+    def explicit_fields(self) -> frozenset[str]:
+        return frozenset(self.__dict__.get(_EXPLICIT, ()))
+
+    def mark_explicit(self, name: str, explicit: bool = True) -> None:
+        """Record (or forget) that the user set `name`; used when loading configs from files."""
+        d = self.__dict__
+        d.setdefault(_EXPLICIT, set())
+        if explicit:
+            d[_EXPLICIT].add(name)
+            d.setdefault(_DERIVED, {}).pop(name, None)
+        else:
+            d[_EXPLICIT].discard(name)
+
+    def apply_default(self, name: str, value: Any) -> None:
+        """Set a value the framework chose (a preset, a recipe-independent default): it does not
+        count as the user's, and finalize keeps it."""
+        d = self.__dict__
+        d.setdefault(_DERIVED, {}).pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def _derive(self, name: str, value: Any) -> None:
+        """Set a value computed by `finalize()` from other fields. The value it replaces is
+        remembered and put back by the next finalize, which then recomputes it."""
+        d = self.__dict__
+        derived = d.setdefault(_DERIVED, {})
+        if name not in derived:
+            derived[name] = d.get(name, _MISSING)
+        object.__setattr__(self, name, value)
+
+    def derived_fields(self) -> frozenset[str]:
+        return frozenset(self.__dict__.get(_DERIVED, ()))
+
+    @contextlib.contextmanager
+    def _untracked(self) -> Iterator[None]:
+        d = self.__dict__
+        previous = d.get(_TRACKING, False)
+        d[_TRACKING] = False
+        try:
+            yield
+        finally:
+            d[_TRACKING] = previous
+
+    def _restore_derived(self) -> None:
+        """Put back what finalize/presets replaced, so derived values are recomputed."""
+        d = self.__dict__
+        derived = d.get(_DERIVED)
+        if not derived:
+            return
+        for name, before in derived.items():
+            if before is _MISSING:  # an init=False field that lived on the class until derived
+                d.pop(name, None)
+            else:
+                object.__setattr__(self, name, before)
+        derived.clear()
+
+    def _run_parent_post_init(self, parent: type, problems: Problems) -> None:
+        """Run a megatron-core parent's `__post_init__` on this object, recording what it derived.
+
+        megatron-core reports bad values with `ValueError`/`AssertionError` on the first one it
+        meets; those become a problem on this section instead of an unstructured crash.
+        """
+        d = self.__dict__
+        before = dict(d)
+        try:
+            with self._untracked():
+                parent.__post_init__(self)
+        except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
+            message = str(exc).strip() or _failing_line(exc)
+            problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
+        derived = d.setdefault(_DERIVED, {})
+        names = field_names(type(self))
+        for k, value in d.items():
+            old = before.get(k, _MISSING)
+            if value is not old and k in names and k not in derived:
+                derived[k] = old
+
+    # ------------------------------------------------------------------ finalize
+    def _finalize(self, problems: Problems) -> None:
+        """Checks and derived values of this section; report problems into `problems`.
+
+        Subclasses override this (calling `self._restore_derived()` first if they derive values).
+        """
+
+    def finalize(self) -> None:
+        """Check this config and compute its derived values. Idempotent; raises
+        `ConfigValidationError` listing every problem found."""
+        problems = Problems()
+        self._finalize(problems)
+        problems.raise_if_any()
+
+    # ------------------------------------------------------------------ equality
+    def __eq__(self, other: Any) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(values_equal(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _failing_line(exc: BaseException) -> str:
+    """The source line that raised `exc` (megatron-core has bare asserts without a message)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    line = frames[-1].line if frames else ""
+    return f"{type(exc).__name__} at `{line}`" if line else type(exc).__name__
+
+
+def values_equal(a: Any, b: Any) -> bool:
+    """Equality for config values: `functools.partial` compares by function and arguments."""
+    if a is b:
+        return True
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return (
+            values_equal(a.func, b.func)
+            and len(a.args) == len(b.args)
+            and all(values_equal(x, y) for x, y in zip(a.args, b.args))
+            and a.keywords.keys() == b.keywords.keys()
+            and all(values_equal(a.keywords[k], b.keywords[k]) for k in a.keywords)
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
+    """`@dataclass` for config classes: keeps `ConfigBase.__eq__` (which understands partials)."""
+
+    def wrap(klass: type) -> type:
+        klass = dataclasses.dataclass(klass, eq=False, **kwargs)
+        # A megatron-core parent brings a generated __eq__ that sees only its own fields and
+        # compares partials by identity; ours compares every field.
+        klass.__eq__ = ConfigBase.__eq__
+        klass.__hash__ = None
+        return klass
+
+    return wrap if cls is None else wrap(cls)
+
+
+def finalize_into(config: Any, problems: Problems) -> None:
+    """Finalize `config` (ours, or any object with `finalize()`), collecting its problems."""
+    if isinstance(config, ConfigBase):
+        config._finalize(problems)
+        return
+    finalize = getattr(config, "finalize", None)
+    if callable(finalize):
+        try:
+            finalize()
+        except ConfigValidationError as exc:
+            problems.absorb(exc)
+        except (ValueError, AssertionError, TypeError) as exc:
+            problems.add("", str(exc), "fix the fields it names")

@@ -1,0 +1,183 @@
+"""Deferred finalize, user-set tracking, types, idempotency, copying: the config machinery."""
+
+import ast
+import copy
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge.training.config import (
+    ConfigValidationError,
+    DistributedDataParallelConfig,
+    GPTDatasetConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    runtime_config_update,
+)
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_bridge"
+
+
+def test_megatron_core_subclasses_defer_post_init_to_finalize():
+    # Values megatron-core would reject at construction are stored; finalize reports them.
+    model = tiny_model(num_attention_heads=3, tensor_model_parallel_size=2)
+    opt = OptimizerConfig(lr=1e-3, main_grads_dtype=torch.bfloat16)
+    ddp = DistributedDataParallelConfig(reuse_grad_buf_for_mxfp8_param_ag=True)
+    data = GPTDatasetConfig(seq_length=16, data_path="0.5 a 0.5", num_workers=0)
+    for obj, text in [
+        (model, "3 heads do not split over tensor_model_parallel_size=2"),
+        (opt, "main_grads_dtype: torch.bfloat16 needs the precision-aware optimizer"),
+        (ddp, "reusing the grad buffer for the param all-gather needs fp8_param_gather"),
+        (data, "cannot tell weights from paths"),
+    ]:
+        with pytest.raises(ConfigValidationError) as err:
+            obj.finalize()
+        assert text in str(err.value)
+
+
+def test_finalize_is_idempotent_and_raises_again_after_a_bad_edit():
+    model = tiny_model()
+    model.finalize()
+    state = copy.deepcopy(model)
+    model.finalize()
+    assert model == state
+    model.num_attention_heads = 5
+    with pytest.raises(ConfigValidationError, match="hidden_size 64 is not a multiple of num_attention_heads 5"):
+        model.finalize()
+
+
+def test_derived_values_are_recomputed_after_an_edit_but_user_values_are_kept():
+    model = tiny_model()
+    model.finalize()
+    assert model.ffn_hidden_size == 256 and model.kv_channels == 16
+    model.hidden_size = 128
+    model.finalize()
+    assert model.ffn_hidden_size == 512 and model.kv_channels == 32
+    model.ffn_hidden_size = 100  # the user's own value is never recomputed
+    model.hidden_size = 256
+    model.finalize()
+    assert model.ffn_hidden_size == 100
+
+
+def test_container_has_no_derived_values_before_runtime_update():
+    cfg = tiny_config()
+    assert cfg.data_parallel_size is None and cfg.scheduler.lr_decay_steps is None
+    runtime_config_update(cfg)
+    assert cfg.data_parallel_size == 1 and cfg.scheduler.lr_decay_steps == 20 * 8
+
+
+def test_runtime_config_update_is_idempotent():
+    cfg = tiny_config(mixed_precision="bf16_mixed")
+    runtime_config_update(cfg, world_size=4)
+    once = copy.deepcopy(cfg)
+    runtime_config_update(cfg, world_size=4)
+    assert cfg == once
+    assert cfg.data_parallel_size == 4
+
+
+def test_train_iters_derived_from_train_samples_stays_idempotent():
+    cfg = tiny_config(train=TrainingConfig(train_samples=100, global_batch_size=8, micro_batch_size=2))
+    runtime_config_update(cfg)
+    assert cfg.train.train_iters == 13  # ceil(100 / 8)
+    runtime_config_update(cfg)  # the derived train_iters must not count as "both set"
+    assert cfg.train.train_iters == 13
+
+
+def test_explicit_fields_are_tracked_from_constructor_and_assignment():
+    train = TrainingConfig(train_iters=5, global_batch_size=8)
+    assert train.is_explicit("train_iters") and not train.is_explicit("micro_batch_size")
+    train.micro_batch_size = None  # equal to the default but set: still the user's
+    assert train.is_explicit("micro_batch_size")
+
+
+@pytest.mark.parametrize(
+    "make, text",
+    [
+        (lambda: TrainingConfig(train_iters="abc"), "TrainingConfig.train_iters: expected Optional[int], got str 'abc'"),
+        (lambda: TrainingConfig(manual_gc=1), "TrainingConfig.manual_gc: expected bool, got int 1"),
+        (lambda: OptimizerConfig(params_dtype="bf16"), "OptimizerConfig.params_dtype: expected dtype, got str 'bf16'"),
+        (lambda: tiny_model(normalization="BatchNorm"), "expected one of ['LayerNorm', 'RMSNorm'], got 'BatchNorm'"),
+    ],
+)
+def test_wrong_types_raise_type_error_at_construction(make, text):
+    with pytest.raises(TypeError) as err:
+        make()
+    assert text in str(err.value)
+
+
+def test_wrong_type_on_assignment_is_refused_and_not_stored():
+    cfg = tiny_config()
+    with pytest.raises(TypeError, match="expected Optional\\[int\\], got str '10'"):
+        cfg.train.train_iters = "10"
+    assert cfg.train.train_iters == 20
+
+
+def test_dataset_seq_length_alias():
+    data = GPTDatasetConfig(seq_length=128)
+    assert data.sequence_length == 128 and data.seq_length == 128
+    data.seq_length = 64
+    assert data.sequence_length == 64 and data.is_explicit("sequence_length")
+
+
+def test_deepcopy_and_pickle_of_a_resolved_container():
+    cfg = tiny_config(mixed_precision="bf16_mixed")
+    runtime_config_update(cfg)
+    for clone in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert clone == cfg
+        assert clone.model.is_explicit("num_layers") and not clone.model.is_explicit("bf16")
+
+
+def test_config_error_pickles_and_lists_problems():
+    cfg = tiny_config()
+    cfg.optimizer.lr = None
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    again = pickle.loads(pickle.dumps(err.value))
+    assert again.errors == err.value.errors == ["optimizer.lr: the learning rate is not set (set optimizer.lr, e.g. 3e-4)"]
+    assert isinstance(err.value, ValueError)
+
+
+def test_log_non_default_values_reports_only_changed_fields(caplog):
+    cfg = tiny_config()
+    runtime_config_update(cfg)
+    with caplog.at_level("INFO"):
+        report = cfg.log_non_default_values()
+    assert report["model"]["num_layers"] == (2, 0)  # megatron-core's default
+    assert report["model"]["transformer_impl"] == ("local", "transformer_engine")
+    assert "ffn_hidden_size" not in report["model"]  # derived, not chosen
+    assert "gated_linear_unit" not in report["model"]  # unchanged
+    assert report["train"]["train_iters"] == (20, None)
+    assert "rng" not in report
+    assert "num_layers=2 (default 0)" in caplog.text
+
+
+def test_no_assert_statements_in_the_library():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assert):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_importing_the_config_layer_does_not_import_the_runtime_or_optional_packages():
+    # megatron.core itself imports wandb/tensorboard when they are installed (timers.py), so
+    # compare against what `import megatron.core` alone loads.
+    code = (
+        "import sys, megatron.core\n"
+        "before = set(sys.modules)\n"
+        "import megatron_bridge.training.config, megatron_bridge.models\n"
+        "new = set(sys.modules) - before\n"
+        "heavy = sorted(m for m in new if m.startswith(('megatron_bridge.training.pretrain', "
+        "'megatron_bridge.training.train', 'megatron_bridge.training.setup', 'megatron_bridge.training.checkpointing', "
+        "'megatron_bridge.training.loggers', 'transformer_engine', 'nvidia_resiliency_ext', 'mlflow', 'wandb', "
+        "'comet_ml', 'tensorboard', 'megatron.core.models.gpt.gpt_model')))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,376 @@
+"""One test per validation rule of `runtime_config_update` / `ConfigContainer.validate`, matched on
+the message the user sees."""
+
+import logging
+import os
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge import extras
+from megatron_bridge.training.config import (
+    CheckpointConfig,
+    ConfigValidationError,
+    FinetuningDatasetConfig,
+    LoggerConfig,
+    MissingPackageError,
+    MockGPTDatasetConfig,
+    NVRxStragglerDetectionConfig,
+    OptimizerConfig,
+    ProfilingConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    ValidationConfig,
+    runtime_config_update,
+)
+
+
+def problems_of(cfg, world_size=1):
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, world_size=world_size)
+    return err.value.errors
+
+
+def only_problem(cfg, world_size=1):
+    errors = problems_of(cfg, world_size)
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+# ---------------------------------------------------------------------- parallel sizes / batches
+def test_world_size_must_be_divisible_by_tp_pp_cp():
+    cfg = tiny_config(model=tiny_model(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    assert only_problem(cfg, world_size=6) == (
+        "data_parallel_size: world size 6 is not divisible by tensor x pipeline x context parallel = 2 x 2 x 1 "
+        "(launch a multiple of TP x PP x CP processes or change the parallel sizes)"
+    )
+
+
+def test_world_size_comes_from_the_environment_when_not_given(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = tiny_config()
+    runtime_config_update(cfg)
+    assert cfg.data_parallel_size == 4
+
+
+def test_global_batch_must_be_divisible_by_micro_batch_times_dp():
+    cfg = tiny_config(train=TrainingConfig(train_iters=5, global_batch_size=12, micro_batch_size=2))
+    assert only_problem(cfg, world_size=4) == (
+        "train.global_batch_size: 12 is not divisible by micro_batch_size x data_parallel_size = 2 x 4 = 8 "
+        "(use a multiple of 8, e.g. 8)"
+    )
+
+
+def test_eval_batch_sizes_default_to_train_and_are_checked():
+    cfg = tiny_config()
+    runtime_config_update(cfg)
+    assert (cfg.validation.eval_global_batch_size, cfg.validation.eval_micro_batch_size) == (8, 2)
+    bad = tiny_config(validation=ValidationConfig(eval_iters=2, eval_global_batch_size=6, eval_micro_batch_size=4))
+    assert only_problem(bad) == (
+        "validation.eval_global_batch_size: 6 is not divisible by eval_micro_batch_size x data_parallel_size = "
+        "4 x 1 = 4 (use a multiple of 4, e.g. 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    "train, text",
+    [
+        (
+            TrainingConfig(train_iters=5, train_samples=40, global_batch_size=8, micro_batch_size=2),
+            "train.train_iters: train_iters (5) and train_samples (40) are both set "
+            "(set exactly one of train.train_iters / train.train_samples)",
+        ),
+        (
+            TrainingConfig(global_batch_size=8, micro_batch_size=2),
+            "train.train_iters: neither train_iters nor train_samples is set (set train.train_iters)",
+        ),
+    ],
+)
+def test_exactly_one_of_train_iters_and_train_samples(train, text):
+    assert text in problems_of(tiny_config(train=train))
+
+
+# ---------------------------------------------------------------------- scheduler
+def test_iteration_based_scheduler_steps():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_iters=15, lr_warmup_iters=3))
+    runtime_config_update(cfg)
+    s = cfg.scheduler
+    assert (s.lr_decay_steps, s.lr_warmup_steps, s.wd_incr_steps, s.wsd_decay_steps) == (15 * 8, 3 * 8, 20 * 8, None)
+
+
+def test_warmup_fraction_and_max_steps():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_fraction=0.1, max_steps=100))
+    runtime_config_update(cfg)
+    assert (cfg.scheduler.lr_decay_steps, cfg.scheduler.lr_warmup_steps, cfg.scheduler.wd_incr_steps) == (800, 80, 800)
+
+
+def test_sample_based_scheduler_steps():
+    cfg = tiny_config(
+        train=TrainingConfig(train_samples=160, global_batch_size=8, micro_batch_size=2),
+        scheduler=SchedulerConfig(lr_warmup_samples=16, lr_decay_style="WSD", lr_wsd_decay_samples=32),
+    )
+    runtime_config_update(cfg)
+    s = cfg.scheduler
+    assert (s.lr_decay_steps, s.lr_warmup_steps, s.wd_incr_steps, s.wsd_decay_steps) == (160, 16, 160, 32)
+
+
+def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
+    assert (
+        "scheduler.lr_wsd_decay_iters: the WSD schedule needs the length of its final decay phase "
+        "(set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples))"
+    ) in problems_of(tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD")))
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=50))
+    assert "the WSD decay phase (400 samples) is longer than the whole decay (160 samples)" in only_problem(cfg)
+
+
+def test_warmup_not_shorter_than_decay_is_an_error():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_iters=20, lr_decay_style="cosine"))
+    assert only_problem(cfg) == (
+        "scheduler.lr_warmup_iters: warmup (160 samples) is not shorter than the decay (160 samples) "
+        "(shorten the warmup or lengthen lr_decay_iters / the training run)"
+    )
+
+
+def test_iteration_and_sample_scheduler_fields_do_not_mix():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_iters=10, lr_warmup_samples=16))
+    errors = problems_of(cfg)
+    assert any("iteration-based fields ['lr_decay_iters'] are mixed with sample-based fields ['lr_warmup_samples']" in e for e in errors)
+    sample_run = tiny_config(
+        train=TrainingConfig(train_samples=160, global_batch_size=8, micro_batch_size=2),
+        scheduler=SchedulerConfig(lr_decay_iters=10),
+    )
+    assert "sample-based training (train.train_samples) with iteration-based scheduler fields ['lr_decay_iters']" in (
+        only_problem(sample_run)
+    )
+
+
+def test_weight_decay_range():
+    errors = problems_of(tiny_config(scheduler=SchedulerConfig(start_weight_decay=-0.1, end_weight_decay=0.1)))
+    assert "scheduler.start_weight_decay: must be >= 0, got -0.1 (use 0.0 or more)" in errors
+    assert (
+        "scheduler.end_weight_decay: constant weight decay but start (-0.1) != end (0.1) "
+        "(set weight_decay_incr_style='linear' or 'cosine', or make them equal)"
+    ) in errors
+    shrinking = tiny_config(
+        scheduler=SchedulerConfig(start_weight_decay=0.1, end_weight_decay=0.01, weight_decay_incr_style="linear")
+    )
+    assert "start_weight_decay (0.1) exceeds end_weight_decay (0.01)" in only_problem(shrinking)
+    negative = tiny_config(optimizer=OptimizerConfig(lr=1e-3, weight_decay=-1.0))
+    assert "optimizer.weight_decay: must be >= 0, got -1.0 (use e.g. 0.1 (0.0 turns weight decay off))" in problems_of(negative)
+
+
+def test_weight_decay_schedule_defaults_to_optimizer_weight_decay():
+    cfg = tiny_config(optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.05))
+    runtime_config_update(cfg)
+    assert cfg.scheduler.start_weight_decay == cfg.scheduler.end_weight_decay == 0.05
+
+
+# ---------------------------------------------------------------------- distributed optimizer
+def test_distributed_optimizer_is_kept_in_sync_and_says_so(caplog):
+    cfg = tiny_config()
+    cfg.ddp.use_distributed_optimizer = True
+    with caplog.at_level(logging.INFO):
+        runtime_config_update(cfg)
+    assert cfg.optimizer.use_distributed_optimizer is True
+    assert "setting optimizer.use_distributed_optimizer=True to match the other section" in caplog.text
+
+
+def test_distributed_optimizer_contradiction_is_reported():
+    cfg = tiny_config(optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=False))
+    cfg.ddp.use_distributed_optimizer = True
+    assert only_problem(cfg) == (
+        "optimizer.use_distributed_optimizer: optimizer.use_distributed_optimizer=False but "
+        "ddp.use_distributed_optimizer=True (set both to the same value (or only one of them))"
+    )
+
+
+# ---------------------------------------------------------------------- precision
+def test_mixed_precision_consistency_between_model_and_optimizer():
+    cfg = tiny_config(model=tiny_model(bf16=True, params_dtype=torch.bfloat16))
+    assert only_problem(cfg) == (
+        "optimizer.bf16: model.bf16=True but optimizer.bf16=False "
+        "(set both alike, or use mixed_precision='bf16_mixed' which sets both)"
+    )
+
+
+def test_fp8_and_fp4_are_exclusive():
+    cfg = tiny_config(mixed_precision="bf16_with_fp8_current_scaling_mixed")
+    cfg.mixed_precision = "bf16_with_fp8_current_scaling_mixed"
+    from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+
+    mp = get_mixed_precision_config("bf16_with_fp8_current_scaling_mixed")
+    mp.fp4 = "e2m1"
+    cfg.mixed_precision = mp
+    assert "mixed_precision.fp4: fp8='hybrid' and fp4='e2m1' are both set (train in FP8 or in FP4, not both)" in (
+        problems_of(cfg)
+    )
+    model_level = tiny_config(model=tiny_model(fp8="hybrid", fp4="e2m1", bf16=True), optimizer=OptimizerConfig(lr=1e-3, bf16=True))
+    assert "model.fp4: model.fp8='hybrid' and model.fp4='e2m1' are both set (train in FP8 or in FP4, not both)" in (
+        problems_of(model_level)
+    )
+
+
+# ---------------------------------------------------------------------- sequence / context parallel
+def test_sequence_length_must_match_between_model_and_dataset():
+    cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=64, num_workers=0))
+    assert only_problem(cfg) == (
+        "dataset.seq_length: model.seq_length=32 but dataset sequence length is 64 (set both to the same value)"
+    )
+
+
+def test_context_parallel_needs_sequence_divisible_by_2cp():
+    cfg = tiny_config(
+        model=tiny_model(seq_length=36, context_parallel_size=4), dataset=MockGPTDatasetConfig(seq_length=36)
+    )
+    assert "model.seq_length: 36 is not divisible by 2 x context_parallel_size = 8 (use a multiple of 8)" in (
+        problems_of(cfg, world_size=4)
+    )
+
+
+def test_cp_comm_type_and_hierarchical_sizes():
+    cfg = tiny_config(model=tiny_model(context_parallel_size=4, cp_comm_type="a2a+p2p"))
+    assert only_problem(cfg, world_size=4) == (
+        "model.hierarchical_context_parallel_sizes: cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes "
+        "(set it, e.g. [2, 4] for context_parallel_size=8)"
+    )
+    cfg = tiny_config(
+        model=tiny_model(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 3])
+    )
+    assert "their product 6 differs from context_parallel_size=4" in only_problem(cfg, world_size=4)
+    cfg = tiny_config(model=tiny_model(context_parallel_size=2, cp_comm_type="ring"))
+    assert "model.cp_comm_type: unknown kind(s) ['ring']" in only_problem(cfg, world_size=2)
+    cfg = tiny_config(model=tiny_model(context_parallel_size=2, cp_comm_type="p2p", hierarchical_context_parallel_sizes=[2]))
+    assert "set to [2] but cp_comm_type is 'p2p'" in only_problem(cfg, world_size=2)
+
+
+def test_deterministic_mode_rules(monkeypatch):
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    cfg = tiny_config(model=tiny_model(deterministic_mode=True, cross_entropy_loss_fusion=True))
+    errors = problems_of(cfg)
+    assert (
+        "model.cross_entropy_loss_fusion: the fused cross entropy is not deterministic "
+        "(set model.cross_entropy_loss_fusion=False in deterministic mode)"
+    ) in errors
+    assert (
+        "env_vars.NCCL_ALGO: deterministic mode needs NCCL_ALGO in ['Ring', 'Tree'], got None "
+        "(set env_vars={'NCCL_ALGO': 'Ring'})"
+    ) in errors
+    ok = tiny_config(model=tiny_model(deterministic_mode=True), env_vars={"NCCL_ALGO": "Ring"})
+    runtime_config_update(ok)
+    assert os.environ["NCCL_ALGO"] == "Ring"
+
+
+def test_fine_grained_activation_offloading_needs_transformer_engine():
+    cfg = tiny_config(model=tiny_model(fine_grained_activation_offloading=True))
+    assert "model.fine_grained_activation_offloading: needs TransformerEngine layers, but transformer_impl='local'" in (
+        only_problem(cfg)
+    )
+
+
+# ---------------------------------------------------------------------- sections
+def test_profiling_rules():
+    cfg = tiny_config(profiling=ProfilingConfig(use_pytorch_profiler=True, profile_step_start=5, profile_step_end=5))
+    assert only_problem(cfg) == (
+        "profiling.profile_step_end: profile_step_end (5) must be greater than profile_step_start (5) "
+        "(set profiling.profile_step_end above profile_step_start)"
+    )
+    both = tiny_config(profiling=ProfilingConfig(use_pytorch_profiler=True, use_nsys_profiler=True))
+    assert "profiling.use_pytorch_profiler: use_nsys_profiler and use_pytorch_profiler are both on" in only_problem(both)
+
+
+def test_checkpoint_rules(tmp_path):
+    errors = problems_of(tiny_config(checkpoint=CheckpointConfig(async_save=True, ckpt_format="zarr", ckpt_step=3)))
+    assert "checkpoint.async_save: async_save needs a save directory (set checkpoint.save)" in errors
+    assert "checkpoint.async_save: async_save is not supported with ckpt_format='zarr'" in " ".join(errors)
+    assert (
+        "checkpoint.ckpt_step: ckpt_step=3 is set but there is nothing to load "
+        "(set checkpoint.load (or pretrained_checkpoint), or remove ckpt_step)"
+    ) in errors
+    missing = tmp_path / "nope"
+    assert f"checkpoint.pretrained_checkpoint: directory {str(missing)!r} does not exist" in only_problem(
+        tiny_config(checkpoint=CheckpointConfig(pretrained_checkpoint=str(missing)))
+    )
+    assert "checkpoint.most_recent_k: must be -1 (keep all) or >= 1, got 0" in only_problem(
+        tiny_config(checkpoint=CheckpointConfig(most_recent_k=0))
+    )
+
+
+def test_logger_rules():
+    errors = problems_of(tiny_config(logger=LoggerConfig(mlflow_experiment="exp", comet_project="proj")))
+    assert (
+        "logger.mlflow_run_name: mlflow_experiment='exp' is set but mlflow_run_name is not (set logger.mlflow_run_name)"
+    ) in errors
+    assert (
+        "logger.comet_experiment_name: comet_project='proj' is set but comet_experiment_name is not "
+        "(set logger.comet_experiment_name)"
+    ) in errors
+
+
+def test_missing_tracker_package_is_module_not_found_naming_the_extra(monkeypatch):
+    # The package is installed in the test environment; simulate a machine without it.
+    monkeypatch.setattr(extras, "is_installed", lambda module: module != "mlflow")
+    cfg = tiny_config(logger=LoggerConfig(mlflow_experiment="exp", mlflow_run_name="run"))
+    with pytest.raises(ModuleNotFoundError) as err:
+        runtime_config_update(cfg)
+    assert isinstance(err.value, MissingPackageError) and isinstance(err.value, ConfigValidationError)
+    assert err.value.errors == [
+        "logger.mlflow_experiment: MLflow logging needs the 'mlflow' package (pip install 'megatron-bridge[mlflow]')"
+    ]
+
+
+def test_require_names_the_extra():
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'megatron-bridge\[te\]'"):
+        extras.require("transformer_engine")
+
+
+def test_nvrx_straggler_thresholds_and_interval():
+    cfg = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(gpu_relative_perf_threshold=1.5, report_time_interval=0))
+    errors = problems_of(cfg)
+    assert "nvrx_straggler.gpu_relative_perf_threshold: must be within [0, 1], got 1.5 (use e.g. 0.7)" in errors
+    assert "nvrx_straggler.report_time_interval: must be positive, got 0 (use seconds, e.g. 300)" in errors
+
+
+def test_peft_needs_a_pretrained_checkpoint():
+    cfg = tiny_config(peft={"method": "lora"})
+    assert (
+        "peft: parameter-efficient fine-tuning needs the weights it adapts (set checkpoint.pretrained_checkpoint)"
+    ) in problems_of(cfg)
+
+
+def test_finetuning_dataset_rules():
+    cfg = tiny_config(dataset=FinetuningDatasetConfig(seq_length=64, num_workers=0))
+    errors = problems_of(cfg)
+    assert "dataset.dataset_root: is not set (set dataset.dataset_root to a directory)" in errors
+    assert "dataset.seq_length: dataset.seq_length=64 exceeds model.seq_length=32 (set both to the same value)" in errors
+
+
+def test_env_vars_are_applied_and_bad_ones_reported(monkeypatch):
+    monkeypatch.delenv("MB_TEST_VAR", raising=False)
+    cfg = tiny_config(env_vars={"MB_TEST_VAR": 3})
+    runtime_config_update(cfg)
+    assert os.environ["MB_TEST_VAR"] == "3"
+    bad = tiny_config(env_vars={"": 1, "LIST_VAR": [1, 2]})
+    errors = problems_of(bad)
+    assert "env_vars.'': is not a valid environment variable name (use a non-empty name without '=')" in errors
+    assert "env_vars.LIST_VAR: value [1, 2] is not a string or number (give a scalar value)" in errors
+
+
+# ---------------------------------------------------------------------- all at once
+def test_several_mistakes_are_reported_together():
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=0, global_batch_size=6, micro_batch_size=4),
+        optimizer=OptimizerConfig(lr=None),
+        dataset=MockGPTDatasetConfig(seq_length=64, num_workers=0),
+        profiling=ProfilingConfig(use_pytorch_profiler=True, profile_step_start=3, profile_step_end=1),
+    )
+    errors = problems_of(cfg)
+    for prefix in (
+        "train.train_iters: must be positive",
+        "optimizer.lr: the learning rate is not set",
+        "train.global_batch_size: 6 is not divisible",
+        "dataset.seq_length: model.seq_length=32",
+        "profiling.profile_step_end",
+    ):
+        assert any(e.startswith(prefix) for e in errors), (prefix, errors)
+    assert len(errors) >= 5

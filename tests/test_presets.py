@@ -1,0 +1,163 @@
+"""Mixed-precision presets and communication-overlap defaults."""
+
+import logging
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge.training.comm_overlap import DEFAULT_BUCKET_SIZE, CommOverlapConfig
+from megatron_bridge.training.config import ConfigValidationError, OptimizerConfig, runtime_config_update
+from megatron_bridge.training.mixed_precision import PRESETS, MixedPrecisionConfig, get_mixed_precision_config
+
+
+def test_bf16_preset_sets_model_optimizer_and_ddp():
+    cfg = tiny_config(mixed_precision="bf16_mixed")
+    runtime_config_update(cfg)
+    assert cfg.model.bf16 and cfg.optimizer.bf16 and not cfg.model.fp16
+    assert cfg.model.params_dtype == cfg.optimizer.params_dtype == torch.bfloat16
+    assert cfg.model.pipeline_dtype == torch.bfloat16
+    assert cfg.ddp.grad_reduce_in_fp32 is True
+    assert isinstance(cfg.mixed_precision, MixedPrecisionConfig)
+    assert not cfg.model.is_explicit("bf16")  # the preset's value, not the user's
+
+
+def test_fp16_preset_sets_loss_scaling_on_the_optimizer():
+    cfg = tiny_config(mixed_precision="fp16_mixed")
+    runtime_config_update(cfg)
+    assert cfg.model.fp16 and cfg.optimizer.fp16 and cfg.model.params_dtype == torch.half
+    assert cfg.optimizer.initial_loss_scale == 4294967296.0 and cfg.ddp.grad_reduce_in_fp32 is False
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "BF16_MIXED", " bf16_mixed "])
+def test_hyphen_and_case_spellings_resolve(name):
+    assert get_mixed_precision_config(name).bf16
+
+
+def test_unknown_preset_lists_the_available_ones():
+    cfg = tiny_config(mixed_precision="bf15_mixed")
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    (message,) = err.value.errors
+    assert message.startswith("mixed_precision: unknown preset 'bf15_mixed' (use one of: bf16_mixed, ")
+    for name in PRESETS:
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("bf16_with_fp8_delayed_scaling_mixed", dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_param=True)),
+        ("bf16_with_fp8_current_scaling_mixed", dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True)),
+        ("bf16_with_mxfp8_mixed", dict(fp8="hybrid", fp8_recipe="mxfp8", fp8_param=False)),
+        ("bf16_with_fp8_subchannel_scaling_mixed", dict(fp8="e4m3", fp8_recipe="blockwise")),
+        ("fp16_with_fp8_delayed_scaling_mixed", dict(fp16=True, fp8="hybrid", fp8_recipe="delayed")),
+        ("bf16_with_nvfp4_mixed", dict(fp4="e2m1", fp4_recipe="nvfp4", fp8=None)),
+    ],
+)
+def test_low_precision_presets_apply_their_fields_to_the_model(name, fields):
+    mp = get_mixed_precision_config(name)
+    model = tiny_model()
+    from megatron_bridge.config.errors import Problems
+
+    problems = Problems()
+    mp.finalize()
+    mp.apply(model, OptimizerConfig(lr=1e-3), None, problems, name)
+    assert not problems
+    for field, value in fields.items():
+        assert getattr(model, field) == value, field
+
+
+def test_fp8_fields_are_left_alone_by_a_non_fp8_preset():
+    cfg = tiny_config(model=tiny_model(fp8_margin=3), mixed_precision="bf16_mixed")
+    runtime_config_update(cfg)
+    assert cfg.model.fp8_margin == 3 and cfg.model.fp8_recipe == "delayed"  # megatron-core's default, untouched
+
+
+def test_preset_never_overwrites_an_explicit_user_value_and_reports_the_contradiction():
+    model = tiny_model(params_dtype=torch.float32)  # explicit, equal to the default
+    cfg = tiny_config(model=model, mixed_precision="bf16_mixed")
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    assert err.value.errors == [
+        "model.params_dtype: torch.float32 was set explicitly but mixed_precision 'bf16_mixed' sets torch.bfloat16 "
+        "(remove the explicit model.params_dtype or choose another mixed_precision preset)"
+    ]
+    assert cfg.model.params_dtype == torch.float32
+
+
+def test_explicit_value_equal_to_the_preset_is_fine():
+    cfg = tiny_config(model=tiny_model(bf16=True), mixed_precision="bf16_mixed")
+    runtime_config_update(cfg)
+    assert cfg.model.bf16 and cfg.optimizer.bf16
+
+
+def test_changing_the_preset_between_updates_reapplies():
+    cfg = tiny_config(mixed_precision="bf16_mixed")
+    runtime_config_update(cfg)
+    cfg.mixed_precision = "fp16_mixed"
+    runtime_config_update(cfg)
+    assert cfg.model.fp16 and not cfg.model.bf16 and cfg.model.params_dtype == torch.half
+
+
+def test_mixed_precision_config_checks():
+    with pytest.raises(ConfigValidationError, match="mixed_precision.bf16: fp16 and bf16 are both on"):
+        runtime_config_update(tiny_config(mixed_precision=MixedPrecisionConfig(fp16=True, bf16=True)))
+    with pytest.raises(ConfigValidationError, match="FP8/FP4 training needs bf16 or fp16 as the higher precision"):
+        runtime_config_update(tiny_config(mixed_precision=MixedPrecisionConfig(fp8="hybrid")))
+
+
+# ---------------------------------------------------------------------- comm overlap
+def test_tp_overlap_turned_off_with_a_reason(caplog):
+    cfg = tiny_config(comm_overlap=CommOverlapConfig(tp_comm_overlap=True))
+    with caplog.at_level(logging.WARNING):
+        runtime_config_update(cfg)
+    assert cfg.model.tp_comm_overlap is False
+    assert "tensor-parallel overlap turned off: tensor_model_parallel_size=1 (needs >= 2); sequence_parallel is off; " in (
+        caplog.text
+    )
+    assert "TransformerEngine layers are not in use" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "pp, vp, layers, overlap_p2p, batch_p2p",
+    [(1, None, 2, False, False), (2, None, 2, False, True), (2, 2, 4, True, False)],
+)
+def test_pipeline_overlap_defaults(pp, vp, layers, overlap_p2p, batch_p2p):
+    model = tiny_model(num_layers=layers, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp)
+    cfg = tiny_config(model=model, comm_overlap=CommOverlapConfig())
+    runtime_config_update(cfg, world_size=pp)
+    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (overlap_p2p, batch_p2p)
+
+
+def test_data_parallel_overlap_only_with_dp_and_distributed_optimizer():
+    cfg = tiny_config(comm_overlap=CommOverlapConfig())
+    cfg.ddp.use_distributed_optimizer = True
+    runtime_config_update(cfg, world_size=2)
+    assert cfg.ddp.overlap_grad_reduce and cfg.ddp.overlap_param_gather
+    assert cfg.optimizer.overlap_param_gather  # kept in sync with ddp
+    assert cfg.ddp.bucket_size == DEFAULT_BUCKET_SIZE == 128 * 1024 * 1024
+    single = tiny_config(comm_overlap=CommOverlapConfig())
+    single.ddp.use_distributed_optimizer = True
+    runtime_config_update(single, world_size=1)
+    assert not single.ddp.overlap_grad_reduce and single.ddp.bucket_size is None
+
+
+def test_user_values_win_over_comm_overlap_defaults():
+    cfg = tiny_config(comm_overlap=CommOverlapConfig())
+    cfg.ddp.use_distributed_optimizer = True
+    cfg.ddp.overlap_grad_reduce = False
+    cfg.ddp.bucket_size = 1000
+    runtime_config_update(cfg, world_size=2)
+    assert cfg.ddp.overlap_grad_reduce is False and cfg.ddp.bucket_size == 1000
+    assert cfg.ddp.overlap_param_gather is True
+
+
+def test_contradiction_between_comm_overlap_and_an_explicit_target_value():
+    cfg = tiny_config(comm_overlap=CommOverlapConfig(overlap_grad_reduce=True))
+    cfg.ddp.overlap_grad_reduce = False
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, world_size=2)
+    assert err.value.errors == [
+        "ddp.overlap_grad_reduce: False contradicts comm_overlap.overlap_grad_reduce=True (set overlap_grad_reduce in one place only)"
+    ]
