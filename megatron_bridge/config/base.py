@@ -171,6 +171,14 @@ class ConfigBase(metaclass=_ConfigMeta):
             if value is not old and k in names and k not in derived:
                 derived[k] = old
 
+    def __copy__(self) -> Any:
+        clone = object.__new__(type(self))
+        d = dict(self.__dict__)
+        d[_EXPLICIT] = set(d.get(_EXPLICIT, ()))
+        d[_DERIVED] = dict(d.get(_DERIVED, {}))
+        clone.__dict__.update(d)
+        return clone
+
     # ------------------------------------------------------------------ finalize
     def _finalize(self, problems: Problems) -> None:
         """Checks and derived values of this section; report problems into `problems`.

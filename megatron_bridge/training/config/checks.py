@@ -112,11 +112,15 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
     uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
     if pp > 1 and not uneven and m.pipeline_model_parallel_layout is None:
         stages = pp * (vp or 1)
+        # account_for_embedding/loss_in_pipeline_split count the embedding and the loss as a layer each
+        extra = int(bool(m.account_for_embedding_in_pipeline_split)) + int(bool(m.account_for_loss_in_pipeline_split))
+        counted = f"{m.num_layers} layers + {extra} (embedding/loss)" if extra else f"{m.num_layers} layers"
         problems.check(
-            m.num_layers % stages == 0,
+            (m.num_layers + extra) % stages == 0,
             "model.num_layers",
-            f"{m.num_layers} layers do not split evenly over {pp} pipeline stages x {vp or 1} virtual stages",
-            "change the pipeline sizes or set num_layers_in_first/last_pipeline_stage",
+            f"{counted} do not split evenly over {pp} pipeline stages x {vp or 1} virtual stages",
+            "change the pipeline sizes, set num_layers_in_first/last_pipeline_stage, or "
+            "account_for_embedding/loss_in_pipeline_split",
         )
     if vp is not None and vp > 1:
         problems.check(

@@ -1,0 +1,72 @@
+"""Build the train/valid/test datasets a config describes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from megatron_bridge.training.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleCounts:
+    """How many samples each split must provide for the whole run."""
+
+    train: int
+    valid: int
+    test: int
+
+
+def sample_counts(cfg: "ConfigContainer") -> SampleCounts:
+    """Train: every step's global batch; valid: `eval_iters` batches at every evaluation (each
+    `eval_interval` steps and once at the end); test: `test_iters` (default `eval_iters`) batches."""
+    t, v = cfg.train, cfg.validation
+    train = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+    eval_batch = v.eval_global_batch_size or t.global_batch_size
+    evaluations = (t.train_iters // v.eval_interval if v.eval_interval else 0) + 1
+    valid = (v.eval_iters or 0) * eval_batch * evaluations
+    test_iters = v.test_iters if v.test_iters is not None else (v.eval_iters or 0)
+    return SampleCounts(train=train, valid=valid, test=test_iters * eval_batch)
+
+
+def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = None) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:
+    """(train, valid, test) datasets for `cfg.dataset`; a split may be None."""
+    counts = sample_counts(cfg)
+    data = cfg.dataset
+    if isinstance(data, DatasetProvider):
+        context = DatasetBuildContext(
+            train_samples=counts.train,
+            valid_samples=counts.valid,
+            test_samples=counts.test,
+            tokenizer=tokenizer,
+            pg_collection=pg_collection,
+        )
+        return data.build_datasets(context)
+    if isinstance(data, FinetuningDatasetConfig):
+        from megatron_bridge.data.finetuning import build_finetuning_datasets
+
+        return build_finetuning_datasets(data, tokenizer, counts)
+    if isinstance(data, GPTDatasetConfig):
+        return _build_gpt_datasets(data, tokenizer, counts)
+    raise TypeError(f"cfg.dataset: unsupported dataset config {type(data).__name__}")
+
+
+def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCounts):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    config = copy.copy(data)  # the builder needs the tokenizer; the user's config keeps none
+    config.apply_default("tokenizer", tokenizer)
+    vocab = getattr(tokenizer, "vocab_size", None)
+    config.apply_default("token_dtype_code", None if vocab is None else (4 if vocab > 65536 else 8))
+    sizes = [counts.train, counts.valid or None, counts.test or None]
+    dataset_class = MockGPTDataset if config.mock else GPTDataset
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    return train, valid, test

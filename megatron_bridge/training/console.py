@@ -1,0 +1,54 @@
+"""What the logging rank prints: one line per log step with a progress indicator, and
+evaluation results."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from typing import Mapping
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds: float) -> str:
+    """e.g. `[ 33%] iter 10/30 | samples 80 | 16.2 ms/iter | 15.8k tok/s | lr 2.70E-03 | lm loss 4.812E+00 | ...`"""
+    percent = 100.0 * step / total if total else 100.0
+    parts = [
+        f"[{percent:3.0f}%] iteration {step:>{len(str(total))}}/{total}",
+        f"consumed samples {int(metrics['consumed-samples'])}",
+        f"{metrics['iteration-time'] * 1000:.1f} ms/iter",
+        f"{metrics['tokens-per-second']:.0f} tokens/s",
+        f"lr {metrics['learning-rate']:.3E}",
+        f"batch {int(metrics['batch-size'])}",
+    ]
+    if "lm loss" in metrics:
+        parts.append(f"lm loss {metrics['lm loss']:.4E}")
+    for key in sorted(metrics):
+        if key.endswith(" loss") and key != "lm loss":
+            parts.append(f"{key} {metrics[key]:.4E}")
+    if "grad-norm" in metrics and math.isfinite(metrics["grad-norm"]):
+        parts.append(f"grad norm {metrics['grad-norm']:.3f}")
+    if metrics.get("loss-scale", 1.0) != 1.0:
+        parts.append(f"loss scale {metrics['loss-scale']:.1f}")
+    if metrics.get("skipped-iterations"):
+        parts.append(f"skipped {int(metrics['skipped-iterations'])}")
+    if metrics.get("nan-iterations"):
+        parts.append(f"nan {int(metrics['nan-iterations'])}")
+    parts.append(f"ETA {format_duration(eta_seconds)}")
+    return " | ".join(parts)
+
+
+def eval_line(step: int, split: str, metrics: Mapping[str, float]) -> str:
+    """e.g. `validation at iteration 20 | lm loss 4.1E+00 | lm loss PPL 6.0E+01`"""
+    parts = [f"{split} at iteration {step}"]
+    for key, value in metrics.items():
+        parts.append(f"{key} {value:.4E}")
+        parts.append(f"{key} PPL {math.exp(min(20.0, value)):.4E}")
+    return " | ".join(parts)

@@ -1,0 +1,329 @@
+"""Training on CPUs: stand-ins for the CUDA-only calls megatron-core makes.
+
+megatron-core assumes CUDA in many places: `torch.cuda.current_device()` as a device, tensors
+created with `device="cuda"` or `.cuda()`, CUDA streams/events, the CUDA RNG tracker, and asserts
+that gradients are `torch.cuda.FloatTensor`. `activate()` makes these work on CPU:
+
+1. an RNG-states tracker that keeps named CPU generator states (same streams as megatron's);
+2. CPU stand-ins for the `torch.cuda` functions on the training and checkpoint paths (no-op
+   synchronize/streams/events, RNG state of the CPU generator, zero memory statistics);
+3. a `TorchFunctionMode`, entered on the activating thread, that turns CUDA device arguments into
+   "cpu", makes `Tensor.cuda()` a no-op, and reports `torch.cuda.*` tensor types.
+
+It is activated only when a run trains on CPU (never where CUDA is available), and
+`deactivate()` restores exactly what `activate()` replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------- RNG tracker
+def _cpu_tracker_class(base: type) -> type:
+    class CPURNGStatesTracker(base):
+        """megatron's RNG-states tracker over the CPU generator."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            original = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            original = torch.get_rng_state()
+            original_name = self._current_state_name
+            if original_name != "default-rng":
+                self.states_[original_name] = original
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if original_name != "default-rng":
+                    original = self.states_[original_name]
+                torch.set_rng_state(original)
+                self._current_state_name = original_name
+
+    CPURNGStatesTracker.__qualname__ = CPURNGStatesTracker.__name__
+    return CPURNGStatesTracker
+
+
+# ---------------------------------------------------------------------- torch.cuda stand-ins
+class _Stream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> "_Event":
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _returning(value: Any, name: str) -> Callable[..., Any]:
+    # A distinct function object per name: torch._dynamo keys its rules by torch.cuda's function
+    # objects and rejects one object registered under two names.
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return value() if callable(value) else value
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    return stand_in
+
+
+def _set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+CUDA_STAND_INS: dict[str, Callable[..., Any]] = {
+    "current_device": _returning("cpu", "current_device"),  # used as `device=` by megatron
+    "synchronize": _returning(None, "synchronize"),
+    "set_device": _returning(None, "set_device"),
+    "Stream": _Stream,
+    "Event": _Event,
+    "stream": _returning(contextlib.nullcontext, "stream"),
+    "current_stream": _returning(_Stream, "current_stream"),
+    "default_stream": _returning(_Stream, "default_stream"),
+    "set_stream": _returning(None, "set_stream"),
+    "get_rng_state": _returning(torch.get_rng_state, "get_rng_state"),
+    "set_rng_state": _set_rng_state,
+    "memory_stats": _returning(dict, "memory_stats"),
+    "memory_allocated": _returning(0, "memory_allocated"),
+    "max_memory_allocated": _returning(0, "max_memory_allocated"),
+    "memory_reserved": _returning(0, "memory_reserved"),
+    "max_memory_reserved": _returning(0, "max_memory_reserved"),
+    "reset_peak_memory_stats": _returning(None, "reset_peak_memory_stats"),
+    "reset_max_memory_allocated": _returning(None, "reset_max_memory_allocated"),
+    "empty_cache": _returning(None, "empty_cache"),
+}
+"""`torch.cuda` attributes replaced while the backend is active."""
+
+
+# ---------------------------------------------------------------------- device remapping
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a bare CUDA ordinal
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Turns CUDA device arguments into "cpu" for every torch call made while it is active."""
+
+    _special = frozenset({torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda(device):
+                kwargs = dict(kwargs, device="cpu")
+        else:
+            kwargs = {}
+        if func in self._special:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.to:
+                if len(args) > 1 and _is_cuda(args[1]):
+                    args = (args[0], "cpu", *args[2:])
+            elif not kwargs and len(args) == 1:  # Tensor.type(): megatron asserts torch.cuda.* types
+                name = func(*args)
+                return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- activation
+class _Backend:
+    def __init__(self) -> None:
+        self.active = False
+        self.saved_cuda: dict[str, Any] = {}
+        self.saved_random: dict[str, Any] = {}
+        self.mode: Optional[CudaToCpuMode] = None
+        self.thread: Optional[int] = None
+
+
+_BACKEND = _Backend()
+
+
+def needed() -> bool:
+    """True where megatron-core needs the stand-ins: no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def is_active() -> bool:
+    return _BACKEND.active
+
+
+def activate() -> bool:
+    """Install the CPU stand-ins (no-op where CUDA is available or already active).
+
+    Returns whether this call activated the backend.
+    """
+    if _BACKEND.active or not needed():
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    b = _BACKEND
+    b.saved_random = {
+        "CudaRNGStatesTracker": mrandom.CudaRNGStatesTracker,
+        "_CUDA_RNG_STATE_TRACKER": mrandom._CUDA_RNG_STATE_TRACKER,
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    }
+    mrandom.CudaRNGStatesTracker = _cpu_tracker_class(mrandom.CudaRNGStatesTracker)
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+    b.saved_cuda = {name: getattr(torch.cuda, name, _MISSING) for name in CUDA_STAND_INS}
+    for name, stand_in in CUDA_STAND_INS.items():
+        setattr(torch.cuda, name, stand_in)
+
+    b.mode = CudaToCpuMode()
+    b.mode.__enter__()
+    b.thread = threading.get_ident()
+    b.active = True
+    logger.info("CPU backend active: CUDA calls of megatron-core run on the CPU")
+    return True
+
+
+def deactivate() -> None:
+    """Restore everything `activate()` replaced (call on the thread that activated)."""
+    b = _BACKEND
+    if not b.active:
+        return
+    if b.mode is not None:
+        if threading.get_ident() != b.thread:
+            raise RuntimeError("the CPU backend must be deactivated on the thread that activated it")
+        b.mode.__exit__(None, None, None)
+        b.mode = None
+    for name, original in b.saved_cuda.items():
+        if original is _MISSING:
+            delattr(torch.cuda, name)
+        else:
+            setattr(torch.cuda, name, original)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name, original in b.saved_random.items():
+        setattr(mrandom, name, original)
+    b.saved_cuda, b.saved_random = {}, {}
+    b.active = False
+
+
+@contextlib.contextmanager
+def active():
+    """Context manager: the CPU backend is active inside (if needed on this machine)."""
+    activated = activate()
+    try:
+        yield
+    finally:
+        if activated:
+            deactivate()
+
+
+# ---------------------------------------------------------------------- config on CPU
+CPU_MODEL_SETTINGS = {
+    "use_cpu_initialization": True,
+    "gradient_accumulation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+    "cross_entropy_loss_fusion": False,
+    "transformer_impl": "local",
+}
+"""Model settings a CPU run needs: fused CUDA kernels off, megatron-core's local layers, weights
+initialized on the CPU."""
+
+
+def adapt_config(cfg, problems) -> list[str]:
+    """Make `cfg` trainable on CPU: apply `CPU_MODEL_SETTINGS` where the user did not choose
+    otherwise, and report choices that cannot work on CPU. Returns what changed."""
+    model = cfg.model
+    changed = []
+    for name, value in CPU_MODEL_SETTINGS.items():
+        current = getattr(model, name)
+        if current == value:
+            continue
+        if model.is_explicit(name):
+            problems.add(
+                f"model.{name}",
+                f"{current!r} needs CUDA, but this run trains on CPU",
+                f"set model.{name}={value!r} or train on GPUs (dist.distributed_backend='nccl')",
+            )
+            continue
+        model.apply_default(name, value)
+        changed.append(f"model.{name}={value!r}")
+    if model.sequence_parallel:
+        problems.add(
+            "model.sequence_parallel",
+            "sequence parallelism does not run with megatron-core's local layers on CPU",
+            "set model.sequence_parallel=False",
+        )
+    if cfg.rerun_state_machine.rerun_mode == "report_determinism_stats":
+        problems.add(
+            "rerun_state_machine.rerun_mode",
+            "'report_determinism_stats' fails on CPU in megatron-core 0.16",
+            "use 'disabled' or 'validate_results' on CPU",
+        )
+    dataset = cfg.dataset
+    if getattr(dataset, "pin_memory", False):
+        dataset.apply_default("pin_memory", False)
+        changed.append("dataset.pin_memory=False")
+    if changed:
+        logger.info("training on CPU: %s", ", ".join(changed))
+    return changed

@@ -1,0 +1,129 @@
+"""Process groups: create them (or join the launcher's), set up megatron-core parallel state,
+and tear down — or abort, so a failing rank does not leave the others hanging."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_backend(requested: str) -> str:
+    """`auto` -> nccl when CUDA is available, else gloo."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "dist.distributed_backend='nccl' needs CUDA GPUs, and none is available "
+            "(use 'gloo' or 'auto' to train on CPUs)"
+        )
+    return requested
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(cfg: "ConfigContainer") -> tuple[str, bool]:
+    """Join the launcher's process group (torchrun) or create a 1-process one.
+
+    Returns (device, created): device is "cuda" or "cpu"; created tells whether this call made
+    the group (and so the caller must destroy it).
+    """
+    backend = resolve_backend(cfg.dist.distributed_backend)
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        local_rank = cfg.dist.local_rank if cfg.dist.local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(0 if cfg.dist.external_gpu_device_mapping else local_rank)
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            logger.warning("using the existing %s process group (config asks for %s)", dist.get_backend(), backend)
+        return device, False
+    if "RANK" not in os.environ:
+        # A plain single process: listen on loopback only, on a free port.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        rank, world_size = 0, 1
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes),
+    )
+    return device, True
+
+
+def init_model_parallel(cfg: "ConfigContainer") -> None:
+    """megatron-core parallel state for TP/PP/VP/CP/EP and the data-parallel rest."""
+    from megatron.core import parallel_state
+
+    m = cfg.model
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
+        nccl_communicator_config_path=cfg.dist.nccl_communicator_config_path,
+        distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
+        order="tp-cp-ep-dp-pp" if not cfg.dist.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
+        create_gloo_process_groups=cfg.dist.use_gloo_process_groups,
+        high_priority_stream_groups=cfg.dist.high_priority_stream_groups,
+        use_sharp=cfg.dist.use_sharp,
+    )
+
+
+def teardown(destroy_group: bool) -> None:
+    """Release megatron-core globals; destroy the process group if we created it."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    destroy_rerun_state_machine()
+    destroy_num_microbatches_calculator()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort() -> None:
+    """After a failure on this rank: abort communication instead of waiting for peers that
+    will never answer, so the other ranks fail fast instead of hanging."""
+    from megatron.core import parallel_state
+
+    try:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - best effort while failing
+        pass
+    if not dist.is_initialized():
+        return
+    abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort_group is not None:
+            abort_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the group may already be broken
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,87 @@
+"""The standard GPT forward step: next-token loss over the tokens the loss mask keeps."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_bridge.training.state import GlobalState
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def get_batch(data_iterator: Iterator[dict], state: GlobalState) -> dict[str, Optional[torch.Tensor]]:
+    """Next micro batch, on this rank's device, sliced for context parallelism."""
+    batch = next(data_iterator)
+    device = "cuda" if state.device == "cuda" else None
+    out: dict[str, Optional[torch.Tensor]] = {}
+    for key in BATCH_KEYS:
+        value = batch.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if value is not None and device is not None:
+            value = value.to(device, non_blocking=True)
+        out[key] = value
+    if state.cfg.model.context_parallel_size > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        out = get_batch_on_this_cp_rank(out)
+    return out
+
+
+def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor, state: Optional[GlobalState] = None):
+    """Sum of per-token losses where `loss_mask` is 1, the token count, and the reported value.
+
+    NaN/Inf losses are rejected (fatally) and spiky losses reported through megatron-core's rerun
+    state machine, as `state.cfg.rerun_state_machine` asks.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    if state is not None:
+        _validate_loss(loss, state)
+    reported = torch.cat([loss.detach().view(1), num_tokens.detach().view(1).float()])
+    return loss, num_tokens, {"lm loss": reported}
+
+
+def _validate_loss(loss: torch.Tensor, state: GlobalState) -> None:
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    rerun = state.cfg.rerun_state_machine
+    machine = get_rerun_state_machine()
+    if rerun.check_for_nan_in_loss:
+        machine.validate_result(
+            result=loss, rejection_func=torch.isnan, message="found NaN in the loss", tolerance=0.0, fatal=True
+        )
+        machine.validate_result(
+            result=loss, rejection_func=torch.isinf, message="found Inf in the loss", tolerance=0.0, fatal=True
+        )
+    if rerun.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss,
+            rejection_func=partial(machine.is_unexpectedly_large, threshold=rerun.spiky_loss_factor, context="loss"),
+            message="spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
+
+
+def forward_step(state: GlobalState, data_iterator: Iterator[dict], model: torch.nn.Module, return_schedule_plan: bool = False):
+    """Run one micro batch through `model`; return (per-token losses, loss function) as
+    megatron-core's pipeline schedules expect."""
+    timers = state.timers
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator, state)
+    if timers is not None:
+        timers("batch-generator").stop()
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    return output, partial(masked_next_token_loss, batch["loss_mask"], state=state)

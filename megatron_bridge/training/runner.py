@@ -1,0 +1,80 @@
+"""Run a job end to end: setup, train, final evaluation, and a teardown that never hangs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from megatron_bridge.training import cpu_backend
+from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.training.config import ConfigContainer
+from megatron_bridge.training.distributed import abort, teardown
+from megatron_bridge.training.state import GlobalState
+from megatron_bridge.training.train import Run, run_evaluation, train
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def execute(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
+    """Set up, train, evaluate on the validation and test sets, shut down; return the final state.
+
+    If this call created the process group it destroys it. If anything raises, the process groups
+    are aborted (so the other ranks fail fast instead of waiting) and the error propagates.
+    """
+    from megatron_bridge.training.setup import setup
+
+    state = GlobalState(cfg=config)
+    run: Optional[Run] = None
+    try:
+        run = setup(config, forward_step_func, callbacks, state=state)
+        _train_and_evaluate(run)
+    except BaseException:
+        _close_tracker(state, failed=True)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            abort()
+        _shutdown(state)
+        raise
+    _close_tracker(state, failed=False)
+    _shutdown(state)
+    return state
+
+
+def _train_and_evaluate(run: Run) -> None:
+    state, v = run.state, run.state.cfg.validation
+    ts = state.train_state
+    reason = "skipped (validation.skip_train)"
+    if ts.do_train and ts.step < state.cfg.train.train_iters:
+        reason = train(run)
+    elif run.checkpointer is not None and ts.do_train:
+        reason = "already trained to train.train_iters"
+    if state.is_logging_rank:
+        logger.info("training stopped at iteration %d: %s", ts.step, reason)
+    if reason in ("completed", "skipped (validation.skip_train)", "already trained to train.train_iters"):
+        if ts.do_valid and v.eval_iters:
+            run_evaluation(run, run.valid_iterator, v.eval_iters, "validation")
+        if ts.do_test:
+            test_iters = v.test_iters if v.test_iters is not None else v.eval_iters
+            run_evaluation(run, run.test_iterator, test_iters, "test")
+    if run.checkpointer is not None:
+        run.checkpointer.finalize(run)
+
+
+def _close_tracker(state: GlobalState, failed: bool) -> None:
+    if state.tracker is None:
+        return
+    try:
+        state.tracker.close(failed=failed)
+    except Exception as exc:  # noqa: BLE001 - a tracker must not hide the training outcome
+        logger.warning("closing experiment trackers failed: %s", exc)
+    state.tracker = None
+
+
+def _shutdown(state: GlobalState) -> None:
+    try:
+        teardown(destroy_group=state.created_process_group)
+    finally:
+        if state.cpu_backend_activated:
+            cpu_backend.deactivate()
+            state.cpu_backend_activated = False

@@ -1,0 +1,218 @@
+"""Turn a `ConfigContainer` into a ready-to-train `Run`, in a fixed order."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.training import cpu_backend
+from megatron_bridge.training.callbacks import Callback, CallbackList
+from megatron_bridge.training.config import ConfigContainer, runtime_config_update
+from megatron_bridge.training.distributed import init_model_parallel, init_process_group, resolve_backend
+from megatron_bridge.training.forward_step import prepare_forward_step
+from megatron_bridge.training.state import GlobalState
+from megatron_bridge.training.train import Run
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def resolve_config(cfg: ConfigContainer) -> str:
+    """Adapt `cfg` to the device it will train on, then `runtime_config_update`; returns the device."""
+    device = "cuda" if resolve_backend(cfg.dist.distributed_backend) == "nccl" else "cpu"
+    if device == "cpu":
+        problems = Problems()
+        cpu_backend.adapt_config(cfg, problems)
+        problems.raise_if_any()
+    runtime_config_update(cfg)
+    return device
+
+
+# megatron-core logs these at WARNING level although nothing is wrong.
+_ROUTINE_MESSAGES = {
+    "megatron.core.rerun_state_machine": ("RerunStateMachine initialized in mode", "Setting RerunStateMachine mode"),
+    "megatron.core.datasets.gpt_dataset": ("Unable to save",),
+}
+
+
+class _DropRoutine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        prefixes = _ROUTINE_MESSAGES.get(record.name, ())
+        return not str(record.msg).startswith(prefixes)
+
+
+def configure_logging(state: GlobalState) -> None:
+    """Progress lines from the logging rank on stdout (unless the application configured
+    logging itself); warnings from every rank."""
+    cfg = state.cfg.logger
+    ours = logging.getLogger("megatron_bridge")
+    level = cfg.logging_level if cfg.logging_level is not None else logging.INFO
+    ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
+    if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._mb_console = True  # type: ignore[attr-defined]
+        ours.addHandler(handler)
+        ours.propagate = False
+    if cfg.filter_warnings:
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)
+        for name in _ROUTINE_MESSAGES:
+            source = logging.getLogger(name)
+            if not any(isinstance(f, _DropRoutine) for f in source.filters):
+                source.addFilter(_DropRoutine())
+    for name in cfg.modules_to_filter or []:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    if cfg.set_level_for_all_loggers and cfg.logging_level is not None:
+        logging.getLogger().setLevel(cfg.logging_level)
+
+
+def set_seeds(cfg: ConfigContainer) -> None:
+    """Python/NumPy/torch seeds, offset per pipeline stage; megatron-core's per-group RNG streams."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if cfg.rng.data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=cfg.rng.te_rng_tracker, inference_rng_tracker=cfg.rng.inference_rng_tracker)
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    snapshot = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        snapshot["cuda"] = torch.cuda.get_rng_state()
+    snapshot["tracker"] = get_cuda_rng_tracker().get_states()
+    return snapshot
+
+
+def _rng_restore(snapshot: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(snapshot["python"])
+    np.random.set_state(snapshot["numpy"])
+    torch.set_rng_state(snapshot["torch"])
+    if "cuda" in snapshot:
+        torch.cuda.set_rng_state(snapshot["cuda"])
+    get_cuda_rng_tracker().set_states(snapshot["tracker"])
+
+
+def init_rerun_state_machine(cfg: ConfigContainer) -> None:
+    """megatron-core's rerun state machine in the configured mode; a re-run restores RNG states so
+    it repeats the step exactly."""
+    from megatron.core.rerun_state_machine import (
+        RerunDiagnostic,
+        RerunErrorInjector,
+        RerunMode,
+        initialize_rerun_state_machine,
+    )
+
+    r = cfg.rerun_state_machine
+    initialize_rerun_state_machine(
+        state_save_func=_rng_snapshot,
+        state_restore_func=_rng_restore,
+        mode=RerunMode(r.rerun_mode),
+        error_injector=RerunErrorInjector(
+            error_injection_rate=r.error_injection_rate, error_injection_type=RerunDiagnostic(r.error_injection_type)
+        ),
+    )
+
+
+def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: int):
+    """Train/valid/test micro-batch iterators for this data-parallel rank (one per model chunk
+    for virtual pipelining), resuming at the consumed-sample counters."""
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_bridge.data.builders import build_datasets, sample_counts
+    from megatron_bridge.data.loaders import build_iterator
+
+    ts, t, v = state.train_state, cfg.train, cfg.validation
+    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer)
+    counts = sample_counts(cfg)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    pin = state.device == "cuda"
+
+    def iterators(dataset, consumed, mbs, gbs, needed, split):
+        made = [build_iterator(cfg, dataset, consumed, mbs, gbs, needed, dp_rank, dp_size, pin, split=split) for _ in range(num_chunks)]
+        if made[0] is None:
+            return None
+        wrapped = [RerunDataIterator(it) for it in made]
+        return wrapped if num_chunks > 1 else wrapped[0]
+
+    train_it = iterators(train_ds, ts.consumed_train_samples, t.micro_batch_size, t.global_batch_size, counts.train, "train")
+    valid_it = test_it = None
+    if v.eval_iters:
+        valid_it = iterators(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size, v.eval_global_batch_size, counts.valid, "valid")
+    if counts.test:
+        test_it = iterators(test_ds, 0, v.eval_micro_batch_size, v.eval_global_batch_size, counts.test, "test")
+    ts.do_train = train_it is not None and t.train_iters > 0 and not v.skip_train
+    ts.do_valid = valid_it is not None
+    ts.do_test = test_it is not None
+    return train_it, valid_it, test_it
+
+
+def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None, state: Optional[GlobalState] = None) -> Run:
+    """Resolve the config, join/create process groups, and build everything a run needs."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.timers import Timers
+
+    from megatron_bridge.training.build import build_model, build_optimizer, count_local_parameters, wire_model_config
+    from megatron_bridge.training.loggers import build_tracker
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+
+    callback_list = CallbackList(callbacks)
+    resolve_config(cfg)
+    state = state if state is not None else GlobalState(cfg=cfg)
+    state.device, state.created_process_group = init_process_group(cfg)
+    state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    state.logging_rank = state.world_size - 1
+    configure_logging(state)
+    if state.device == "cpu":
+        state.cpu_backend_activated = cpu_backend.activate()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    init_model_parallel(cfg)
+    t = cfg.train
+    init_num_microbatches_calculator(
+        state.rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, cfg.data_parallel_size, t.decrease_batch_size_if_needed
+    )
+    set_seeds(cfg)
+    init_rerun_state_machine(cfg)
+    state.timers = Timers(max(cfg.logger.timing_log_level, 0), cfg.logger.timing_log_option)
+    state.tokenizer = build_tokenizer(cfg.tokenizer)
+    if cfg.model.vocab_size is None:
+        cfg.model.apply_default("vocab_size", state.tokenizer.vocab_size)
+    state.tracker = build_tracker(cfg, state.is_logging_rank)
+    if state.is_logging_rank:
+        state.tracker.log_config(cfg.to_dict())
+
+    model = build_model(cfg, state)
+    optimizer, scheduler = build_optimizer(cfg, model, state)
+    wire_model_config(cfg, model, optimizer)
+    if state.is_logging_rank:
+        logger.info(
+            "model: %d parameters on this rank (TP=%d PP=%d CP=%d DP=%d), %s on %s",
+            count_local_parameters(model),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(),
+            type(optimizer).__name__,
+            state.device,
+        )
+    run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
+    run.train_iterator, run.valid_iterator, run.test_iterator = build_data_iterators(cfg, state, len(model))
+    return run

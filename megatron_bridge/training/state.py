@@ -1,0 +1,73 @@
+"""The state of a training run: counters that checkpoints save, and the objects a step needs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+
+@dataclass
+class TrainState:
+    """Counters of a run; saved with every checkpoint and restored on resume."""
+
+    step: int = 0
+    """Optimizer steps taken (the iteration number)."""
+
+    consumed_train_samples: int = 0
+    """Training samples drawn so far (the dataloader resumes here)."""
+
+    skipped_train_samples: int = 0
+    """Samples of iterations whose optimizer step was skipped (e.g. fp16 overflow)."""
+
+    consumed_valid_samples: int = 0
+    """Validation samples drawn so far."""
+
+    floating_point_operations_so_far: float = 0.0
+    """Model FLOPs of all steps so far."""
+
+    do_train: bool = False
+    do_valid: bool = False
+    do_test: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            if hasattr(self, key):
+                setattr(self, key, value)
+
+
+@dataclass
+class GlobalState:
+    """Everything a running job shares: the resolved config, counters, timers, tokenizer, tracker.
+
+    `forward_step` functions that take a `state` argument receive this object.
+    """
+
+    cfg: "ConfigContainer"
+    train_state: TrainState = field(default_factory=TrainState)
+    timers: Any = None
+    tokenizer: Any = None
+    tracker: Any = None
+    signal_handler: Any = None
+    start_time: float = field(default_factory=time.time)
+    device: str = "cpu"
+    rank: int = 0
+    world_size: int = 1
+    logging_rank: int = 0
+    """Rank that prints and writes to trackers: the last rank (it holds the last pipeline stage)."""
+
+    created_process_group: bool = False
+    """True if `pretrain()` created the process group (and so must destroy it)."""
+
+    cpu_backend_activated: bool = False
+    run_id: Optional[str] = None
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == self.logging_rank
