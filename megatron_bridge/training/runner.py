@@ -72,6 +72,7 @@ def _close_tracker(state: GlobalState, failed: bool) -> None:
 
 
 def _shutdown(state: GlobalState) -> None:
+    state.model = state.optimizer = state.scheduler = None  # free memory; counters stay
     try:
         teardown(destroy_group=state.created_process_group)
     finally:

@@ -202,6 +202,7 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
     model = build_model(cfg, state)
     optimizer, scheduler = build_optimizer(cfg, model, state)
     wire_model_config(cfg, model, optimizer)
+    state.model, state.optimizer, state.scheduler = model, optimizer, scheduler
     if state.is_logging_rank:
         logger.info(
             "model: %d parameters on this rank (TP=%d PP=%d CP=%d DP=%d), %s on %s",

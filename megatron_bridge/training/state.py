@@ -66,7 +66,14 @@ class GlobalState:
     """True if `pretrain()` created the process group (and so must destroy it)."""
 
     cpu_backend_activated: bool = False
-    run_id: Optional[str] = None
+    model: Any = None
+    """The model chunks of this rank (megatron DDP-wrapped), once built."""
+
+    optimizer: Any = None
+    """The megatron-core optimizer, once built."""
+
+    scheduler: Any = None
+    """The `OptimizerParamScheduler`, once built."""
 
     @property
     def is_logging_rank(self) -> bool:

@@ -115,6 +115,11 @@ def train(run: Run) -> str:
     if t.manual_gc:
         gc.disable()
         gc.collect()
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    # The machine counts steps itself and names them in its reports: align it with ours (1-based).
+    rerun = get_rerun_state_machine()
+    rerun.current_iteration = ts.step
     for chunk in run.model:
         chunk.train()
     run.callbacks.on_train_start(state)
@@ -125,6 +130,7 @@ def train(run: Run) -> str:
         gbs = get_current_global_batch_size()
         if ts.step + 1 in t.iterations_to_skip:
             skip_batch(run)
+            rerun.current_iteration += 1
             reports, grad_norm, update_ok, rerun_exit = [], float("nan"), False, False
         else:
             reports, grad_norm, update_ok, rerun_exit = train_step(run, fwd_bwd)

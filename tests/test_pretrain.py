@@ -1,0 +1,257 @@
+"""pretrain() in one process on CPU (gloo): real megatron-core training of a tiny GPT."""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from factories import tiny_config
+
+from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.training.config import (
+    DatasetProvider,
+    GPTDatasetConfig,
+    LoggerConfig,
+    OptimizerConfigOverrideProvider,
+    TrainingConfig,
+    ValidationConfig,
+)
+from megatron_bridge.training.gpt_step import forward_step
+from megatron_bridge.training.pretrain import pretrain
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Record(Callback):
+    def __init__(self):
+        self.losses, self.events, self.evals = [], [], []
+        self.param_groups = None
+
+    def on_train_start(self, state):
+        self.events.append("train_start")
+        self.param_groups = [
+            {"n": len(g["params"]), "wd_mult": g.get("wd_mult"), "max_lr": g.get("max_lr")}
+            for g in state.optimizer.param_groups
+        ]
+
+    def on_step_start(self, state):
+        self.events.append("step_start")
+
+    def on_step_end(self, state, metrics):
+        self.events.append("step_end")
+        self.losses.append(metrics["lm loss"])
+
+    def on_eval_start(self, state):
+        self.events.append("eval_start")
+
+    def on_eval_end(self, state, metrics):
+        self.events.append("eval_end")
+        self.evals.append(metrics)
+
+    def on_train_end(self, state):
+        self.events.append("train_end")
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_tiny_gpt_trains_on_mock_data_with_falling_loss(caplog):
+    cfg = tiny_config(train=TrainingConfig(train_iters=30, global_batch_size=8, micro_batch_size=2))
+    cfg.logger.log_interval = 10
+    rec = Record()
+    with caplog.at_level("INFO", logger="megatron_bridge"):
+        state = pretrain(cfg, forward_step, callbacks=[rec])
+    assert state.train_state.step == 30 and state.train_state.consumed_train_samples == 240
+    assert len(rec.losses) == 30 and all(math.isfinite(x) for x in rec.losses)
+    assert mean(rec.losses[-5:]) < mean(rec.losses[:5]) - 1.0
+    # events in order; validation every 10 iterations and once at the end, then test
+    assert rec.events[:3] == ["train_start", "step_start", "step_end"]
+    assert rec.events.count("eval_start") == 2 + 1 + 1 and rec.events[-1] == "eval_end"
+    # the console shows progress, loss and throughput
+    assert "[ 33%] iteration 10/30 | consumed samples 80 |" in caplog.text
+    assert "[100%] iteration 30/30" in caplog.text and "tokens/s" in caplog.text and "lm loss" in caplog.text
+    assert "validation at iteration 30 | lm loss" in caplog.text
+    assert not torch.distributed.is_initialized()  # it created the group, so it destroyed it
+
+
+@dataclass
+class CountingData(DatasetProvider):
+    """A user dataset: sequences of +1 steps starting at random tokens."""
+
+    seq_length: int = 32
+    vocab: int = 256
+    calls: int = 0
+
+    def build_datasets(self, context):
+        CountingData.last_context = context
+        return _Counting(context.train_samples, self.seq_length, self.vocab), _Counting(16, self.seq_length, self.vocab), None
+
+
+class _Counting(torch.utils.data.Dataset):
+    def __init__(self, n, seq, vocab):
+        g = torch.Generator().manual_seed(0)
+        self.starts = torch.randint(0, vocab, (n,), generator=g)
+        self.seq, self.vocab = seq, vocab
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        text = (self.starts[i] + torch.arange(self.seq + 1)) % self.vocab
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(self.seq),
+            "position_ids": torch.arange(self.seq),
+            "attention_mask": None,
+        }
+
+    @staticmethod
+    def collate_fn(items):
+        return {k: (torch.stack([it[k] for it in items]) if items[0][k] is not None else None) for k in items[0]}
+
+
+def test_user_dataset_provider_gets_a_filled_context_and_trains():
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=25, global_batch_size=8, micro_batch_size=4),
+        dataset=CountingData(num_workers=0),
+        validation=ValidationConfig(eval_interval=None, eval_iters=1),
+    )
+    rec = Record()
+    pretrain(cfg, forward_step, callbacks=[rec])
+    ctx = CountingData.last_context
+    assert (ctx.train_samples, ctx.valid_samples, ctx.test_samples) == (200, 8, 8)
+    assert ctx.tokenizer is not None and ctx.tokenizer.vocab_size == 256
+    assert mean(rec.losses[-5:]) < mean(rec.losses[:5]) - 0.5
+
+
+class EmbeddingLR(OptimizerConfigOverrideProvider):
+    """Standard groups plus a lower LR for embeddings."""
+
+    def build_config_overrides(self, context):
+        from megatron.core.optimizer import ParamGroupOverride, ParamKey
+
+        overrides = super().build_config_overrides(context)
+        overrides[ParamKey(name="*embedding*")] = ParamGroupOverride(max_lr=1e-4)
+        return overrides
+
+
+def test_custom_optimizer_override_provider_changes_param_groups():
+    default, custom = Record(), Record()
+    pretrain(tiny_config(train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=2)), forward_step, callbacks=[default])
+    pretrain(
+        tiny_config(
+            train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=2),
+            optimizer_config_override_provider=EmbeddingLR(),
+        ),
+        forward_step,
+        callbacks=[custom],
+    )
+    assert {g["max_lr"] for g in default.param_groups} == {3e-3}
+    assert {g["wd_mult"] for g in default.param_groups} == {0.0, 1.0}  # no decay on biases/norms
+    assert 1e-4 in {g["max_lr"] for g in custom.param_groups}
+    assert len(custom.param_groups) > len(default.param_groups)
+
+
+def test_nan_loss_is_reported_and_not_trained_on():
+    rec = Record()
+
+    def nan_at_step_3(state, data_iterator, model):
+        output, loss_func = forward_step(state, data_iterator, model)
+        if state.train_state.step == 2:  # the third iteration
+            output = output * float("nan")
+        return output, loss_func
+
+    cfg = tiny_config(train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2))
+    with pytest.raises(RuntimeError) as err:
+        pretrain(cfg, nan_at_step_3, callbacks=[rec])
+    assert "found NaN in the loss" in str(err.value)
+    assert "iteration 3" in str(err.value)
+    assert rec.events.count("step_end") == 2  # no optimizer step with the NaN loss
+    assert not torch.distributed.is_initialized()
+
+
+def _write_indexed_dataset(prefix, vocab, docs=200, seed=0):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(docs):
+        start, length = rng.integers(0, vocab - 1), rng.integers(8, 60)
+        doc = (start + np.arange(length)) % (vocab - 1)
+        builder.add_document(torch.from_numpy(np.append(doc, vocab - 1).astype(np.int64)), [length + 1])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_indexed_dataset_written_by_the_test_trains(tmp_path):
+    prefix = str(tmp_path / "corpus_text_document")
+    _write_indexed_dataset(prefix, vocab=256)
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=25, global_batch_size=8, micro_batch_size=4),
+        dataset=GPTDatasetConfig(seq_length=32, data_path=prefix, split="90,5,5", num_workers=0, path_to_cache=str(tmp_path / "cache")),
+    )
+    rec = Record()
+    pretrain(cfg, forward_step, callbacks=[rec])
+    assert cfg.dataset.blend == ([prefix], None)
+    assert mean(rec.losses[-5:]) < mean(rec.losses[:5]) - 0.5
+    assert any((tmp_path / "cache").iterdir())  # megatron-core cached its sample indices
+
+
+def test_blend_weights_from_data_path(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _write_indexed_dataset(a, vocab=256, seed=1)
+    _write_indexed_dataset(b, vocab=256, seed=2)
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=3, global_batch_size=8, micro_batch_size=4),
+        dataset=GPTDatasetConfig(seq_length=32, data_path=f"0.3 {a} 0.7 {b}", split="98,1,1", num_workers=0),
+    )
+    state = pretrain(cfg, forward_step)
+    assert cfg.dataset.blend == ([a, b], [0.3, 0.7]) and state.train_state.step == 3
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2),
+        logger=LoggerConfig(log_interval=2, tensorboard_dir=str(tb)),
+    )
+    pretrain(cfg, forward_step)
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second", "lm loss validation"):
+        assert tag in tags, tags
+    assert [e.step for e in events.Scalars("lm loss")] == [2, 4, 6]
+
+
+def test_training_set_smaller_than_a_global_batch_is_a_clear_error():
+    @dataclass
+    class Tiny(DatasetProvider):
+        def build_datasets(self, context):
+            return _Counting(4, 32, 256), None, None
+
+    cfg = tiny_config(dataset=Tiny(num_workers=0), validation=ValidationConfig(eval_iters=0))
+    with pytest.raises(ValueError, match="the training set has 4 samples, fewer than one global batch of 8"):
+        pretrain(cfg, forward_step)
+    assert not torch.distributed.is_initialized()
+
+
+def test_forward_step_signatures_are_adapted():
+    seen = []
+
+    def without_state(data_iterator, model):
+        seen.append("plain")
+        batch = next(data_iterator)
+        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        from functools import partial
+
+        from megatron_bridge.training.gpt_step import masked_next_token_loss
+
+        return out, partial(masked_next_token_loss, batch["loss_mask"])
+
+    pretrain(tiny_config(train=TrainingConfig(train_iters=1, global_batch_size=8, micro_batch_size=2), validation=ValidationConfig(eval_iters=0)), without_state)
+    assert seen.count("plain") == 4  # four micro batches
