@@ -66,6 +66,8 @@ def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCo
     config.apply_default("tokenizer", tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None)
     config.apply_default("token_dtype_code", None if vocab is None else (4 if vocab > 65536 else 8))
+    if data.skip_getting_attention_mask_from_dataset:  # the attention backend builds the causal mask
+        config.apply_default("create_attention_mask", False)
     sizes = [counts.train, counts.valid or None, counts.test or None]
     dataset_class = MockGPTDataset if config.mock else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()

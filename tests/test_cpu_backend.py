@@ -1,0 +1,95 @@
+"""The CPU backend: what it replaces, that it restores exactly, and that it stays off with CUDA."""
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.training import cpu_backend
+
+
+@pytest.fixture(autouse=True)
+def always_inactive():
+    assert not cpu_backend.is_active()
+    yield
+    cpu_backend.deactivate()
+
+
+def test_activate_then_deactivate_restores_exactly():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    before_cuda = {name: getattr(torch.cuda, name, None) for name in cpu_backend.CUDA_STAND_INS}
+    before_tracker = mrandom.CudaRNGStatesTracker
+    assert cpu_backend.activate() is True
+    assert torch.cuda.current_device() == "cpu"
+    assert mrandom.CudaRNGStatesTracker is not before_tracker
+    cpu_backend.deactivate()
+    assert {name: getattr(torch.cuda, name, None) for name in cpu_backend.CUDA_STAND_INS} == before_cuda
+    assert mrandom.CudaRNGStatesTracker is before_tracker
+
+
+def test_never_activates_where_cuda_is_available(monkeypatch):
+    # No GPU here: pretend one exists to check the backend stays out of the way.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    original = torch.cuda.synchronize
+    assert cpu_backend.activate() is False
+    assert not cpu_backend.is_active() and torch.cuda.synchronize is original
+
+
+def test_cuda_device_arguments_run_on_cpu_while_active():
+    with cpu_backend.active():
+        a = torch.zeros(3, device="cuda")
+        b = torch.ones(2, device=torch.device("cuda", 0)).cuda()
+        c = torch.arange(4).to("cuda")
+        d = torch.empty(1, device=torch.cuda.current_device())
+        assert {t.device.type for t in (a, b, c, d)} == {"cpu"}
+        assert torch.randn(2).type() == "torch.cuda.FloatTensor"  # megatron asserts this type
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda.synchronize()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
+    assert torch.randn(2).type() == "torch.FloatTensor"
+
+
+def test_rng_tracker_forks_cpu_generator_states():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    with cpu_backend.active():
+        tracker = get_cuda_rng_tracker()
+        tracker.add("stream-a", 123)
+        torch.manual_seed(0)
+        outside = torch.get_rng_state()
+        with tracker.fork("stream-a"):
+            first = torch.rand(3)
+        assert torch.equal(torch.get_rng_state(), outside)  # the default stream is untouched
+        with tracker.fork("stream-a"):
+            second = torch.rand(3)
+        assert not torch.equal(first, second)  # the named stream advanced
+        torch.manual_seed(123)
+        assert torch.equal(torch.rand(3), first)
+
+
+def test_adapt_config_turns_off_cuda_only_settings_and_keeps_user_choices():
+    cfg = tiny_config(model=tiny_model(transformer_impl="transformer_engine"))
+    problems = Problems()
+    cpu_backend.adapt_config(cfg, problems)
+    assert [str(p) for p in problems] == [
+        "model.transformer_impl: 'transformer_engine' needs CUDA, but this run trains on CPU "
+        "(set model.transformer_impl='local' or train on GPUs (dist.distributed_backend='nccl'))"
+    ]
+    default = tiny_config(model=tiny_model(transformer_impl="transformer_engine"))
+    default.model.mark_explicit("transformer_impl", False)
+    changed = cpu_backend.adapt_config(default, Problems())
+    assert "model.transformer_impl='local'" in changed and "model.use_cpu_initialization=True" in changed
+    assert default.model.transformer_impl == "local" and not default.model.is_explicit("transformer_impl")
+
+
+def test_sequence_parallel_and_determinism_stats_are_refused_on_cpu():
+    from megatron_bridge.training.setup import resolve_config
+
+    cfg = tiny_config(model=tiny_model(tensor_model_parallel_size=2, sequence_parallel=True))
+    cfg.rerun_state_machine.rerun_mode = "report_determinism_stats"
+    with pytest.raises(ConfigValidationError) as err:
+        resolve_config(cfg)
+    assert any(e.startswith("model.sequence_parallel: sequence parallelism does not run") for e in err.value.errors)
+    assert any("'report_determinism_stats' fails on CPU" in e for e in err.value.errors)
