@@ -246,7 +246,7 @@ def test_forward_step_signatures_are_adapted():
     def without_state(data_iterator, model):
         seen.append("plain")
         batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
         from functools import partial
 
         from megatron_bridge.training.gpt_step import masked_next_token_loss

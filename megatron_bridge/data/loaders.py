@@ -74,6 +74,10 @@ def build_iterator(
     else:
         raise ValueError(f"dataset.dataloader_type: unknown {kind!r}")
     workers = data.num_workers
+    # An own generator: starting an iterator draws a seed, which must not shift the training RNG
+    # stream (a resumed run builds its iterators after restoring the RNG states).
+    generator = torch.Generator()
+    generator.manual_seed(getattr(data, "random_seed", getattr(data, "seed", 0)) + dp_rank)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
@@ -81,6 +85,7 @@ def build_iterator(
         pin_memory=pin_memory and data.pin_memory,
         persistent_workers=data.persistent_workers and workers > 0,
         collate_fn=collate_fn if collate_fn is not None else getattr(dataset, "collate_fn", None),
+        generator=generator,
     )
     iterator = iter(loader)
     if kind == "batch":

@@ -144,7 +144,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             if isinstance(spec, str):
                 from megatron_bridge.training.config.serialization import import_object
 
-                spec = import_object(spec)
+                spec = import_object(spec, allowed=())  # a string from a config file: allowlisted modules only
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -320,6 +320,18 @@ def adapt_config(cfg, problems) -> list[str]:
             "'report_determinism_stats' fails on CPU in megatron-core 0.16",
             "use 'disabled' or 'validate_results' on CPU",
         )
+    ckpt = cfg.checkpoint
+    if ckpt.async_save and ckpt.use_persistent_ckpt_worker:
+        # megatron-core's persistent async-save worker divides by torch.cuda.device_count()
+        if ckpt.is_explicit("use_persistent_ckpt_worker"):
+            problems.add(
+                "checkpoint.use_persistent_ckpt_worker",
+                "the persistent async checkpoint worker needs CUDA, but this run trains on CPU",
+                "set checkpoint.use_persistent_ckpt_worker=False (a worker per save works on CPU)",
+            )
+        else:
+            ckpt.apply_default("use_persistent_ckpt_worker", False)
+            changed.append("checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)")
     dataset = cfg.dataset
     if getattr(dataset, "pin_memory", False):
         dataset.apply_default("pin_memory", False)

@@ -73,6 +73,8 @@ def _close_tracker(state: GlobalState, failed: bool) -> None:
 
 def _shutdown(state: GlobalState) -> None:
     state.model = state.optimizer = state.scheduler = None  # free memory; counters stay
+    if state.signal_handler is not None:
+        state.signal_handler.restore()
     try:
         teardown(destroy_group=state.created_process_group)
     finally:

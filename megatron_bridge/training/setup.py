@@ -17,6 +17,7 @@ from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import init_model_parallel, init_process_group, resolve_backend
 from megatron_bridge.training.forward_step import prepare_forward_step
+from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
 
@@ -170,6 +171,7 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
     from megatron.core.timers import Timers
 
     from megatron_bridge.training.build import build_model, build_optimizer, count_local_parameters, wire_model_config
+    from megatron_bridge.training.checkpointing import Checkpointer, make_manager
     from megatron_bridge.training.loggers import build_tracker
     from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
 
@@ -215,5 +217,11 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
             state.device,
         )
     run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
+    manager = make_manager(cfg)
+    manager.load(run)  # before the data iterators: they resume at the loaded sample counts
+    if cfg.checkpoint.save:
+        run.checkpointer = Checkpointer(cfg, manager)
+    if t.exit_signal_handler:
+        state.signal_handler = ExitSignalHandler(t.exit_signal).install()
     run.train_iterator, run.valid_iterator, run.test_iterator = build_data_iterators(cfg, state, len(model))
     return run

@@ -150,6 +150,8 @@ def train(run: Run) -> str:
         interval.grad_norm = grad_norm
         if last_stage:
             interval.losses.add(reports)
+        if run.checkpointer is not None:
+            run.checkpointer.poll()
         if run.callbacks.callbacks:
             run.callbacks.on_step_end(state, _step_metrics(run, reports, grad_norm, update_ok, elapsed))
 

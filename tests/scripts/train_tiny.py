@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -20,12 +21,15 @@ from megatron_bridge.training.pretrain import pretrain  # noqa: E402
 
 
 class RecordLosses(Callback):
-    def __init__(self):
+    def __init__(self, sleep=0.0):
         self.losses = []
+        self.sleep = sleep
 
     def on_step_end(self, state, metrics):
         if "lm loss" in metrics:
             self.losses.append(metrics["lm loss"])
+        if self.sleep:
+            time.sleep(self.sleep)
 
 
 def main():
@@ -36,6 +40,15 @@ def main():
     p.add_argument("--gbs", type=int, default=8)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--dist-opt", action="store_true")
+    p.add_argument("--save", default=None, help="checkpoint directory to save to")
+    p.add_argument("--save-interval", type=int, default=None)
+    p.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    p.add_argument("--most-recent-k", type=int, default=-1)
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--exit-interval", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--exit-signal-handler", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = tiny_config(
@@ -43,8 +56,8 @@ def main():
         model=tiny_model(
             tensor_model_parallel_size=args.tp,
             pipeline_model_parallel_size=args.pp,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
+            hidden_dropout=args.dropout,
+            attention_dropout=args.dropout,
         ),
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
     )
@@ -52,7 +65,14 @@ def main():
     cfg.dist.distributed_timeout_minutes = 2
     if args.dist_opt:
         cfg.ddp.use_distributed_optimizer = True
-    recorder = RecordLosses()
+    cfg.checkpoint.save = args.save
+    cfg.checkpoint.save_interval = args.save_interval
+    cfg.checkpoint.load = args.load
+    cfg.checkpoint.most_recent_k = args.most_recent_k
+    cfg.checkpoint.async_save = args.async_save
+    cfg.train.exit_signal_handler = args.exit_signal_handler
+    cfg.train.exit_interval = args.exit_interval
+    recorder = RecordLosses(args.step_sleep)
     state = pretrain(cfg, forward_step, callbacks=[recorder])
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{args.out}.rank{rank}", "w") as f:

@@ -1,0 +1,245 @@
+"""Saving and loading checkpoints with megatron-core `dist_checkpointing` (torch_dist format).
+
+`CheckpointManager` is the protocol the train loop talks to; `DefaultCheckpointManager`
+implements it. A user class named by `checkpoint.custom_manager_class` replaces the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+from megatron_bridge.training.checkpointing import layout, state_dict
+from megatron_bridge.training.checkpointing.compat import check_architecture
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+    from megatron_bridge.training.train import Run
+
+logger = logging.getLogger("megatron_bridge")
+
+
+@runtime_checkable
+class CheckpointManager(Protocol):
+    """What the train loop needs from a checkpoint implementation (all methods run on every rank)."""
+
+    def save(self, run: "Run", reason: str) -> None:
+        """Save the current state of `run` (iteration `run.state.train_state.step`)."""
+
+    def load(self, run: "Run") -> Optional[int]:
+        """Restore `run` from the configured checkpoint; return the iteration loaded, or None when
+        there is nothing to load."""
+
+    def finalize_async_saves(self, blocking: bool = False) -> None:
+        """Complete background saves that have finished (all of them if `blocking`)."""
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+class DefaultCheckpointManager:
+    """torch_dist checkpoints: written under a temporary name, committed by rename, then the
+    tracker moves; old checkpoints beyond `most_recent_k` are deleted only after that."""
+
+    def __init__(self, config: "ConfigContainer"):
+        self.config = config
+        self.ckpt = config.checkpoint
+        self._async_queue = None
+        self._cached_save_strategy = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, run: "Run", reason: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        root, iteration = self.ckpt.save, run.state.train_state.step
+        rank = torch.distributed.get_rank()
+        if layout.read_tracker(root) == iteration:
+            return  # this iteration is saved already (e.g. an exit right after an interval save)
+        final = layout.iteration_dir(root, iteration)
+        staging = final + layout.INCOMPLETE_SUFFIX
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        _barrier()
+        timers = run.state.timers
+        timers("save-checkpoint", log_level=0).start(barrier=False)
+        sd = state_dict.build(run, for_loading=False, with_optimizer=self.ckpt.save_optim, with_rng=self.ckpt.save_rng, with_common=True)
+        if self.ckpt.async_save:
+            request = dist_checkpointing.save(sd, staging, self._save_strategy(), async_sharded_save=True)
+            request.add_finalize_fn(lambda: self._commit(run, staging, final, iteration, reason))
+            self._queue().schedule_async_request(request)
+        else:
+            dist_checkpointing.save(sd, staging, self._save_strategy())
+            self._commit(run, staging, final, iteration, reason)
+        timers("save-checkpoint").stop()
+
+    def _commit(self, run: "Run", staging: str, final: str, iteration: int, reason: str) -> None:
+        """Make a fully written checkpoint the latest: rename, then the tracker, then retention."""
+        _barrier()  # every rank has finished writing its shards
+        root = self.ckpt.save
+        if torch.distributed.get_rank() == 0:
+            run.state.cfg.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
+            if os.path.isdir(final):  # a leftover of an earlier job that never became latest
+                shutil.rmtree(final)
+            os.rename(staging, final)
+            layout.write_tracker(root, iteration)
+            self._apply_retention(root, iteration)
+        _barrier()
+        if run.state.is_logging_rank:
+            logger.info("saved checkpoint of iteration %d to %s (%s)", iteration, final, reason)
+
+    def _apply_retention(self, root: str, newest: int) -> None:
+        keep = self.ckpt.most_recent_k
+        if keep is None or keep < 1:
+            return
+        complete = [it for it in layout.complete_iterations(root) if it <= newest]
+        for old in complete[:-keep]:
+            shutil.rmtree(layout.iteration_dir(root, old), ignore_errors=True)
+
+    def _save_strategy(self):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        if self._cached_save_strategy is None:
+            strategy = TorchDistSaveShardedStrategy(
+                "torch_dist", 1, thread_count=self.ckpt.storage_writers_per_rank,
+                cached_metadata=self.ckpt.ckpt_assume_constant_structure,
+            )  # fmt: skip
+            if self.ckpt.fully_parallel_save and parallel_state.get_data_parallel_world_size() > 1:
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+                    self.ckpt.ckpt_assume_constant_structure,
+                )  # fmt: skip
+            self._cached_save_strategy = strategy
+        return self._cached_save_strategy
+
+    def _queue(self):
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue(persistent=self.ckpt.use_persistent_ckpt_worker)
+        return self._async_queue
+
+    def finalize_async_saves(self, blocking: bool = False) -> None:
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+            if blocking:
+                self._async_queue.close()
+                self._async_queue = None
+
+    # ------------------------------------------------------------------ loading
+    def source(self) -> Optional[tuple[str, bool]]:
+        """(path, resume) to load from: `load` resumes the full state (unless `finetune`),
+        `pretrained_checkpoint` gives weights only. None: start fresh."""
+        c = self.ckpt
+        if c.load and layout.has_checkpoint(c.load):
+            return c.load, not c.finetune
+        if c.pretrained_checkpoint:
+            return c.pretrained_checkpoint, False
+        if c.load and c.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"checkpoint.load={c.load!r} holds no checkpoint and exit_on_missing_checkpoint is set")
+        return None
+
+    def load(self, run: "Run") -> Optional[int]:
+        from megatron.core import dist_checkpointing
+
+        found = self.source()
+        if found is None:
+            return None
+        path, resume = found
+        directory, iteration = layout.resolve(path, self.ckpt.ckpt_step)
+        check_architecture(directory, self.config.model)
+        common = dist_checkpointing.load_common_state_dict(directory)
+        same_layout = common.get("layout") == state_dict.layout()
+        with_optimizer = resume and self.ckpt.load_optim
+        with_rng = resume and self.ckpt.load_rng and same_layout and common.get("saved_rng", False)
+        template = state_dict.build(run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False)
+        loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)
+        for key, chunk in zip(state_dict.model_keys(run), run.model):
+            state_dict.unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if with_optimizer:
+            run.optimizer.load_state_dict(loaded["optimizer"])
+        if resume:
+            _load_scheduler(run.scheduler, common["opt_param_scheduler"])
+            run.state.train_state.load_state_dict(common["train_state"])
+            if with_rng:
+                state_dict.restore_rng_state(loaded["rng_state"])
+            elif self.ckpt.load_rng and run.state.is_logging_rank:
+                logger.info("RNG states not restored: the parallel layout differs from the checkpoint's")
+        _barrier()
+        if run.state.is_logging_rank:
+            kind = "resumed from" if resume else "loaded weights of"
+            logger.info("%s iteration %d in %s", kind, iteration, directory)
+        return iteration
+
+    def _load_strategy(self, directory: str):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = get_default_load_sharded_strategy(directory)
+        if self.ckpt.fully_parallel_load and parallel_state.get_data_parallel_world_size() > 1:
+            strategy = FullyParallelLoadStrategyWrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return strategy
+
+
+def _load_scheduler(scheduler: Any, saved: dict) -> None:
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as exc:  # megatron-core asserts that the schedules agree
+        raise ValueError(
+            f"the learning-rate schedule differs from the checkpoint's ({exc}); set "
+            "scheduler.override_opt_param_scheduler=True to use this config's schedule, or "
+            "scheduler.use_checkpoint_opt_param_scheduler=True to continue the checkpoint's"
+        ) from None
+
+
+def make_manager(config: "ConfigContainer") -> CheckpointManager:
+    """The default manager, or an instance of `checkpoint.custom_manager_class(config)`."""
+    name = config.checkpoint.custom_manager_class
+    if not name:
+        return DefaultCheckpointManager(config)
+    from megatron_bridge.training.config.serialization import import_object
+
+    try:
+        cls = import_object(name, allowed=())  # a string from a config file: allowlisted modules only
+    except ImportError as exc:
+        raise ImportError(f"checkpoint.custom_manager_class: {exc}") from exc
+    manager = cls(config)
+    missing = [m for m in ("save", "load", "finalize_async_saves") if not callable(getattr(manager, m, None))]
+    if missing:
+        raise TypeError(f"checkpoint.custom_manager_class: {name} lacks {missing} of the CheckpointManager protocol")
+    return manager
+
+
+class Checkpointer:
+    """The train loop's view of checkpointing: when to save, and saving at the end."""
+
+    def __init__(self, config: "ConfigContainer", manager: CheckpointManager):
+        self.config = config
+        self.manager = manager
+
+    def due(self, step: int) -> bool:
+        interval = self.config.checkpoint.save_interval
+        return bool(interval) and step % interval == 0
+
+    def save(self, run: "Run", reason: str) -> None:
+        self.manager.save(run, reason)
+
+    def poll(self) -> None:
+        if self.config.checkpoint.async_save:
+            self.manager.finalize_async_saves(blocking=False)
+
+    def finalize(self, run: "Run") -> None:
+        """Save the final state (if not saved yet) and wait for background saves."""
+        if run.state.train_state.do_train:
+            self.manager.save(run, "end of training")
+        self.manager.finalize_async_saves(blocking=True)

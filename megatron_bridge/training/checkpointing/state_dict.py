@@ -1,0 +1,99 @@
+"""What a checkpoint holds, as a megatron-core sharded state dict.
+
+* `model` (or `model0`, `model1`, ... with virtual pipelining): sharded weights, reshardable
+  across tensor/pipeline/data parallel sizes;
+* `optimizer`: sharded optimizer state (optional);
+* `rng_state`: one object per rank (Python, NumPy, torch, CUDA and megatron's tracker streams);
+* common entries saved once: iteration, training counters, scheduler state, parallel layout.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.train import Run
+
+CHECKPOINT_VERSION = 1
+OPTIMIZER_SHARDING = "dp_reshardable"
+"""Distributed-optimizer state layout: reshardable over data-parallel sizes, and supported on CPU."""
+
+
+def layout() -> dict[str, int]:
+    """The parallel layout of this job (stored to decide whether per-rank state can be reused)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside the DDP and Float16Module wrappers (checkpoints hold the bare model's
+    keys, so they do not depend on how it was wrapped)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def model_keys(run: "Run") -> list[str]:
+    return ["model"] if len(run.model) == 1 else [f"model{i}" for i in range(len(run.model))]
+
+
+def build(run: "Run", *, for_loading: bool, with_optimizer: bool, with_rng: bool, with_common: bool) -> dict[str, Any]:
+    """The sharded state dict of `run` (what gets saved, or the template a load fills in)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd: dict[str, Any] = {}
+    for key, chunk in zip(model_keys(run), run.model):
+        sd[key] = unwrap(chunk).sharded_state_dict()
+    if with_optimizer:
+        metadata = {"distrib_optim_sharding_type": OPTIMIZER_SHARDING}
+        sd["optimizer"] = run.optimizer.sharded_state_dict(sd, is_loading=for_loading, metadata=metadata)
+    if with_rng:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        sd["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
+    if with_common:
+        sd["checkpoint_version"] = CHECKPOINT_VERSION
+        sd["iteration"] = run.state.train_state.step
+        sd["train_state"] = run.state.train_state.state_dict()
+        sd["opt_param_scheduler"] = run.scheduler.state_dict()
+        sd["layout"] = layout()
+        sd["saved_rng"] = with_rng
+    return sd

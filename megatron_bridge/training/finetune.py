@@ -1,0 +1,31 @@
+"""`finetune()`: continue training from pretrained weights."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.training.checkpointing import has_checkpoint
+from megatron_bridge.training.config import ConfigContainer
+from megatron_bridge.training.state import GlobalState
+
+
+def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
+    """Train from the weights in `checkpoint.pretrained_checkpoint` (a parent directory with a
+    tracker file, or one `iter_*` directory): model weights only, the step count starts at 0. If
+    `checkpoint.load` already holds a checkpoint of this fine-tuning run, it resumes from there
+    instead. Otherwise as `pretrain()`.
+    """
+    from megatron_bridge.training.runner import execute
+
+    ckpt = config.checkpoint
+    if not ckpt.pretrained_checkpoint and not has_checkpoint(ckpt.load):
+        raise ConfigValidationError(
+            ConfigProblem(
+                "checkpoint.pretrained_checkpoint",
+                "finetune() needs pretrained weights, and neither pretrained_checkpoint nor a resumable load is set",
+                "set checkpoint.pretrained_checkpoint to a checkpoint directory (or use pretrain())",
+            )
+        )
+    return execute(config, forward_step_func, callbacks)

@@ -1,0 +1,212 @@
+"""Parsing of command-line overrides in Hydra's grammar.
+
+    key=value      change an existing key
+    +key=value     add a key that does not exist yet (inside dict-typed fields)
+    ++key=value    add or change
+    ~key[=value]   delete: a dataclass field goes back to its default; a dict key or list item is
+                   removed (with `=value`, only if the current value is that)
+
+Keys are dotted paths; list items are addressed by index (`logger.comet_tags.1=x`). Values read
+like YAML/Hydra scalars: `5` int, `1e-4` float, `true` bool, `null` None, `'5'` string; `[a, b]`
+a list and `{A: 1}` a dict (nested freely); `${...}` interpolations are kept for OmegaConf.
+Unlike Hydra (where `a=1,2` is a multirun sweep), a bare comma-separated value is one string, so
+`dataset.split=99,1,0` works unquoted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+_KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
+_INT = re.compile(r"[-+]?\d(_?\d)*")
+_FLOAT = re.compile(r"[-+]?((\d(_?\d)*\.\d*|\.\d+)([eE][-+]?\d+)?|\d(_?\d)*[eE][-+]?\d+|\.?inf|\.?nan)", re.IGNORECASE)
+
+NO_VALUE = object()
+"""The value of a `~key` override given without `=value`."""
+
+
+class OverrideSyntaxError(ValueError):
+    """An override that does not follow the grammar; `.fix` says what to write instead."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One parsed override."""
+
+    op: str
+    """'set' (key=v), 'add' (+key=v), 'force' (++key=v) or 'delete' (~key)."""
+    key: tuple[str, ...]
+    value: Any
+    text: str
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.key)
+
+
+def parse_override(text: str) -> Override:
+    """Parse one override string; raises OverrideSyntaxError."""
+    if not isinstance(text, str):
+        raise OverrideSyntaxError(f"override {text!r} is not a string", "pass strings like 'train.train_iters=100'")
+    body = text.strip()
+    op = "set"
+    if body.startswith("++"):
+        op, body = "force", body[2:]
+    elif body.startswith("+"):
+        op, body = "add", body[1:]
+    elif body.startswith("~"):
+        op, body = "delete", body[1:]
+    key_text, eq, value_text = body.partition("=")
+    if not eq and op != "delete":
+        raise OverrideSyntaxError(f"override {text!r} has no '='", "write key=value, e.g. train.train_iters=100")
+    key_text = key_text.strip()
+    if not key_text:
+        raise OverrideSyntaxError(f"override {text!r} has an empty key", "write key=value, e.g. train.train_iters=100")
+    key = tuple(key_text.split("."))
+    bad = [p for p in key if not _KEY_PART.fullmatch(p)]
+    if bad:
+        raise OverrideSyntaxError(
+            f"override {text!r}: {key_text!r} is not a dotted key",
+            "use names and list indices joined by dots, e.g. a.b.0",
+        )
+    value = parse_value(value_text) if eq else NO_VALUE
+    return Override(op, key, value, text)
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value (see the module docstring)."""
+    stripped = text.strip()
+    if not stripped:
+        return ""
+    parser = _Parser(stripped)
+    if stripped[0] in "[{'\"":
+        value = parser.element()
+        parser.skip_ws()
+        if parser.pos != len(stripped):
+            raise OverrideSyntaxError(
+                f"unexpected text {stripped[parser.pos :]!r} after {stripped[: parser.pos]!r}", "quote the whole value"
+            )
+        return value
+    return primitive(stripped)
+
+
+def primitive(text: str) -> Any:
+    """An unquoted scalar: null, bool, int, float, else the string itself (escapes removed)."""
+    low = text.lower()
+    if low == "null":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text.replace(".", "") if low.lstrip("+-").startswith((".inf", ".nan")) else text)
+    return re.sub(r"\\(.)", r"\1", text) if "\\" in text and "${" not in text else text
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.pos = 0
+
+    def skip_ws(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def expect(self, chars: str) -> str:
+        self.skip_ws()
+        ch = self.peek()
+        if not ch or ch not in chars:
+            found = repr(ch) if ch else "the end"
+            wanted = " or ".join(repr(c) for c in chars)
+            raise OverrideSyntaxError(
+                f"expected {wanted} at position {self.pos} of {self.text!r}, found {found}",
+                "check the brackets and quotes of the value",
+            )
+        self.pos += 1
+        return ch
+
+    def element(self) -> Any:
+        self.skip_ws()
+        ch = self.peek()
+        if ch == "[":
+            return self.sequence()
+        if ch == "{":
+            return self.mapping()
+        if ch in "'\"":
+            return self.quoted()
+        return primitive(self.bare())
+
+    def sequence(self) -> list:
+        self.expect("[")
+        items: list = []
+        self.skip_ws()
+        if self.peek() == "]":
+            self.pos += 1
+            return items
+        while True:
+            items.append(self.element())
+            if self.expect(",]") == "]":
+                return items
+
+    def mapping(self) -> dict:
+        self.expect("{")
+        out: dict = {}
+        self.skip_ws()
+        if self.peek() == "}":
+            self.pos += 1
+            return out
+        while True:
+            self.skip_ws()
+            key = self.quoted() if self.peek() in "'\"" else self.bare(stop=":,}")
+            if not key:
+                raise OverrideSyntaxError(f"empty key in {self.text!r}", "write {name: value}")
+            self.expect(":")
+            out[key] = self.element()
+            if self.expect(",}") == "}":
+                return out
+
+    def quoted(self) -> str:
+        quote = self.text[self.pos]
+        self.pos += 1
+        chars = []
+        while self.pos < len(self.text):
+            ch = self.text[self.pos]
+            if ch == "\\" and self.pos + 1 < len(self.text) and self.text[self.pos + 1] in (quote, "\\"):
+                chars.append(self.text[self.pos + 1])
+                self.pos += 2
+                continue
+            if ch == quote:
+                self.pos += 1
+                return "".join(chars)
+            chars.append(ch)
+            self.pos += 1
+        raise OverrideSyntaxError(f"unterminated quote in {self.text!r}", f"close the string with {quote}")
+
+    def bare(self, stop: str = ",]}") -> str:
+        """Unquoted text up to a delimiter, keeping `${...}` interpolations whole."""
+        start, depth = self.pos, 0
+        while self.pos < len(self.text):
+            ch = self.text[self.pos]
+            if ch == "\\" and self.pos + 1 < len(self.text):
+                self.pos += 2
+                continue
+            if ch == "$" and self.text.startswith("${", self.pos):
+                depth += 1
+                self.pos += 2
+                continue
+            if ch == "}" and depth:
+                depth -= 1
+            elif not depth and ch in stop:
+                break
+            self.pos += 1
+        return self.text[start : self.pos].strip()

@@ -1,0 +1,465 @@
+"""YAML serialization: lossless round trips, readable forms, explicit-field bookkeeping, the
+`_target_` allowlist, and the errors a user can cause when loading."""
+
+import copy
+import dataclasses
+import functools
+import pathlib
+import pickle
+import signal
+
+import pytest
+import torch
+import yaml
+from factories import tiny_config
+from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
+
+from megatron_bridge.config.base import values_equal
+from megatron_bridge.training.config import (
+    ConfigContainer,
+    ConfigValidationError,
+    DatasetProvider,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    MockGPTDatasetConfig,
+    TensorInspectConfig,
+    TrainingConfig,
+    runtime_config_update,
+    serialization,
+    targets,
+)
+from megatron_bridge.training.config.serialization import from_dict, from_yaml, import_object, to_dict, to_yaml
+from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
+
+
+def make_config() -> ConfigContainer:
+    return tiny_config(mixed_precision="bf16_mixed")
+
+
+def reload(cfg, tmp_path, **kw):
+    path = tmp_path / "cfg.yaml"
+    to_yaml(cfg, path)
+    return ConfigContainer.from_yaml(path, **kw)
+
+
+def assert_same_config(a, b):
+    """Equal field by field, with the same record of which fields the user set."""
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            assert_same_config(x, y)
+        else:
+            assert values_equal(x, y), f"{type(a).__name__}.{f.name}: {x!r} != {y!r}"
+            assert type(x) is type(y), f"{type(a).__name__}.{f.name}: {type(x)} != {type(y)}"
+    if hasattr(a, "explicit_fields"):
+        assert a.explicit_fields() == b.explicit_fields(), type(a).__name__
+    assert a == b
+
+
+@pytest.fixture
+def no_user_prefixes(monkeypatch):
+    monkeypatch.setattr(targets, "_user_prefixes", [])
+
+
+# ---------------------------------------------------------------------- round trips
+def test_round_trip_before_runtime_update(tmp_path):
+    cfg = make_config()
+    assert_same_config(cfg, reload(cfg, tmp_path))
+
+
+def test_round_trip_after_runtime_update(tmp_path):
+    cfg = make_config()
+    runtime_config_update(cfg)
+    loaded = reload(cfg, tmp_path)
+    assert_same_config(cfg, loaded)
+    assert isinstance(loaded.model.init_method, functools.partial)
+    assert loaded.model.init_method.func is torch.nn.init.normal_
+    assert loaded.model.init_method.keywords == {"mean": 0.0, "std": 0.02}
+    assert loaded.scheduler.lr_decay_steps == cfg.scheduler.lr_decay_steps is not None
+    assert loaded.dataset.split_matrix == cfg.dataset.split_matrix
+    assert loaded.dataset.mock is True and loaded.data_parallel_size == 1
+
+
+def test_reloaded_runtime_config_updates_to_the_same_result(tmp_path):
+    cfg = make_config()
+    runtime_config_update(cfg)
+    loaded = reload(cfg, tmp_path)
+    runtime_config_update(loaded)
+    assert_same_config(cfg, loaded)
+
+
+def test_derived_values_are_recomputed_after_reload(tmp_path):
+    # A finalized config saved and reloaded still recomputes ffn_hidden_size from hidden_size.
+    cfg = make_config()
+    runtime_config_update(cfg)
+    assert cfg.model.ffn_hidden_size == 4 * 64
+    loaded = reload(cfg, tmp_path)
+    loaded.model.hidden_size = 128
+    runtime_config_update(loaded)
+    assert loaded.model.ffn_hidden_size == 4 * 128
+
+
+def test_round_trip_of_every_value_kind(tmp_path):
+    cfg = make_config()
+    cfg.model.activation_func = torch.nn.functional.silu
+    cfg.model.init_method = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02)
+    cfg.model.output_layer_init_method = functools.partial(torch.nn.init.uniform_, -0.1, b=0.1)
+    cfg.model.attention_backend = AttnBackend.flash
+    cfg.model.cuda_graph_scope = [CudaGraphScope.attn, CudaGraphScope.mlp]
+    cfg.model.params_dtype = torch.bfloat16
+    cfg.model.autocast_dtype = torch.float16
+    cfg.model.window_size = (128, 0)
+    cfg.model.moe_layer_freq = [1, 0]
+    cfg.train.exit_signal = signal.SIGINT
+    cfg.train.rampup_batch_size = [16, 16, 1000]
+    cfg.ddp.param_name_patterns_for_fp32_local_accumulation = ("*.bias", "all")
+    cfg.logger.mlflow_tags = {"team": "llm"}
+    cfg.env_vars = {"A": 1, "B": "x", "C": 1.5, "D": True}
+    cfg.peft = {"rank": 8, "dtype": torch.bfloat16, "shape": (1, 2), "path": pathlib.Path("/x"), "fn": torch.relu}
+    cfg.tensor_inspect = TensorInspectConfig(features=pathlib.Path("/features.yaml"))
+    cfg.checkpoint.save = "/tmp/save"
+    assert_same_config(cfg, reload(cfg, tmp_path))
+
+
+def test_round_trip_of_finetuning_dataset_with_path(tmp_path):
+    cfg = tiny_config(dataset=FinetuningDatasetConfig(dataset_root=pathlib.Path("/data/sft"), seq_length=32))
+    loaded = reload(cfg, tmp_path)
+    assert loaded.dataset.dataset_root == pathlib.Path("/data/sft")
+    assert_same_config(cfg, loaded)
+
+
+def test_to_dict_from_dict_round_trip_without_files():
+    cfg = make_config()
+    runtime_config_update(cfg)
+    assert_same_config(cfg, ConfigContainer.from_dict(cfg.to_dict()))
+    assert_same_config(cfg, from_dict(to_dict(cfg)))  # the top-level _target_ names the class
+
+
+def test_copy_and_pickle_of_a_reloaded_config(tmp_path):
+    loaded = reload(make_config(), tmp_path)
+    assert_same_config(loaded, copy.deepcopy(loaded))
+    assert_same_config(loaded, pickle.loads(pickle.dumps(loaded)))
+
+
+# ---------------------------------------------------------------------- readable YAML
+def test_yaml_is_readable(tmp_path):
+    cfg = make_config()
+    runtime_config_update(cfg)
+    cfg.model.activation_func = torch.nn.functional.silu
+    text = cfg.to_yaml()
+    data = yaml.safe_load(text)
+    model = data["model"]
+    assert data["_target_"] == "megatron_bridge.ConfigContainer"
+    assert model["_target_"] == "megatron_bridge.models.GPTModelProvider"
+    assert model["params_dtype"] == "bfloat16"
+    assert model["activation_func"] == "torch.nn.functional.silu"
+    assert model["attention_backend"] == "auto"
+    assert model["init_method"] == {"_target_": "torch.nn.init.normal_", "_partial_": True, "mean": 0.0, "std": 0.02}
+    assert data["train"]["exit_signal"] == "SIGTERM"
+    assert data["ddp"]["param_name_patterns_for_fp32_local_accumulation"] == []
+    assert "profile_ranks: [0]" in text  # short lists on one line
+    assert "params_dtype: bfloat16" in text
+
+
+def test_ambiguous_declarations_get_tagged_forms():
+    cfg = make_config()
+    cfg.env_vars = {"T": (1, 2)}
+    cfg.peft = {"dtype": torch.float16, "where": pathlib.Path("/p")}
+    cfg.tensor_inspect = TensorInspectConfig(features=pathlib.Path("/f.yaml"))
+    data = to_dict(cfg)
+    assert data["env_vars"] == {"T": {"_tuple_": [1, 2]}}
+    assert data["peft"] == {"dtype": {"_target_": "torch.float16", "_call_": False}, "where": {"_path_": "/p"}}
+    assert data["tensor_inspect"]["features"] == {"_path_": "/f.yaml"}  # Union[dict, str, Path]
+
+
+def test_print_yaml(capsys):
+    make_config().print_yaml()
+    assert "train:\n  _target_: megatron_bridge.training.config.TrainingConfig" in capsys.readouterr().out
+
+
+def test_to_yaml_returns_text_and_writes_the_file(tmp_path):
+    path = tmp_path / "sub" / "cfg.yaml"
+    text = make_config().to_yaml(path)
+    assert path.read_text() == text
+
+
+# ---------------------------------------------------------------------- explicit fields
+def test_explicit_default_values_are_listed_and_survive(tmp_path):
+    cfg = make_config()
+    cfg.model.bf16 = False  # the user's choice, equal to the default
+    data = to_dict(cfg)
+    assert data["model"]["_explicit_"] == ["bf16"]
+    assert "_explicit_" not in data["logger"]  # omitted when empty
+    loaded = reload(cfg, tmp_path)
+    assert loaded.model.is_explicit("bf16")
+    # ...so the preset still reports the contradiction, as it does for the original.
+    for c in (cfg, loaded):
+        with pytest.raises(ConfigValidationError, match=r"model\.bf16: False was set explicitly"):
+            runtime_config_update(c)
+
+
+def test_preset_values_are_not_explicit_after_reload(tmp_path):
+    cfg = make_config()
+    runtime_config_update(cfg)
+    assert not cfg.model.is_explicit("params_dtype")
+    data = to_dict(cfg)
+    assert "params_dtype" in data["model"]["_implicit_"]
+    assert "ffn_hidden_size" in data["model"]["_derived_"]
+    loaded = reload(cfg, tmp_path)
+    assert not loaded.model.is_explicit("params_dtype")
+    # A different preset may still change it.
+    loaded.mixed_precision = "fp16_mixed"
+    runtime_config_update(loaded)
+    assert loaded.model.params_dtype == torch.float16
+
+
+def test_section_with_target_counts_non_default_values_as_explicit():
+    data = {
+        "_target_": "megatron_bridge.training.config.TrainingConfig",
+        "_implicit_": ["micro_batch_size"],
+        "train_iters": 10,
+        "micro_batch_size": 2,
+        "manual_gc": False,
+    }
+    train = from_dict(data)
+    assert train.explicit_fields() == {"train_iters"}
+
+
+def test_hand_written_section_counts_every_key_as_explicit():
+    train = from_dict({"train_iters": 10, "manual_gc": False}, TrainingConfig)
+    assert train.explicit_fields() == {"train_iters", "manual_gc"}
+    assert train.global_batch_size is None  # missing keys take the defaults
+
+
+def test_old_yaml_missing_fields_loads_with_defaults(tmp_path):
+    cfg = make_config()
+    runtime_config_update(cfg)
+    data = to_dict(cfg)
+    del data["scheduler"]["lr_decay_steps"]  # an init=False field
+    del data["model"]["rotary_base"]
+    del data["logger"]
+    del data["data_parallel_size"]
+    loaded = from_dict(data, ConfigContainer)
+    assert loaded.scheduler.lr_decay_steps is None
+    assert loaded.model.rotary_base == 10000
+    assert loaded.logger.log_interval == 100
+    assert loaded.data_parallel_size is None
+
+
+def test_hand_written_yaml_with_aliases_and_yaml_spellings(tmp_path):
+    path = tmp_path / "hand.yaml"
+    path.write_text(
+        """
+train: {train_iters: 10, global_batch_size: 8, micro_batch_size: 2}
+model:
+  num_layers: 2
+  hidden_size: 64
+  num_attention_heads: 4
+  params_dtype: bf16
+  activation_func: silu
+  attention_backend: FLASH
+optimizer: {lr: 1e-3}
+dataset:
+  seq_length: 32
+  split: 99,1,0
+tokenizer: {tokenizer_type: NullTokenizer, vocab_size: 256}
+logger: {wandb_exp_name: 2024-01-01}
+"""
+    )
+    cfg = ConfigContainer.from_yaml(path)
+    assert type(cfg.dataset) is GPTDatasetConfig and cfg.dataset.sequence_length == 32
+    assert cfg.dataset.split == "99,1,0"
+    assert cfg.dataset.is_explicit("sequence_length")
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.model.params_dtype is torch.bfloat16
+    assert cfg.model.activation_func is torch.nn.functional.silu
+    assert cfg.model.attention_backend is AttnBackend.flash
+    assert cfg.logger.wandb_exp_name == "2024-01-01"  # not a date object
+
+
+# ---------------------------------------------------------------------- allowlist
+def test_target_outside_the_allowlist_is_refused_with_a_fix(tmp_path, no_user_prefixes):
+    data = to_dict(make_config())
+    data["model"]["init_method"] = {"_target_": "os.system", "_partial_": True, "_args_": ["echo hi"]}
+    with pytest.raises(ConfigValidationError) as info:
+        from_dict(data, ConfigContainer)
+    message = str(info.value)
+    assert "model.init_method: import path 'os.system' is not in the allowlist" in message
+    assert "allow_target_prefix('os.')" in message and "allowed_prefixes=('os.',)" in message
+
+
+def test_import_object_and_allowlist_matching(no_user_prefixes):
+    assert import_object("torch.nn.functional.silu") is torch.nn.functional.silu
+    assert import_object("signal.Signals.SIGTERM") is signal.SIGTERM
+    assert targets.is_allowed("mypkg.x", ["mypkg"]) and not targets.is_allowed("mypkg_evil.x", ["mypkg"])
+    with pytest.raises(ImportError, match="'torch.nn.functional' has no attribute 'nope'"):
+        import_object("torch.nn.functional.nope")
+    with pytest.raises(ImportError, match="not an import path"):
+        import_object("a..b")
+    with pytest.raises(targets.TargetNotAllowedError, match="allow_target_prefix"):
+        import_object("os.system", allowed=())
+
+
+@dataclasses.dataclass
+class UserData(DatasetProvider):
+    """A user dataset living outside the allowlisted packages."""
+
+    path: str = "data.txt"
+    seq_length: int = 32
+
+    def build_datasets(self, context):
+        return None, None, None
+
+
+def test_user_classes_load_once_their_prefix_is_allowed(tmp_path, no_user_prefixes):
+    cfg = tiny_config(dataset=UserData(path="/d.txt"))
+    path = tmp_path / "cfg.yaml"
+    cfg.to_yaml(path)
+    module = UserData.__module__
+    with pytest.raises(ConfigValidationError, match=rf"dataset: _target_: import path '{module}.UserData' is not in"):
+        ConfigContainer.from_yaml(path)
+    assert_same_config(cfg, ConfigContainer.from_yaml(path, allowed_prefixes=(module,)))
+    serialization.allow_target_prefix(module + ".")
+    assert_same_config(cfg, ConfigContainer.from_yaml(path))
+
+
+def test_allow_target_prefix_rejects_an_empty_prefix():
+    with pytest.raises(ValueError, match="needs a module prefix"):
+        serialization.allow_target_prefix(".")
+
+
+# ---------------------------------------------------------------------- loading errors
+def test_unknown_keys_are_errors_naming_the_closest_fields():
+    data = to_dict(make_config())
+    data["train"]["train_iter"] = 5
+    data["modle"] = {}
+    with pytest.raises(ConfigValidationError) as info:
+        from_dict(data, ConfigContainer)
+    errors = info.value.errors
+    assert "train.train_iter: unknown key for TrainingConfig (did you mean 'train_iters'" in errors[0]
+    assert errors[1].startswith("modle: unknown key for ConfigContainer (did you mean 'model'?)")
+
+
+def test_all_loading_errors_are_raised_together():
+    data = to_dict(make_config())
+    data["model"]["num_layers"] = "abc"
+    data["model"]["params_dtype"] = "bfloat99"
+    data["model"]["attention_backend"] = "flsh"
+    data["train"]["exit_signal"] = 3.5
+    data["optimizer"]["lr"] = "fast"
+    data["model"]["_explicit_"] = ["num_layerz"]
+    with pytest.raises(ConfigValidationError) as info:
+        from_dict(data, ConfigContainer)
+    errors = info.value.errors
+    assert len(errors) == 6
+    assert "model.num_layers: expected int, got str 'abc' (use a whole number, e.g. 8)" in errors
+    assert any(e.startswith("model.params_dtype: expected a torch dtype, got str 'bfloat99'") for e in errors)
+    assert any("model.attention_backend: expected AttnBackend" in e and "did you mean 'flash'" in e for e in errors)
+    assert any(e.startswith("train.exit_signal: expected Signals") for e in errors)
+    assert any(e.startswith("optimizer.lr: expected float, got str 'fast'") for e in errors)
+    assert any(e.startswith("model._explicit_: 'num_layerz' is not a field of GPTModelProvider") for e in errors)
+
+
+def test_missing_required_section_is_an_error():
+    data = to_dict(make_config())
+    del data["model"]
+    with pytest.raises(ConfigValidationError, match="model: is required by ConfigContainer but missing"):
+        from_dict(data, ConfigContainer)
+
+
+def test_target_of_the_wrong_class_is_an_error():
+    data = to_dict(make_config())
+    data["dataset"]["_target_"] = "megatron_bridge.training.config.TrainingConfig"
+    with pytest.raises(
+        ConfigValidationError, match="dataset: _target_ 'megatron_bridge.training.config.TrainingConfig' is not a"
+    ):
+        from_dict(data, ConfigContainer)
+
+
+def test_target_that_does_not_exist_is_an_error():
+    data = to_dict(make_config())
+    data["train"]["_target_"] = "megatron_bridge.training.config.NoSuchConfig"
+    with pytest.raises(ConfigValidationError, match="has no attribute 'NoSuchConfig'"):
+        from_dict(data, ConfigContainer)
+
+
+def test_data_without_target_needs_a_class():
+    with pytest.raises(ConfigValidationError, match="no _target_ says which config class this is"):
+        from_dict({"train": {}})
+    with pytest.raises(ConfigValidationError, match="expected a mapping of sections"):
+        from_dict([1, 2], ConfigContainer)
+
+
+def test_union_section_without_target_takes_the_class_that_knows_its_keys():
+    data = to_dict(make_config())
+    data["dataset"] = {"seq_length": 32, "dataset_root": "/x", "memmap_workers": 2}
+    assert type(from_dict(data, ConfigContainer).dataset) is FinetuningDatasetConfig
+    data["dataset"] = {"seq_length": 32, "data_path": "a", "dataset_rot": "/x"}
+    with pytest.raises(ConfigValidationError, match="dataset.dataset_rot: unknown key for GPTDatasetConfig"):
+        from_dict(data, ConfigContainer)
+
+
+def test_abstract_section_without_target_is_an_error():
+    with pytest.raises(ConfigValidationError, match="cannot tell which DatasetProvider this is"):
+        from_dict({"num_workers": 1}, DatasetProvider)
+
+
+def test_unserializable_values_are_written_as_placeholders_and_refused_on_load(tmp_path):
+    cfg = make_config()
+    cfg.model.activation_func = lambda x: x  # no import path can name a lambda
+    text = cfg.to_yaml(tmp_path / "cfg.yaml")
+    assert "_unserializable_: <function" in text
+    with pytest.raises(
+        ConfigValidationError, match="model.activation_func: the saved value <function .* had no YAML form"
+    ):
+        ConfigContainer.from_yaml(tmp_path / "cfg.yaml")
+
+
+class _Optimizer:
+    def scale_loss(self, loss):
+        return loss
+
+
+def test_runtime_hooks_the_framework_installed_load_as_defaults(tmp_path):
+    # What pretrain() leaves on the model config when a checkpoint writes run_config.yaml.
+    cfg = make_config()
+    cfg.model.apply_default("grad_scale_func", _Optimizer().scale_loss)
+    text = cfg.to_yaml(tmp_path / "cfg.yaml")
+    assert "grad_scale_func:\n    _unserializable_: <bound method" in text
+    loaded = ConfigContainer.from_yaml(tmp_path / "cfg.yaml")
+    assert loaded.model.grad_scale_func is None and not loaded.model.is_explicit("grad_scale_func")
+
+
+def test_every_recipe_round_trips(tmp_path):
+    recipes = pytest.importorskip("recipes")
+    for name in recipes.list_recipes():
+        cfg = recipes.get_recipe(name)()
+        assert_same_config(cfg, reload(cfg, tmp_path))
+
+
+def test_missing_empty_and_invalid_yaml_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        from_yaml(tmp_path / "nope.yaml", ConfigContainer)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigValidationError, match="empty.yaml is empty"):
+        from_yaml(tmp_path / "empty.yaml", ConfigContainer)
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    with pytest.raises(ConfigValidationError, match="bad.yaml: invalid YAML"):
+        from_yaml(tmp_path / "bad.yaml", ConfigContainer)
+
+
+def test_yaml_is_read_with_a_safe_loader(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigValidationError, match="invalid YAML"):
+        from_yaml(path, ConfigContainer)
+
+
+def test_mixed_precision_section_and_string_both_round_trip(tmp_path):
+    cfg = make_config()
+    assert reload(cfg, tmp_path).mixed_precision == "bf16_mixed"
+    cfg.mixed_precision = MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16)
+    assert_same_config(cfg, reload(cfg, tmp_path))
+    cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=32))
+    assert_same_config(cfg, reload(cfg, tmp_path))
