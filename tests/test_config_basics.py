@@ -181,3 +181,13 @@ def test_importing_the_config_layer_does_not_import_the_runtime_or_optional_pack
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_min_lr_defaults_to_zero_and_stays_derived():
+    cfg = tiny_config()
+    cfg.optimizer.min_lr = None
+    runtime_config_update(cfg)
+    assert cfg.optimizer.min_lr == 0.0 and "min_lr" in cfg.optimizer.derived_fields()
+    cfg.optimizer.min_lr = 1e-4
+    runtime_config_update(cfg)
+    assert cfg.optimizer.min_lr == 1e-4

@@ -68,3 +68,14 @@ def test_pipeline_parallel_2_trains(tmp_path):
     losses = last["losses"]
     assert len(losses) == 20 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
     assert "(TP=1 PP=2 CP=1 DP=1)" in output
+
+
+def test_tensor_parallel_2_checkpoint_resumes_in_one_process(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight, _ = run(tmp_path, "straight", "--iters", "20")
+    first, _ = run(tmp_path, "tp2", "--tp", "2", "--iters", "20", "--exit-interval", "10", "--save", ckpt, nproc=2)
+    assert first[0]["step"] == 10
+    resumed, output = run(tmp_path, "resumed", "--iters", "20", "--load", ckpt)
+    assert "resumed from iteration 10" in output
+    assert "RNG states not restored: the parallel layout differs" in output
+    assert first[0]["losses"] + resumed[0]["losses"] == pytest.approx(straight[0]["losses"], abs=1e-5)

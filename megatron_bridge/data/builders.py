@@ -52,7 +52,7 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
     if isinstance(data, FinetuningDatasetConfig):
         from megatron_bridge.data.finetuning import build_finetuning_datasets
 
-        return build_finetuning_datasets(data, tokenizer, counts)
+        return build_finetuning_datasets(data, tokenizer, counts, cfg.model)
     if isinstance(data, GPTDatasetConfig):
         return _build_gpt_datasets(data, tokenizer, counts)
     raise TypeError(f"cfg.dataset: unsupported dataset config {type(data).__name__}")

@@ -52,6 +52,7 @@ class DefaultCheckpointManager:
         self.ckpt = config.checkpoint
         self._async_queue = None
         self._cached_save_strategy = None
+        self._last_saved: Optional[int] = None  # scheduled or written by this job
 
     # ------------------------------------------------------------------ saving
     def save(self, run: "Run", reason: str) -> None:
@@ -59,8 +60,9 @@ class DefaultCheckpointManager:
 
         root, iteration = self.ckpt.save, run.state.train_state.step
         rank = torch.distributed.get_rank()
-        if layout.read_tracker(root) == iteration:
-            return  # this iteration is saved already (e.g. an exit right after an interval save)
+        if iteration == self._last_saved or layout.read_tracker(root) == iteration:
+            return  # saved (or being saved in the background) already, e.g. an exit right after an interval save
+        self._last_saved = iteration
         final = layout.iteration_dir(root, iteration)
         staging = final + layout.INCOMPLETE_SUFFIX
         if rank == 0:
@@ -159,7 +161,7 @@ class DefaultCheckpointManager:
         check_architecture(directory, self.config.model)
         common = dist_checkpointing.load_common_state_dict(directory)
         same_layout = common.get("layout") == state_dict.layout()
-        with_optimizer = resume and self.ckpt.load_optim
+        with_optimizer = resume and self.ckpt.load_optim and common.get("saved_optimizer", True)
         with_rng = resume and self.ckpt.load_rng and same_layout and common.get("saved_rng", False)
         template = state_dict.build(run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False)
         loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)

@@ -83,6 +83,8 @@ def build(run: "Run", *, for_loading: bool, with_optimizer: bool, with_rng: bool
     sd: dict[str, Any] = {}
     for key, chunk in zip(model_keys(run), run.model):
         sd[key] = unwrap(chunk).sharded_state_dict()
+    # Adam's state exists only after the first step: nothing to save before it.
+    with_optimizer = with_optimizer and (for_loading or run.state.train_state.step > 0)
     if with_optimizer:
         metadata = {"distrib_optim_sharding_type": OPTIMIZER_SHARDING}
         sd["optimizer"] = run.optimizer.sharded_state_dict(sd, is_loading=for_loading, metadata=metadata)
@@ -96,4 +98,5 @@ def build(run: "Run", *, for_loading: bool, with_optimizer: bool, with_rng: bool
         sd["opt_param_scheduler"] = run.scheduler.state_dict()
         sd["layout"] = layout()
         sd["saved_rng"] = with_rng
+        sd["saved_optimizer"] = with_optimizer
     return sd

@@ -284,7 +284,7 @@ class FinetuningDatasetConfig(DataloaderConfig):
     """Seed for shuffling."""
 
     memmap_workers: int = 1
-    """Workers used to index the JSONL files."""
+    """Processes that tokenize the JSONL files (used for files of 1000 lines or more)."""
 
     max_train_samples: Optional[int] = None
     """Use at most this many training examples."""

@@ -30,7 +30,10 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
         p = problems
         if p.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
             p.check(self.lr > 0, "lr", f"must be positive, got {self.lr}", "use e.g. 3e-4")
-            if self.min_lr is not None:
+            if self.min_lr is None:
+                # megatron-core copies min_lr into every param group; its scheduler fails on None
+                self._derive("min_lr", 0.0)
+            else:
                 p.check(
                     0.0 <= self.min_lr <= self.lr,
                     "min_lr",

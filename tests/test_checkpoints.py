@@ -1,0 +1,278 @@
+"""Checkpoints on disk: exact resume, crash safety, retention, signals, resharding, finetune()."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
+from megatron_bridge.training.checkpointing.layout import complete_iterations
+from megatron_bridge.training.config import (
+    CheckpointConfig,
+    ConfigValidationError,
+    FinetuningDatasetConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+from megatron_bridge.training.distributed import free_port
+from megatron_bridge.training.finetune import finetune
+from megatron_bridge.training.gpt_step import forward_step
+from megatron_bridge.training.pretrain import pretrain
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
+pytestmark = pytest.mark.timeout(400)
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_step_end(self, state, metrics):
+        self.values.append(metrics["lm loss"])
+
+
+def config(save=None, load=None, iters=20, **ckpt):
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=iters, global_batch_size=8, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=None, eval_iters=1),
+        checkpoint=CheckpointConfig(save=save, load=load, **ckpt),
+    )
+    assert cfg.model.hidden_dropout == 0.1  # dropout on: resuming must restore the RNG streams
+    return cfg
+
+
+def run(cfg, step=forward_step):
+    losses = Losses()
+    state = pretrain(cfg, step, callbacks=[losses])
+    return losses.values, state
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, _ = run(config())
+    ckpt = str(tmp_path / "ckpt")
+    first_cfg = config(save=ckpt)
+    first_cfg.train.exit_interval = 10
+    first, state = run(first_cfg)
+    assert state.train_state.step == 10 and read_tracker(ckpt) == 10
+    second, state = run(config(save=ckpt, load=ckpt))
+    assert state.train_state.step == 20 and state.train_state.consumed_train_samples == 160
+    assert first + second == straight  # identical at every iteration
+    assert read_tracker(ckpt) == 20
+
+
+def test_checkpoint_layout_and_run_config(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(config(save=str(ckpt), iters=4, save_interval=2))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    files = {p.name for p in (ckpt / "iter_0000004").iterdir()}
+    assert {"run_config.yaml", "common.pt", "metadata.json"} <= files and any(f.endswith(".distcp") for f in files)
+    from megatron_bridge.training.config import ConfigContainer
+
+    saved = ConfigContainer.from_yaml(ckpt / "iter_0000004" / "run_config.yaml")
+    assert saved.model.num_layers == 2 and saved.train.train_iters == 4 and saved.data_parallel_size == 1
+
+
+def test_retention_keeps_exactly_most_recent_k(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(config(save=str(ckpt), iters=10, save_interval=2, most_recent_k=2))
+    assert complete_iterations(str(ckpt)) == [8, 10] and read_tracker(str(ckpt)) == 10
+
+
+def _script(*args, env=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return [sys.executable, str(SCRIPT), *args], env
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd, env = _script("--iters", "200", "--save", str(ckpt), "--save-interval", "2", "--out", str(tmp_path / "o"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed_during = None
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            staging = [p.name for p in ckpt.glob("iter_*.incomplete")] if ckpt.is_dir() else []
+            if staging and read_tracker(str(ckpt)) is not None:
+                proc.send_signal(signal.SIGKILL)
+                killed_during = int(staging[0][len("iter_") : -len(".incomplete")])
+                break
+            time.sleep(0.005)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_during is not None, "never caught a save in progress"
+    latest = read_tracker(str(ckpt))
+    assert latest < killed_during
+    assert (ckpt / f"iter_{latest:07d}" / "common.pt").is_file()
+    # the latest checkpoint loads and training continues from it
+    resume = config(save=str(ckpt), load=str(ckpt), iters=latest + 2)
+    resume.scheduler.override_opt_param_scheduler = True  # a shorter plan than the killed run's
+    losses, state = run(resume)
+    assert state.train_state.step == latest + 2 and len(losses) == 2
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = tmp_path / "o"
+    cmd, env = _script(
+        "--iters", "500", "--save", str(ckpt), "--exit-signal-handler", "--step-sleep", "0.05", "--out", str(out)
+    )  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if " 3/500 |" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=240)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert "training stopped at iteration" in output and "exit signal received" in output
+    step = json.loads(Path(f"{out}.rank0").read_text())["step"]
+    assert 3 <= step < 500 and read_tracker(str(ckpt)) == step
+
+
+def test_loading_a_different_architecture_lists_the_differences(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run(config(save=ckpt, iters=2))
+    other = config(load=ckpt, iters=4)
+    other.model = tiny_model(hidden_size=96, ffn_hidden_size=128)
+    with pytest.raises(CheckpointMismatchError) as err:
+        pretrain(other, forward_step)
+    message = str(err.value)
+    assert "model.hidden_size: checkpoint 64, config 96" in message
+    assert "model.ffn_hidden_size: checkpoint 256, config 128" in message
+    assert not torch.distributed.is_initialized()
+
+
+def test_ckpt_step_and_iteration_directory(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(config(save=str(ckpt), iters=4, save_interval=2))
+    longer = config(load=str(ckpt), iters=6, ckpt_step=2)
+    longer.scheduler.override_opt_param_scheduler = True
+    _, state = run(longer)
+    assert state.train_state.step == 6 and state.train_state.consumed_train_samples == 48
+    _, state = run(config(pretrained_checkpoint=str(ckpt / "iter_0000002"), iters=3))
+    assert state.train_state.step == 3  # weights only: the step count starts at 0
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for ckpt_step=3 .*complete iterations: \[2, 4\]"):
+        pretrain(config(load=str(ckpt), iters=6, ckpt_step=3), forward_step)
+
+
+def test_changed_schedule_on_resume_is_a_clear_error(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run(config(save=ckpt, iters=4))
+    with pytest.raises(ValueError, match="set scheduler.override_opt_param_scheduler=True"):
+        pretrain(config(load=ckpt, iters=8), forward_step)
+    longer = config(load=ckpt, iters=8)
+    longer.scheduler.override_opt_param_scheduler = True
+    _, state = run(longer)
+    assert state.train_state.step == 8
+
+
+class RecordingManager:
+    """A custom checkpoint manager: keeps the model weights in memory."""
+
+    calls = []
+
+    def __init__(self, config):
+        self.config = config
+
+    def save(self, run, reason):
+        RecordingManager.calls.append(("save", run.state.train_state.step, reason))
+
+    def load(self, run):
+        RecordingManager.calls.append(("load",))
+        return None
+
+    def finalize_async_saves(self, blocking=False):
+        RecordingManager.calls.append(("finalize", blocking))
+
+
+def test_custom_manager_class_replaces_the_default(tmp_path):
+    from megatron_bridge.training.config.serialization import allow_target_prefix
+
+    allow_target_prefix("test_checkpoints.")
+    RecordingManager.calls = []
+    cfg = config(save=str(tmp_path / "ckpt"), iters=4, save_interval=2, custom_manager_class="test_checkpoints.RecordingManager")
+    run(cfg)
+    assert RecordingManager.calls == [("load",), ("save", 2, "interval"), ("save", 4, "interval"), ("save", 4, "end of training"), ("finalize", True)]
+    assert not (tmp_path / "ckpt").exists()  # the default manager wrote nothing
+
+
+def test_custom_manager_class_outside_the_allowlist_is_refused(tmp_path):
+    cfg = config(save=str(tmp_path / "ckpt"), iters=2, custom_manager_class="os.path.join")
+    with pytest.raises(ImportError, match="checkpoint.custom_manager_class: .*os.path.join"):
+        pretrain(cfg, forward_step)
+
+
+def test_async_save_on_cpu_uses_a_worker_per_save(tmp_path, caplog):
+    ckpt = tmp_path / "ckpt"
+    with caplog.at_level("INFO", logger="megatron_bridge"):
+        losses, _ = run(config(save=str(ckpt), iters=6, save_interval=3, async_save=True))
+    assert "checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)" in caplog.text
+    assert complete_iterations(str(ckpt)) == [3, 6] and read_tracker(str(ckpt)) == 6
+    resumed, state = run(config(load=str(ckpt), iters=6))
+    assert state.train_state.step == 6 and resumed == []
+    explicit = config(save=str(ckpt), iters=6, async_save=True, use_persistent_ckpt_worker=True)
+    with pytest.raises(ConfigValidationError, match="the persistent async checkpoint worker needs CUDA"):
+        pretrain(explicit, forward_step)
+
+
+def test_finetune_needs_pretrained_weights():
+    with pytest.raises(ConfigValidationError) as err:
+        finetune(config(), forward_step)
+    assert err.value.errors == [
+        "checkpoint.pretrained_checkpoint: finetune() needs pretrained weights, and neither pretrained_checkpoint "
+        "nor a resumable load is set (set checkpoint.pretrained_checkpoint to a checkpoint directory (or use pretrain()))"
+    ]
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_pretrain_then_finetune_on_jsonl_with_the_loss_on_answers(tmp_path):
+    from megatron_bridge.data.finetuning import PromptAnswerDataset, read_examples
+    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+
+    ckpt = str(tmp_path / "pretrained")
+    run(config(save=ckpt, iters=10))
+    # prompts are random (unlearnable); answers count up from the prompt's last token
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(64):
+        prompt = torch.randint(0, 255, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist()
+        answer = [(prompt[-1] + 1 + i) % 255 for i in range(int(torch.randint(2, 8, (1,), generator=gen)))]
+        rows.append({"input": " ".join(map(str, prompt)), "output": " ".join(map(str, answer))})
+    data = tmp_path / "sft"
+    data.mkdir()
+    _write_jsonl(data / "training.jsonl", rows)
+    _write_jsonl(data / "validation.jsonl", rows[:8])
+
+    sample = PromptAnswerDataset([([5, 6, 7], [8, 9])], NullTokenizer(256), 32, 1, 0)[0]
+    assert sample == {"tokens": [5, 6, 7, 8, 9], "labels": [6, 7, 8, 9, 255], "loss_mask": [0, 0, 1, 1, 1]}
+
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=40, global_batch_size=8, micro_batch_size=2),
+        dataset=FinetuningDatasetConfig(dataset_root=str(data), seq_length=32, num_workers=0, max_train_samples=48),
+        validation=ValidationConfig(eval_interval=None, eval_iters=1),
+        checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt, save=str(tmp_path / "sft_ckpt")),
+    )
+    losses = Losses()
+    state = finetune(cfg, forward_step, callbacks=[losses])
+    assert state.train_state.step == 40 and read_tracker(str(tmp_path / "sft_ckpt")) == 40
+    print("finetune losses", [round(x, 2) for x in losses.values])
+    # only answer tokens count, and they follow a learnable rule (the prompts are noise)
+    assert sum(losses.values[-5:]) / 5 < sum(losses.values[:5]) / 5 - 1.0
+    assert len(read_examples(str(data / "training.jsonl"), "input", "output", 48)) == 48
