@@ -79,3 +79,22 @@ def test_tensor_parallel_2_checkpoint_resumes_in_one_process(tmp_path):
     assert "resumed from iteration 10" in output
     assert "RNG states not restored: the parallel layout differs" in output
     assert first[0]["losses"] + resumed[0]["losses"] == pytest.approx(straight[0]["losses"], abs=1e-5)
+
+
+def test_one_rank_raising_stops_both_quickly_with_its_error(tmp_path):
+    import time
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(SCRIPT), "--iters", "50", "--fail-at", "5", "--fail-rank", "1",
+        "--timeout-minutes", "1", "--out", str(tmp_path / "o"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    elapsed = time.time() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "injected failure at iteration 5 on rank 1" in output
+    assert elapsed < 60 + 30  # within distributed_timeout_minutes (plus start-up), not a hang
+    assert not list(tmp_path.glob("o.rank*"))  # neither rank finished training

@@ -255,7 +255,7 @@ def test_tiny_recipe_trains_on_one_cpu_process(tmp_path):
     cfg = fn(dir=tmp_path)
     assert fn.world_size == 1
     m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (2, 64, 4, 32)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (3, 96, 4, 64)
     assert m.transformer_impl == "local" and m.use_cpu_initialization
     assert type(cfg.dataset) is MockGPTDatasetConfig and cfg.dataset.num_workers == 0
     assert cfg.tokenizer.tokenizer_type == "NullTokenizer" and cfg.tokenizer.vocab_size == 256
@@ -292,3 +292,29 @@ def test_finetune_with_a_missing_checkpoint_is_reported(tmp_path):
     expected = "checkpoint.pretrained_checkpoint: directory .*nope' does not exist"
     with pytest.raises(ConfigValidationError, match=expected):
         runtime_config_update(cfg, world_size=1)
+
+
+@pytest.mark.timeout(300)
+def test_tiny_recipes_pretrain_then_finetune_for_real(tmp_path):
+    import json
+
+    from megatron_bridge.training.checkpointing import read_tracker
+    from megatron_bridge.training.finetune import finetune
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
+    pre = recipes.tiny_gpt_pretrain_config(dir=tmp_path, name="pre", train_iters=12, eval_interval=6, eval_iters=1)
+    state = pretrain(pre, forward_step)
+    ckpt = tmp_path / "pre" / "checkpoints"
+    assert state.train_state.step == 12 and read_tracker(str(ckpt)) == 12
+    assert any((tmp_path / "pre" / "tb_logs").iterdir())
+
+    data = tmp_path / "jsonl"
+    data.mkdir()
+    with open(data / "training.jsonl", "w") as f:
+        for start in range(0, 200, 7):
+            f.write(json.dumps({"input": " ".join(str((start + i) % 255) for i in range(5)), "output": " ".join(str((start + 5 + i) % 255) for i in range(4))}) + "\n")
+    ft = recipes.tiny_gpt_finetune_config(dir=tmp_path, name="ft", train_iters=6, lr_warmup_iters=2, eval_iters=0, dataset_root=data, pretrained_checkpoint=ckpt)
+    state = finetune(ft, forward_step)
+    assert state.train_state.step == 6  # a new step count from the pretrained weights
+    assert read_tracker(str(tmp_path / "ft" / "checkpoints")) == 6

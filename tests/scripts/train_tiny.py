@@ -32,6 +32,15 @@ class RecordLosses(Callback):
             time.sleep(self.sleep)
 
 
+def failing_forward_step(iteration, rank):
+    def step(state, data_iterator, model):
+        if state.train_state.step + 1 == iteration and state.rank == rank:
+            raise RuntimeError(f"injected failure at iteration {iteration} on rank {rank}")
+        return forward_step(state, data_iterator, model)
+
+    return step
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
@@ -47,6 +56,9 @@ def main():
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--exit-interval", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--fail-at", type=int, default=None, help="raise in the forward step of this iteration")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--timeout-minutes", type=int, default=2)
     p.add_argument("--exit-signal-handler", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--out", required=True)
@@ -62,7 +74,7 @@ def main():
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
     )
     cfg.logger.log_interval = 1
-    cfg.dist.distributed_timeout_minutes = 2
+    cfg.dist.distributed_timeout_minutes = args.timeout_minutes
     if args.dist_opt:
         cfg.ddp.use_distributed_optimizer = True
     cfg.checkpoint.save = args.save
@@ -73,7 +85,10 @@ def main():
     cfg.train.exit_signal_handler = args.exit_signal_handler
     cfg.train.exit_interval = args.exit_interval
     recorder = RecordLosses(args.step_sleep)
-    state = pretrain(cfg, forward_step, callbacks=[recorder])
+    step = forward_step
+    if args.fail_at is not None:
+        step = failing_forward_step(args.fail_at, args.fail_rank)
+    state = pretrain(cfg, step, callbacks=[recorder])
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump({"losses": recorder.losses, "step": state.train_state.step, "dp": cfg.data_parallel_size}, f)
