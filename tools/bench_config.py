@@ -1,0 +1,67 @@
+"""Cost of the config layer, measured side by side in one run.
+
+    python tools/bench_config.py [--rounds 5]
+
+1. Import time of `megatron_bridge.training.config` over `import megatron.core` alone, each in a
+   fresh interpreter, alternating (target <= 1.10).
+2. `runtime_config_update` on the Llama 3 8B and Llama 3.1 405B recipes after imports, on fresh
+   copies (target < 20 ms; goal <= 0.40 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import subprocess
+import sys
+import time
+
+IMPORT = "import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
+
+
+def import_seconds(module: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", IMPORT.format(module=module)], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--updates", type=int, default=200)
+    args = p.parse_args()
+
+    import_seconds("megatron.core")  # warm the file-system cache for both
+    core, ours = [], []
+    for _ in range(args.rounds):
+        core.append(import_seconds("megatron.core"))
+        ours.append(import_seconds("megatron_bridge.training.config"))
+    core_s, ours_s = statistics.median(core), statistics.median(ours)
+    print(f"import megatron.core                    median {core_s:.3f} s")
+    print(f"import megatron_bridge.training.config  median {ours_s:.3f} s")
+    print(f"ratio {ours_s / core_s:.3f} (target <= 1.10; {args.rounds} alternating rounds, fresh interpreters)")
+
+    import logging
+
+    logging.disable(logging.WARNING)  # comm-overlap notes would be printed on every update
+    from megatron_bridge.training.config import runtime_config_update
+    from recipes import get_recipe
+
+    for name in ("llama3_8b_pretrain_config", "llama31_405b_pretrain_config"):
+        fn = get_recipe(name)
+        template = fn()
+        copies = [copy.deepcopy(template) for _ in range(args.updates)]
+        runtime_config_update(copy.deepcopy(template), world_size=fn.world_size)  # warm caches
+        times = []
+        for cfg in copies:
+            start = time.perf_counter()
+            runtime_config_update(cfg, world_size=fn.world_size)
+            times.append(time.perf_counter() - start)
+        median_ms = statistics.median(times) * 1e3
+        print(f"runtime_config_update {name:30s} median {median_ms:.3f} ms (target < 20 ms, goal <= 0.40 ms)")
+
+
+if __name__ == "__main__":
+    main()
