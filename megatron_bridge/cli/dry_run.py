@@ -1,0 +1,79 @@
+"""`--dry-run`: resolve a config as a real run at a given world size would, without a process
+group, and print it with the sizes it implies."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional
+
+from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+
+def resolve(cfg: "ConfigContainer", world_size: int) -> None:
+    """`runtime_config_update` at `world_size`. Unlike a real CPU run, the model is not adapted
+    for CPU: the config is checked as written, for the machines it targets."""
+    from megatron_bridge.training.config import runtime_config_update
+
+    with config_errors_are_usage_errors(f"the config does not resolve at world size {world_size}: "):
+        runtime_config_update(cfg, world_size=world_size)
+
+
+def human(n: float) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def summary(cfg: "ConfigContainer", world_size: int) -> list[tuple[str, str]]:
+    """(label, text) pairs of the values a resolved `cfg` derives for `world_size` ranks."""
+    from megatron_bridge.models import count_parameters
+
+    m, t, s = cfg.model, cfg.train, cfg.scheduler
+    dp = cfg.data_parallel_size
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    gbs, mbs = t.global_batch_size, t.micro_batch_size
+    rows = [("data-parallel size", f"{dp}  (world {world_size} / (TP {tp} x PP {pp} x CP {cp}))")]
+    if gbs and mbs and dp:
+        rows.append(("microbatches per step", f"{gbs // (mbs * dp)}  (GBS {gbs} / (MBS {mbs} x DP {dp}))"))
+    rows.append(("train iterations", str(t.train_iters)))
+    rows.append(
+        ("scheduler steps", f"lr_warmup_steps={s.lr_warmup_steps}, lr_decay_steps={s.lr_decay_steps}  (in samples)")
+    )
+    count = count_parameters(m)
+    params = f"{count.total:,} ({human(count.total)})"
+    if count.active != count.total:
+        params += f", active per token {count.active:,} ({human(count.active)})"
+    rows.append(("parameters", params))
+    if gbs:
+        rows.append(("tokens per step", f"{gbs * m.seq_length:,}  (GBS {gbs} x seq_length {m.seq_length})"))
+    return rows
+
+
+def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, label: str) -> None:
+    """Resolve `cfg` at `world_size`, print its YAML, then the summary as YAML comments (so the
+    output is still a loadable config)."""
+    resolve(cfg, world_size)
+    print(cfg.to_yaml(), end="")
+    print(f"# ---- dry run of {label} at world size {world_size} ({world_source}) ----")
+    rows = summary(cfg, world_size)
+    width = max(len(k) for k, _ in rows) + 1
+    for key, text in rows:
+        print(f"# {key + ':':<{width}} {text}")
+
+
+def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:
+    """The world size to check at, and where it came from: the recipe's intended one, else
+    WORLD_SIZE, else 1."""
+    if recipe_world_size is not None:
+        return recipe_world_size, "the recipe's world size"
+    text = os.environ.get("WORLD_SIZE")
+    if text is not None:
+        if not text.isdigit() or int(text) < 1:
+            raise UsageError(f"WORLD_SIZE={text!r} is not a positive integer (or pass --world-size N)")
+        return int(text), "WORLD_SIZE"
+    return 1, "default"

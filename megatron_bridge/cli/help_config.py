@@ -1,0 +1,226 @@
+"""`--help-config [SECTION]`: the fields of a config section with their types, values, class
+defaults and docstrings.
+
+A field's docstring is the string literal right after it in the class body (an attribute
+docstring); it is read with `ast` from the source of every class in the MRO, so megatron-core's
+own field documentation shows up for the fields our configs inherit.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import enum
+import functools
+import inspect
+import re
+import textwrap
+from typing import Any, Optional
+
+from megatron_bridge.cli.errors import UsageError
+
+OPTIONS = "options"
+"""Pseudo-section: the keyword arguments of the recipe (`--recipe-arg KEY=VALUE`)."""
+
+_NO_DEFAULT = object()
+
+
+# ---------------------------------------------------------------------- docstrings
+@functools.lru_cache(maxsize=None)
+def own_field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings written in the body of `cls` itself (not its bases)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # built-in, or defined where the source is not available
+        return {}
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if node is None:
+        return {}
+    docs = {}
+    for stmt, after in zip(node.body, node.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of `cls` and its bases; the most derived class that documents a field wins."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(own_field_docs(klass))
+    return docs
+
+
+def class_summary(cls: type) -> str:
+    """First line of the class docstring (dataclass's generated signature docstring does not count)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    if doc.startswith(f"{cls.__name__}("):
+        return ""
+    return first_line(doc)
+
+
+def first_line(doc: str) -> str:
+    lines = inspect.cleandoc(doc).splitlines()
+    return lines[0] if lines else ""
+
+
+# ---------------------------------------------------------------------- rendering
+def type_name(tp: Any) -> str:
+    """`typing.Optional[megatron_bridge.x.TrainingConfig]` -> `Optional[TrainingConfig]`."""
+    from megatron_bridge.config.typecheck import describe
+
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", describe(tp))
+
+
+def show_value(value: Any) -> str:
+    """A short rendering of a field value: functions and classes by name, sections by class."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"{type(value).__name__}(...)"
+    if isinstance(value, functools.partial):
+        return f"partial({show_value(value.func)}, ...)"
+    if inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, enum.Enum):
+        return value.name
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def class_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        try:
+            return f.default_factory()  # type: ignore[misc]
+        except Exception:  # a factory that needs a runtime: say so rather than fail the help
+            return _NO_DEFAULT
+    return _NO_DEFAULT
+
+
+def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: Any, has_value: bool) -> list[str]:
+    """Lines describing field `f`: `name: type = value  (class default: ...)`, then its docstring."""
+    from megatron_bridge.config.base import values_equal
+
+    default = class_default(f)
+    default_text = "required" if default is _NO_DEFAULT else show_value(default)
+    if not has_value:
+        head = f"{f.name}: {type_name(types[f.name])} = {default_text}"
+    elif default is not _NO_DEFAULT and values_equal(value, default):
+        head = f"{f.name}: {type_name(types[f.name])} = {show_value(value)}  (class default)"
+    else:
+        head = f"{f.name}: {type_name(types[f.name])} = {show_value(value)}  (class default: {default_text})"
+    doc = field_docs(cls).get(f.name, "")
+    return [f"  {head}", *(f"      {line}" for line in doc.splitlines())]
+
+
+def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
+    """Every public field of dataclass `cls` (values from `obj`, if not None)."""
+    from megatron_bridge.config.typecheck import field_types
+
+    types = field_types(cls)
+    lines: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or (only is not None and f.name != only):
+            continue
+        has_value = obj is not None
+        lines += field_entry(cls, f, types, getattr(obj, f.name, None), has_value)
+    return lines
+
+
+# ---------------------------------------------------------------------- topics
+def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
+    """(class, instance) of the section a field holds: its value, the config a preset name stands
+    for, or, for a null field with one possible class, that class without an instance."""
+    from megatron_bridge.training.utils.override_types import section_classes, section_from_value
+
+    try:
+        section = section_from_value(value, declared)
+    except Exception:  # an unknown preset name: the field is shown as a plain value
+        section = None
+    if section is not None:
+        return type(section), section
+    classes = section_classes(declared)
+    if value is None and len(classes) == 1:
+        return classes[0], None
+    return None, None
+
+
+def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
+    """One line per top-level field of `cfg`: name, class (or value), what it holds."""
+    from megatron_bridge.config.typecheck import field_types
+
+    container = type(cfg)
+    types = field_types(container)
+    docs = field_docs(container)
+    rows = []
+    for f in dataclasses.fields(container):
+        value = getattr(cfg, f.name)
+        cls, section = _section_of(value, types[f.name])
+        if cls is None:
+            kind = f"{show_value(value)} ({type_name(types[f.name])})"
+        elif section is None:
+            kind = f"None ({cls.__name__})"
+        elif isinstance(value, str):
+            kind = f"{value!r} ({cls.__name__} preset)"
+        else:
+            kind = cls.__name__
+        about = first_line(docs.get(f.name, "")) or (class_summary(cls) if cls else "")
+        rows.append((f.name, kind, about))
+    if options is not None:
+        rows.append((OPTIONS, type(options).__name__, "Keyword arguments of the recipe (--recipe-arg KEY=VALUE)."))
+    w1 = max(len(r[0]) for r in rows) + 2
+    w2 = min(max(len(r[1]) for r in rows), 40) + 2
+    head = f"Sections of {label}; `--help-config SECTION` lists the fields of one (SECTION.FIELD: one field):"
+    return [head, *(f"  {n:<{w1}}{k:<{w2}}{a}".rstrip() for n, k, a in rows)]
+
+
+def _unknown(name: str, choices: list[str], where: str) -> UsageError:
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; choose from {', '.join(choices)}"
+    return UsageError(f"--help-config: {where} has no section or field {name!r}{hint}")
+
+
+def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the config") -> str:
+    """The help for `topic`: '' lists the sections; 'train' the fields of a section;
+    'train.train_iters' one field; 'options' the recipe's options (when `options` is given)."""
+    if not topic:
+        return "\n".join(sections_text(cfg, options, label))
+    from megatron_bridge.config.typecheck import field_types
+
+    parts = topic.split(".")
+    cls: Optional[type] = type(cfg)
+    obj: Any = cfg
+    if parts[0] == OPTIONS and options is not None:
+        cls, obj, parts = type(options), options, parts[1:]
+    path: list[str] = []
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+        where = ".".join(path) or cls.__name__
+        if part not in names:
+            raise _unknown(part, names, where)
+        value = getattr(obj, part) if obj is not None else None
+        sub_cls, sub_obj = _section_of(value, field_types(cls)[part])
+        if sub_cls is None:
+            if i != len(parts) - 1:
+                raise UsageError(f"--help-config: {'.'.join([*path, part])} is a field, not a section")
+            return "\n".join(fields_text(cls, obj, only=part))
+        cls, obj = sub_cls, (sub_obj if obj is not None else None)
+        path.append(part)
+    title = ".".join(path) or OPTIONS
+    summary = class_summary(cls)
+    head = f"{title} ({cls.__name__}){': ' + summary if summary else ''}"
+    if obj is None:
+        head += f"\n  {title} is None: the class defaults are shown; setting a field creates it."
+    return "\n".join([head, *fields_text(cls, obj)])

@@ -1,0 +1,94 @@
+"""Building the config a command works on: a recipe (with its options) or a YAML file, then the
+YAML file's values and the `KEY=VALUE` overrides."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def get_recipe(name: str) -> Callable[..., "ConfigContainer"]:
+    """The recipe function `name`; an unknown name is a `UsageError` naming the closest ones."""
+    import recipes
+
+    with config_errors_are_usage_errors():
+        return recipes.get_recipe(name)
+
+
+def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), values: Optional[dict] = None) -> Any:
+    """The options object of recipe `fn` with its defaults, then `KEY=VALUE` texts applied (each
+    value decoded against the option's declared type, with the grammar and checks of config
+    overrides), then `values` as given. Fields changed here count as set (`explicit_fields()`)."""
+    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    options_class = getattr(fn, "options_class", None)
+    if options_class is None:
+        raise UsageError(f"recipe {fn.__name__} takes no options")
+    options = options_class(**fn.defaults)
+    for name in options.explicit_fields():  # start from the recipe's defaults, none set yet
+        options.mark_explicit(name, False)
+    with config_errors_are_usage_errors(f"options of recipe {fn.__name__}: "):
+        if assignments:
+            process_config_with_overrides(options, None, list(assignments))
+        for name, value in (values or {}).items():
+            setattr(options, name, value)  # type-checked
+    return options
+
+
+def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), values: Optional[dict] = None) -> dict:
+    """Keyword arguments for recipe `fn`: the options `recipe_options` sets."""
+    if not assignments and not values:
+        return {}
+    options = recipe_options(fn, assignments, values)
+    return {name: getattr(options, name) for name in options.explicit_fields()}
+
+
+def check_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise UsageError(f"config file {path!r} does not exist")
+
+
+def build_config(
+    recipe: Optional[str] = None,
+    recipe_args: Sequence[str] = (),
+    recipe_values: Optional[dict] = None,
+    config_file: Optional[str] = None,
+    overrides: Sequence[str] = (),
+) -> "ConfigContainer":
+    """The recipe's config (called with `recipe_args`) or, without a recipe, the full config in
+    `config_file`; then `config_file` (over the recipe) and `overrides` applied. Not resolved.
+    `recipe_values` are recipe options given as Python values (the --dir/--name shortcuts)."""
+    if recipe is None and config_file is None:
+        raise UsageError("give --recipe NAME or --config-file FILE.yaml (`mbridge recipes` lists the recipes)")
+    if (recipe_args or recipe_values) and recipe is None:
+        raise UsageError("recipe options (--recipe-arg, --dir, --name) need --recipe NAME")
+    if config_file is not None:
+        check_file(config_file)
+    from megatron_bridge.training.config import ConfigContainer
+    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    with config_errors_are_usage_errors():
+        if recipe is not None:
+            fn = get_recipe(recipe)
+            cfg = fn(**recipe_kwargs(fn, recipe_args, recipe_values))
+            merge_file = config_file
+        else:
+            cfg = ConfigContainer.from_yaml(config_file)
+            merge_file = None  # already loaded as a whole
+        if merge_file is not None or overrides:
+            process_config_with_overrides(cfg, merge_file, list(overrides))
+    return cfg
+
+
+def load_source(source: str, overrides: Sequence[str] = ()) -> "ConfigContainer":
+    """A config from `source`: a YAML file (an existing path or a .yaml/.yml name) or a recipe name."""
+    if os.path.exists(source) or source.endswith(YAML_SUFFIXES):
+        return build_config(config_file=source, overrides=overrides)
+    return build_config(recipe=source, overrides=overrides)

@@ -1,0 +1,159 @@
+"""What `mbridge pretrain` and `mbridge finetune` share: their options, and running them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from typing import Any
+
+from megatron_bridge.cli.errors import UsageError
+
+EPILOG = """\
+precedence (later wins): the recipe called with its options < --config-file < KEY=VALUE overrides
+
+recipe options are the keyword arguments of the recipe function (dir, name, train_iters,
+global_batch_size, seq_length, tensor_model_parallel_size, ...; `--help-config options` lists
+them with the recipe's defaults). They shape the whole recipe, e.g. name sets the checkpoint and
+TensorBoard directories (DIR/NAME/checkpoints, DIR/NAME/tb_logs).
+
+examples:
+  mbridge {cmd} --recipe {tiny} train.train_iters=20 optimizer.lr=1e-3
+  mbridge {cmd} --recipe {tiny} --dir /results --name try1 --recipe-arg global_batch_size=16
+  mbridge {cmd} --recipe {gpu} --dry-run --world-size 16
+  mbridge {cmd} --config-file run.yaml train.train_iters=100
+  mbridge {cmd} --recipe {gpu} --help-config train
+  torchrun --nproc_per_node=8 -m megatron_bridge {cmd} --recipe {gpu} --dir /results
+"""
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: str, gpu: str) -> argparse.ArgumentParser:
+    """The parser of training subcommand `cmd` (its handler runs the `cmd` entry point); `tiny`
+    and `gpu` are the recipe arguments its examples use."""
+    p = subparsers.add_parser(
+        cmd,
+        help=summary,
+        description=textwrap.fill(description, 100),
+        epilog=EPILOG.format(cmd=cmd, tiny=tiny, gpu=gpu),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_argument_group("config")
+    src.add_argument("--recipe", metavar="NAME", help="recipe to start from (`mbridge recipes` lists them)")
+    src.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="YAML merged over the recipe; without --recipe, a complete config (as written by to_yaml)",
+    )
+    src.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, Hydra syntax: train.train_iters=100, dataset.data_path=[a,b], ++env_vars.X=1, ~key",
+    )
+    opts = p.add_argument_group("recipe options (keyword arguments of the recipe function)")
+    opts.add_argument(
+        "--recipe-arg",
+        dest="recipe_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one recipe option, e.g. --recipe-arg seq_length=4096 (repeatable; typed like overrides)",
+    )
+    opts.add_argument("--dir", help="shortcut for --recipe-arg dir=DIR: base output directory")
+    opts.add_argument("--name", help="shortcut for --recipe-arg name=NAME: run name; outputs go to DIR/NAME")
+    check = p.add_argument_group("checking without training")
+    check.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config as a run would (no process group, no CPU adaptation), print it and the "
+        "derived sizes (data-parallel size, microbatches, scheduler steps, parameters, tokens/step), exit",
+    )
+    check.add_argument(
+        "--world-size",
+        type=_positive_int,
+        metavar="N",
+        help="world size for --dry-run (default: the recipe's intended world size, else WORLD_SIZE, else 1)",
+    )
+    check.add_argument(
+        "--help-config",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list the config sections, or the fields of SECTION (e.g. train, model, optimizer, options) "
+        "with types, the config's values, class defaults and docs; SECTION.FIELD shows one field",
+    )
+    p.set_defaults(handler=lambda args: run(args, cmd))
+    return p
+
+
+def _label(args: argparse.Namespace, fn: Any) -> str:
+    if fn is not None:
+        return fn.__name__ + (f" + {args.config_file}" if args.config_file else "")
+    return str(args.config_file)
+
+
+def run(args: argparse.Namespace, cmd: str) -> int:
+    """`mbridge pretrain|finetune`: build the config, then show help, dry-run, or train."""
+    from megatron_bridge.cli import source
+
+    if args.world_size is not None and not args.dry_run:
+        raise UsageError("--world-size only applies to --dry-run (a real run uses the processes launched)")
+    shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
+    cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
+    fn = source.get_recipe(args.recipe) if args.recipe is not None else None
+    if args.help_config is not None:
+        from megatron_bridge.cli.help_config import help_text
+
+        options = source.recipe_options(fn, args.recipe_args, shortcuts) if fn is not None else None
+        print(help_text(cfg, args.help_config, options, _label(args, fn)))
+        return 0
+    if args.dry_run:
+        from megatron_bridge.cli.dry_run import default_world_size, print_dry_run
+
+        if args.world_size is not None:
+            world, why = args.world_size, "--world-size"
+        else:
+            world, why = default_world_size(fn.world_size if fn is not None else None)
+        print_dry_run(cfg, world, why, _label(args, fn))
+        return 0
+    train(cfg, cmd)
+    return 0
+
+
+def train(cfg: Any, cmd: str) -> None:
+    """Run the `cmd` entry point with the standard GPT forward step; on the logging rank, say
+    where the outputs are."""
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.training.gpt_step import forward_step
+
+    if cmd == "finetune":
+        from megatron_bridge.training.finetune import finetune as entry
+    else:
+        from megatron_bridge.training.pretrain import pretrain as entry
+    try:
+        entry(cfg, forward_step)
+    except ConfigValidationError as exc:  # found while resolving the config for this machine
+        raise UsageError(str(exc)) from exc
+    if is_logging_rank():
+        print(outputs_line(cfg), flush=True)
+
+
+def is_logging_rank() -> bool:
+    """The last rank logs (as the trainer does); a plain process is rank 0 of 1."""
+    rank = os.environ.get("RANK", "0")
+    world = os.environ.get("WORLD_SIZE", "1")
+    return not (rank.isdigit() and world.isdigit()) or int(rank) == int(world) - 1
+
+
+def outputs_line(cfg: Any) -> str:
+    """`checkpoints: DIR | tensorboard: DIR` of a finished run."""
+    ckpt = cfg.checkpoint.save or "not saved (checkpoint.save is unset)"
+    tb = cfg.logger.tensorboard_dir or "off (logger.tensorboard_dir is unset)"
+    return f"checkpoints: {ckpt} | tensorboard: {tb}"
+
