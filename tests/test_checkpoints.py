@@ -87,6 +87,14 @@ def test_retention_keeps_exactly_most_recent_k(tmp_path):
     assert complete_iterations(str(ckpt)) == [8, 10] and read_tracker(str(ckpt)) == 10
 
 
+def _kill_session(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _script(*args, env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return [sys.executable, str(SCRIPT), *args], env
@@ -95,7 +103,8 @@ def _script(*args, env=None):
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd, env = _script("--iters", "200", "--save", str(ckpt), "--save-interval", "2", "--out", str(tmp_path / "o"))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own session: the kill must also reach the helper processes checkpointing starts
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     killed_during = None
     try:
         deadline = time.time() + 240
@@ -107,8 +116,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
                 break
             time.sleep(0.005)
     finally:
-        proc.kill()
-        proc.wait()
+        _kill_session(proc)
     assert killed_during is not None, "never caught a save in progress"
     latest = read_tracker(str(ckpt))
     assert latest < killed_during
@@ -126,14 +134,17 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     cmd, env = _script(
         "--iters", "500", "--save", str(ckpt), "--exit-signal-handler", "--step-sleep", "0.05", "--out", str(out)
     )  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if " 3/500 |" in line:
             proc.send_signal(signal.SIGTERM)
             break
-    rest, _ = proc.communicate(timeout=240)
+    try:
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        _kill_session(proc)  # nothing of the job may outlive the test
     output = "".join(lines) + rest
     assert proc.returncode == 0, output[-3000:]
     assert "training stopped at iteration" in output and "exit signal received" in output

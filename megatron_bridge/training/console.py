@@ -33,6 +33,13 @@ def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds:
     for key in sorted(metrics):
         if key.endswith(" loss") and key != "lm loss":
             parts.append(f"{key} {metrics[key]:.4E}")
+    if "tflops-per-device" in metrics:
+        parts.append(f"{metrics['tflops-per-device']:.3g} TFLOP/s/device")
+    if "mfu" in metrics:
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    for key in ("mem-max-allocated-bytes", "mem-rss-bytes"):
+        if key in metrics:
+            parts.append(f"{'max allocated' if 'allocated' in key else 'RSS'} {metrics[key] / 2**30:.2f} GiB")
     if "grad-norm" in metrics and math.isfinite(metrics["grad-norm"]):
         parts.append(f"grad norm {metrics['grad-norm']:.3f}")
     if metrics.get("loss-scale", 1.0) != 1.0:
@@ -43,6 +50,12 @@ def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds:
         parts.append(f"nan {int(metrics['nan-iterations'])}")
     parts.append(f"ETA {format_duration(eta_seconds)}")
     return " | ".join(parts)
+
+
+def timers_line(timers: Mapping[str, float]) -> str:
+    """e.g. `timers (ms/iteration, max across ranks): forward-backward 12.31 | optimizer 1.02`"""
+    parts = [f"{name[: -len('-time')]} {seconds * 1000:.2f}" for name, seconds in timers.items()]
+    return "timers (ms/iteration, max across ranks): " + " | ".join(parts)
 
 
 def eval_line(step: int, split: str, metrics: Mapping[str, float]) -> str:

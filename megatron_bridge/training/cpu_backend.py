@@ -332,10 +332,34 @@ def adapt_config(cfg, problems) -> list[str]:
         else:
             ckpt.apply_default("use_persistent_ckpt_worker", False)
             changed.append("checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)")
+    if cfg.straggler is not None and cfg.straggler.log_straggler:
+        problems.add(
+            "straggler.log_straggler",
+            "megatron-core's straggler detector times GPU work with CUDA events, and this run trains on CPU",
+            "set straggler.log_straggler=False (or straggler=None) on CPU",
+        )
+    if cfg.nvrx_straggler is not None and cfg.nvrx_straggler.enabled:
+        problems.add(
+            "nvrx_straggler.enabled",
+            "NVRx straggler detection profiles kernels with CUDA/CUPTI, and this run trains on CPU",
+            "set nvrx_straggler.enabled=False (or nvrx_straggler=None) on CPU",
+        )
     dataset = cfg.dataset
     if getattr(dataset, "pin_memory", False):
         dataset.apply_default("pin_memory", False)
         changed.append("dataset.pin_memory=False")
+    prof = cfg.profiling
+    for name, what in (
+        ("use_nsys_profiler", "Nsight Systems profiling"),
+        ("record_memory_history", "CUDA memory history"),
+        ("nvtx_ranges", "NVTX ranges"),
+    ):
+        if getattr(prof, name):
+            problems.add(
+                f"profiling.{name}",
+                f"{what} needs a CUDA GPU, but this run trains on CPU",
+                f"set profiling.{name}=False; profiling.use_pytorch_profiler=True records CPU traces",
+            )
     if changed:
         logger.info("training on CPU: %s", ", ".join(changed))
     return changed

@@ -7,7 +7,7 @@ import datetime
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(cfg: "ConfigContainer") -> tuple[str, bool]:
-    """Join the launcher's process group (torchrun) or create a 1-process one.
+def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = None) -> tuple[str, bool]:
+    """Join the launcher's process group (torchrun) or create a 1-process one; with `store`
+    (in-process restart), rendezvous through it.
 
     Returns (device, created): device is "cuda" or "cpu"; created tells whether this call made
     the group (and so the caller must destroy it).
@@ -51,18 +52,22 @@ def init_process_group(cfg: "ConfigContainer") -> tuple[str, bool]:
         if dist.get_backend() != backend:
             logger.warning("using the existing %s process group (config asks for %s)", dist.get_backend(), backend)
         return device, False
+    init_method = None
     if "RANK" not in os.environ:
-        # A plain single process: listen on loopback only, on a free port.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        # A plain single process: loopback only, a free port, and no launcher variables left in
+        # the environment for child processes to inherit.
         rank, world_size = 0, 1
+        if store is None:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
     else:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
         backend=backend,
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes),
+        store=store,
     )
     return device, True
 

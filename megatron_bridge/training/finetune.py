@@ -17,7 +17,7 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     `checkpoint.load` already holds a checkpoint of this fine-tuning run, it resumes from there
     instead. Otherwise as `pretrain()`.
     """
-    from megatron_bridge.training.runner import execute
+    from megatron_bridge.training.runner import run_job
 
     ckpt = config.checkpoint
     if not ckpt.pretrained_checkpoint and not has_checkpoint(ckpt.load):
@@ -28,4 +28,4 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
                 "set checkpoint.pretrained_checkpoint to a checkpoint directory (or use pretrain())",
             )
         )
-    return execute(config, forward_step_func, callbacks)
+    return run_job(config, forward_step_func, callbacks)

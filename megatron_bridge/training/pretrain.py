@@ -18,6 +18,6 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     `(data_iterator, model, return_schedule_plan)`; `megatron_bridge.training.gpt_step.forward_step`
     is the standard GPT step. Returns the final `GlobalState` (counters, config).
     """
-    from megatron_bridge.training.runner import execute
+    from megatron_bridge.training.runner import run_job
 
-    return execute(config, forward_step_func, callbacks)
+    return run_job(config, forward_step_func, callbacks)

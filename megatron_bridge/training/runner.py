@@ -12,12 +12,26 @@ from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
 from megatron_bridge.training.distributed import abort, teardown
 from megatron_bridge.training.state import GlobalState
-from megatron_bridge.training.train import Run, run_evaluation, train
+from megatron_bridge.training.train import Run, Stop, run_evaluation, train
 
 logger = logging.getLogger("megatron_bridge")
 
 
-def execute(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
+def run_job(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
+    """`execute`, wrapped for in-process restart when `config.inprocess_restart.enabled`."""
+    if config.inprocess_restart is not None and config.inprocess_restart.enabled:
+        from megatron_bridge.training.resiliency.inprocess import run_with_inprocess_restart
+
+        return run_with_inprocess_restart(execute, config, forward_step_func, callbacks)
+    return execute(config, forward_step_func, callbacks)
+
+
+def execute(
+    config: ConfigContainer,
+    forward_step_func: Callable,
+    callbacks: Optional[Iterable[Callback]] = None,
+    store: Optional[torch.distributed.Store] = None,
+) -> GlobalState:
     """Set up, train, evaluate on the validation and test sets, shut down; return the final state.
 
     If this call created the process group it destroys it. If anything raises, the process groups
@@ -28,7 +42,7 @@ def execute(config: ConfigContainer, forward_step_func: Callable, callbacks: Opt
     state = GlobalState(cfg=config)
     run: Optional[Run] = None
     try:
-        run = setup(config, forward_step_func, callbacks, state=state)
+        run = setup(config, forward_step_func, callbacks, state=state, store=store)
         _train_and_evaluate(run)
     except BaseException:
         _close_tracker(state, failed=True)
@@ -38,20 +52,29 @@ def execute(config: ConfigContainer, forward_step_func: Callable, callbacks: Opt
         raise
     _close_tracker(state, failed=False)
     _shutdown(state)
+    if state.exit_code:
+        raise RerunExit(state.exit_code)
     return state
+
+
+class RerunExit(SystemExit):
+    """megatron-core's rerun state machine asks for the job to be restarted (after validating a
+    suspicious result); `code` is its exit status (16: resume to re-run elsewhere, 17: failed
+    validation). Uncaught, it ends the process with that status and no traceback."""
 
 
 def _train_and_evaluate(run: Run) -> None:
     state, v = run.state, run.state.cfg.validation
-    ts = state.train_state
-    reason = "skipped (validation.skip_train)"
-    if ts.do_train and ts.step < state.cfg.train.train_iters:
-        reason = train(run)
-    elif run.checkpointer is not None and ts.do_train:
-        reason = "already trained to train.train_iters"
+    ts, total = state.train_state, state.cfg.train.train_iters
+    if not ts.do_train:
+        stop = Stop("validation.skip_train is set" if v.skip_train else "no training data", True)
+    elif ts.step >= total:
+        stop = Stop(f"already at train.train_iters={total}", True)
+    else:
+        stop = train(run)
     if state.is_logging_rank:
-        logger.info("training stopped at iteration %d: %s", ts.step, reason)
-    if reason in ("completed", "skipped (validation.skip_train)", "already trained to train.train_iters"):
+        logger.info("training stopped at iteration %d: %s", ts.step, stop.reason)
+    if stop.completed:
         if ts.do_valid and v.eval_iters:
             run_evaluation(run, run.valid_iterator, v.eval_iters, "validation")
         if ts.do_test:
@@ -75,6 +98,13 @@ def _shutdown(state: GlobalState) -> None:
     state.model = state.optimizer = state.scheduler = None  # free memory; counters stay
     if state.signal_handler is not None:
         state.signal_handler.restore()
+    for helper in (state.fault_tolerance, state.stragglers):
+        if helper is not None:
+            try:
+                helper.close()
+            except Exception as exc:  # noqa: BLE001 - must not hide the training outcome
+                logger.warning("closing %s failed: %s", type(helper).__name__, exc)
+    state.fault_tolerance = state.stragglers = None
     try:
         teardown(destroy_group=state.created_process_group)
     finally:

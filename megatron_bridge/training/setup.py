@@ -164,8 +164,28 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     return train_it, valid_it, test_it
 
 
-def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None, state: Optional[GlobalState] = None) -> Run:
-    """Resolve the config, join/create process groups, and build everything a run needs."""
+def _start_resiliency(cfg: ConfigContainer, state: GlobalState) -> list[Callback]:
+    """Fault-tolerance reports (from now on: setup is their first section) and simulated faults."""
+    if cfg.ft is None:
+        return []
+    from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
+
+    maybe_simulate_fault(cfg.ft, state.rank, state.world_size)
+    if not cfg.ft.enable_ft_package:
+        return []
+    state.fault_tolerance = FaultTolerance(cfg.ft, state.rank)
+    return [state.fault_tolerance]
+
+
+def setup(
+    cfg: ConfigContainer,
+    forward_step_func: Callable,
+    callbacks: Optional[Iterable[Callback]] = None,
+    state: Optional[GlobalState] = None,
+    store: Optional[torch.distributed.Store] = None,
+) -> Run:
+    """Resolve the config, join/create process groups (through `store` when given), and build
+    everything a run needs."""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
@@ -175,13 +195,13 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
     from megatron_bridge.training.loggers import build_tracker
     from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
 
-    callback_list = CallbackList(callbacks)
     resolve_config(cfg)
     state = state if state is not None else GlobalState(cfg=cfg)
-    state.device, state.created_process_group = init_process_group(cfg)
+    state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     state.logging_rank = state.world_size - 1
     configure_logging(state)
+    internal_callbacks = _start_resiliency(cfg, state)
     if state.device == "cpu":
         state.cpu_backend_activated = cpu_backend.activate()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size))
@@ -197,9 +217,9 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
     state.tokenizer = build_tokenizer(cfg.tokenizer)
     if cfg.model.vocab_size is None:
         cfg.model.apply_default("vocab_size", state.tokenizer.vocab_size)
+    # Trackers in a helper process start while the model and data are built; logging the config
+    # at the end of setup waits for them and raises if one could not start.
     state.tracker = build_tracker(cfg, state.is_logging_rank)
-    if state.is_logging_rank:
-        state.tracker.log_config(cfg.to_dict())
 
     model = build_model(cfg, state)
     optimizer, scheduler = build_optimizer(cfg, model, state)
@@ -216,6 +236,12 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
             type(optimizer).__name__,
             state.device,
         )
+    if (cfg.straggler is not None and cfg.straggler.log_straggler) or (cfg.nvrx_straggler is not None and cfg.nvrx_straggler.enabled):
+        from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
+
+        state.stragglers = StragglerMonitor(state)
+        internal_callbacks.append(state.stragglers)
+    callback_list = CallbackList([*internal_callbacks, *(callbacks or [])])
     run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
     manager = make_manager(cfg)
     manager.load(run)  # before the data iterators: they resume at the loaded sample counts
@@ -224,4 +250,6 @@ def setup(cfg: ConfigContainer, forward_step_func: Callable, callbacks: Optional
     if t.exit_signal_handler:
         state.signal_handler = ExitSignalHandler(t.exit_signal).install()
     run.train_iterator, run.valid_iterator, run.test_iterator = build_data_iterators(cfg, state, len(model))
+    if state.is_logging_rank:
+        state.tracker.log_config(cfg.to_dict())
     return run

@@ -75,6 +75,15 @@ class GlobalState:
     scheduler: Any = None
     """The `OptimizerParamScheduler`, once built."""
 
+    fault_tolerance: Any = None
+    """Progress reports to nvidia-resiliency-ext's ft_launcher (when `ft.enable_ft_package`)."""
+
+    stragglers: Any = None
+    """Straggler detection (when `straggler.log_straggler` or `nvrx_straggler.enabled`)."""
+
+    exit_code: int = 0
+    """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""
+
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == self.logging_rank

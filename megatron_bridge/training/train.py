@@ -11,10 +11,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_bridge.training import console
+from megatron_bridge.training import console, profiling
 from megatron_bridge.training.callbacks import CallbackList
-from megatron_bridge.training.evaluate import evaluate, with_perplexity
+from megatron_bridge.training.evaluate import evaluate
 from megatron_bridge.training.loss_reduction import LossAccumulator
+from megatron_bridge.training.metrics import eval_metrics, timer_values, train_metrics
 from megatron_bridge.training.state import GlobalState
 
 logger = logging.getLogger("megatron_bridge")
@@ -49,24 +50,45 @@ class _Interval:
     losses: LossAccumulator = field(default_factory=LossAccumulator)
 
 
-def train_step(run: Run, fwd_bwd: Callable) -> tuple[list, float, bool, bool]:
-    """One optimizer step over `get_num_microbatches()` micro batches.
+@dataclass
+class StepResult:
+    """What one training step produced."""
 
-    Returns (loss reports, grad norm, update succeeded, the rerun machine asks to exit).
-    """
+    reports: list = field(default_factory=list)
+    grad_norm: float = float("nan")
+    update_ok: bool = False
+    rerun_checkpoint: bool = False
+    """megatron-core's rerun state machine asks for a checkpoint before this step's update."""
+
+    rerun_exit_code: Optional[int] = None
+    """Set when the rerun state machine asks the job to stop with this status."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why the train loop ended."""
+
+    reason: str
+    completed: bool
+    """True when training reached `train.train_iters` (the final evaluation follows)."""
+
+
+def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
+    """One optimizer step over `get_num_microbatches()` micro batches, driven by megatron-core's
+    rerun state machine (which may repeat the forward/backward to validate a result)."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, get_num_microbatches
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     cfg, timers = run.state.cfg, run.state.timers
     rerun = get_rerun_state_machine()
     seq = cfg.model.seq_length
-    reports: list = []
+    result = StepResult()
     while rerun.should_run_forward_backward(run.train_iterator):
         for chunk in run.model:
             chunk.zero_grad_buffer()
         run.optimizer.zero_grad()
-        timers("forward-backward", log_level=1).start(barrier=False)
-        reports = fwd_bwd(
+        # megatron-core's schedule times itself as "forward-backward" (model config `timers`)
+        result.reports = fwd_bwd(
             forward_step_func=run.forward_step,
             data_iterator=run.train_iterator,
             model=run.model,
@@ -76,16 +98,19 @@ def train_step(run: Run, fwd_bwd: Callable) -> tuple[list, float, bool, bool]:
             decoder_seq_length=seq,
             forward_only=False,
         )
-        timers("forward-backward").stop()
-    _, should_exit, _ = rerun.should_checkpoint_and_exit()
+    checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
+    result.rerun_checkpoint = checkpoint
     if should_exit:
-        return reports, float("nan"), False, True
+        result.rerun_exit_code = exit_code
+        return result
     timers("optimizer", log_level=1).start(barrier=False)
     update_ok, grad_norm, _ = run.optimizer.step()
     timers("optimizer").stop()
     if update_ok:
         run.scheduler.step(increment=get_current_global_batch_size())
-    return reports, float(grad_norm) if grad_norm is not None else float("nan"), bool(update_ok), False
+    result.update_ok = bool(update_ok)
+    result.grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    return result
 
 
 def skip_batch(run: Run) -> None:
@@ -98,11 +123,35 @@ def skip_batch(run: Run) -> None:
             next(it)
 
 
-def train(run: Run) -> str:
-    """Train until `train.train_iters` or an exit condition; returns why the loop stopped."""
+def train(run: Run) -> Stop:
+    """Train until `train.train_iters` or an exit condition."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    state, t = run.state, run.state.cfg.train
+    # The machine counts steps itself and names them in its reports: align it with ours (1-based).
+    get_rerun_state_machine().current_iteration = state.train_state.step
+    for chunk in run.model:
+        chunk.train()
+    run.callbacks.on_train_start(state)
+    profiler = profiling.StepProfiler.for_run(state)
+    if t.manual_gc:
+        gc.disable()
+        gc.collect()
+    try:
+        stop = _loop(run, profiler)
+    finally:
+        profiler.close()
+        if t.manual_gc:
+            gc.enable()
+    run.callbacks.on_train_end(state)
+    return stop
+
+
+def _loop(run: Run, profiler: Any) -> Stop:
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     state, cfg = run.state, run.state.cfg
     ts, t, v = state.train_state, cfg.train, cfg.validation
@@ -110,50 +159,42 @@ def train(run: Run) -> str:
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     interval = _Interval()
-    loop_start = time.perf_counter()
-    start_step = ts.step
-    if t.manual_gc:
-        gc.disable()
-        gc.collect()
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    # The machine counts steps itself and names them in its reports: align it with ours (1-based).
-    rerun = get_rerun_state_machine()
-    rerun.current_iteration = ts.step
-    for chunk in run.model:
-        chunk.train()
-    run.callbacks.on_train_start(state)
-    reason = "completed"
+    loop_start, start_step = time.perf_counter(), ts.step
     while ts.step < t.train_iters:
         run.callbacks.on_step_start(state)
+        profiler.step_start(ts.step)
         started = time.perf_counter()
         gbs = get_current_global_batch_size()
         if ts.step + 1 in t.iterations_to_skip:
             skip_batch(run)
-            rerun.current_iteration += 1
-            reports, grad_norm, update_ok, rerun_exit = [], float("nan"), False, False
+            get_rerun_state_machine().current_iteration += 1
+            step = StepResult()
         else:
-            reports, grad_norm, update_ok, rerun_exit = train_step(run, fwd_bwd)
-        if rerun_exit:
-            reason = "rerun state machine asked to exit"
-            break
+            step = train_step(run, fwd_bwd)
+        if step.rerun_checkpoint and run.checkpointer is not None:
+            # the state before this step's update, with the data to re-run it on
+            run.checkpointer.save(run, "rerun state machine", rerun_requested=True)
+        if step.rerun_exit_code is not None:
+            state.exit_code = step.rerun_exit_code
+            return Stop(f"the rerun state machine asks to restart the job (exit code {step.rerun_exit_code})", False)
         ts.step += 1
+        profiler.step_end(ts.step)
         ts.consumed_train_samples += gbs
-        if not update_ok:
+        if not step.update_ok:
             ts.skipped_train_samples += gbs
         update_num_microbatches(ts.consumed_train_samples, consistency_check=True)
         elapsed = time.perf_counter() - started
         interval.steps += 1
         interval.seconds += elapsed
-        interval.skipped += 0 if update_ok else 1
-        interval.nan += 0 if math.isfinite(grad_norm) or not update_ok else 1
-        interval.grad_norm = grad_norm
+        interval.skipped += 0 if step.update_ok else 1
+        interval.nan += 0 if math.isfinite(step.grad_norm) or not step.update_ok else 1
+        interval.grad_norm = step.grad_norm
         if last_stage:
-            interval.losses.add(reports)
+            interval.losses.add(step.reports)
         if run.checkpointer is not None:
             run.checkpointer.poll()
         if run.callbacks.callbacks:
-            run.callbacks.on_step_end(state, _step_metrics(run, reports, grad_norm, update_ok, elapsed))
+            run.callbacks.on_step_end(state, _step_metrics(run, step, elapsed))
 
         if ts.step % cfg.logger.log_interval == 0 or ts.step == t.train_iters:
             _log_step(run, interval, dp_group, loop_start, start_step)
@@ -166,26 +207,20 @@ def train(run: Run) -> str:
         if run.checkpointer is not None and (reason or run.checkpointer.due(ts.step)):
             run.checkpointer.save(run, reason or "interval")
         if reason:
-            break
-    else:
-        reason = "completed"
-    reason = reason or "completed"
-    if t.manual_gc:
-        gc.enable()
-    run.callbacks.on_train_end(state)
-    return reason
+            return Stop(reason, False)
+    return Stop("completed", True)
 
 
-def _step_metrics(run: Run, reports: list, grad_norm: float, update_ok: bool, elapsed: float) -> dict[str, Any]:
+def _step_metrics(run: Run, step: StepResult, elapsed: float) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "learning_rate": run.optimizer.param_groups[0]["lr"],
-        "grad_norm": grad_norm,
-        "skipped": not update_ok,
+        "grad_norm": step.grad_norm,
+        "skipped": not step.update_ok,
         "iteration_time": elapsed,
     }
-    if reports:
+    if step.reports:
         local = LossAccumulator()
-        local.add(reports)
+        local.add(step.reports)
         metrics.update(local.average(None))
     return metrics
 
@@ -196,31 +231,16 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     state, cfg = run.state, run.state.cfg
     ts = state.train_state
     losses = interval.losses.average(dp_group) if interval.losses.totals else {}
+    timers = timer_values(state, interval.steps)  # collective: before the rank check
     if not state.is_logging_rank or cfg.logger.skip_train_metrics_log:
         return
-    step_time = interval.seconds / max(1, interval.steps)
-    gbs = get_current_global_batch_size()
-    metrics = {
-        **losses,
-        "learning-rate": run.optimizer.param_groups[0]["lr"],
-        "iteration-time": step_time,
-        "tokens-per-second": gbs * cfg.model.seq_length / step_time if step_time > 0 else 0.0,
-        "batch-size": float(gbs),
-        "consumed-samples": float(ts.consumed_train_samples),
-        "skipped-iterations": float(interval.skipped),
-        "nan-iterations": float(interval.nan),
-    }
-    if math.isfinite(interval.grad_norm):
-        metrics["grad-norm"] = interval.grad_norm
-    if cfg.logger.log_loss_scale_to_tensorboard:
-        metrics["loss-scale"] = float(run.optimizer.get_loss_scale())
-    done = ts.step - start_step
-    remaining = cfg.train.train_iters - ts.step
+    values = train_metrics(state, run.optimizer, interval, losses, timers, get_current_global_batch_size())
+    done, remaining = ts.step - start_step, cfg.train.train_iters - ts.step
     eta = (time.perf_counter() - loop_start) / done * remaining if done else float("nan")
-    logger.info(console.train_line(ts.step, cfg.train.train_iters, metrics, eta))
-    state.tracker.log_metrics(metrics, ts.step)
-    if cfg.logger.timing_log_level >= 1 and state.timers is not None:
-        state.timers.log(["forward-backward", "optimizer", "batch-generator"], rank=state.logging_rank, normalizer=max(1, interval.steps))
+    logger.info(console.train_line(ts.step, cfg.train.train_iters, values, eta))
+    if timers:
+        logger.info(console.timers_line(timers))
+    state.tracker.log_metrics(values, ts.step)
 
 
 def run_evaluation(run: Run, iterator: Any, num_iters: int, split: str) -> Optional[dict[str, float]]:
@@ -228,12 +248,13 @@ def run_evaluation(run: Run, iterator: Any, num_iters: int, split: str) -> Optio
     run.callbacks.on_eval_start(state)
     if state.cfg.train.manual_gc and state.cfg.train.manual_gc_eval:
         gc.collect()
-    metrics = evaluate(state, run.forward_step, iterator, run.model, num_iters)
-    if metrics is not None and state.is_logging_rank:
-        logger.info(console.eval_line(state.train_state.step, split, metrics))
-        state.tracker.log_metrics(with_perplexity(metrics, split), state.train_state.step)
-    run.callbacks.on_eval_end(state, metrics or {})
-    return metrics
+    losses = evaluate(state, run.forward_step, iterator, run.model, num_iters)
+    if losses is not None and state.is_logging_rank:
+        logger.info(console.eval_line(state.train_state.step, split, losses))
+        with_ppl = state.cfg.logger.log_validation_ppl_to_tensorboard
+        state.tracker.log_metrics(eval_metrics(losses, split, with_ppl), state.train_state.step)
+    run.callbacks.on_eval_end(state, losses or {})
+    return losses
 
 
 def _exit_reason(run: Run) -> str:

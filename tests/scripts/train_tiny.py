@@ -59,6 +59,10 @@ def main():
     p.add_argument("--fail-at", type=int, default=None, help="raise in the forward step of this iteration")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--timeout-minutes", type=int, default=2)
+    p.add_argument("--fault-tolerance", action="store_true", help="report to ft_launcher (ft.enable_ft_package)")
+    p.add_argument("--simulate-fault", default=None, choices=["rank_killed", "rank_hung", "random"])
+    p.add_argument("--fault-rank", type=int, default=0)
+    p.add_argument("--fault-delay", type=int, default=3)
     p.add_argument("--exit-signal-handler", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--out", required=True)
@@ -84,6 +88,17 @@ def main():
     cfg.checkpoint.async_save = args.async_save
     cfg.train.exit_signal_handler = args.exit_signal_handler
     cfg.train.exit_interval = args.exit_interval
+    if args.fault_tolerance or args.simulate_fault:
+        from megatron_bridge.training.config import FaultToleranceConfig
+
+        cfg.ft = FaultToleranceConfig(
+            enable_ft_package=args.fault_tolerance,
+            calc_ft_timeouts=args.fault_tolerance,
+            simulate_fault=args.simulate_fault is not None,
+            simulated_fault_type=args.simulate_fault or "random",
+            simulated_fault_rank=args.fault_rank,
+            simulated_fault_base_delay=args.fault_delay,
+        )
     recorder = RecordLosses(args.step_sleep)
     step = forward_step
     if args.fail_at is not None:

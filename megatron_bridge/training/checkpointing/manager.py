@@ -6,6 +6,7 @@ implements it. A user class named by `checkpoint.custom_manager_class` replaces 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -55,7 +56,7 @@ class DefaultCheckpointManager:
         self._last_saved: Optional[int] = None  # scheduled or written by this job
 
     # ------------------------------------------------------------------ saving
-    def save(self, run: "Run", reason: str) -> None:
+    def save(self, run: "Run", reason: str, rerun_requested: bool = False) -> None:
         from megatron.core import dist_checkpointing
 
         root, iteration = self.ckpt.save, run.state.train_state.step
@@ -72,7 +73,15 @@ class DefaultCheckpointManager:
         _barrier()
         timers = run.state.timers
         timers("save-checkpoint", log_level=0).start(barrier=False)
-        sd = state_dict.build(run, for_loading=False, with_optimizer=self.ckpt.save_optim, with_rng=self.ckpt.save_rng, with_common=True)
+        sd = state_dict.build(
+            run,
+            for_loading=False,
+            with_optimizer=self.ckpt.save_optim,
+            with_rng=self.ckpt.save_rng,
+            with_common=True,
+            with_rerun=state_dict.rerun_machine_active(),
+            rerun_requested=rerun_requested,
+        )
         if self.ckpt.async_save:
             request = dist_checkpointing.save(sd, staging, self._save_strategy(), async_sharded_save=True)
             request.add_finalize_fn(lambda: self._commit(run, staging, final, iteration, reason))
@@ -163,7 +172,10 @@ class DefaultCheckpointManager:
         same_layout = common.get("layout") == state_dict.layout()
         with_optimizer = resume and self.ckpt.load_optim and common.get("saved_optimizer", True)
         with_rng = resume and self.ckpt.load_rng and same_layout and common.get("saved_rng", False)
-        template = state_dict.build(run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False)
+        with_rerun = resume and common.get("saved_rerun", False) and state_dict.rerun_machine_active()
+        template = state_dict.build(
+            run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False, with_rerun=with_rerun
+        )
         loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)
         for key, chunk in zip(state_dict.model_keys(run), run.model):
             state_dict.unwrap(chunk).load_state_dict(loaded[key], strict=True)
@@ -174,6 +186,12 @@ class DefaultCheckpointManager:
             run.state.train_state.load_state_dict(common["train_state"])
             if with_rng:
                 state_dict.restore_rng_state(loaded["rng_state"])
+            if with_rerun:
+                from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+                get_rerun_state_machine().load_state_dict(loaded["rerun_state_machine"])
+            if run.state.fault_tolerance is not None:
+                run.state.fault_tolerance.load_state_dict(common.get("ft_state"))
             elif self.ckpt.load_rng and run.state.is_logging_rank:
                 logger.info("RNG states not restored: the parallel layout differs from the checkpoint's")
         _barrier()
@@ -233,8 +251,13 @@ class Checkpointer:
         interval = self.config.checkpoint.save_interval
         return bool(interval) and step % interval == 0
 
-    def save(self, run: "Run", reason: str) -> None:
-        self.manager.save(run, reason)
+    def save(self, run: "Run", reason: str, rerun_requested: bool = False) -> None:
+        ft = run.state.fault_tolerance
+        with ft.section("checkpointing") if ft is not None else contextlib.nullcontext():
+            if rerun_requested:
+                self.manager.save(run, reason, rerun_requested=True)
+            else:
+                self.manager.save(run, reason)
 
     def poll(self) -> None:
         if self.config.checkpoint.async_save:

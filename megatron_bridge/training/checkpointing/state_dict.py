@@ -76,8 +76,28 @@ def model_keys(run: "Run") -> list[str]:
     return ["model"] if len(run.model) == 1 else [f"model{i}" for i in range(len(run.model))]
 
 
-def build(run: "Run", *, for_loading: bool, with_optimizer: bool, with_rng: bool, with_common: bool) -> dict[str, Any]:
-    """The sharded state dict of `run` (what gets saved, or the template a load fills in)."""
+def rerun_machine_active() -> bool:
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    return get_rerun_state_machine().get_mode() != RerunMode.DISABLED
+
+
+def build(
+    run: "Run",
+    *,
+    for_loading: bool,
+    with_optimizer: bool,
+    with_rng: bool,
+    with_common: bool,
+    with_rerun: bool = False,
+    rerun_requested: bool = False,
+) -> dict[str, Any]:
+    """The sharded state dict of `run` (what gets saved, or the template a load fills in).
+
+    `with_rerun` adds the state of megatron-core's rerun state machine (result validation);
+    `rerun_requested` (the machine asked for this checkpoint) adds the data iterators' replay state
+    so the resumed job re-runs the suspicious step on the same data.
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd: dict[str, Any] = {}
@@ -99,4 +119,12 @@ def build(run: "Run", *, for_loading: bool, with_optimizer: bool, with_rng: bool
         sd["layout"] = layout()
         sd["saved_rng"] = with_rng
         sd["saved_optimizer"] = with_optimizer
+        sd["saved_rerun"] = with_rerun
+        ft = run.state.fault_tolerance
+        sd["ft_state"] = ft.state_dict() if ft is not None else None
+    if with_rerun:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        iterator = run.train_iterator if rerun_requested else None
+        sd["rerun_state_machine"] = get_rerun_state_machine().state_dict(iterator, "torch_dist", force=for_loading)
     return sd

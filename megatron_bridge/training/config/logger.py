@@ -80,6 +80,11 @@ class LoggerConfig(ConfigBase):
     mlflow_tags: Optional[dict[str, str]] = None
     """Optional tags to apply to the MLFlow run."""
 
+    mlflow_log_checkpoints: bool = False
+    """When the run ends (also when it fails), copy the checkpoint directory (`checkpoint.save`) into
+    the MLflow run's artifacts under `checkpoints/`. Off by default: it doubles the disk space the
+    checkpoints take where the artifact store is local."""
+
     comet_project: Optional[str] = None
     """The Comet ML project name. Comet logging is disabled when this is None."""
 
@@ -97,6 +102,11 @@ class LoggerConfig(ConfigBase):
 
     comet_offline_directory: Optional[str] = None
     """Write Comet experiments to this directory instead of the Comet servers."""
+
+    tracker_subprocess: bool = True
+    """Run the experiment trackers (TensorBoard, W&B, MLflow, Comet) in a helper process: the
+    training process only hands each log step's metrics over a pipe, so the trackers' encoding,
+    file and database writes do not slow training. False runs them in the training process."""
 
     peak_tflops_per_device: Optional[float] = None
     """Peak dense TFLOP/s of one device for model-FLOPs-utilization (default: looked up from the

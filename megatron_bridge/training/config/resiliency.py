@@ -248,15 +248,27 @@ class InProcessRestartConfig(ConfigBase):
         if not self.enabled:
             return
         p.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
-        p.check(
-            self.soft_timeout < self.hard_timeout,
-            "soft_timeout",
-            f"soft_timeout ({self.soft_timeout}) must be below hard_timeout ({self.hard_timeout})",
-            "raise inprocess_restart.hard_timeout",
-        )
         for name in ("monitor_thread_interval", "monitor_process_interval", "heartbeat_interval", "barrier_timeout"):
             value = getattr(self, name)
             p.check(value > 0, name, f"must be positive, got {value}", "use seconds > 0")
+        # the orderings nvidia-resiliency-ext requires of its intervals and timeouts
+        for shorter, longer in (
+            ("soft_timeout", "hard_timeout"),
+            ("hard_timeout", "barrier_timeout"),
+            ("heartbeat_timeout", "barrier_timeout"),
+            ("heartbeat_interval", "heartbeat_timeout"),
+            ("monitor_process_interval", "heartbeat_timeout"),
+            ("monitor_process_interval", "soft_timeout"),
+            ("monitor_thread_interval", "soft_timeout"),
+            ("progress_watchdog_interval", "soft_timeout"),
+        ):
+            a, b = getattr(self, shorter), getattr(self, longer)
+            p.check(
+                a < b,
+                shorter,
+                f"{shorter} ({a}) must be shorter than {longer} ({b})",
+                f"lower inprocess_restart.{shorter} or raise inprocess_restart.{longer}",
+            )
         if self.max_iterations is not None:
             p.check(
                 self.max_iterations >= 1,

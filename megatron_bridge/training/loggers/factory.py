@@ -2,24 +2,119 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron_bridge.training.loggers.base import MultiTracker, NullTracker, Tracker
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
+logger = logging.getLogger("megatron_bridge")
+_PACKAGE = "megatron_bridge.training.loggers"
+
+
+class TrackerSpec(NamedTuple):
+    """How to build one tracker: plain data, so it can be sent to the tracker process."""
+
+    name: str
+    module: str
+    cls: str
+    kwargs: dict[str, Any]
+
+
+def instantiate(spec: TrackerSpec) -> Tracker:
+    """Import the tracker's module (and so its backend) only now."""
+    return getattr(importlib.import_module(spec.module), spec.cls)(**spec.kwargs)
+
+
+def tracker_specs(cfg: "ConfigContainer") -> list[TrackerSpec]:
+    """One spec per backend that `cfg.logger` configures."""
+    log = cfg.logger
+    specs = []
+    if log.tensorboard_dir:
+        specs.append(
+            TrackerSpec(
+                "tensorboard",
+                f"{_PACKAGE}.tensorboard",
+                "TensorBoardTracker",
+                dict(
+                    log_dir=log.tensorboard_dir,
+                    queue_size=log.tensorboard_queue_size,
+                    every=log.tensorboard_log_interval,
+                ),
+            )
+        )
+    if log.wandb_project:
+        specs.append(
+            TrackerSpec(
+                "wandb",
+                f"{_PACKAGE}.wandb_tracker",
+                "WandbTracker",
+                dict(
+                    project=log.wandb_project,
+                    name=log.wandb_exp_name,
+                    entity=log.wandb_entity,
+                    save_dir=log.wandb_save_dir,
+                ),
+            )
+        )
+    if log.mlflow_experiment:
+        if log.mlflow_log_checkpoints and not cfg.checkpoint.save:
+            logger.warning("logger.mlflow_log_checkpoints is on but checkpoint.save is not set: no checkpoints to log")
+        specs.append(
+            TrackerSpec(
+                "mlflow",
+                f"{_PACKAGE}.mlflow_tracker",
+                "MlflowTracker",
+                dict(
+                    experiment=log.mlflow_experiment,
+                    run_name=log.mlflow_run_name,
+                    tracking_uri=log.mlflow_tracking_uri,
+                    tags=dict(log.mlflow_tags or {}),
+                    checkpoint_dir=cfg.checkpoint.save if log.mlflow_log_checkpoints else None,
+                ),
+            )
+        )
+    if log.comet_project:
+        specs.append(
+            TrackerSpec(
+                "comet",
+                f"{_PACKAGE}.comet_tracker",
+                "CometTracker",
+                dict(
+                    project=log.comet_project,
+                    experiment_name=log.comet_experiment_name,
+                    workspace=log.comet_workspace,
+                    api_key=log.comet_api_key,
+                    tags=list(log.comet_tags or []),
+                    offline_directory=log.comet_offline_directory,
+                ),
+            )
+        )
+    return specs
+
 
 def build_tracker(cfg: "ConfigContainer", is_logging_rank: bool) -> Tracker:
-    """The configured trackers (fanned out) on the logging rank; a `NullTracker` elsewhere."""
+    """The configured trackers on the logging rank (in a helper process unless
+    `logger.tracker_subprocess` is off); a `NullTracker` elsewhere and when none is configured."""
     if not is_logging_rank:
         return NullTracker()
-    log = cfg.logger
-    trackers: list[Tracker] = []
-    if log.tensorboard_dir:
-        from megatron_bridge.training.loggers.tensorboard import TensorBoardTracker
-
-        trackers.append(TensorBoardTracker(log.tensorboard_dir, log.tensorboard_queue_size))
-    if not trackers:
+    specs = tracker_specs(cfg)
+    if not specs:
         return NullTracker()
+    if cfg.logger.tracker_subprocess:
+        from megatron_bridge.training.loggers.process import TrackerProcess
+
+        return TrackerProcess(specs)
+    trackers: list[Tracker] = []
+    try:
+        for spec in specs:
+            trackers.append(instantiate(spec))
+    except Exception:
+        with contextlib.suppress(Exception):  # the error that stopped the start matters more
+            MultiTracker(trackers).close(failed=True)
+        raise
     return trackers[0] if len(trackers) == 1 else MultiTracker(trackers)

@@ -1,0 +1,159 @@
+"""What a log step reports: losses, learning rate, throughput and FLOPs utilization, memory,
+timers; and what an evaluation reports. The same names go to the console and to every tracker.
+
+`logger.log_*` switches decide which groups are produced: throughput (`log_throughput`), memory
+(`log_memory_to_tensorboard`), timers (`log_timers_to_tensorboard`), loss scale
+(`log_loss_scale_to_tensorboard`), world size (`log_world_size_to_tensorboard`) and validation
+perplexity (`log_validation_ppl_to_tensorboard`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+TIMER_NAMES = (
+    # the train loop and checkpointing (this package)
+    "optimizer", "batch-generator", "save-checkpoint",
+    # megatron-core's schedules, gradient finalization and optimizer
+    "forward-backward", "forward-compute", "backward-compute",
+    "forward-recv", "forward-send", "backward-recv", "backward-send",
+    "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
+    "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather",
+    "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
+    "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params",
+)  # fmt: skip
+"""Timers reported at log steps (those whose level is above `timing_log_level` never run). The
+same list on every rank: gathering them is collective."""
+
+# Dense 16-bit (bf16/fp16) tensor-core peak TFLOP/s per device, matched in order on
+# torch.cuda.get_device_name(): more specific names first.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100", 125.0),
+)
+
+
+def peak_tflops_for(device_name: str) -> Optional[float]:
+    """Peak dense 16-bit TFLOP/s of a GPU by its name; None if it is not in `PEAK_TFLOPS`."""
+    for key, tflops in PEAK_TFLOPS:
+        if key in device_name:
+            return tflops
+    return None
+
+
+def peak_tflops(logger_cfg: Any, device: str) -> Optional[float]:
+    """`logger.peak_tflops_per_device`, else the table's value for this GPU; None on CPU."""
+    if logger_cfg.peak_tflops_per_device is not None:
+        return float(logger_cfg.peak_tflops_per_device)
+    if device != "cuda":
+        return None
+    import torch
+
+    return peak_tflops_for(torch.cuda.get_device_name())
+
+
+def throughput(cfg: Any, step_time: float, global_batch: int, world_size: int, device: str) -> dict[str, float]:
+    """`tflops-per-device` from the model shape (`flops_per_token`), and `mfu` (fraction of the
+    device's peak) where the peak is known."""
+    from megatron_bridge.models.param_count import flops_per_token
+
+    if step_time <= 0:
+        return {}
+    seq = cfg.model.seq_length
+    step_flops = flops_per_token(cfg.model, seq, cfg.model.vocab_size) * seq * global_batch
+    tflops = step_flops / step_time / max(1, world_size) / 1e12
+    out = {"tflops-per-device": tflops}
+    peak = peak_tflops(cfg.logger, device)
+    if peak:
+        out["mfu"] = tflops / peak
+    return out
+
+
+def memory(device: str) -> dict[str, float]:
+    """Peak CUDA memory allocated on GPU (bytes); resident set size of this process on CPU."""
+    if device == "cuda":
+        import torch
+
+        return {
+            "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
+            "mem-reserved-bytes": float(torch.cuda.memory_reserved()),
+        }
+    import psutil
+
+    return {"mem-rss-bytes": float(psutil.Process().memory_info().rss)}
+
+
+def timer_values(state: Any, steps: int) -> dict[str, float]:
+    """Timer seconds per iteration since the last log step, max across ranks, as
+    `<name>-time`; collective (call on every rank). Empty when nothing asks for timers."""
+    log = state.cfg.logger
+    if state.timers is None or log.timing_log_level < 0:
+        return {}
+    if log.timing_log_level < 1 and not log.log_timers_to_tensorboard:
+        return {}
+    # What Timers.log/.write report, without their printing or their SummaryWriter type check.
+    reduced = state.timers._get_global_min_max_time(list(TIMER_NAMES), True, False, max(1, steps))
+    return {f"{name}-time": max_time for name, (_, max_time) in reduced.items()}
+
+
+def train_metrics(
+    state: Any,
+    optimizer: Any,
+    interval: Any,
+    losses: Mapping[str, float],
+    timers: Mapping[str, float],
+    global_batch: int,
+) -> dict[str, float]:
+    """The metrics of one log step. `interval`: steps, seconds, skipped, nan, grad_norm since the
+    last log step."""
+    cfg, log, ts = state.cfg, state.cfg.logger, state.train_state
+    step_time = interval.seconds / max(1, interval.steps)
+    metrics = {
+        **losses,
+        "learning-rate": float(optimizer.param_groups[0]["lr"]),
+        "iteration-time": step_time,
+        "tokens-per-second": global_batch * cfg.model.seq_length / step_time if step_time > 0 else 0.0,
+        "batch-size": float(global_batch),
+        "consumed-samples": float(ts.consumed_train_samples),
+        "skipped-iterations": float(interval.skipped),
+        "nan-iterations": float(interval.nan),
+    }
+    if math.isfinite(interval.grad_norm):
+        metrics["grad-norm"] = interval.grad_norm
+    if log.log_loss_scale_to_tensorboard:
+        metrics["loss-scale"] = float(optimizer.get_loss_scale())
+    if log.log_throughput:
+        metrics.update(throughput(cfg, step_time, global_batch, state.world_size, state.device))
+    if log.log_memory_to_tensorboard:
+        metrics.update(memory(state.device))
+    if log.log_world_size_to_tensorboard:
+        metrics["world-size"] = float(state.world_size)
+    if log.log_timers_to_tensorboard:
+        metrics.update(timers)
+    return metrics
+
+
+def eval_metrics(losses: Mapping[str, float], split: str, with_ppl: bool) -> dict[str, float]:
+    """`<name> <split>` for each loss, and `<name> <split> ppl` if `with_ppl`."""
+    out = {}
+    for key, value in losses.items():
+        out[f"{key} {split}"] = value
+        if with_ppl:
+            out[f"{key} {split} ppl"] = math.exp(min(20.0, value))
+    return out

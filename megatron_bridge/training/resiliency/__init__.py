@@ -1,0 +1,1 @@
+"""Resiliency: in-process restart, fault tolerance heartbeats, simulated faults, stragglers."""
