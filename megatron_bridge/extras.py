@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
     "tokenizers": ("hf", "Hugging Face tokenizers"),
     "matplotlib": ("plot", "plotting training curves"),
+    "pynvml": ("nvml", "GPU energy logging"),
 }
 
 

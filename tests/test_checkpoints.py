@@ -22,7 +22,6 @@ from megatron_bridge.training.config import (
     TrainingConfig,
     ValidationConfig,
 )
-from megatron_bridge.training.distributed import free_port
 from megatron_bridge.training.finetune import finetune
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain

@@ -43,6 +43,9 @@ def test_tensor_parallel_2_matches_one_process(tmp_path, single):
     for r in results:
         assert r["step"] == 10 and r["dp"] == 1
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    # the logging rank's params-norm counts TP-split weights once and replicated ones once
+    assert len(single["params_norms"]) == 10
+    assert results[1]["params_norms"] == pytest.approx(single["params_norms"], rel=1e-5)
     assert "(TP=2 PP=1 CP=1 DP=1)" in output
 
 

@@ -348,6 +348,12 @@ def adapt_config(cfg, problems) -> list[str]:
     if getattr(dataset, "pin_memory", False):
         dataset.apply_default("pin_memory", False)
         changed.append("dataset.pin_memory=False")
+    if cfg.logger.log_energy:
+        problems.add(
+            "logger.log_energy",
+            "energy is read from GPU counters (NVML), but this run trains on CPU",
+            "set logger.log_energy=False on CPU",
+        )
     prof = cfg.profiling
     for name, what in (
         ("use_nsys_profiler", "Nsight Systems profiling"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -60,11 +59,3 @@ def evaluate(
         return None
     return totals.average(parallel_state.get_data_parallel_group(with_context_parallel=True))
 
-
-def with_perplexity(metrics: dict[str, float], suffix: str) -> dict[str, float]:
-    """Tracker metrics for an evaluation: `<name> <suffix>` and `<name> <suffix> ppl`."""
-    out = {}
-    for key, value in metrics.items():
-        out[f"{key} {suffix}"] = value
-        out[f"{key} {suffix} ppl"] = math.exp(min(20.0, value))
-    return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 

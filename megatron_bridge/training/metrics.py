@@ -10,6 +10,8 @@ perplexity (`log_validation_ppl_to_tensorboard`).
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any, Mapping, Optional
 
 TIMER_NAMES = (
@@ -110,6 +112,83 @@ def timer_values(state: Any, steps: int) -> dict[str, float]:
     # What Timers.log/.write report, without their printing or their SummaryWriter type check.
     reduced = state.timers._get_global_min_max_time(list(TIMER_NAMES), True, False, max(1, steps))
     return {f"{name}-time": max_time for name, (_, max_time) in reduced.items()}
+
+
+def params_norm(model_chunks: list) -> float:
+    """L2 norm of all model parameters, each counted once across the model-parallel ranks;
+    collective (call on every rank).
+
+    Parameters replicated across tensor-parallel ranks (norms, biases) and the second copy of
+    tied embeddings are left out locally; expert parameters are summed over their own
+    (expert-tensor x expert x pipeline) group, the others over the tensor x pipeline group.
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    dense, expert = [], []
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                (dense if getattr(p, "allreduce", True) else expert).append(p.detach().float().pow(2).sum())
+    device = next(model_chunks[0].parameters()).device
+    squares = torch.stack([torch.stack(group).sum() if group else torch.zeros((), device=device) for group in (dense, expert)])
+    dense_sq, expert_sq = squares[0:1].clone(), squares[1:2].clone()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1 or expert:
+            torch.distributed.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return float(torch.sqrt(dense_sq + expert_sq).item())
+
+
+class EnergyMeter:
+    """GPU energy through NVML's cumulative counter (`logger.log_energy`); GPU only (on CPU the
+    setting is a configuration error)."""
+
+    def __init__(self, device: str):
+        if device != "cuda":
+            raise RuntimeError("logger.log_energy reads GPU energy counters and needs a CUDA GPU")
+        from megatron_bridge.extras import require
+
+        import torch
+
+        self.nvml = require("pynvml", "logger.log_energy")
+        self.nvml.nvmlInit()
+        index = torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:  # NVML numbers the physical devices
+            index = int(visible.split(",")[index])
+        self.handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        self.start_mj = self._read_mj()
+        self.last_mj, self.last_time = self.start_mj, time.perf_counter()
+
+    def _read_mj(self) -> int:
+        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def read(self) -> tuple[float, float]:
+        """(joules this device used since training started, its mean watts since the last read)."""
+        now_mj, now = self._read_mj(), time.perf_counter()
+        watts = (now_mj - self.last_mj) / 1000.0 / max(now - self.last_time, 1e-9)
+        self.last_mj, self.last_time = now_mj, now
+        return (now_mj - self.start_mj) / 1000.0, watts
+
+
+def reduced_metrics(state: Any, model_chunks: list, energy_meter: Optional[EnergyMeter]) -> dict[str, float]:
+    """The metrics every rank contributes to (collective): `params-norm` (`log_params_norm`) and,
+    summed over all devices, `energy-joules` and `power-watts` (`log_energy`)."""
+    out: dict[str, float] = {}
+    if state.cfg.logger.log_params_norm:
+        out["params-norm"] = params_norm(model_chunks)
+    if energy_meter is not None:
+        import torch
+
+        joules, watts = energy_meter.read()
+        totals = torch.tensor([joules, watts], dtype=torch.float64, device=state.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(totals)
+        out["energy-joules"], out["power-watts"] = totals.tolist()
+    return out
 
 
 def train_metrics(

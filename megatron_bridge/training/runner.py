@@ -44,7 +44,9 @@ def execute(
     try:
         run = setup(config, forward_step_func, callbacks, state=state, store=store)
         _train_and_evaluate(run)
-    except BaseException:
+    except BaseException as exc:
+        if state.progress is not None:
+            state.progress.failed(exc)
         _close_tracker(state, failed=True)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             abort()
@@ -74,6 +76,8 @@ def _train_and_evaluate(run: Run) -> None:
         stop = train(run)
     if state.is_logging_rank:
         logger.info("training stopped at iteration %d: %s", ts.step, stop.reason)
+    if state.progress is not None:
+        state.progress.finished(stop.reason)
     if stop.completed:
         if ts.do_valid and v.eval_iters:
             run_evaluation(run, run.valid_iterator, v.eval_iters, "validation")

@@ -11,12 +11,13 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import init_model_parallel, init_process_group, resolve_backend
 from megatron_bridge.training.forward_step import prepare_forward_step
+from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
@@ -27,11 +28,14 @@ logger = logging.getLogger("megatron_bridge")
 def resolve_config(cfg: ConfigContainer) -> str:
     """Adapt `cfg` to the device it will train on, then `runtime_config_update`; returns the device."""
     device = "cuda" if resolve_backend(cfg.dist.distributed_backend) == "nccl" else "cpu"
+    problems = Problems()
     if device == "cpu":
-        problems = Problems()
         cpu_backend.adapt_config(cfg, problems)
-        problems.raise_if_any()
-    runtime_config_update(cfg)
+    try:
+        runtime_config_update(cfg)
+    except ConfigValidationError as err:  # reported together with the device's problems
+        problems.absorb(err)
+    problems.raise_if_any()
     return device
 
 
@@ -245,6 +249,9 @@ def setup(
     run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
     manager = make_manager(cfg)
     manager.load(run)  # before the data iterators: they resume at the loaded sample counts
+    state.progress = ProgressFile.for_run(state)
+    if state.progress is not None:
+        state.progress.started()
     if cfg.checkpoint.save:
         run.checkpointer = Checkpointer(cfg, manager)
     if t.exit_signal_handler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -74,6 +74,9 @@ class GlobalState:
 
     scheduler: Any = None
     """The `OptimizerParamScheduler`, once built."""
+
+    progress: Any = None
+    """The `progress.txt` writer (`logger.log_progress`, logging rank only)."""
 
     fault_tolerance: Any = None
     """Progress reports to nvidia-resiliency-ext's ft_launcher (when `ft.enable_ft_package`)."""

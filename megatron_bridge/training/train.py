@@ -15,7 +15,8 @@ from megatron_bridge.training import console, profiling
 from megatron_bridge.training.callbacks import CallbackList
 from megatron_bridge.training.evaluate import evaluate
 from megatron_bridge.training.loss_reduction import LossAccumulator
-from megatron_bridge.training.metrics import eval_metrics, timer_values, train_metrics
+from megatron_bridge.models.param_count import flops_per_token
+from megatron_bridge.training.metrics import EnergyMeter, eval_metrics, reduced_metrics, timer_values, train_metrics
 from megatron_bridge.training.state import GlobalState
 
 logger = logging.getLogger("megatron_bridge")
@@ -36,6 +37,8 @@ class Run:
     callbacks: CallbackList = field(default_factory=CallbackList)
     checkpointer: Any = None
     """Saves checkpoints (`save(run, reason)`); None when checkpoint.save is not set."""
+    energy_meter: Any = None
+    """Reads GPU energy counters (`logger.log_energy`)."""
 
 
 @dataclass
@@ -160,6 +163,9 @@ def _loop(run: Run, profiler: Any) -> Stop:
     last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     interval = _Interval()
     loop_start, start_step = time.perf_counter(), ts.step
+    flops_per_sample = flops_per_token(cfg.model) * cfg.model.seq_length
+    if cfg.logger.log_energy:
+        run.energy_meter = EnergyMeter(state.device)
     while ts.step < t.train_iters:
         run.callbacks.on_step_start(state)
         profiler.step_start(ts.step)
@@ -180,6 +186,7 @@ def _loop(run: Run, profiler: Any) -> Stop:
         ts.step += 1
         profiler.step_end(ts.step)
         ts.consumed_train_samples += gbs
+        ts.floating_point_operations_so_far += flops_per_sample * gbs
         if not step.update_ok:
             ts.skipped_train_samples += gbs
         update_num_microbatches(ts.consumed_train_samples, consistency_check=True)
@@ -231,10 +238,13 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     state, cfg = run.state, run.state.cfg
     ts = state.train_state
     losses = interval.losses.average(dp_group) if interval.losses.totals else {}
-    timers = timer_values(state, interval.steps)  # collective: before the rank check
+    # collective: every rank, before the rank check
+    timers = timer_values(state, interval.steps)
+    reduced = reduced_metrics(state, run.model, run.energy_meter)
     if not state.is_logging_rank or cfg.logger.skip_train_metrics_log:
         return
     values = train_metrics(state, run.optimizer, interval, losses, timers, get_current_global_batch_size())
+    values.update(reduced)
     done, remaining = ts.step - start_step, cfg.train.train_iters - ts.step
     eta = (time.perf_counter() - loop_start) / done * remaining if done else float("nan")
     logger.info(console.train_line(ts.step, cfg.train.train_iters, values, eta))

@@ -23,7 +23,18 @@ from megatron_bridge.training.pretrain import pretrain  # noqa: E402
 class RecordLosses(Callback):
     def __init__(self, sleep=0.0):
         self.losses = []
+        self.params_norms = []  # what the logging rank sends to its tracker
         self.sleep = sleep
+
+    def on_train_start(self, state):
+        send = state.tracker.log_metrics
+
+        def record(metrics, step):
+            if "params-norm" in metrics:
+                self.params_norms.append(metrics["params-norm"])
+            send(metrics, step)
+
+        state.tracker.log_metrics = record
 
     def on_step_end(self, state, metrics):
         if "lm loss" in metrics:
@@ -78,6 +89,7 @@ def main():
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
     )
     cfg.logger.log_interval = 1
+    cfg.logger.log_params_norm = True
     cfg.dist.distributed_timeout_minutes = args.timeout_minutes
     if args.dist_opt:
         cfg.ddp.use_distributed_optimizer = True
@@ -106,7 +118,7 @@ def main():
     state = pretrain(cfg, step, callbacks=[recorder])
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{args.out}.rank{rank}", "w") as f:
-        json.dump({"losses": recorder.losses, "step": state.train_state.step, "dp": cfg.data_parallel_size}, f)
+        json.dump({"losses": recorder.losses, "params_norms": recorder.params_norms, "step": state.train_state.step, "dp": cfg.data_parallel_size}, f)
 
 
 if __name__ == "__main__":

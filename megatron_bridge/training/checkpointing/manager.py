@@ -105,6 +105,8 @@ class DefaultCheckpointManager:
         _barrier()
         if run.state.is_logging_rank:
             logger.info("saved checkpoint of iteration %d to %s (%s)", iteration, final, reason)
+        if run.state.progress is not None:
+            run.state.progress.checkpoint_saved(iteration)
 
     def _apply_retention(self, root: str, newest: int) -> None:
         keep = self.ckpt.most_recent_k

@@ -33,6 +33,7 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
     check_deterministic_mode(cfg, problems)
     check_peft(cfg, problems)
     check_vocab(cfg, problems)
+    check_logger_outputs(cfg, problems)
     derive_weight_decay(cfg, problems)
     derive_scheduler_steps(cfg, problems)
 
@@ -297,6 +298,18 @@ def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
             f"{m.vocab_size} is smaller than the tokenizer's {vocab}",
             "raise model.vocab_size or leave it unset to use the tokenizer's",
         )
+
+
+def check_logger_outputs(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Logger outputs written next to the checkpoints."""
+    problems.check(
+        not cfg.logger.log_progress or cfg.checkpoint.save is not None,
+        "logger.log_progress",
+        "progress.txt is written into the checkpoint directory, and checkpoint.save is not set",
+        "set checkpoint.save, or logger.log_progress=False",
+    )
+    if cfg.logger.log_energy:
+        problems.require_package("pynvml", "logger.log_energy", "GPU energy logging")
 
 
 # ---------------------------------------------------------------------- derived values

@@ -16,13 +16,15 @@ class LoggerConfig(ConfigBase):
     """Log training metrics every N iterations."""
 
     log_params_norm: bool = False
-    """Compute and log the norm of all parameters (costs an extra pass over the weights)."""
+    """Log `params-norm`, the L2 norm of all parameters (an extra pass over the weights and a
+    reduction over the model-parallel ranks at each log step)."""
 
     log_throughput: bool = False
     """Log TFLOP/s per device and model FLOPs utilization."""
 
     log_progress: bool = False
-    """Write a progress.txt with job throughput and progress in the checkpoint directory."""
+    """Append a line to `<checkpoint.save>/progress.txt` at each job start, saved checkpoint and
+    job end: iteration, samples, tokens, model FLOPs and the job's TFLOP/s per device."""
 
     timing_log_level: Literal[-1, 0, 1, 2] = 0
     """Granularity of timers: -1 none; 0 iteration time only (no overhead); 1 also operations run
@@ -125,7 +127,8 @@ class LoggerConfig(ConfigBase):
     """Apply logging_level to every logger, not just this package's."""
 
     log_energy: bool = False
-    """Log GPU energy use."""
+    """Log `energy-joules` (since training started) and `power-watts`, summed over all GPUs,
+    from NVML's counters (the `nvml` extra; GPU only)."""
 
     save_config_filepath: Optional[str] = None
     """Write the resolved config as YAML to this file at start-up."""
