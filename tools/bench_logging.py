@@ -9,7 +9,8 @@ variant the median time from one step start to the next (the log step included; 
 iterations excluded: warm-up and the trackers' start) and the mean, then the overhead of tracking
 (target: under 1%) as the median over rounds of the ratio of a round's runs, which cancels most
 of the drift in machine load. It also reports the time the training thread spends handing each
-log step to the tracker process, and the CPU time that process uses (at idle priority).
+log step to the tracker process, the CPU time that process uses (at idle priority) while
+training, and what each backend costs per log step on its own.
 """
 
 from __future__ import annotations
@@ -77,19 +78,7 @@ def train_once(variant: str, iters: int, workdir: str) -> dict:
 
     trackers = {}
     if variant in ("all", "in-process"):
-        trackers = dict(
-            tracker_subprocess=variant == "all",
-            tensorboard_dir=f"{workdir}/tb",
-            wandb_project="bench",
-            wandb_exp_name="bench",
-            wandb_save_dir=f"{workdir}/wandb",
-            mlflow_experiment="bench",
-            mlflow_run_name="bench",
-            mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db",
-            comet_project="bench",
-            comet_experiment_name="bench",
-            comet_offline_directory=f"{workdir}/comet",
-        )
+        trackers = dict(tracker_subprocess=variant == "all", **tracker_fields(workdir))
     model = GPTModelProvider(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -113,6 +102,51 @@ def train_once(variant: str, iters: int, workdir: str) -> dict:
     timing = Timing()
     pretrain(cfg, forward_step, callbacks=[timing])
     return {"iteration_times": timing.times, "handoff": timing.handoff, "tracker_cpu": timing.tracker_cpu}
+
+
+def tracker_fields(workdir: str) -> dict:
+    """The logger fields of all four trackers, writing under `workdir`."""
+    return dict(
+        tensorboard_dir=f"{workdir}/tb",
+        wandb_project="bench",
+        wandb_exp_name="bench",
+        wandb_save_dir=f"{workdir}/wandb",
+        mlflow_experiment="bench",
+        mlflow_run_name="bench",
+        mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db",
+        comet_project="bench",
+        comet_experiment_name="bench",
+        comet_offline_directory=f"{workdir}/comet",
+    )
+
+
+def backend_costs(workdir: str, steps: int = 300, per_batch: int = 30) -> dict:
+    """CPU seconds per log step of each backend on its own, in this process: the work the
+    tracker process does for every log step (batches of `per_batch` steps, as it receives them)."""
+    from types import SimpleNamespace
+
+    from megatron_bridge.training.config import CheckpointConfig, LoggerConfig
+    from megatron_bridge.training.loggers.base import Record
+    from megatron_bridge.training.loggers.factory import instantiate, tracker_specs
+
+    cfg = SimpleNamespace(logger=LoggerConfig(**tracker_fields(workdir)), checkpoint=CheckpointConfig())
+    metrics = {name: 1.0 for name in LOG_STEP_METRICS}
+    costs = {}
+    for spec in tracker_specs(cfg):
+        tracker = instantiate(spec)
+        start = time.process_time()
+        for first in range(0, steps, per_batch):
+            tracker.log_many([Record(step, dict(metrics), time.time()) for step in range(first, first + per_batch)])
+        costs[spec.name] = (time.process_time() - start) / steps
+        tracker.close(failed=False)
+    return costs
+
+
+# what a log step of the benchmark's run sends (log_interval=1, default metric groups)
+LOG_STEP_METRICS = (
+    "lm loss", "learning-rate", "iteration-time", "tokens-per-second", "batch-size", "consumed-samples",
+    "skipped-iterations", "nan-iterations", "grad-norm", "loss-scale",
+)  # fmt: skip
 
 
 def tracker_cpu_seconds(tracker) -> float:
@@ -162,9 +196,12 @@ def main() -> None:
         action="store_true",
         help="also run the trackers in the training process (logger.tracker_subprocess=False) each round",
     )
-    p.add_argument("--child", choices=("none", "all", "in-process"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("none", "all", "in-process", "backends"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child == "backends":
+        print("BENCH " + json.dumps(backend_costs(args.workdir)), flush=True)
+        return
     if args.child:
         print("BENCH " + json.dumps(train_once(args.child, args.iters, args.workdir)), flush=True)
         return
@@ -205,7 +242,11 @@ def main() -> None:
         )
     print(f"training thread, handing metrics to the tracker process: {per_iter * 1e6:.0f} us/iteration "
           f"= {100 * per_iter / base:.2f}% of a no-tracker iteration")  # fmt: skip
-    print(f"tracker process (SCHED_IDLE) CPU: {tracker_cpu / iterations * 1000:.2f} ms/iteration")
+    print(f"tracker process (SCHED_IDLE) CPU while training: {tracker_cpu / iterations * 1000:.2f} ms/iteration "
+          "(what it did not get to during training, it does while the run closes)")  # fmt: skip
+    costs = run_once("backends", args.iters)
+    print("backend CPU per log step, each alone: " + ", ".join(f"{name} {sec * 1000:.2f} ms" for name, sec in costs.items())
+          + f" (sum {sum(costs.values()) * 1000:.2f} ms = {100 * sum(costs.values()) / base:.1f}% of a no-tracker iteration)")  # fmt: skip
     print(f"target: under 1% at log_interval=1. ({args.rounds} rounds x {args.iters} iterations per run, "
           f"first {WARMUP} excluded, alternating fresh processes)")  # fmt: skip
 

@@ -22,8 +22,8 @@ from megatron_bridge.training.loggers.base import Record, Tracker
 from megatron_bridge.training.loggers.factory import TrackerSpec, instantiate
 
 FLUSH_SECONDS = 1.0
-"""Metrics are handed to the backends at most this often: MLflow then writes a second's worth of
-log steps in one `log_batch`, and the child leaves the CPU to training in between."""
+"""Metrics are handed to the backends about this often: MLflow then writes a second's worth of
+log steps in one `log_batch`, and this process wakes once a second, not at every log step."""
 
 
 class _Hosted:
@@ -80,16 +80,15 @@ def start(specs: list[TrackerSpec]) -> list[tuple[str, Tracker]]:
 
 
 def serve(inbox: Connection, outbox: Connection, hosted: _Hosted) -> None:
-    last_flush = 0.0
     while True:
         try:
             batch = [inbox.recv()]
-            deadline = last_flush + FLUSH_SECONDS
-            while batch[-1][0] == "metrics":
-                wait = deadline - time.monotonic()
-                if not inbox.poll(max(wait, 0.0)):
-                    break
-                batch.append(inbox.recv())
+            if batch[0][0] == "metrics":
+                # Sleep rather than wait on the pipe: a reader waiting on it is woken by every log
+                # step, and each wake-up costs both processes a context switch.
+                time.sleep(FLUSH_SECONDS)
+                while batch[-1][0] == "metrics" and inbox.poll(0):
+                    batch.append(inbox.recv())
         except EOFError:  # the training process went away without closing
             hosted.close(failed=True)
             return
@@ -108,7 +107,6 @@ def serve(inbox: Connection, outbox: Connection, hosted: _Hosted) -> None:
                 return
         if records:
             hosted.each("logging", "log_many", records)
-        last_flush = time.monotonic()
 
 
 def background() -> None:
