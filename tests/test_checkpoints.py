@@ -1,6 +1,7 @@
 """Checkpoints on disk: exact resume, crash safety, retention, signals, resharding, finetune()."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -54,14 +55,17 @@ def run(cfg, step=forward_step):
     return losses.values, state
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_continues_exactly(tmp_path, caplog):
     straight, _ = run(config())
     ckpt = str(tmp_path / "ckpt")
     first_cfg = config(save=ckpt)
     first_cfg.train.exit_interval = 10
     first, state = run(first_cfg)
     assert state.train_state.step == 10 and read_tracker(ckpt) == 10
-    second, state = run(config(save=ckpt, load=ckpt))
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        second, state = run(config(save=ckpt, load=ckpt))
+    assert "resumed from iteration 10" in caplog.text
+    assert "RNG states not restored" not in caplog.text  # same layout: restored
     assert state.train_state.step == 20 and state.train_state.consumed_train_samples == 160
     assert first + second == straight  # identical at every iteration
     assert read_tracker(ckpt) == 20

@@ -75,7 +75,7 @@ class ProgressFile:
             f"samples: {ts.consumed_train_samples}",
             f"tokens: {ts.consumed_train_samples * cfg.model.seq_length}",
             f"model FLOPs: {ts.floating_point_operations_so_far:.3e}",
-            f"job throughput: {tflops:.3f} TFLOP/s/device",
+            f"job throughput: {tflops:.4g} TFLOP/s/device",
         ]
         with open(self.path, "a") as f:
             f.write("\t".join(fields) + "\n")

@@ -188,14 +188,14 @@ class DefaultCheckpointManager:
             run.state.train_state.load_state_dict(common["train_state"])
             if with_rng:
                 state_dict.restore_rng_state(loaded["rng_state"])
+            elif self.ckpt.load_rng and not same_layout and run.state.is_logging_rank:
+                logger.info("RNG states not restored: the parallel layout differs from the checkpoint's")
             if with_rerun:
                 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
                 get_rerun_state_machine().load_state_dict(loaded["rerun_state_machine"])
             if run.state.fault_tolerance is not None:
                 run.state.fault_tolerance.load_state_dict(common.get("ft_state"))
-            elif self.ckpt.load_rng and run.state.is_logging_rank:
-                logger.info("RNG states not restored: the parallel layout differs from the checkpoint's")
         _barrier()
         if run.state.is_logging_rank:
             kind = "resumed from" if resume else "loaded weights of"
