@@ -114,30 +114,32 @@ def timer_values(state: Any, steps: int) -> dict[str, float]:
     return {f"{name}-time": max_time for name, (_, max_time) in reduced.items()}
 
 
-def params_norm(model_chunks: list) -> float:
+def params_norm(model_chunks: list, moe: bool) -> float:
     """L2 norm of all model parameters, each counted once across the model-parallel ranks;
     collective (call on every rank).
 
     Parameters replicated across tensor-parallel ranks (norms, biases) and the second copy of
-    tied embeddings are left out locally; expert parameters are summed over their own
-    (expert-tensor x expert x pipeline) group, the others over the tensor x pipeline group.
+    tied embeddings are left out locally. With `moe`, expert parameters are summed over their own
+    (expert-tensor x expert x pipeline) group; the others over the tensor x pipeline group.
     """
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    dense, expert = [], []
+    device = next(model_chunks[0].parameters()).device
+    dense_sq, expert_sq = torch.zeros(1, device=device), torch.zeros(1, device=device)
     for chunk in model_chunks:
         for p in chunk.parameters():
             if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                (dense if getattr(p, "allreduce", True) else expert).append(p.detach().float().pow(2).sum())
-    device = next(model_chunks[0].parameters()).device
-    squares = torch.stack([torch.stack(group).sum() if group else torch.zeros((), device=device) for group in (dense, expert)])
-    dense_sq, expert_sq = squares[0:1].clone(), squares[1:2].clone()
+                square = p.detach().float().pow(2).sum()
+                if getattr(p, "allreduce", True):
+                    dense_sq += square
+                else:
+                    expert_sq += square
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
-        if parallel_state.get_expert_model_parallel_world_size() > 1 or expert:
+        if moe:  # the same decision on every rank, whether or not this stage holds experts
             torch.distributed.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     return float(torch.sqrt(dense_sq + expert_sq).item())
 
@@ -179,7 +181,7 @@ def reduced_metrics(state: Any, model_chunks: list, energy_meter: Optional[Energ
     summed over all devices, `energy-joules` and `power-watts` (`log_energy`)."""
     out: dict[str, float] = {}
     if state.cfg.logger.log_params_norm:
-        out["params-norm"] = params_norm(model_chunks)
+        out["params-norm"] = params_norm(model_chunks, moe=bool(state.cfg.model.num_moe_experts))
     if energy_meter is not None:
         import torch
 
