@@ -34,6 +34,7 @@ class ProgressFile:
         self.path = os.path.join(directory, FILE_NAME)
         self.state = state
         self.job = job_id()
+        # created after the checkpoint is loaded: FLOPs from here on are this job's
         self.start_time = time.time()
         self.start_flops = state.train_state.floating_point_operations_so_far
 
@@ -47,9 +48,6 @@ class ProgressFile:
         return cls(cfg.checkpoint.save, state)
 
     def started(self) -> None:
-        # the counters are the loaded checkpoint's: FLOPs from here on are this job's
-        self.start_time = time.time()
-        self.start_flops = self.state.train_state.floating_point_operations_so_far
         self.write("Starting job")
 
     def checkpoint_saved(self, iteration: int) -> None:

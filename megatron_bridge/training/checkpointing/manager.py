@@ -256,7 +256,7 @@ class Checkpointer:
     def save(self, run: "Run", reason: str, rerun_requested: bool = False) -> None:
         ft = run.state.fault_tolerance
         with ft.section("checkpointing") if ft is not None else contextlib.nullcontext():
-            if rerun_requested:
+            if rerun_requested:  # only the built-in manager takes it; custom ones keep save(run, reason)
                 self.manager.save(run, reason, rerun_requested=True)
             else:
                 self.manager.save(run, reason)
