@@ -93,3 +93,18 @@ def test_sequence_parallel_and_determinism_stats_are_refused_on_cpu():
         resolve_config(cfg)
     assert any(e.startswith("model.sequence_parallel: sequence parallelism does not run") for e in err.value.errors)
     assert any("'report_determinism_stats' fails on CPU" in e for e in err.value.errors)
+
+
+def test_cpu_threads_honour_omp_num_threads_else_share_the_cores(monkeypatch):
+    import os
+
+    from megatron_bridge.training.distributed import cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(world_size=2) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_threads(world_size=4) == max(1, (os.cpu_count() or 1) // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert cpu_threads(world_size=1) == (os.cpu_count() or 1)

@@ -392,3 +392,66 @@ def test_tflops_per_device_from_the_model_shape_and_mfu_with_a_configured_peak()
                 "batch-size": 8, "lm loss": 3.0, "mem-rss-bytes": 2**30, **out}, 3.0,
     )  # fmt: skip
     assert "TFLOP/s/device | MFU 25.0% | RSS 1.00 GiB" in line
+
+
+class _Recording:
+    """A tracker that keeps the batches it is handed."""
+
+    def __init__(self):
+        self.batches = []
+
+    def log_many(self, records):
+        self.batches.append(list(records))
+
+    def close(self, failed=False):
+        pass
+
+
+def _serve_records(records, monkeypatch):
+    """Run the tracker process's loop in this process over `records` then a close; the batches."""
+    import threading
+    from multiprocessing import Pipe
+
+    from megatron_bridge.training.loggers import worker
+
+    monkeypatch.setattr(worker, "FLUSH_SECONDS", 0.01)
+    to_worker, inbox = Pipe()
+    outbox, replies = Pipe()
+    recording = _Recording()
+
+    def feed():  # from a thread: the pipe holds far fewer records than are sent
+        for record in records:
+            to_worker.send(("metrics", record))
+        to_worker.send(("close", False))
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    worker.serve(inbox, outbox, worker._Hosted([("recording", recording)]))
+    feeder.join()
+    assert replies.recv() == ("closed", [])
+    return recording.batches
+
+
+@pytest.mark.timeout(60)
+def test_tracker_process_hands_over_bounded_batches_and_keeps_order(monkeypatch):
+    from megatron_bridge.training.loggers import worker
+
+    monkeypatch.setattr(worker, "MAX_BATCH", 100)
+    import time
+
+    records = [Record(step, {"lm loss": float(step)}, time.time()) for step in range(1050)]
+    batches = _serve_records(records, monkeypatch)
+    assert max(len(b) for b in batches) == 100  # a backlog stays in the pipe, not in memory
+    assert [r.step for b in batches for r in b] == list(range(1050))
+
+
+@pytest.mark.timeout(60)
+def test_tracker_process_warns_once_when_far_behind_training(monkeypatch, capsys):
+    import time
+
+    old = time.time() - 600
+    batches = _serve_records([Record(step, {"lm loss": 1.0}, old) for step in range(3)], monkeypatch)
+    assert sum(len(b) for b in batches) == 3
+    err = capsys.readouterr().err
+    assert err.count("experiment trackers are") == 1
+    assert re.search(r"are 6\d\d s behind training: .* leave a core free \(OMP_NUM_THREADS\)", err)

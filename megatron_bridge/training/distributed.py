@@ -36,6 +36,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_threads(world_size: int) -> int:
+    """Intra-op threads of a CPU run: OMP_NUM_THREADS when set (torchrun sets 1 per process
+    unless told otherwise), else this machine's cores shared among its local processes."""
+    wanted = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if wanted.isdigit() and int(wanted) > 0:
+        return int(wanted)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
 def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = None) -> tuple[str, bool]:
     """Join the launcher's process group (torchrun) or create a 1-process one; with `store`
     (in-process restart), rendezvous through it.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import sys
 from typing import Any, Callable, Iterable, Optional
@@ -15,7 +14,7 @@ from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.training.distributed import init_model_parallel, init_process_group, resolve_backend
+from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
 from megatron_bridge.training.forward_step import prepare_forward_step
 from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
@@ -208,8 +207,7 @@ def setup(
     internal_callbacks = _start_resiliency(cfg, state)
     if state.device == "cpu":
         state.cpu_backend_activated = cpu_backend.activate()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(cpu_threads(state.world_size))
     init_model_parallel(cfg)
     t = cfg.train
     init_num_microbatches_calculator(

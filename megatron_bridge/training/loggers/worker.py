@@ -25,6 +25,13 @@ FLUSH_SECONDS = 1.0
 """Metrics are handed to the backends about this often: MLflow then writes a second's worth of
 log steps in one `log_batch`, and this process wakes once a second, not at every log step."""
 
+MAX_BATCH = 500
+"""Log steps handed to the backends at once, at most; while more are waiting, the next batch
+follows without the sleep."""
+
+LAG_WARNING_SECONDS = 60.0
+"""A warning (once) when the log steps being handed over are older than this."""
+
 
 class _Hosted:
     """The trackers of this process; one that raises is reported once and then left out."""
@@ -80,18 +87,35 @@ def start(specs: list[TrackerSpec]) -> list[tuple[str, Tracker]]:
 
 
 def serve(inbox: Connection, outbox: Connection, hosted: _Hosted) -> None:
+    behind = False
+    warned = False
     while True:
         try:
             batch = [inbox.recv()]
             if batch[0][0] == "metrics":
-                # Sleep rather than wait on the pipe: a reader waiting on it is woken by every log
-                # step, and each wake-up costs both processes a context switch.
-                time.sleep(FLUSH_SECONDS)
-                while batch[-1][0] == "metrics" and inbox.poll(0):
+                if not behind:
+                    # Sleep rather than wait on the pipe: a reader waiting on it is woken by every
+                    # log step, and each wake-up costs both processes a context switch.
+                    time.sleep(FLUSH_SECONDS)
+                while len(batch) < MAX_BATCH and batch[-1][0] == "metrics" and inbox.poll(0):
                     batch.append(inbox.recv())
+                # What does not fit stays in the pipe: when it is full, training waits for this
+                # process instead of this process holding an ever longer backlog in memory.
+                behind = len(batch) == MAX_BATCH
         except EOFError:  # the training process went away without closing
             hosted.close(failed=True)
             return
+        if batch[0][0] == "metrics" and not warned:
+            lag = time.time() - batch[0][1].wall_time
+            if lag > LAG_WARNING_SECONDS:
+                warned = True
+                print(
+                    f"megatron_bridge: the experiment trackers are {lag:.0f} s behind training: their "
+                    "process runs on idle CPU time only, and training keeps every core busy. Training "
+                    "waits for them once its pipe to them is full; log less often "
+                    "(logger.log_interval) or leave a core free (OMP_NUM_THREADS) to avoid that.",
+                    file=sys.stderr,
+                )
         records: list[Record] = []
         for kind, payload in batch:
             if kind == "metrics":
