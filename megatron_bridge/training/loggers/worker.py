@@ -111,9 +111,9 @@ def serve(inbox: Connection, outbox: Connection, hosted: _Hosted) -> None:
                 warned = True
                 print(
                     f"megatron_bridge: the experiment trackers are {lag:.0f} s behind training: their "
-                    "process runs on idle CPU time only, and training keeps every core busy. Training "
-                    "waits for them once its pipe to them is full; log less often "
-                    "(logger.log_interval) or leave a core free (OMP_NUM_THREADS) to avoid that.",
+                    "process gets only the CPU time training leaves idle, and their backends need more "
+                    "than that per log step. Training waits for them once the pipe to them is full; "
+                    "log less often (logger.log_interval), or on CPU leave a core free (OMP_NUM_THREADS).",
                     file=sys.stderr,
                 )
         records: list[Record] = []
