@@ -11,6 +11,7 @@ import os
 import re
 import struct
 import sys
+import time
 import zipfile
 
 import pytest
@@ -437,8 +438,6 @@ def test_tracker_process_hands_over_bounded_batches_and_keeps_order(monkeypatch)
     from megatron_bridge.training.loggers import worker
 
     monkeypatch.setattr(worker, "MAX_BATCH", 100)
-    import time
-
     records = [Record(step, {"lm loss": float(step)}, time.time()) for step in range(1050)]
     batches = _serve_records(records, monkeypatch)
     assert max(len(b) for b in batches) == 100  # a backlog stays in the pipe, not in memory
@@ -447,8 +446,6 @@ def test_tracker_process_hands_over_bounded_batches_and_keeps_order(monkeypatch)
 
 @pytest.mark.timeout(60)
 def test_tracker_process_warns_once_when_far_behind_training(monkeypatch, capsys):
-    import time
-
     old = time.time() - 600
     batches = _serve_records([Record(step, {"lm loss": 1.0}, old) for step in range(3)], monkeypatch)
     assert sum(len(b) for b in batches) == 3
