@@ -212,9 +212,9 @@ class RecordingManager:
 
 
 def test_custom_manager_class_replaces_the_default(tmp_path):
-    from megatron_bridge.training.config.serialization import allow_target_prefix
+    from megatron_bridge.config.targets import register_target
 
-    allow_target_prefix("test_checkpoints.")
+    register_target(RecordingManager)
     RecordingManager.calls = []
     cfg = config(save=str(tmp_path / "ckpt"), iters=4, save_interval=2, custom_manager_class="test_checkpoints.RecordingManager")
     run(cfg)

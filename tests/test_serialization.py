@@ -25,10 +25,9 @@ from megatron_bridge.training.config import (
     TensorInspectConfig,
     TrainingConfig,
     runtime_config_update,
-    serialization,
-    targets,
 )
-from megatron_bridge.training.config.serialization import from_dict, from_yaml, import_object, to_dict, to_yaml
+from megatron_bridge.config import targets
+from megatron_bridge.training.config.serialization import from_dict, from_yaml, to_dict, to_yaml
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 
 
@@ -55,11 +54,6 @@ def assert_same_config(a, b):
     if hasattr(a, "explicit_fields"):
         assert a.explicit_fields() == b.explicit_fields(), type(a).__name__
     assert a == b
-
-
-@pytest.fixture
-def no_user_prefixes(monkeypatch):
-    monkeypatch.setattr(targets, "_user_prefixes", [])
 
 
 # ---------------------------------------------------------------------- round trips
@@ -279,31 +273,63 @@ logger: {wandb_exp_name: 2024-01-01}
 
 
 # ---------------------------------------------------------------------- allowlist
-def test_target_outside_the_allowlist_is_refused_with_a_fix(tmp_path, no_user_prefixes):
+def test_target_outside_the_allowlist_is_refused_with_a_fix(tmp_path):
     data = to_dict(make_config())
     data["model"]["init_method"] = {"_target_": "os.system", "_partial_": True, "_args_": ["echo hi"]}
     with pytest.raises(ConfigValidationError) as info:
         from_dict(data, ConfigContainer)
     message = str(info.value)
-    assert "model.init_method: import path 'os.system' is not in the allowlist" in message
-    assert "allow_target_prefix('os.')" in message and "allowed_prefixes=('os.',)" in message
+    assert "model.init_method: 'os.system' is not a name configs may use" in message
+    assert "register yours in code with megatron_bridge.config.targets.register_target(obj)" in message
 
 
-def test_import_object_and_allowlist_matching(no_user_prefixes):
-    assert import_object("torch.nn.functional.silu") is torch.nn.functional.silu
-    assert import_object("signal.Signals.SIGTERM") is signal.SIGTERM
-    assert targets.is_allowed("mypkg.x", ["mypkg"]) and not targets.is_allowed("mypkg_evil.x", ["mypkg"])
-    with pytest.raises(ImportError, match="'torch.nn.functional' has no attribute 'nope'"):
-        import_object("torch.nn.functional.nope")
-    with pytest.raises(ImportError, match="not an import path"):
-        import_object("a..b")
-    with pytest.raises(targets.TargetNotAllowedError, match="allow_target_prefix"):
-        import_object("os.system", allowed=())
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch.os.system",
+        "torch.serialization.os.system",
+        "torch.save",
+        "megatron_bridge.training.config.serialization.register_target",
+        "megatron_bridge.config.targets.importlib.import_module",
+        "megatron_bridge.__main__.main",
+        "megatron_bridge.models.llama.F",
+        "builtins.eval",
+    ],
+)
+def test_names_reached_through_allowed_modules_are_refused(name):
+    with pytest.raises(targets.TargetNotAllowedError, match="is not a name configs may use"):
+        targets.resolve(name)
+
+
+def test_registered_names_resolve_exactly():
+    assert targets.resolve("torch.nn.functional.silu") is torch.nn.functional.silu
+    assert targets.resolve("signal.Signals.SIGTERM") is signal.SIGTERM
+    assert targets.resolve("megatron_bridge.training.config.TrainingConfig") is TrainingConfig
+    assert targets.name_of(TrainingConfig) == "megatron_bridge.training.config.TrainingConfig"
+    assert targets.name_of(lambda x: x) is None
+    with pytest.raises(targets.TargetNotAllowedError, match="closest: torch.nn.functional.silu"):
+        targets.resolve("torch.nn.functional.silux")
+    with pytest.raises(targets.TargetNotAllowedError, match="is not a dotted name"):
+        targets.resolve("a..b")
+
+
+def test_functions_are_referenced_or_bound_never_called():
+    data = to_dict(make_config())
+    data["model"]["init_method"] = {"_target_": "torch.nn.init.normal_", "_args_": [1.0]}
+    with pytest.raises(ConfigValidationError, match="is not a config class, and configs do not call functions"):
+        from_dict(data, ConfigContainer)
+    data["model"]["init_method"] = {
+        "_target_": "torch.nn.init.normal_",
+        "_partial_": True,
+        "std": {"_target_": "torch.nn.functional.silu", "_call_": False},
+    }
+    with pytest.raises(ConfigValidationError, match="function arguments must be plain data"):
+        from_dict(data, ConfigContainer)
 
 
 @dataclasses.dataclass
 class UserData(DatasetProvider):
-    """A user dataset living outside the allowlisted packages."""
+    """A user dataset: defining the class (code) registers it."""
 
     path: str = "data.txt"
     seq_length: int = 32
@@ -312,21 +338,25 @@ class UserData(DatasetProvider):
         return None, None, None
 
 
-def test_user_classes_load_once_their_prefix_is_allowed(tmp_path, no_user_prefixes):
+def my_activation(x):
+    return torch.tanh(x) * 2
+
+
+def test_user_classes_and_registered_functions_round_trip(tmp_path):
     cfg = tiny_config(dataset=UserData(path="/d.txt"))
-    path = tmp_path / "cfg.yaml"
-    cfg.to_yaml(path)
-    module = UserData.__module__
-    with pytest.raises(ConfigValidationError, match=rf"dataset: _target_: import path '{module}.UserData' is not in"):
-        ConfigContainer.from_yaml(path)
-    assert_same_config(cfg, ConfigContainer.from_yaml(path, allowed_prefixes=(module,)))
-    serialization.allow_target_prefix(module + ".")
-    assert_same_config(cfg, ConfigContainer.from_yaml(path))
+    assert_same_config(cfg, reload(cfg, tmp_path))
+    cfg.model.activation_func = my_activation
+    assert to_dict(cfg)["model"]["activation_func"] == {"_unserializable_": repr(my_activation)}
+    targets.register_target(my_activation)
+    assert to_dict(cfg)["model"]["activation_func"] == f"{__name__}.my_activation"
+    assert reload(cfg, tmp_path).model.activation_func is my_activation
 
 
-def test_allow_target_prefix_rejects_an_empty_prefix():
-    with pytest.raises(ValueError, match="needs a module prefix"):
-        serialization.allow_target_prefix(".")
+def test_register_target_needs_a_name_for_objects_without_an_import_path():
+    with pytest.raises(ValueError, match="has no import path"):
+        targets.register_target(lambda x: x)
+    with pytest.raises(ValueError, match="is not a dotted name"):
+        targets.register_target(my_activation, name="bad name")
 
 
 # ---------------------------------------------------------------------- loading errors
@@ -380,7 +410,7 @@ def test_target_of_the_wrong_class_is_an_error():
 def test_target_that_does_not_exist_is_an_error():
     data = to_dict(make_config())
     data["train"]["_target_"] = "megatron_bridge.training.config.NoSuchConfig"
-    with pytest.raises(ConfigValidationError, match="has no attribute 'NoSuchConfig'"):
+    with pytest.raises(ConfigValidationError, match="'megatron_bridge.training.config.NoSuchConfig' is not a name configs may use"):
         from_dict(data, ConfigContainer)
 
 

@@ -22,6 +22,7 @@ from abc import ABCMeta
 from typing import Any, ClassVar, Iterator
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.targets import register_config_class
 from megatron_bridge.config.typecheck import type_problem
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
@@ -44,7 +45,12 @@ def field_names(cls: type) -> frozenset[str]:
 
 
 class _ConfigMeta(ABCMeta):
-    """Records which constructor arguments the caller passed, then turns on tracking."""
+    """Registers each config class as a name configs may use; records which constructor
+    arguments the caller passed, then turns on tracking."""
+
+    def __init__(cls, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> None:
+        super().__init__(name, bases, namespace, **kwargs)
+        register_config_class(cls)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         aliases = cls._field_aliases

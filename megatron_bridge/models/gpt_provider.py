@@ -142,9 +142,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         spec = self.transformer_layer_spec
         if spec is not None:
             if isinstance(spec, str):
-                from megatron_bridge.training.config.serialization import import_object
+                from megatron_bridge.config.targets import resolve
 
-                spec = import_object(spec, allowed=())  # a string from a config file: allowlisted modules only
+                spec = resolve(spec)  # a name from a config file: registered objects only
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -229,10 +229,10 @@ def make_manager(config: "ConfigContainer") -> CheckpointManager:
     name = config.checkpoint.custom_manager_class
     if not name:
         return DefaultCheckpointManager(config)
-    from megatron_bridge.training.config.serialization import import_object
+    from megatron_bridge.config.targets import resolve
 
     try:
-        cls = import_object(name, allowed=())  # a string from a config file: allowlisted modules only
+        cls = resolve(name)  # a name from a config file: registered classes only
     except ImportError as exc:
         raise ImportError(f"checkpoint.custom_manager_class: {exc}") from exc
     manager = cls(config)

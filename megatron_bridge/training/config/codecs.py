@@ -34,7 +34,7 @@ import torch
 
 from megatron_bridge.config.base import values_equal
 from megatron_bridge.config.errors import show
-from megatron_bridge.training.config.targets import object_path
+from megatron_bridge.config.targets import name_of as object_path
 
 TARGET, CALL, PARTIAL, ARGS = "_target_", "_call_", "_partial_", "_args_"
 TUPLE, PATH, UNSERIALIZABLE = "_tuple_", "_path_", "_unserializable_"

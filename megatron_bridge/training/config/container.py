@@ -232,11 +232,11 @@ class ConfigContainer(ConfigBase):
         return to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], allowed_prefixes: tuple[str, ...] = ()) -> "ConfigContainer":
+    def from_dict(cls, data: dict[str, Any]) -> "ConfigContainer":
         """Rebuild a container from `to_dict()` output (or hand-written equivalent)."""
         from megatron_bridge.training.config.serialization import from_dict
 
-        return from_dict(data, cls, allowed_prefixes=allowed_prefixes)
+        return from_dict(data, cls)
 
     def to_yaml(self, path: Optional[Union[str, os.PathLike]] = None) -> str:
         """YAML text of this config; also written to `path` when given."""
@@ -245,11 +245,11 @@ class ConfigContainer(ConfigBase):
         return to_yaml(self, path)
 
     @classmethod
-    def from_yaml(cls, path: Union[str, os.PathLike], allowed_prefixes: tuple[str, ...] = ()) -> "ConfigContainer":
+    def from_yaml(cls, path: Union[str, os.PathLike]) -> "ConfigContainer":
         """Load a container from a YAML file written by `to_yaml` (or by hand)."""
         from megatron_bridge.training.config.serialization import from_yaml
 
-        return from_yaml(path, cls, allowed_prefixes=allowed_prefixes)
+        return from_yaml(path, cls)
 
     def print_yaml(self) -> None:
         """Print this config as YAML."""

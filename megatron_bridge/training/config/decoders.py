@@ -36,11 +36,10 @@ from megatron_bridge.training.config.codecs import (
     suggest,
     union_arms,
 )
-from megatron_bridge.training.config.targets import (
+from megatron_bridge.config.targets import (
     SHORT_NAME_NAMESPACES,
     TargetNotAllowedError,
-    check_allowed,
-    import_object,
+    resolve,
     resolve_short_callable,
     short_callable_names,
 )
@@ -64,13 +63,9 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", 
 class Decoder:
     """Turns plain data (from YAML or an override) into the value a field declares.
 
-    `allowed` extends the import allowlist for this decoding; `allow_all` skips it (used only to
-    check that an encoding reads back the same).
+    Names (`_target_`, functions) resolve only through the registry of `config.targets`, and
+    decoding calls nothing but config-class constructors.
     """
-
-    def __init__(self, allowed: tuple[str, ...] = (), allow_all: bool = False):
-        self.allowed = tuple(allowed)
-        self.allow_all = allow_all
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
         """Decode a dataclass mapping; overridden by the serializer."""
@@ -83,19 +78,15 @@ class Decoder:
         are tried only after every arm has refused the value as it is."""
         return _decoder_for(tp)(self, raw, True)
 
-    # ---------------------------------------------------------------- imports
+    # ---------------------------------------------------------------- names
     def import_path(self, path: Any) -> Any:
-        """Import an allowlisted path, as a DecodeError if refused or missing."""
+        """The registered object called `path`, as a DecodeError if there is none."""
         if not isinstance(path, str):
-            raise DecodeError(f"_target_ must be an import path string, {got(path)}", "e.g. 'torch.nn.init.normal_'")
+            raise DecodeError(f"_target_ must be a name string, {got(path)}", "e.g. 'torch.nn.init.normal_'")
         try:
-            if not self.allow_all:
-                check_allowed(path, self.allowed)
-            return import_object(path)
+            return resolve(path)
         except TargetNotAllowedError as exc:
             raise DecodeError(exc.message, exc.fix) from None
-        except ImportError as exc:
-            raise DecodeError(str(exc), "check the spelling of the import path") from None
 
     # ---------------------------------------------------------------- untyped
     def any(self, raw: Any) -> Any:
@@ -122,31 +113,31 @@ class Decoder:
         return raw
 
     def instantiate(self, raw: Mapping) -> Any:
-        """The object a `_target_` mapping describes: the object itself, a partial, a dataclass
-        or the result of calling the target."""
+        """The object a `_target_` mapping describes: the object itself (`_call_: false`), a
+        `functools.partial` of a function (`_partial_: true`, arguments as plain data), or a config
+        class built from the remaining keys. Nothing else is called."""
         obj = self.import_path(raw[TARGET])
         if raw.get(CALL) is False:
             extra = [k for k in raw if k not in (TARGET, CALL)]
             if extra:
                 raise DecodeError(f"keys {extra} make no sense with _call_: false", "remove them")
             return obj
-        if not raw.get(PARTIAL) and isinstance(obj, type) and dataclasses.is_dataclass(obj):
-            return self.section(raw, (obj,))
-        args = raw.get(ARGS, [])
-        if not isinstance(args, list):
-            raise DecodeError(f"_args_ must be a list, {got(args)}", "e.g. _args_: [1, 2]")
-        args = self._items(args, lambda v: self.any(v), list)
-        kwargs = self._mapping({k: v for k, v in raw.items() if k not in (TARGET, PARTIAL, ARGS, CALL)}, self.any)
         if raw.get(PARTIAL):
-            if not callable(obj):
-                raise DecodeError(f"{raw[TARGET]!r} is not callable", "_partial_ needs a function or class")
+            if not callable(obj) or isinstance(obj, type):
+                raise DecodeError(f"{raw[TARGET]!r} is not a function", "_partial_ needs a function")
+            args = raw.get(ARGS, [])
+            if not isinstance(args, list):
+                raise DecodeError(f"_args_ must be a list, {got(args)}", "e.g. _args_: [1, 2]")
+            kwargs = {k: v for k, v in raw.items() if k not in (TARGET, PARTIAL, ARGS, CALL)}
+            _check_plain(args, ARGS)
+            _check_plain(kwargs, "arguments")
             return functools.partial(obj, *args, **kwargs)
-        if not callable(obj):
-            raise DecodeError(f"{raw[TARGET]!r} is not callable", "add _call_: false to refer to the object itself")
-        try:
-            return obj(*args, **kwargs)
-        except Exception as exc:  # the user's target failed: report it with the path
-            raise DecodeError(f"calling {raw[TARGET]!r} failed: {type(exc).__name__}: {exc}", "fix its arguments")
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            return self.section(raw, (obj,))
+        raise DecodeError(
+            f"{raw[TARGET]!r} is not a config class, and configs do not call functions",
+            "refer to it with _call_: false, or bind arguments with _partial_: true",
+        )
 
     def _items(self, raw: list, decode: Any, kind: type) -> Any:
         out, errors = [], []
@@ -171,8 +162,22 @@ class Decoder:
         return out
 
 
-TRIAL_DECODER = Decoder(allow_all=True)
-"""Reads back an encoding to check it (imports anything the encoder named)."""
+TRIAL_DECODER = Decoder()
+"""Reads back an encoding to check it."""
+
+
+def _check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Arguments bound from a config are plain data: scalars, lists and mappings of them."""
+    if isinstance(value, Mapping):
+        if TARGET in value or any(k in VALUE_TAGS for k in value):
+            raise DecodeError(f"{where} hold a tagged value {show(value)}", "function arguments must be plain data")
+        for v in value.values():
+            _check_plain(v, where, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_plain(v, where, depth + 1)
+    elif not (value is None or type(value) in (str, int, float, bool)):
+        raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
 
 
 def _tagged(dc: Decoder, raw: Any, tp: Any) -> Any:

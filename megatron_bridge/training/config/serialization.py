@@ -44,13 +44,14 @@ from megatron_bridge.training.config.codecs import (
     suggest,
 )
 from megatron_bridge.training.config.decoders import Decoder
-from megatron_bridge.training.config.targets import allow_target_prefix, import_object, object_path
+from megatron_bridge.config.targets import name_of as object_path
+from megatron_bridge.config.targets import register_target, resolve
 
 __all__ = [
-    "allow_target_prefix",
     "from_dict",
     "from_yaml",
-    "import_object",
+    "register_target",
+    "resolve",
     "to_dict",
     "to_yaml",
 ]
@@ -351,16 +352,16 @@ def raise_decode_error(exc: DecodeError, prefix: str = "") -> None:
     problems.raise_if_any()
 
 
-def from_dict(data: Mapping, cls: Optional[type] = None, allowed_prefixes: Iterable[str] = ()) -> Any:
+def from_dict(data: Mapping, cls: Optional[type] = None) -> Any:
     """Build a config from `to_dict` output or a hand-written equivalent.
 
     `cls` is the expected class (the data's `_target_` may name a subclass); without it the data
-    must carry `_target_`. `allowed_prefixes` extends the import allowlist for this call. All
-    problems are raised together as one `ConfigValidationError`.
+    must carry `_target_`. Names resolve through `config.targets` only. All problems are raised
+    together as one `ConfigValidationError`.
     """
     if not isinstance(data, Mapping):
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
-    loader = ConfigDecoder(tuple(allowed_prefixes))
+    loader = ConfigDecoder()
     try:
         return loader.section(data, (cls,) if cls is not None else ())
     except DecodeError as exc:
@@ -402,9 +403,9 @@ def load_yaml_file(path: Union[str, os.PathLike]) -> Any:
             ) from None
 
 
-def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None, allowed_prefixes: Iterable[str] = ()) -> Any:
+def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     """Load a config from a YAML file written by `to_yaml` (or by hand); see `from_dict`."""
     data = load_yaml_file(path)
     if data is None:
         raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
-    return from_dict(data, cls, allowed_prefixes)
+    return from_dict(data, cls)

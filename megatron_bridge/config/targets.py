@@ -1,0 +1,237 @@
+"""The objects a config may name, by exact name.
+
+A config file or an override can name a class (`_target_: ...`) or a function
+(`activation_func: silu`). Turning such a name into an object must never run code or reach
+anything else, so names resolve only through this registry:
+
+* the project's config classes (registered when the class is created, as are users' subclasses
+  of `ConfigBase`, e.g. their `DatasetProvider`s);
+* the activation and weight-initialization functions listed below, and torch dtypes;
+* whatever code registers with `register_target` (a user's checkpoint manager, layer spec, ...).
+
+There is no import of arbitrary modules and no attribute traversal: `torch.os.system` is not a
+registered name, and whatever a name leads to is checked against the registered objects. Nothing
+in a config can register anything. Decoding a config calls no registered function either (only
+config-class constructors); functions are kept as references or `functools.partial`s.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import importlib
+import sys
+from typing import Any, Iterable, Optional
+
+import torch
+
+_BY_NAME: dict[str, Any] = {}
+"""Registered name -> object."""
+
+_NAME_OF: dict[int, str] = {}
+"""id(object) -> its canonical (first registered, or shortest public) name."""
+
+_OBJECTS: dict[int, Any] = {}
+"""id(object) -> object: keeps registered objects alive, so their ids stay theirs."""
+
+# Functions configs use, by module. These modules are imported with torch/megatron-core; the
+# names are looked up once, on first use.
+_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "torch.nn.functional": (
+        "gelu", "silu", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "softplus", "sigmoid",
+        "tanh", "mish", "hardswish", "hardsigmoid", "hardtanh", "softsign", "logsigmoid", "glu",
+    ),
+    "torch": ("tanh", "sigmoid", "relu"),
+    "torch.nn.init": (
+        "normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+        "kaiming_normal_", "zeros_", "ones_", "constant_", "orthogonal_",
+    ),
+    "megatron.core.activations": ("squared_relu", "quick_gelu", "fast_gelu"),
+}  # fmt: skip
+
+SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
+"""Where a function named without its module (`silu`) is looked up, in order."""
+
+# Project packages whose `__getattr__` loads exports on first use; resolving a name may ask them.
+# Nothing else is ever imported to resolve a name.
+_LAZY_EXPORTS = ("megatron_bridge", "megatron_bridge.models")
+_LAZY_PACKAGES = ("megatron_bridge.",)
+
+_builtins_loaded = False
+
+
+class TargetNotAllowedError(ImportError):
+    """A name that is not registered; `.fix` says how to register it (in code)."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(f"{message}; {fix}")
+        self.message = message
+        self.fix = fix
+
+
+def register_target(obj: Any, name: Optional[str] = None) -> Any:
+    """Allow configs to name `obj` (a class or function) as `name` (default: its import path,
+    `module.qualname`). Returns `obj`, so it works as a decorator. Call it from code, e.g. next to
+    the class; a config cannot call it."""
+    if name is None:
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+            raise ValueError(f"register_target: {obj!r} has no import path; pass name='pkg.mod.Name'")
+        name = f"{module}.{qualname}"
+    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"register_target: {name!r} is not a dotted name like 'pkg.mod.Name'")
+    _BY_NAME[name] = obj
+    _NAME_OF.setdefault(id(obj), name)
+    _OBJECTS[id(obj)] = obj
+    return obj
+
+
+def register_config_class(cls: type) -> None:
+    """Called for every `ConfigBase` subclass when it is created (see config.base)."""
+    qualname = cls.__qualname__
+    if "<" not in qualname:  # classes defined inside functions have no import path
+        register_target(cls, f"{cls.__module__}.{qualname}")
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for module_name, names in _FUNCTIONS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # megatron-core missing: its activations are simply not available
+            continue
+        for name in names:
+            obj = getattr(module, name, None)
+            if callable(obj):
+                register_target(obj, f"{module_name}.{name}")
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            register_target(getattr(torch, name), f"torch.{name}")
+    import signal
+
+    register_target(signal.Signals, "signal.Signals")
+
+
+def is_registered(obj: Any) -> bool:
+    """Whether `obj` itself is a registered object."""
+    _load_builtins()
+    return _OBJECTS.get(id(obj)) is obj
+
+
+def resolve(name: Any) -> Any:
+    """The registered object called `name`; `TargetNotAllowedError` (with the closest registered
+    names) if there is none. Also accepts a config class's public re-export
+    (`megatron_bridge.training.config.TrainingConfig`) and members of registered enums."""
+    if not isinstance(name, str) or not name or not all(p.isidentifier() for p in name.split(".")):
+        raise TargetNotAllowedError(f"{str(name)[:80]!r} is not a dotted name", "use e.g. 'torch.nn.init.normal_'")
+    _load_builtins()
+    obj = _BY_NAME.get(name)
+    if obj is None:
+        obj = _public_alias(name)
+    if obj is None:
+        public = {name_of(o) for o in _OBJECTS.values() if not isinstance(o, torch.dtype)}
+        hint = difflib.get_close_matches(name, sorted(n for n in public if n), n=3, cutoff=0.6)
+        closest = f" (closest: {', '.join(hint)})" if hint else ""
+        raise TargetNotAllowedError(
+            f"{name!r} is not a name configs may use{closest}",
+            "configs may only name registered classes and functions; register yours in code with "
+            "megatron_bridge.config.targets.register_target(obj)",
+        )
+    return obj
+
+
+def _public_alias(name: str) -> Any:
+    """`pkg.Name` where an imported `pkg` re-exports a registered object (checked: the object
+    found must be registered), or `Enum.MEMBER` of a registered enum class. One attribute lookup
+    on an already imported module; the only import is a model family through
+    `megatron_bridge.models`' own lazy table."""
+    module_name, _, attr = name.rpartition(".")
+    if not module_name:
+        return None
+    owner = _BY_NAME.get(module_name)
+    if isinstance(owner, type) and issubclass(owner, enum.Enum):
+        return owner.__members__.get(attr)
+    if module_name.startswith("megatron_bridge.models"):
+        models = importlib.import_module("megatron_bridge.models")
+        if attr in models._WHERE and module_name in ("megatron_bridge.models", models._WHERE[attr]):
+            getattr(models, attr)  # imports the family module, which registers its classes
+            if name in _BY_NAME:
+                return _BY_NAME[name]
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    candidate = module.__dict__.get(attr)
+    if candidate is None and module_name in _LAZY_EXPORTS:
+        candidate = getattr(module, attr, None)  # a lazily exported project class
+    return candidate if candidate is not None and is_registered(candidate) else None
+
+
+def name_of(obj: Any) -> Optional[str]:
+    """The name under which `obj` can be written into a config (and resolved back), or None if it
+    is not registered. Classes get their shortest public path (`megatron_bridge.models.X` rather
+    than the defining module), so internal moves do not break saved files."""
+    _load_builtins()
+    if isinstance(obj, enum.Enum):
+        owner = name_of(type(obj))
+        if owner is None:
+            register_target(type(obj))  # enums used in config values are data, not code
+            owner = name_of(type(obj))
+        return f"{owner}.{obj.name}" if owner else None
+    if not is_registered(obj):
+        return None
+    name = _NAME_OF[id(obj)]
+    if isinstance(obj, type) and name.startswith(_LAZY_PACKAGES):
+        parts = name.split(".")
+        for cut in range(1, len(parts) - 1):
+            shorter = ".".join(parts[:cut]) + "." + parts[-1]
+            module_name = ".".join(parts[:cut])
+            module = sys.modules.get(module_name)
+            if module is None:
+                continue
+            found = module.__dict__.get(parts[-1])
+            if found is None and module_name in _LAZY_EXPORTS:
+                found = getattr(module, parts[-1], None)
+            if found is obj:
+                _NAME_OF[id(obj)] = shorter
+                return shorter
+    return name
+
+
+def resolve_short_callable(name: str) -> Optional[Any]:
+    """A registered function named without its module (`silu`), looked up in
+    SHORT_NAME_NAMESPACES; None if there is none."""
+    if not name.isidentifier():
+        return None
+    _load_builtins()
+    for namespace in SHORT_NAME_NAMESPACES:
+        obj = _BY_NAME.get(f"{namespace}.{name}")
+        if obj is not None:
+            return obj
+    return None
+
+
+def short_callable_names() -> tuple[str, ...]:
+    """Every name `resolve_short_callable` knows (for 'did you mean' hints)."""
+    _load_builtins()
+    prefixes = tuple(ns + "." for ns in SHORT_NAME_NAMESPACES)
+    return tuple(sorted({n.rsplit(".", 1)[1] for n in _BY_NAME if n.startswith(prefixes)}))
+
+
+def registered_names(prefix: str = "") -> list[str]:
+    """Registered names starting with `prefix`, sorted (for docs and error hints)."""
+    _load_builtins()
+    return sorted(n for n in _BY_NAME if n.startswith(prefix))
+
+
+def check_names(names: Iterable[str]) -> list[str]:
+    """The names among `names` that do not resolve (for validation of string fields)."""
+    bad = []
+    for name in names:
+        try:
+            resolve(name)
+        except TargetNotAllowedError:
+            bad.append(name)
+    return bad
