@@ -475,7 +475,7 @@ def test_missing_empty_and_invalid_yaml_files(tmp_path):
     with pytest.raises(ConfigValidationError, match="empty.yaml is empty"):
         from_yaml(tmp_path / "empty.yaml", ConfigContainer)
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
-    with pytest.raises(ConfigValidationError, match="bad.yaml: invalid YAML"):
+    with pytest.raises(ConfigValidationError, match="bad.yaml, line 2: invalid YAML"):
         from_yaml(tmp_path / "bad.yaml", ConfigContainer)
 
 

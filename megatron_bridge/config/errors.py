@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 
+MAX_REPORTED = 100
+"""Problems listed in an error message; the rest are counted ("and N more")."""
+
+
 @dataclass(frozen=True)
 class ConfigProblem:
     """One thing wrong with a config: where, what, and how to fix it."""
@@ -40,7 +44,10 @@ class ConfigValidationError(ValueError):
         self.errors: list[str] = [str(p) for p in self.problems]
         count = len(self.errors)
         header = f"{count} configuration problem{'s' if count != 1 else ''}:"
-        super().__init__("\n".join([header, *(f"  - {e}" for e in self.errors)]))
+        lines = [header, *(f"  - {e}" for e in self.errors[:MAX_REPORTED])]
+        if count > MAX_REPORTED:
+            lines.append(f"  ... and {count - MAX_REPORTED} more")
+        super().__init__("\n".join(lines))
 
     def __reduce__(self):
         return (type(self), (self.problems,))

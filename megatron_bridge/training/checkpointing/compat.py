@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import yaml
-
 from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
 
 ARCHITECTURE_FIELDS = (
@@ -44,8 +42,9 @@ def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     path = os.path.join(checkpoint_dir, RUN_CONFIG_FILE)
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        saved = (yaml.safe_load(f) or {}).get("model", {})
+    from megatron_bridge.config.yaml_input import load_file
+
+    saved = (load_file(path) or {}).get("model", {})
     current = to_dict(model)
     differences = []
     for name in ARCHITECTURE_FIELDS:

@@ -25,7 +25,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -368,39 +367,12 @@ def from_dict(data: Mapping, cls: Optional[type] = None) -> Any:
         raise_decode_error(exc)
 
 
-def _yaml_loader() -> type:
-    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-    class Loader(base):  # type: ignore[misc, valid-type]
-        """Safe loader that reads `1e-4` as a float and leaves dates as strings."""
-
-    resolvers = {}
-    for first, entries in base.yaml_implicit_resolvers.items():
-        resolvers[first] = [(tag, regexp) for tag, regexp in entries if tag != "tag:yaml.org,2002:timestamp"]
-    Loader.yaml_implicit_resolvers = resolvers
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
-    return Loader
-
-
-YamlLoader = _yaml_loader()
-
-
 def load_yaml_file(path: Union[str, os.PathLike]) -> Any:
-    """Parse a YAML file with the safe loader; a missing file is FileNotFoundError, bad syntax a
-    ConfigValidationError naming the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")
-    with open(path, encoding="utf-8") as fh:
-        try:
-            return yaml.load(fh, Loader=YamlLoader)
-        except yaml.YAMLError as exc:
-            raise ConfigValidationError(
-                ConfigProblem("", f"{os.fspath(path)}: invalid YAML: {exc}", "fix the YAML syntax")
-            ) from None
+    """Parse a config file (bounded; see `config.yaml_input`); a missing file is
+    FileNotFoundError, anything else wrong a ConfigValidationError naming the file."""
+    from megatron_bridge.config.yaml_input import load_file
+
+    return load_file(path)
 
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:

@@ -67,7 +67,11 @@ def process_config_with_overrides(
     applier = _Applier(config, problems)
     file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
     if has_interpolation(data, overrides):
-        data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        try:
+            data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        except RecursionError:  # OmegaConf recurses over nested interpolations
+            problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
+            data, overrides = None, []
     if data:
         applier.merge_section(config, data, "", file_label)
     for override in overrides:
@@ -191,7 +195,7 @@ class _Applier:
 
     # ------------------------------------------------------------------ overrides
     def apply(self, o: Override) -> None:
-        source = f"override {o.text!r}"
+        source = f"override {show(o.text)}"
         obj, i = self.config, 0
         # Walk down the dataclass sections; the remaining key parts address a field and items in it.
         while True:

@@ -20,6 +20,25 @@ from megatron_bridge.training.utils.override_parser import NO_VALUE, Override
 _INTERPOLATION = re.compile(r"\$\{([^{}]*)")
 _UNRESOLVED = object()
 
+MAX_NESTING = 16
+"""Deepest nesting of `${...}` inside one another that is resolved."""
+
+
+def _nesting(text: str) -> int:
+    """How deeply `${` ... `}` pairs nest in `text`."""
+    depth = deepest = 0
+    i = 0
+    while i < len(text):
+        if text.startswith("${", i):
+            depth += 1
+            deepest = max(deepest, depth)
+            i += 2
+            continue
+        if text[i] == "}" and depth:
+            depth -= 1
+        i += 1
+    return deepest
+
 
 def strings(value: Any) -> Iterable[str]:
     """Every string inside nested dicts and lists."""
@@ -56,6 +75,9 @@ def resolve_interpolations(
 
     texts = [s for s in strings(data) if "${" in s]
     texts += [s for o in overrides if o.value is not NO_VALUE for s in strings(o.value) if "${" in s]
+    deepest = max(_nesting(t) for t in texts)
+    if deepest > MAX_NESTING:
+        raise RecursionError(f"interpolations nested {deepest} deep")
     refs = []
     for text in texts:
         for ref in _INTERPOLATION.findall(text):
@@ -77,8 +99,9 @@ def resolve_interpolations(
         try:
             node = OmegaConf.select(tree, path, throw_on_missing=True)
             return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        except OmegaConfBaseException as exc:
-            report(path, f"cannot resolve {show(value)}: {str(exc).splitlines()[0]}", "fix the interpolation", source)
+        except (OmegaConfBaseException, RecursionError, ValueError) as exc:
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
     def walk(value: Any, path: str) -> Any:
@@ -93,7 +116,7 @@ def resolve_interpolations(
     out = []
     for o in overrides:
         if o.value is not NO_VALUE and o.op != "delete":
-            o = dataclasses.replace(o, value=resolved(o.dotted, o.value, f"override {o.text!r}"))
+            o = dataclasses.replace(o, value=resolved(o.dotted, o.value, f"override {show(o.text)}"))
         if o.value is not _UNRESOLVED:
             out.append(o)
     return data, out

@@ -23,8 +23,18 @@ _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
 _INT = re.compile(r"[-+]?\d(_?\d)*")
 _FLOAT = re.compile(r"[-+]?((\d(_?\d)*\.\d*|\.\d+)([eE][-+]?\d+)?|\d(_?\d)*[eE][-+]?\d+|\.?inf|\.?nan)", re.IGNORECASE)
 
+MAX_VALUE_LENGTH = 100_000
+"""Longest override value accepted."""
+
+MAX_DEPTH = 64
+"""Deepest nesting of lists and dicts in an override value."""
+
 NO_VALUE = object()
 """The value of a `~key` override given without `=value`."""
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
 
 
 class OverrideSyntaxError(ValueError):
@@ -53,7 +63,7 @@ class Override:
 def parse_override(text: str) -> Override:
     """Parse one override string; raises OverrideSyntaxError."""
     if not isinstance(text, str):
-        raise OverrideSyntaxError(f"override {text!r} is not a string", "pass strings like 'train.train_iters=100'")
+        raise OverrideSyntaxError(f"override {_short(text)} is not a string", "pass strings like 'train.train_iters=100'")
     body = text.strip()
     op = "set"
     if body.startswith("++"):
@@ -64,15 +74,15 @@ def parse_override(text: str) -> Override:
         op, body = "delete", body[1:]
     key_text, eq, value_text = body.partition("=")
     if not eq and op != "delete":
-        raise OverrideSyntaxError(f"override {text!r} has no '='", "write key=value, e.g. train.train_iters=100")
+        raise OverrideSyntaxError(f"override {_short(text)} has no '='", "write key=value, e.g. train.train_iters=100")
     key_text = key_text.strip()
     if not key_text:
-        raise OverrideSyntaxError(f"override {text!r} has an empty key", "write key=value, e.g. train.train_iters=100")
+        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", "write key=value, e.g. train.train_iters=100")
     key = tuple(key_text.split("."))
     bad = [p for p in key if not _KEY_PART.fullmatch(p)]
     if bad:
         raise OverrideSyntaxError(
-            f"override {text!r}: {key_text!r} is not a dotted key",
+            f"override {_short(text)}: {_short(key_text)} is not a dotted key",
             "use names and list indices joined by dots, e.g. a.b.0",
         )
     value = parse_value(value_text) if eq else NO_VALUE
@@ -84,6 +94,11 @@ def parse_value(text: str) -> Any:
     stripped = text.strip()
     if not stripped:
         return ""
+    if len(stripped) > MAX_VALUE_LENGTH:
+        raise OverrideSyntaxError(
+            f"value of {len(stripped):,} characters is over the {MAX_VALUE_LENGTH:,}-character limit",
+            "put large values in a config file",
+        )
     parser = _Parser(stripped)
     if stripped[0] in "[{'\"":
         value = parser.element()
@@ -114,6 +129,7 @@ class _Parser:
     def __init__(self, text: str):
         self.text = text
         self.pos = 0
+        self.depth = 0
 
     def skip_ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos].isspace():
@@ -129,7 +145,7 @@ class _Parser:
             found = repr(ch) if ch else "the end"
             wanted = " or ".join(repr(c) for c in chars)
             raise OverrideSyntaxError(
-                f"expected {wanted} at position {self.pos} of {self.text!r}, found {found}",
+                f"expected {wanted} at position {self.pos} of {_short(self.text)}, found {found}",
                 "check the brackets and quotes of the value",
             )
         self.pos += 1
@@ -138,12 +154,17 @@ class _Parser:
     def element(self) -> Any:
         self.skip_ws()
         ch = self.peek()
-        if ch == "[":
-            return self.sequence()
-        if ch == "{":
-            return self.mapping()
-        if ch in "'\"":
+        if ch in ("[", "{"):
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise OverrideSyntaxError(f"value nests deeper than {MAX_DEPTH} levels", "flatten the value")
+            value = self.sequence() if ch == "[" else self.mapping()
+            self.depth -= 1
+            return value
+        if ch and ch in "'\"":
             return self.quoted()
+        if not ch:
+            raise OverrideSyntaxError(f"{_short(self.text)} ends where a value should be", "complete the value")
         return primitive(self.bare())
 
     def sequence(self) -> list:
@@ -167,9 +188,9 @@ class _Parser:
             return out
         while True:
             self.skip_ws()
-            key = self.quoted() if self.peek() in "'\"" else self.bare(stop=":,}")
+            key = self.quoted() if self.peek() and self.peek() in "'\"" else self.bare(stop=":,}")
             if not key:
-                raise OverrideSyntaxError(f"empty key in {self.text!r}", "write {name: value}")
+                raise OverrideSyntaxError(f"empty key in {_short(self.text)}", "write {name: value}")
             self.expect(":")
             out[key] = self.element()
             if self.expect(",}") == "}":
@@ -190,7 +211,7 @@ class _Parser:
                 return "".join(chars)
             chars.append(ch)
             self.pos += 1
-        raise OverrideSyntaxError(f"unterminated quote in {self.text!r}", f"close the string with {quote}")
+        raise OverrideSyntaxError(f"unterminated quote in {_short(self.text)}", f"close the string with {quote}")
 
     def bare(self, stop: str = ",]}") -> str:
         """Unquoted text up to a delimiter, keeping `${...}` interpolations whole."""

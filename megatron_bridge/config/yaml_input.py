@@ -1,0 +1,149 @@
+"""Reading config files safely: bounded size, depth and alias expansion; errors that name the file.
+
+Config files are shared, so a file is untrusted input. It is parsed with YAML's safe loader (no
+Python tags), and before anything is built from it, one pass over the parser's events checks:
+
+* the file size (`MAX_BYTES`, 8 MiB by default; `MBRIDGE_MAX_CONFIG_BYTES` changes it);
+* the nesting depth of mappings and lists (`MAX_DEPTH`): deep nesting would make the loader,
+  and everything that walks the data, recurse without bound;
+* the number of nodes once aliases are expanded (`MAX_NODES`): a few lines of anchors and
+  aliases can stand for billions of nodes ("billion laughs");
+* aliases to a node that contains them (recursive data).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Union
+
+import yaml
+
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+
+MAX_BYTES = int(os.environ.get("MBRIDGE_MAX_CONFIG_BYTES", 8 * 1024 * 1024))
+"""Largest config file read, in bytes."""
+
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and lists."""
+
+MAX_NODES = 200_000
+"""Most nodes a file may describe, with every alias expanded."""
+
+_Base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class YamlLoader(_Base):  # type: ignore[misc, valid-type]
+    """Safe loader that reads `1e-4` as a float and leaves dates as strings."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in entries if tag != "tag:yaml.org,2002:timestamp"]
+    for first, entries in _Base.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
+    where = f"{source}, line {line}" if line is not None else source
+    return ConfigValidationError(ConfigProblem(where, message, fix))
+
+
+def read_text(path: Union[str, os.PathLike]) -> str:
+    """The text of config file `path`, refused (as a `ConfigValidationError` naming the file) if
+    it is missing, not a regular file, too large, or not UTF-8."""
+    name = os.fspath(path)
+    if not os.path.exists(name):
+        raise FileNotFoundError(f"config file {name!r} does not exist")
+    if not os.path.isfile(name):
+        raise _error(name, "is not a regular file", "give the path of a YAML file")
+    size = os.path.getsize(name)
+    if size > MAX_BYTES:
+        raise _error(
+            name,
+            f"is {size:,} bytes, over the {MAX_BYTES:,}-byte limit for config files",
+            "configs are small; raise MBRIDGE_MAX_CONFIG_BYTES if this one really is meant to be this large",
+        )
+    try:
+        with open(name, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise _error(name, f"cannot be read: {exc.strerror or exc}", "check the path and its permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise _error(
+            name, f"is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})", "save the file as UTF-8", line
+        ) from None
+
+
+def parse(text: str, source: str = "<config>") -> Any:
+    """The data in YAML `text`, after checking its depth, alias expansion and recursion;
+    `source` names the text in errors."""
+    _check_structure(text, source)
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
+
+
+def load_file(path: Union[str, os.PathLike]) -> Any:
+    """`parse(read_text(path))`, errors naming the file."""
+    return parse(read_text(path), os.fspath(path))
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    line = mark.line + 1 if mark is not None else None
+    return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
+
+
+def _check_structure(text: str, source: str) -> None:
+    """One pass over the parser events (iterative: no recursion, whatever the input)."""
+    depth = 0
+    nodes = 0
+    open_anchors: dict[str, int] = {}  # anchor -> node count when it opened
+    sizes: dict[str, int] = {}  # anchor -> expanded size of its node
+    stack: list[Union[str, None]] = []  # the anchor of each open collection
+    try:
+        for event in yaml.parse(text, Loader=YamlLoader):
+            line = event.start_mark.line + 1 if event.start_mark is not None else None
+            if isinstance(event, yaml.AliasEvent):
+                anchor = event.anchor
+                if anchor in open_anchors:
+                    raise _error(source, f"alias *{anchor} refers to a node that contains it", "remove the recursion", line)
+                nodes += sizes.get(anchor, 1)
+            elif isinstance(event, yaml.ScalarEvent):
+                nodes += 1
+                if event.anchor:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                nodes += 1
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", line)
+                stack.append(event.anchor)
+                if event.anchor:
+                    open_anchors[event.anchor] = nodes - 1
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+                anchor = stack.pop()
+                if anchor:
+                    sizes[anchor] = nodes - open_anchors.pop(anchor)
+            else:
+                continue
+            if nodes > MAX_NODES:
+                raise _error(
+                    source,
+                    f"expands to more than {MAX_NODES:,} values (counting every alias expanded)",
+                    "configs are small; write the values out instead of nesting aliases",
+                    line,
+                )
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, source) from None
