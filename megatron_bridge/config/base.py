@@ -21,6 +21,7 @@ import functools
 from abc import ABCMeta
 from typing import Any, ClassVar, Iterator
 
+from megatron_bridge.config import ranges
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.targets import register_config_class
 from megatron_bridge.config.typecheck import type_problem
@@ -196,7 +197,7 @@ class ConfigBase(metaclass=_ConfigMeta):
         """Check this config and compute its derived values. Idempotent; raises
         `ConfigValidationError` listing every problem found."""
         problems = Problems()
-        self._finalize(problems)
+        finalize_into(self, problems)
         problems.raise_if_any()
 
     # ------------------------------------------------------------------ equality
@@ -256,7 +257,10 @@ def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
 def finalize_into(config: Any, problems: Problems) -> None:
     """Finalize `config` (ours, or any object with `finalize()`), collecting its problems."""
     if isinstance(config, ConfigBase):
-        config._finalize(problems)
+        # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
+        # derivations would only trip over them (divide by zero, overflow) with worse messages.
+        if ranges.check(config, problems):
+            config._finalize(problems)
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):

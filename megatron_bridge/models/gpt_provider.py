@@ -119,6 +119,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 f"needs TransformerEngine layers, but transformer_impl={self.transformer_impl!r}",
                 "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
             )
+        if isinstance(self.transformer_layer_spec, str):
+            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+
+            try:
+                resolve(self.transformer_layer_spec)
+            except TargetNotAllowedError as exc:
+                p.add("transformer_layer_spec", exc.message, exc.fix)
         if self.vocab_size is not None:
             p.check(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}", "use e.g. 32000")
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:

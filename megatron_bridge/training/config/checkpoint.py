@@ -168,9 +168,16 @@ class CheckpointConfig(ConfigBase):
             "use 1 or more",
         )
         if self.custom_manager_class is not None:
-            p.check(
-                "." in self.custom_manager_class,
-                "custom_manager_class",
-                f"{self.custom_manager_class!r} is not a fully qualified class name",
-                "use 'package.module.ClassName'",
-            )
+            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+
+            try:
+                manager = resolve(self.custom_manager_class)
+            except TargetNotAllowedError as exc:
+                p.add("custom_manager_class", exc.message, exc.fix)
+            else:
+                p.check(
+                    isinstance(manager, type),
+                    "custom_manager_class",
+                    f"{self.custom_manager_class!r} is not a class",
+                    "name a class implementing save / load / finalize_async_saves",
+                )

@@ -178,6 +178,16 @@ class ConfigContainer(ConfigBase):
                 "launch a multiple of TP x PP x CP processes or change the parallel sizes",
             )
             return
+        if self.is_explicit("data_parallel_size") and self.data_parallel_size != dp:
+            if problems is None:
+                raise ValueError(f"data_parallel_size={self.data_parallel_size} but the layout gives {dp}")
+            problems.add(
+                "data_parallel_size",
+                f"set to {self.data_parallel_size}, but {world} ranks with TP x PP x CP = "
+                f"{world // dp} give {dp}",
+                "leave data_parallel_size unset (it is derived), or launch the matching number of ranks",
+            )
+            return
         self.apply_default("data_parallel_size", dp)
         if self.comm_overlap is not None:
             self.comm_overlap.apply_default("data_parallel_size", dp)

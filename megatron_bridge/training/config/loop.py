@@ -11,6 +11,9 @@ from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 
 
+UNCATCHABLE_SIGNALS = (signal.SIGKILL, signal.SIGSTOP)
+
+
 @config_dataclass(kw_only=True)
 class TrainingConfig(ConfigBase):
     """Settings of the training loop: length, batch sizes, exit conditions, garbage collection."""
@@ -128,6 +131,12 @@ class TrainingConfig(ConfigBase):
         for name in ("exit_interval", "manual_gc_interval", "check_weight_hash_across_dp_replicas_interval"):
             value = getattr(self, name)
             p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more, or None")
+        p.check(
+            self.exit_signal not in UNCATCHABLE_SIGNALS,
+            "exit_signal",
+            f"{self.exit_signal.name} cannot be caught, so no checkpoint could be saved on it",
+            "use a signal a process can handle, e.g. SIGTERM or SIGUSR1",
+        )
         if self.exit_duration_in_mins is not None:
             p.check(
                 self.exit_duration_in_mins > 0,

@@ -1,0 +1,207 @@
+"""The range of every numeric config field, and the check that a value lies in it.
+
+A numeric field takes its range from, in order: `FIELD_RANGES` (by `Class.field`, then by field
+name), the naming rules in `NAME_RULES`, then its type: floats must be finite, ints must be
+non-negative and below 2**63. A value outside its range is a configuration problem that names the
+range. Lists of numbers (e.g. `moe_aux_loss_coeff` per layer) are checked item by item.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from megatron_bridge.config.errors import Problems, show
+
+INT_MAX = 2**63
+SIZE_MAX = 2**31
+"""Model sizes and counts beyond this are not real configurations (and overflow int32 kernels)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Numbers from `low` to `high` (each inclusive or not); `None` is unbounded. NaN and
+    infinities are never in a range."""
+
+    low: Optional[float]
+    high: Optional[float]
+    low_inclusive: bool = True
+    high_inclusive: bool = False
+
+    def __str__(self) -> str:
+        lo = "-inf" if self.low is None else _num(self.low)
+        hi = "inf" if self.high is None else _num(self.high)
+        return f"{'[' if self.low_inclusive and self.low is not None else '('}{lo}, {hi}{']' if self.high_inclusive and self.high is not None else ')'}"
+
+    def problem(self, value: Any) -> Optional[str]:
+        """Why `value` is outside this range, or None."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None  # the type check reports non-numbers
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{value!r} is not a finite number (the allowed range is {self})"
+        below = self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive))
+        above = self.high is not None and (value > self.high or (value == self.high and not self.high_inclusive))
+        if below or above:
+            return f"{show(value)} is outside the allowed range {self}"
+        return None
+
+
+def _num(x: float) -> str:
+    if x == INT_MAX:
+        return "2**63"
+    if x == SIZE_MAX:
+        return "2**31"
+    if x == 2**32:
+        return "2**32"
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def parse(spec: str) -> Range:
+    """`"[0, 1]"`, `"(0, inf)"`, `"[1, 2**31)"`, ... as a Range."""
+    m = re.fullmatch(r"\s*([\[(])\s*([^,]+?)\s*,\s*([^,]+?)\s*([\])])\s*", spec)
+    if not m:
+        raise ValueError(f"bad range {spec!r}")
+
+    def bound(text: str) -> Optional[float]:
+        if text in ("inf", "-inf"):
+            return None
+        base, _, exp = text.partition("**")
+        return float(base) ** int(exp) if exp else float(text)
+
+    lo, hi = bound(m.group(2)), bound(m.group(3))
+    lo = int(lo) if lo is not None and lo.is_integer() else lo
+    hi = int(hi) if hi is not None and float(hi).is_integer() else hi
+    return Range(lo, hi, m.group(1) == "[", m.group(4) == "]")
+
+
+PROBABILITY = "[0, 1]"
+POSITIVE = "(0, inf)"
+NON_NEGATIVE = "[0, inf)"
+SIZE = "[1, 2**31)"
+COUNT = "[0, 2**31)"
+SEED = "[0, 2**32)"
+ANY = "(-inf, inf)"
+
+FIELD_RANGES: dict[str, str] = {
+    # ---- model sizes (0 is megatron-core's "unset" default for some; the model checks report it)
+    "num_layers": SIZE, "hidden_size": SIZE, "num_attention_heads": SIZE, "seq_length": SIZE,
+    "num_query_groups": SIZE, "ffn_hidden_size": SIZE, "kv_channels": SIZE, "vocab_size": SIZE,
+    "moe_ffn_hidden_size": SIZE, "moe_shared_expert_intermediate_size": SIZE, "num_moe_experts": SIZE,
+    "moe_router_topk": SIZE, "make_vocab_size_divisible_by": SIZE, "rotary_base": "[1, inf)",
+    "rotary_percent": "(0, 1]", "layernorm_epsilon": POSITIVE, "init_method_std": POSITIVE,
+    "embedding_init_method_std": POSITIVE, "seq_len_interpolation_factor": POSITIVE,
+    "rope_scaling_factor": POSITIVE, "softmax_scale": POSITIVE, "glu_linear_offset": ANY,
+    "activation_func_clamp_value": POSITIVE, "qk_clip_threshold": POSITIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
+    "moe_router_topk_scaling_factor": POSITIVE, "moe_expert_capacity_factor": POSITIVE,
+    "virtual_pipeline_model_parallel_size": SIZE, "expert_tensor_parallel_size": SIZE,
+    "num_layers_in_first_pipeline_stage": COUNT, "num_layers_in_last_pipeline_stage": COUNT,
+    "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
+    # ---- training loop and schedule
+    "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
+    "eval_global_batch_size": SIZE, "train_iters": "[1, 2**63)", "train_samples": "[1, 2**63)",
+    "exit_duration_in_mins": POSITIVE, "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
+    "save_interval": "[1, 2**63)", "train_sync_interval": "[1, 2**63)", "tensorboard_log_interval": "[1, 2**63)",
+    "profiling_interval": "[1, 2**63)", "non_persistent_save_interval": "[1, 2**63)",
+    "lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "decoupled_lr": NON_NEGATIVE, "decoupled_min_lr": NON_NEGATIVE,
+    "lr_warmup_init": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "start_weight_decay": NON_NEGATIVE,
+    "end_weight_decay": NON_NEGATIVE, "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": POSITIVE,
+    "sgd_momentum": "[0, 1)", "muon_momentum": "[0, 1)", "muon_extra_scale_factor": POSITIVE,
+    "clip_grad": NON_NEGATIVE, "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE,
+    "min_loss_scale": POSITIVE, "loss_scale_window": "[1, inf)", "hysteresis": "[1, 2**31)",
+    "spiky_loss_factor": "(1, inf)", "mid_level_dataset_surplus": NON_NEGATIVE,
+    # ---- process groups, checkpoints, logging
+    "most_recent_k": "[-1, 2**31)", "storage_writers_per_rank": SIZE, "distributed_timeout_minutes": "[1, 2**31)",
+    "distributed_timeout_seconds_after_init": "[1, 2**31)", "bucket_size": "[1, 2**63)",
+    "num_distributed_optimizer_instances": SIZE, "logging_level": "[0, 50]", "tensorboard_queue_size": SIZE,
+    "peak_tflops_per_device": POSITIVE, "straggler_ctrlr_port": "[1, 65535]", "straggler_minmax_count": SIZE,
+    "report_time_interval": POSITIVE, "gpu_relative_perf_threshold": PROBABILITY,
+    "gpu_individual_perf_threshold": PROBABILITY, "num_gpu_perf_scores_to_print": COUNT,
+    "token_dtype_code": "[1, 16]", "simulated_fault_base_delay": NON_NEGATIVE,
+    "sequence_parallel_size": COUNT, "window_size": "[-1, 2**31)", "min_offloaded_tensor_size": "[0, 2**63)",
+    "error_injection_rate": COUNT, "monitor_thread_interval": POSITIVE, "monitor_process_interval": POSITIVE,
+    "progress_watchdog_interval": POSITIVE, "heartbeat_interval": POSITIVE,
+}  # fmt: skip
+
+NAME_RULES: tuple[tuple[str, str], ...] = (
+    (r"dropout|_prob$|probability|_rate$|fraction$|percent$", PROBABILITY),
+    (r"seed$", SEED),
+    (r"_size$|_heads$|_dim$|_channels$|_groups$|num_sms$", SIZE),
+    (r"^num_|_layers$|_count$|_topk|_len$|_length$|_limit$|_workers$|_freq$", COUNT),
+    (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$", "[0, 2**63)"),
+    (r"_timeout$|_interval$|_time$|_wait$", POSITIVE),
+    (r"_coeff$|_eps$|_factor$|_alpha$", NON_NEGATIVE),
+)
+
+
+def _arms(tp: Any) -> tuple:
+    origin = typing.get_origin(tp)
+    if origin is Union or (sys.version_info >= (3, 10) and origin is types.UnionType):
+        return tuple(a for a in typing.get_args(tp) if a is not type(None))
+    if origin in (list, tuple):
+        return tuple(a for a in typing.get_args(tp) if a is not Ellipsis)
+    return (tp,)
+
+
+def numeric_kind(tp: Any) -> Optional[type]:
+    """`int` or `float` if a field declared as `tp` holds numbers (or lists of them), else None."""
+    kinds = set()
+    for arm in _arms(tp):
+        if arm in (int, float):
+            kinds.add(arm)
+        elif typing.get_origin(arm) in (list, tuple):
+            inner = numeric_kind(arm)
+            if inner:
+                kinds.add(inner)
+    if not kinds:
+        return None
+    return float if float in kinds else int
+
+
+@functools.lru_cache(maxsize=None)
+def range_of(cls_name: str, name: str, kind: type) -> tuple[Range, str]:
+    """The range of numeric field `name` of class `cls_name`, and where it comes from
+    ('declared', 'rule' or 'type')."""
+    spec = FIELD_RANGES.get(f"{cls_name}.{name}") or FIELD_RANGES.get(name)
+    if spec:
+        return parse(spec), "declared"
+    for pattern, rule in NAME_RULES:
+        if re.search(pattern, name):
+            return parse(rule), "rule"
+    return (parse(ANY) if kind is float else parse("[0, 2**63)")), "type"
+
+
+@functools.lru_cache(maxsize=None)
+def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
+    """(name, range) of every numeric field of config class `cls`."""
+    from megatron_bridge.config.typecheck import field_types
+
+    out = []
+    for name, tp in field_types(cls).items():
+        kind = numeric_kind(tp)
+        if kind is not None:
+            out.append((name, range_of(cls.__name__, name, kind)[0]))
+    return tuple(out)
+
+
+def check(obj: Any, problems: Problems) -> bool:
+    """Add a problem for each numeric field of config `obj` outside its range; return whether
+    all were in range."""
+    ok = True
+    values = obj.__dict__
+    for name, rng in numeric_fields(type(obj)):
+        value = values.get(name)
+        if value is None:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            why = rng.problem(item)
+            if why:
+                problems.add(name, why, "choose a value in that range")
+                ok = False
+                break
+    return ok
