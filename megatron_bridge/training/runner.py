@@ -109,6 +109,11 @@ def _shutdown(state: GlobalState) -> None:
             except Exception as exc:  # noqa: BLE001 - must not hide the training outcome
                 logger.warning("closing %s failed: %s", type(helper).__name__, exc)
     state.fault_tolerance = state.stragglers = None
+    if state.save_lock is not None:
+        from megatron_bridge.training.checkpointing import lock
+
+        lock.release(state.save_lock)
+        state.save_lock = None
     try:
         teardown(destroy_group=state.created_process_group)
     finally:

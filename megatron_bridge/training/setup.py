@@ -10,9 +10,10 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
+from megatron_bridge.training.child_processes import die_with_parent
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
 from megatron_bridge.training.forward_step import prepare_forward_step
@@ -167,6 +168,30 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     return train_it, valid_it, test_it
 
 
+def check_outputs_and_lock(cfg: ConfigContainer, state: GlobalState) -> None:
+    """Before anything is built: every output directory of each rank must be writable, and the
+    save directory must not be in use by another job (rank 0 locks it). Every rank raises the
+    same `ConfigValidationError` when any rank found a problem."""
+    from megatron_bridge.training import preflight
+    from megatron_bridge.training.checkpointing import lock
+
+    found = preflight.check_outputs(cfg, create=True, logging_rank=state.is_logging_rank)
+    if cfg.checkpoint.save and state.rank == 0 and not found:
+        try:
+            state.save_lock = lock.acquire(cfg.checkpoint.save)
+        except lock.SaveDirectoryInUse as exc:
+            found.append(ConfigProblem("checkpoint.save", str(exc), "each job needs its own save directory"))
+    if state.world_size > 1:
+        everyone: list = [None] * state.world_size
+        torch.distributed.all_gather_object(everyone, found)
+        found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+    if found:
+        raise ConfigValidationError(found)
+    warning = preflight.free_space_warning(cfg) if state.is_logging_rank else None
+    if warning:
+        logger.warning("%s", warning)
+
+
 def _start_resiliency(cfg: ConfigContainer, state: GlobalState) -> list[Callback]:
     """Fault-tolerance reports (from now on: setup is their first section) and simulated faults."""
     if cfg.ft is None:
@@ -199,11 +224,13 @@ def setup(
     from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
 
     resolve_config(cfg)
+    die_with_parent()
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     state.logging_rank = state.world_size - 1
     configure_logging(state)
+    check_outputs_and_lock(cfg, state)
     internal_callbacks = _start_resiliency(cfg, state)
     if state.device == "cpu":
         state.cpu_backend_activated = cpu_backend.activate()

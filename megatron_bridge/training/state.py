@@ -84,6 +84,9 @@ class GlobalState:
     stragglers: Any = None
     """Straggler detection (when `straggler.log_straggler` or `nvrx_straggler.enabled`)."""
 
+    save_lock: Any = None
+    """Path of the save directory's lock while this job holds it (rank 0)."""
+
     exit_code: int = 0
     """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""
 

@@ -10,11 +10,13 @@ import contextlib
 import logging
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 
 from megatron_bridge.training.checkpointing import layout, state_dict
+from megatron_bridge.training.child_processes import install_checkpoint_results_queue
 from megatron_bridge.training.checkpointing.compat import check_architecture
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class DefaultCheckpointManager:
         self._async_queue = None
         self._cached_save_strategy = None
         self._last_saved: Optional[int] = None  # scheduled or written by this job
+        self._pending: Optional[int] = None  # the iteration of the latest background save
 
     # ------------------------------------------------------------------ saving
     def save(self, run: "Run", reason: str, rerun_requested: bool = False) -> None:
@@ -82,13 +85,16 @@ class DefaultCheckpointManager:
             with_rerun=state_dict.rerun_machine_active(),
             rerun_requested=rerun_requested,
         )
-        if self.ckpt.async_save:
-            request = dist_checkpointing.save(sd, staging, self._save_strategy(), async_sharded_save=True)
-            request.add_finalize_fn(lambda: self._commit(run, staging, final, iteration, reason))
-            self._queue().schedule_async_request(request)
-        else:
-            dist_checkpointing.save(sd, staging, self._save_strategy())
-            self._commit(run, staging, final, iteration, reason)
+        install_checkpoint_results_queue()
+        with _space_errors(self.config, iteration):
+            if self.ckpt.async_save:
+                request = dist_checkpointing.save(sd, staging, self._save_strategy(), async_sharded_save=True)
+                request.add_finalize_fn(lambda: self._commit(run, staging, final, iteration, reason))
+                self._queue().schedule_async_request(request)
+                self._pending = iteration
+            else:
+                dist_checkpointing.save(sd, staging, self._save_strategy())
+                self._commit(run, staging, final, iteration, reason)
         timers("save-checkpoint").stop()
 
     def _commit(self, run: "Run", staging: str, final: str, iteration: int, reason: str) -> None:
@@ -97,8 +103,12 @@ class DefaultCheckpointManager:
         root = self.ckpt.save
         if torch.distributed.get_rank() == 0:
             run.state.cfg.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
-            if os.path.isdir(final):  # a leftover of an earlier job that never became latest
-                shutil.rmtree(final)
+            if os.path.isdir(final):
+                # A complete checkpoint of this iteration from an earlier job (which died before
+                # moving the tracker): kept, under another name, never deleted.
+                kept = f"{final}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.rename(final, kept)
+                logger.warning("an earlier checkpoint of iteration %d was moved to %s", iteration, kept)
             os.rename(staging, final)
             layout.write_tracker(root, iteration)
             self._apply_retention(root, iteration)
@@ -143,7 +153,8 @@ class DefaultCheckpointManager:
 
     def finalize_async_saves(self, blocking: bool = False) -> None:
         if self._async_queue is not None:
-            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+            with _space_errors(self.config, self._pending):
+                self._async_queue.maybe_finalize_async_calls(blocking=blocking)
             if blocking:
                 self._async_queue.close()
                 self._async_queue = None
@@ -211,6 +222,19 @@ class DefaultCheckpointManager:
         if self.ckpt.fully_parallel_load and parallel_state.get_data_parallel_world_size() > 1:
             strategy = FullyParallelLoadStrategyWrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return strategy
+
+
+@contextlib.contextmanager
+def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
+    """Re-raise a write that failed for lack of space as one that says so, with the numbers."""
+    from megatron_bridge.training import preflight
+
+    try:
+        yield
+    except Exception as exc:
+        if preflight.is_out_of_space(exc):
+            raise preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc) from exc
+        raise
 
 
 def _load_scheduler(scheduler: Any, saved: dict) -> None:

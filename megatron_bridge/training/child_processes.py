@@ -1,0 +1,55 @@
+"""Helper processes that die with the trainer.
+
+megatron-core's checkpoint writer forks processes (a background saver, one writer per bucket)
+and keeps a `multiprocessing` manager for their results. If the trainer is killed with SIGKILL,
+nothing tells them to stop: they were re-parented to init and lived on, holding hundreds of MB
+each. Here every process forked by the trainer asks Linux to SIGKILL it when its parent dies
+(`PR_SET_PDEATHSIG`), and the results manager is started by fork so that it inherits this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_installed = False
+_parent_pid = 0
+
+
+def _before_fork() -> None:
+    global _parent_pid
+    _parent_pid = os.getpid()
+
+
+def _in_child() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def die_with_parent() -> None:
+    """From now on, processes forked by this process are killed when it dies (Linux; elsewhere
+    a no-op). Idempotent."""
+    global _installed
+    if _installed or not sys.platform.startswith("linux"):
+        return
+    os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+    _installed = True
+
+
+def install_checkpoint_results_queue() -> None:
+    """Give megatron-core's checkpoint writer a results queue whose manager process is forked
+    from this one (so it dies with it) instead of spawned (which outlived a killed trainer)."""
+    die_with_parent()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()

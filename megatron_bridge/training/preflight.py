@@ -1,0 +1,176 @@
+"""Checks of where a run writes, done before the model is built.
+
+A save directory that cannot be written would otherwise be found at the first save, which with
+most recipes comes after hours of training. Every output directory the config names is checked:
+it must be a directory (or creatable: its nearest existing ancestor is a writable directory), and
+writable. A real run creates it and writes a probe file; a dry run only inspects, and reports what
+would fail "on this machine". Free space below one checkpoint's estimated size is a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from typing import TYPE_CHECKING, Optional
+
+from megatron_bridge.config.errors import ConfigProblem
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def output_dirs(cfg: "ConfigContainer", logging_rank: bool = True) -> list[tuple[str, str]]:
+    """(dotted field, directory) for every directory this rank writes into. Checkpoints are
+    written by every rank; tracker, config and profile files by the logging rank."""
+    out: list[tuple[str, str]] = []
+    if cfg.checkpoint.save:
+        out.append(("checkpoint.save", cfg.checkpoint.save))
+    if not logging_rank:
+        return out
+    log = cfg.logger
+    for name in ("tensorboard_dir", "wandb_save_dir", "comet_offline_directory"):
+        value = getattr(log, name)
+        if value:
+            out.append((f"logger.{name}", value))
+    uri = log.mlflow_tracking_uri or ""
+    if uri.startswith("sqlite:///"):
+        out.append(("logger.mlflow_tracking_uri", os.path.dirname(os.path.abspath(uri[len("sqlite:///") :]))))
+    elif uri.startswith("file://"):
+        out.append(("logger.mlflow_tracking_uri", uri[len("file://") :]))
+    if getattr(log, "save_config_filepath", None):
+        out.append(("logger.save_config_filepath", os.path.dirname(os.path.abspath(log.save_config_filepath))))
+    if cfg.profiling.use_pytorch_profiler:
+        from megatron_bridge.training.profiling import default_profile_dir
+
+        out.append(("profiling.profile_dir", default_profile_dir(cfg)))
+    return out
+
+
+def unwritable_reason(path: str, create: bool) -> Optional[str]:
+    """Why files cannot be written into directory `path`, or None. With `create`, the directory
+    is created and a probe file written and removed (the only test that is exact, e.g. for root on
+    a read-only filesystem); otherwise only permissions and mount flags are inspected."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISDIR(mode):
+            kind = "a file" if stat.S_ISREG(mode) else "a device or special file" if not stat.S_ISLNK(mode) else "a link"
+            return f"{path} is {kind}, not a directory"
+        existing = path
+    else:
+        existing = os.path.dirname(path)
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if existing and not os.path.isdir(existing):
+            return f"{path} lies under {existing}, which is a file, not a directory"
+    if not create:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"{existing} is not writable by this user"
+        try:
+            if os.statvfs(existing).f_flag & os.ST_RDONLY:
+                return f"{existing} is on a read-only filesystem"
+        except OSError:
+            pass
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{path} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
+    """A problem for each output directory of this rank that cannot be written."""
+    problems = []
+    for field, path in output_dirs(cfg, logging_rank):
+        why = unwritable_reason(path, create)
+        if why:
+            problems.append(ConfigProblem(field, why, "choose a writable directory"))
+    return problems
+
+
+def checkpoint_bytes(cfg: "ConfigContainer") -> int:
+    """Estimated size of one checkpoint of the whole job: weights in their dtype, plus fp32 main
+    weights and two Adam moments per parameter when the optimizer state is saved."""
+    import torch
+
+    from megatron_bridge.models import count_parameters
+
+    if not cfg.model.vocab_size:
+        return 0
+    params = count_parameters(cfg.model).total
+    weight = torch.tensor([], dtype=cfg.model.params_dtype).element_size()
+    optimizer = 12 if cfg.checkpoint.save_optim else 0
+    return params * (weight + optimizer)
+
+
+def free_space_warning(cfg: "ConfigContainer") -> Optional[str]:
+    """A warning when the save directory's filesystem has less free space than one checkpoint."""
+    save = cfg.checkpoint.save
+    if not save:
+        return None
+    existing = os.path.abspath(save)
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        free = shutil.disk_usage(existing).free
+        needed = checkpoint_bytes(cfg)
+    except (OSError, ValueError):
+        return None
+    if needed and free < needed:
+        return (
+            f"checkpoint.save: {save} has {human_bytes(free)} free, but one checkpoint of this model takes "
+            f"about {human_bytes(needed)}; saves will fail unless space is freed"
+        )
+    return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a write that failed for lack of space. torch's
+    checkpoint writer reports a short write as 'unexpected pos'."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint could not be written because its filesystem is full."""
+
+
+def out_of_space_error(cfg: "ConfigContainer", iteration: int, exc: BaseException) -> CheckpointSpaceError:
+    save = cfg.checkpoint.save
+    try:
+        usage = shutil.disk_usage(save)
+        space = f"{human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    needed = checkpoint_bytes(cfg)
+    return CheckpointSpaceError(
+        errno.ENOSPC,
+        f"saving the checkpoint of iteration {iteration} to {save} failed: no space left on the device "
+        f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact; "
+        f"free space or point checkpoint.save elsewhere, then resume. ({type(exc).__name__}: {str(exc)[:200]})",
+    )
