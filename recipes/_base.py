@@ -148,6 +148,7 @@ def _container(model: GPTModelProvider, dataset: Any, opts: RecipeOptions) -> Co
             train_iters=opts.train_iters,
             global_batch_size=opts.global_batch_size,
             micro_batch_size=opts.micro_batch_size,
+            exit_signal_handler=True,  # clusters preempt with SIGTERM: save, then exit
         ),
         validation=ValidationConfig(eval_interval=opts.eval_interval, eval_iters=opts.eval_iters),
         optimizer=OptimizerConfig(

@@ -64,6 +64,18 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
     width = max(len(k) for k, _ in rows) + 1
     for key, text in rows:
         print(f"# {key + ':':<{width}} {text}")
+    for line in machine_problems(cfg):
+        print(f"# would fail on this machine: {line}")
+
+
+def machine_problems(cfg: "ConfigContainer") -> list[str]:
+    """What a run of `cfg` would trip over on this machine (not in the config itself): output
+    directories that cannot be written, too little space for a checkpoint."""
+    from megatron_bridge.training import preflight
+
+    found = [str(p) for p in preflight.check_outputs(cfg, create=False)]
+    warning = preflight.free_space_warning(cfg)
+    return found + ([warning] if warning else [])
 
 
 def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:

@@ -99,6 +99,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             traceback.print_exception(exc)
         print(f"mbridge {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(
+            f"mbridge {args.command}: interrupted. Runs with train.exit_signal_handler=true (the recipes' "
+            "default) save a checkpoint on the first Ctrl-C and exit; a second one aborts.",
+            file=sys.stderr,
+        )
+        return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -1,4 +1,4 @@
-"""Save-and-exit on a signal (SIGTERM by default), at the next iteration boundary."""
+"""Save-and-exit on a signal (SIGTERM by default, and Ctrl-C), at the next iteration boundary."""
 
 from __future__ import annotations
 
@@ -8,28 +8,35 @@ from typing import Any
 
 
 class ExitSignalHandler:
-    """Records that `sig` arrived; the train loop checks `received()` each iteration (all ranks
-    agree through an all-reduce), saves a checkpoint and exits cleanly."""
+    """Records that `sig` (or SIGINT, i.e. Ctrl-C) arrived; the train loop checks `received()`
+    each iteration (all ranks agree through an all-reduce), saves a checkpoint and exits cleanly.
+    A second SIGINT aborts at once, as an impatient Ctrl-C expects."""
 
     def __init__(self, sig: int = signal.SIGTERM):
         self.sig = signal.Signals(sig)
+        self.signals = tuple(dict.fromkeys((self.sig, signal.SIGINT)))
         self._received = False
-        self._previous: Any = None
-        self._installed = False
+        self._interrupts = 0
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> "ExitSignalHandler":
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._previous = signal.signal(self.sig, self._handle)
-            self._installed = True
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                self.restore()
+                raise KeyboardInterrupt("second Ctrl-C: aborting without saving")
         self._received = True
 
     def received(self) -> bool:
         return self._received
 
     def restore(self) -> None:
-        if self._installed:
-            signal.signal(self.sig, self._previous)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()

@@ -231,8 +231,8 @@ def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
 
     try:
         yield
-    except Exception as exc:
-        if preflight.is_out_of_space(exc):
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and preflight.is_out_of_space(exc):
             raise preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc) from exc
         raise
 

@@ -1,0 +1,257 @@
+"""Runs that cannot be lost: output paths checked before the model is built, a full disk named,
+one job per save directory, no helper process outliving a killed trainer, Ctrl-C saving."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from factories import tiny_config
+
+from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.training import build
+from megatron_bridge.training.checkpointing import lock, read_tracker
+from megatron_bridge.training.config import TrainingConfig, ValidationConfig
+from megatron_bridge.training.gpt_step import forward_step
+from megatron_bridge.training.pretrain import pretrain
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+def _script(*args):
+    return [sys.executable, str(SCRIPT), *args]
+
+
+def _config(save, iters=4):
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=iters, global_batch_size=8, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+    )
+    cfg.checkpoint.save = save
+    return cfg
+
+
+def _session_processes(sid):
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == sid:
+                found.append(p)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+def _kill_session(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture
+def no_model_building(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built although the config could not run")
+
+    monkeypatch.setattr(build, "build_model", refuse)
+
+
+def _read_only_dir(tmp_path):
+    """A directory this process cannot write into (a read-only tmpfs for root)."""
+    path = tmp_path / "readonly"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        return path, lambda: path.chmod(0o700)
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)]).returncode:
+        pytest.skip("cannot make a read-only directory here")
+    return path, lambda: subprocess.run(["umount", str(path)])
+
+
+@pytest.mark.timeout(120)
+def test_unwritable_save_paths_are_refused_before_the_model_is_built(tmp_path, no_model_building):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = {
+        str(a_file): "is a file, not a directory",
+        "/dev/null": "is a device or special file, not a directory",
+        str(a_file / "ckpt"): f"lies under {a_file}, which is a file, not a directory",
+    }
+    readonly, undo = _read_only_dir(tmp_path)
+    cases[str(readonly / "ckpt")] = "cannot be written"
+    try:
+        for save, reason in cases.items():
+            with pytest.raises(ConfigValidationError) as info:
+                pretrain(_config(save), forward_step)
+            assert info.value.errors[0].startswith(f"checkpoint.save: "), info.value.errors
+            assert reason in info.value.errors[0], info.value.errors
+    finally:
+        undo()
+
+
+@pytest.mark.timeout(120)
+def test_unwritable_tracker_directory_is_refused(tmp_path, no_model_building):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cfg = _config(None)
+    cfg.logger.tensorboard_dir = str(a_file / "tb")
+    with pytest.raises(ConfigValidationError, match=r"logger.tensorboard_dir: .* which is a file, not a directory"):
+        pretrain(cfg, forward_step)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_job_on_a_live_save_directory_is_refused(tmp_path, no_model_building):
+    save = tmp_path / "ckpt"
+    holder = lock.acquire(str(save))  # a live job: this process, holding the lock from another fd
+    try:
+        other = subprocess.run(
+            [sys.executable, "-c", f"from megatron_bridge.training.checkpointing import lock; lock.acquire({str(save)!r})"],
+            capture_output=True, text=True, env=_env(), timeout=60,
+        )  # fmt: skip
+        assert other.returncode != 0
+        assert f"checkpoint.save={save} is in use by another job (host=" in other.stderr
+        assert f"pid={os.getpid()} " in other.stderr
+    finally:
+        lock.release(holder)
+    # and through pretrain(): a job running in another process
+    job = subprocess.Popen(
+        _script("--iters", "400", "--save", str(save), "--step-sleep", "0.05", "--out", str(tmp_path / "o")),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (save / lock.LOCK_FILE).exists() or not (save / lock.LOCK_FILE).read_text():
+            assert time.time() < deadline and job.poll() is None, "the first job never took the lock"
+            time.sleep(0.1)
+        with pytest.raises(ConfigValidationError, match=rf"is in use by another job \(host=\S+ pid={job.pid} "):
+            pretrain(_config(str(save)), forward_step)
+    finally:
+        _kill_session(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_lock_of_a_killed_job_is_taken_over(tmp_path, caplog):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / lock.LOCK_FILE).write_text("host=gone pid=999999 since=2026-01-01 00:00:00\n")
+    caplog.set_level("INFO", logger="megatron_bridge")
+    state = pretrain(_config(str(save), iters=2), forward_step)
+    assert state.train_state.step == 2 and read_tracker(str(save)) == 2
+    assert "left by a job that is no longer running (host=gone pid=999999" in caplog.text
+    assert not (save / lock.LOCK_FILE).exists()  # released at the end
+
+
+def _run_on_small_tmpfs(tmp_path, size):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = " ".join(
+        [f"mount -t tmpfs -o size={size} tmpfs {mount} &&", "exec", *_script("--iters", "4", "--save", str(mount / "ckpt"), "--out", str(tmp_path / "o"))]
+    )
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("needs unshare -m to mount a private tmpfs")
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=_env(), timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_a_save_that_runs_out_of_space_says_so(tmp_path):
+    result = _run_on_small_tmpfs(tmp_path, "400k")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "KiB free, but one checkpoint of this model takes about" in output  # the preflight warning
+    assert "saving the checkpoint of iteration 4 to" in output and "no space left on the device" in output
+    assert "one checkpoint takes about" in output
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_trainer_during_an_async_save_leaves_no_process_behind(tmp_path):
+    save = tmp_path / "ckpt"
+    job = subprocess.Popen(
+        _script("--iters", "400", "--save", str(save), "--save-interval", "2", "--async-save", "--out", str(tmp_path / "o")),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 200
+        while not list(save.glob("iter_*.incomplete")) or read_tracker(str(save)) is None:
+            assert time.time() < deadline and job.poll() is None, "never caught a background save in progress"
+            time.sleep(0.005)
+        helpers = [p.pid for p in _session_processes(job.pid) if p.pid != job.pid]
+        job.send_signal(signal.SIGKILL)  # the trainer only, as the OOM killer would
+        job.wait()
+        deadline = time.time() + 10
+        while _session_processes(job.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        left = [(p.pid, p.name()) for p in _session_processes(job.pid)]
+        assert left == [], f"processes of the killed run remain: {left} (helpers seen before the kill: {helpers})"
+    finally:
+        _kill_session(job)
+
+
+def _signal_after_steps(tmp_path, sig, times, steps=3):
+    save = tmp_path / "ckpt"
+    out = tmp_path / "o"
+    job = subprocess.Popen(
+        _script("--iters", "500", "--save", str(save), "--exit-signal-handler", "--step-sleep", "0.05", "--out", str(out)),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if f" {steps}/500 |" in line:
+                for _ in range(times):
+                    job.send_signal(sig)
+                    time.sleep(0.01)
+                break
+        rest, _ = job.communicate(timeout=200)
+    finally:
+        _kill_session(job)
+    return job.returncode, "".join(lines) + rest, save, out
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_saves_and_exits_like_sigterm(tmp_path):
+    code, output, save, out = _signal_after_steps(tmp_path, signal.SIGINT, times=1)
+    assert code == 0, output[-3000:]
+    assert "exit signal received" in output and "Traceback" not in output
+    step = json.loads(Path(f"{out}.rank0").read_text())["step"]
+    assert 3 <= step < 500 and read_tracker(str(save)) == step
+
+
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    code, output, save, out = _signal_after_steps(tmp_path, signal.SIGINT, times=2)
+    assert code != 0
+    assert "second Ctrl-C: aborting without saving" in output
+    assert not Path(f"{out}.rank0").exists()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path),
+           "train.exit_signal_handler=false", "train.train_iters=2000", "logger.log_interval=1", "~logger.tensorboard_dir"]  # fmt: skip
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if " 3/2000 |" in line:
+                job.send_signal(signal.SIGINT)
+                break
+        rest, _ = job.communicate(timeout=200)
+    finally:
+        _kill_session(job)
+    output = "".join(lines) + rest
+    assert job.returncode == 130, output[-2000:]
+    assert "mbridge pretrain: interrupted." in output and "Traceback" not in output
