@@ -52,9 +52,9 @@ _FUNCTIONS: dict[str, tuple[str, ...]] = {
 SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
 """Where a function named without its module (`silu`) is looked up, in order."""
 
-# Project packages whose `__getattr__` loads exports on first use; resolving a name may ask them.
-# Nothing else is ever imported to resolve a name.
-_LAZY_EXPORTS = ("megatron_bridge", "megatron_bridge.models")
+# Config classes that project packages export lazily (their `__getattr__` imports them on first
+# use); resolving a name may ask for these. Nothing else is ever imported to resolve a name.
+_LAZY_EXPORTS = {"megatron_bridge": ("ConfigContainer",)}
 _LAZY_PACKAGES = ("megatron_bridge.",)
 
 _builtins_loaded = False
@@ -164,7 +164,7 @@ def _public_alias(name: str) -> Any:
     if module is None:
         return None
     candidate = module.__dict__.get(attr)
-    if candidate is None and module_name in _LAZY_EXPORTS:
+    if candidate is None and attr in _LAZY_EXPORTS.get(module_name, ()):
         candidate = getattr(module, attr, None)  # a lazily exported project class
     return candidate if candidate is not None and is_registered(candidate) else None
 
@@ -192,7 +192,7 @@ def name_of(obj: Any) -> Optional[str]:
             if module is None:
                 continue
             found = module.__dict__.get(parts[-1])
-            if found is None and module_name in _LAZY_EXPORTS:
+            if found is None and parts[-1] in _LAZY_EXPORTS.get(module_name, ()):
                 found = getattr(module, parts[-1], None)
             if found is obj:
                 _NAME_OF[id(obj)] = shorter

@@ -90,6 +90,8 @@ def parse(text: str, source: str = "<config>") -> Any:
         return yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
+        raise _error(source, f"holds a value that cannot be read: {str(exc)[:120]}", "fix the value") from None
 
 
 def load_file(path: Union[str, os.PathLike]) -> Any:

@@ -25,17 +25,24 @@ DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
 
 def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
     """Every check between sections, then the derived values that depend on them."""
-    check_batch_sizes(cfg, problems)
-    check_pipeline_layout(cfg, problems)
-    check_mixed_precision_consistency(cfg, problems)
-    check_sequence_lengths(cfg, problems)
-    check_context_parallel(cfg, problems)
-    check_deterministic_mode(cfg, problems)
-    check_peft(cfg, problems)
-    check_vocab(cfg, problems)
-    check_logger_outputs(cfg, problems)
-    derive_weight_decay(cfg, problems)
-    derive_scheduler_steps(cfg, problems)
+    for check in (
+        check_batch_sizes,
+        check_pipeline_layout,
+        check_mixed_precision_consistency,
+        check_sequence_lengths,
+        check_context_parallel,
+        check_deterministic_mode,
+        check_peft,
+        check_vocab,
+        check_logger_outputs,
+        derive_weight_decay,
+        derive_scheduler_steps,
+    ):
+        try:
+            check(cfg, problems)
+        except (ArithmeticError, ValueError, TypeError):
+            if not problems:  # not a consequence of a problem already reported: a bug
+                raise
 
 
 # ---------------------------------------------------------------------- before sections finalize

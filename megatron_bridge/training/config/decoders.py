@@ -183,6 +183,8 @@ def _check_plain(value: Any, where: str, depth: int = 0) -> None:
 def _tagged(dc: Decoder, raw: Any, tp: Any) -> Any:
     """A tagged mapping where a typed value was expected: decode it, then check its type."""
     value = dc.any(raw)
+    if isinstance(value, type) and any(is_callable_type(a) for a in (union_arms(tp) or (tp,))):
+        raise DecodeError(f"{raw.get(TARGET)!r} is a class, not a function", "name a function")
     why = checker_for(tp)(value)
     if why:
         raise DecodeError(why, f"use a value of type {describe(tp)}")
@@ -336,9 +338,9 @@ def _build_decoder(tp: Any) -> Any:  # noqa: C901 - one branch per kind of annot
                     raise DecodeError(
                         f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn"
                     )
-                if callable(obj):
+                if callable(obj) and not isinstance(obj, type):
                     return obj
-                raise DecodeError(f"{raw!r} is not callable", "name a function, e.g. torch.nn.functional.silu")
+                raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
             if callable(raw):
                 return raw
             raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")

@@ -62,7 +62,9 @@ def process_config_with_overrides(
         try:
             overrides.append(parse_override(text))
         except OverrideSyntaxError as exc:
-            problems.add("", str(exc), exc.fix)
+            key = str(text).partition("=")[0].lstrip("+~").strip()
+            where = key if key and all(part.isidentifier() or part.isdigit() for part in key.split(".")) else ""
+            problems.add(where, f"{exc} [override {show(str(text))}]", exc.fix)
     # Whatever parsed is applied even when something did not, so every problem is reported at once.
     applier = _Applier(config, problems)
     file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""

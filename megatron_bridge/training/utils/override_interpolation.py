@@ -24,6 +24,33 @@ MAX_NESTING = 16
 """Deepest nesting of `${...}` inside one another that is resolved."""
 
 
+def _too_deep(value: Any) -> bool:
+    return any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value))
+
+
+def _drop_deep(data: Any, overrides: list[Override], report: Callable, file_label: str) -> tuple[Any, list[Override]]:
+    """Values whose interpolations nest too deeply to resolve (OmegaConf recurses over them),
+    reported and left out."""
+    problem = f"interpolations nest deeper than {MAX_NESTING} levels"
+    kept = []
+    for o in overrides:
+        if o.value is not NO_VALUE and _too_deep(o.value):
+            report(o.dotted, problem, "simplify the ${...} expression", f"override {show(o.text)}")
+        else:
+            kept.append(o)
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, Mapping):
+            items = ((k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
+            return {k: v for k, v in items if v is not _UNRESOLVED}
+        if _too_deep(value):
+            report(path, problem, "simplify the ${...} expression", file_label)
+            return _UNRESOLVED
+        return value
+
+    return (walk(data, "") if data else data), kept
+
+
 def _nesting(text: str) -> int:
     """How deeply `${` ... `}` pairs nest in `text`."""
     depth = deepest = 0
@@ -73,11 +100,9 @@ def resolve_interpolations(
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    data, overrides = _drop_deep(data, overrides, report, file_label)
     texts = [s for s in strings(data) if "${" in s]
     texts += [s for o in overrides if o.value is not NO_VALUE for s in strings(o.value) if "${" in s]
-    deepest = max(_nesting(t) for t in texts)
-    if deepest > MAX_NESTING:
-        raise RecursionError(f"interpolations nested {deepest} deep")
     refs = []
     for text in texts:
         for ref in _INTERPOLATION.findall(text):
