@@ -367,7 +367,7 @@ def test_all_errors_are_reported_together():
     errors = errors_of(
         "train.train_iters=abc", "noequals", "modle.x=1", "optimizer.lr=fast", "train.micro_batch_size=2"
     )
-    assert [e.split(":")[0] for e in errors] == ["<config>", "train.train_iters", "modle", "optimizer.lr"]
+    assert [e.split(":")[0] for e in errors] == ["noequals", "train.train_iters", "modle", "optimizer.lr"]
     assert "override 'noequals' has no '='" in errors[0]
 
 
