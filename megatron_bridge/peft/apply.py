@@ -96,11 +96,14 @@ class Applied:
     """Global names of every adaptable module in this chunk."""
 
 
-def apply_peft(chunk: Any, peft: "LoRA") -> Applied:
+def apply_peft(chunk: Any, peft: "LoRA", seed: int = 0) -> Applied:
     """Freeze every parameter of `chunk`, then replace each targeted linear layer by an
-    `AdaptedLinear` whose adapter parameters are the only trainable ones. Adapters are
-    initialized from full-size tensors with the default generator (the same on every rank of a
-    tensor-parallel group), in module order."""
+    `AdaptedLinear` whose adapter parameters are the only trainable ones. Each adapter is
+    initialized from a generator seeded with `seed` and its module's global name, so every
+    parallel layout (TP, PP, EP) starts from the same adapters."""
+    import zlib
+
+    import torch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_bridge.peft.config import DoRA
@@ -135,7 +138,8 @@ def apply_peft(chunk: Any, peft: "LoRA") -> Applied:
         adapted = AdaptedLinear(
             module, kind, peft.dim, peft.scale, peft.dropout, peft.dropout_position, isinstance(peft, DoRA), glu
         )
-        adapted.init_adapter(peft.lora_A_init_method, peft.lora_B_init_method)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+        adapted.init_adapter(peft.lora_A_init_method, peft.lora_B_init_method, generator)
         setattr(parent, leaf, adapted)
         wrapped.append(global_name)
     problems.raise_if_any()

@@ -73,6 +73,7 @@ def plain_config(cfg: Any) -> Any:
     cfg = copy.deepcopy(cfg)
     cfg.peft = None
     cfg.checkpoint.pretrained_checkpoint = None
+    cfg.checkpoint.load = cfg.checkpoint.save = None  # the adapters' directories, not this model's
     return cfg
 
 

@@ -96,14 +96,15 @@ class AdaptedLinear(torch.nn.Module):
         return [(n, getattr(self, n)) for n in ADAPTER_PARAMS if getattr(self, n) is not None]
 
     @torch.no_grad()
-    def init_adapter(self, a_method: str, b_method: str) -> None:
-        """Initialize A and B from full-size tensors drawn with the default generator, then keep
-        this rank's part: every tensor-parallel layout starts from the same adapter."""
+    def init_adapter(self, a_method: str, b_method: str, generator: torch.Generator) -> None:
+        """Initialize A and B from full-size tensors drawn from `generator`, then keep this
+        rank's part: with a generator seeded per module, every parallel layout starts from the
+        same adapters."""
         rank = self.base_layer.tp_group.rank()
         a_full = (self.dim, self.lora_A.shape[1] * (self.tp_size if self.kind == "row" else 1))
         b_full = (self.lora_B.shape[0] * (self.tp_size if self.kind == "column" else 1), self.dim)
-        a = _initialized(a_full, a_method)
-        b = _initialized(b_full, b_method)
+        a = _initialized(a_full, a_method, generator)
+        b = _initialized(b_full, b_method, generator)
         if self.kind == "row":
             a = a.chunk(self.tp_size, dim=1)[rank]
         else:
@@ -249,16 +250,16 @@ class AdaptedLinear(torch.nn.Module):
         return f"{method}(dim={self.dim}, scale={self.scale:g}, {self.kind}-parallel, TP={self.tp_size})"
 
 
-def _initialized(shape: tuple[int, int], method: str) -> torch.Tensor:
+def _initialized(shape: tuple[int, int], method: str, generator: torch.Generator) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32)
     if method == "zero":
         return t.zero_()
     if method == "xavier":
-        return torch.nn.init.xavier_uniform_(t)
+        return torch.nn.init.xavier_uniform_(t, generator=generator)
     if method == "kaiming":
-        return torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+        return torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
     if method == "normal":
-        return torch.nn.init.normal_(t, std=0.02)
+        return torch.nn.init.normal_(t, std=0.02, generator=generator)
     raise ValueError(f"unknown init method {method!r}")
 
 

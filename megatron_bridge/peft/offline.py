@@ -36,8 +36,14 @@ def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     cfg.dist.distributed_backend = "gloo"
     cpu_backend.adapt_config(cfg, Problems())  # fused CUDA kernels off, local layers, CPU initialization
     m.finalize()
-    if m.vocab_size is None:  # derived from the tokenizer when the run started
+    if m.vocab_size is None and vocab is not None:  # derived from the tokenizer when the run started
         m.apply_default("vocab_size", vocab)
+    if m.vocab_size is None:
+        from megatron_bridge.training.config.checks import check_vocab
+
+        check_vocab(cfg, Problems())  # a NullTokenizer's size
+    if m.vocab_size is None:
+        raise ValueError("model.vocab_size is not set (and the tokenizer's size is not known without loading it)")
     return cfg
 
 
@@ -61,7 +67,7 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
         model_parallel_cuda_manual_seed(cfg.rng.seed)
         model = cfg.model.provide(pre_process=True, post_process=True)
         if with_adapters and cfg.peft is not None:
-            apply_peft(model, cfg.peft)
+            apply_peft(model, cfg.peft, seed=cfg.rng.seed)
         model.eval()
         yield model
     finally:

@@ -37,7 +37,7 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
         if cfg.peft is not None:  # before DDP: it sees only the adapters as trainable
             from megatron_bridge.peft.apply import apply_peft
 
-            adapted.append(apply_peft(chunk, cfg.peft))
+            adapted.append(apply_peft(chunk, cfg.peft, seed=cfg.rng.seed))
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if state.device == "cuda":
