@@ -94,6 +94,7 @@ def llama3_8b_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     save_interval=200,
 )
 def llama3_8b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
-    """Llama 3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32 on the attention
-    and MLP projections; checkpoints hold only the adapters."""
+    """Llama 3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.
+
+    The base weights stay frozen; checkpoints hold only the adapters."""
     return lora_finetune_config(Llama3ModelProvider8B(), opts)

@@ -64,6 +64,7 @@ def qwen3_8b_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     save_interval=200,
 )
 def qwen3_8b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
-    """Qwen3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32 on the attention
-    and MLP projections; checkpoints hold only the adapters."""
+    """Qwen3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.
+
+    The base weights stay frozen; checkpoints hold only the adapters."""
     return lora_finetune_config(Qwen3ModelProvider8B(), opts)

@@ -37,6 +37,7 @@ def tiny_gpt_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
 
 @recipe(world_size=1, lr=1e-3, **_CPU)
 def tiny_gpt_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
-    """Tiny GPT LoRA fine-tuning (rank 16, alpha 32 on every projection) on JSONL token ids from a
-    pretrained checkpoint: one CPU process; checkpoints hold only the adapters."""
+    """Tiny GPT LoRA fine-tuning (rank 16, alpha 32) on JSONL token ids: one CPU process.
+
+    Starts from a pretrained checkpoint; checkpoints hold only the adapters."""
     return lora_finetune_config(TinyGPTModelProvider(), opts)

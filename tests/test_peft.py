@@ -93,7 +93,7 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(base, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("lora") / "ckpt")
-    record, state = train(config(iters=20, peft=LoRA(dim=8, alpha=16, dropout=0.1), pretrained=base, save=path))
+    record, _ = train(config(iters=20, peft=LoRA(dim=8, alpha=16, dropout=0.1), pretrained=base, save=path))
     return path, record
 
 
@@ -198,8 +198,8 @@ def test_moe_expert_adapters_start_as_the_base_and_train(monkeypatch):
 
 
 # ---------------------------------------------------------------------- training and checkpoints
-def test_training_moves_only_the_adapters(lora_run, caplog):
-    path, record = lora_run
+def test_training_moves_only_the_adapters(lora_run):
+    _, record = lora_run
     moved = [n for n in record.start if not torch.equal(record.start[n], record.end[n])]
     assert moved and all(is_adapter_key(n) for n in moved)  # every base weight is bit-identical
     assert {n for n in moved if n.endswith("lora_B")} == {n for n in record.start if n.endswith("lora_B")}
@@ -218,7 +218,7 @@ def test_trainable_count_is_logged(base, caplog):
 
 def test_checkpoint_holds_the_adapters_and_records_the_base(lora_run, base):
     path, _ = lora_run
-    directory, iteration, cfg, common = read_adapter_checkpoint(path)
+    directory, iteration, _, common = read_adapter_checkpoint(path)
     assert iteration == 20 and common["peft"]["method"] == "LoRA"
     assert common["peft"]["pretrained_checkpoint"] == base
     assert common["peft"]["pretrained_iteration_dir"] == layout.iteration_dir(base, 10)
@@ -242,10 +242,17 @@ def test_resume_is_exact(lora_run, base, tmp_path, caplog):
     assert first.losses + second.losses == straight.losses
 
 
-def test_adapter_checkpoint_is_not_a_base(lora_run):
+def test_adapter_checkpoints_are_not_bases_and_bases_are_not_resumed(lora_run, base):
     path, _ = lora_run
-    with pytest.raises(ValueError, match="holds the adapters of a PEFT run, not base weights"):
-        train(config(iters=1, peft=LoRA(), pretrained=path))
+    cfg = config(iters=1, peft=LoRA(), pretrained=path, load=base)
+    with pytest.raises(ConfigValidationError) as err:
+        cfg.validate()  # before anything is built
+    assert err.value.errors == [
+        f"checkpoint.pretrained_checkpoint: {path!r} holds the adapters of a PEFT run, not base weights (point it at "
+        "the base model's checkpoint, or fold the adapters in first (mbridge peft merge))",
+        f"checkpoint.load: {base!r} holds a checkpoint without adapters; a LoRA run resumes only from its own adapter "
+        "checkpoints (set checkpoint.load to this run's save directory (or a new one); the base goes in pretrained_checkpoint)",
+    ]
 
 
 def test_dora_trains_its_magnitude(dora_run):
@@ -286,3 +293,20 @@ def test_merged_and_hf_peft_logits_match(run, base, tmp_path, request):
     with torch.no_grad():
         theirs = hf(TOKENS).logits
     assert (theirs - adapted).abs().max() < 1e-4
+
+
+def test_export_splits_fused_projections_and_refuses_experts():
+    from megatron_bridge.peft.export import to_peft_state
+    from megatron_bridge.peft.hf_names import UnmappedModuleError
+
+    model = tiny_llama_model()  # 4 heads in 2 query groups of 16 channels: per group 2 q heads, k, v
+    rows = torch.arange(128.0).unsqueeze(1)
+    state = to_peft_state({"decoder.layers.1.self_attention.linear_qkv.lora_B": rows, "decoder.layers.1.mlp.linear_fc1.lora_magnitude": torch.arange(256.0)}, model)
+    prefix = "base_model.model.model.layers.1."
+    assert state[prefix + "self_attn.q_proj.lora_B.weight"][:, 0].tolist() == [*range(32), *range(64, 96)]
+    assert state[prefix + "self_attn.k_proj.lora_B.weight"][:, 0].tolist() == [*range(32, 48), *range(96, 112)]
+    assert state[prefix + "self_attn.v_proj.lora_B.weight"][:, 0].tolist() == [*range(48, 64), *range(112, 128)]
+    assert state[prefix + "mlp.gate_proj.lora_magnitude_vector"].tolist() == list(range(128))
+    assert state[prefix + "mlp.up_proj.lora_magnitude_vector"].tolist() == list(range(128, 256))
+    with pytest.raises(UnmappedModuleError, match="adapters on MoE experts have no peft-format counterpart"):
+        to_peft_state({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.lora_A": torch.zeros(2, 2)}, model)

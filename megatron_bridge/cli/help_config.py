@@ -167,6 +167,7 @@ def _named_choices(declared: Any) -> tuple[str, ...]:
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
     from megatron_bridge.config.typecheck import field_types
+    from megatron_bridge.training.utils.override_types import section_classes
 
     container = type(cfg)
     types = field_types(container)
@@ -178,7 +179,8 @@ def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
         if cls is None:
             kind = f"{show_value(value)} ({type_name(types[f.name])})"
         elif section is None:
-            kind = f"None ({cls.__name__})"
+            names = [c.__name__ for c in section_classes(types[f.name])]
+            kind = f"None ({' or '.join(names)})"
         elif isinstance(value, str):
             kind = f"{value!r} ({cls.__name__} preset)"
         else:

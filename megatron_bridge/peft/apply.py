@@ -8,8 +8,9 @@ parallelism, so DDP and the optimizer only ever see the adapter parameters as tr
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.peft import targets as tg
@@ -35,6 +36,7 @@ def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
         f"{method} trains adapters on top of pretrained weights, and none are given",
         "set checkpoint.pretrained_checkpoint to the checkpoint of the base model",
     )
+    _check_saved_runs(cfg, method, problems)
     if problems.at("peft") or m.num_layers is None or m.num_layers <= 0:
         return
     if m.transformer_layer_spec is not None:
@@ -52,6 +54,40 @@ def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
             "model.transformer_impl",
             f"{method} wraps megatron-core's local linear layers; TransformerEngine's fused layers cannot be wrapped",
             "set model.transformer_impl='local'",
+        )
+
+
+def saved_with_peft(path: Any) -> Optional[bool]:
+    """Whether the checkpoint at `path` was saved by a PEFT run (None: no readable checkpoint)."""
+    import os
+
+    import yaml
+
+    from megatron_bridge.training.checkpointing import layout
+
+    try:
+        directory, _ = layout.resolve(path)
+        with open(os.path.join(directory, layout.RUN_CONFIG_FILE)) as f:
+            saved = yaml.safe_load(f) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return saved.get("peft") is not None
+
+
+def _check_saved_runs(cfg: "ConfigContainer", method: str, problems: Problems) -> None:
+    """The base must be full weights, and a checkpoint to resume from must be this kind of run."""
+    c = cfg.checkpoint
+    if c.pretrained_checkpoint is not None and saved_with_peft(c.pretrained_checkpoint):
+        problems.add(
+            "checkpoint.pretrained_checkpoint",
+            f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
+            "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
+        )
+    if c.load is not None and saved_with_peft(c.load) is False:
+        problems.add(
+            "checkpoint.load",
+            f"{c.load!r} holds a checkpoint without adapters; a {method} run resumes only from its own adapter checkpoints",
+            "set checkpoint.load to this run's save directory (or a new one); the base goes in pretrained_checkpoint",
         )
 
 
@@ -133,6 +169,13 @@ def apply_peft(chunk: Any, peft: "LoRA", seed: int = 0) -> Applied:
         if kind == "column" and getattr(module, "gather_output", False):
             problems.add("peft.target_modules", f"{global_name} gathers its output over TP, which adapters do not support", "leave it out of target_modules")
             continue
+        if getattr(module, "explicit_expert_comm", False) and module.tp_group.size() > 1:
+            problems.add(
+                "peft.target_modules",
+                f"{global_name} is an expert split over {module.tp_group.size()} expert-tensor-parallel ranks; adapters on experts need expert_tensor_parallel_size=1",
+                "set model.expert_tensor_parallel_size=1, or leave the experts out of target_modules",
+            )
+            continue
         leaf = local.rsplit(".", 1)[-1]
         glu = leaf == "linear_fc1" and bool(getattr(getattr(parent, "config", None), "gated_linear_unit", False))
         adapted = AdaptedLinear(
@@ -150,7 +193,6 @@ def check_all_targets_matched(peft: "LoRA", applied: list[Applied]) -> None:
     """Every target must select a module somewhere in the model (over all pipeline stages);
     raises a `ConfigValidationError` naming the valid names otherwise."""
     import torch
-
     from megatron.core import parallel_state
 
     counts = torch.tensor([sum(a.matched[i] for a in applied) for i in range(len(peft.target_modules))], dtype=torch.int64)

@@ -21,8 +21,9 @@ InitMethod = Literal["xavier", "kaiming", "normal", "zero"]
 
 @config_dataclass(kw_only=True)
 class LoRA(ConfigBase):
-    """Low-rank adapters (LoRA): each target linear layer W gets a trainable update
-    (alpha / dim) * B @ A while W stays frozen."""
+    """Low-rank adapters (LoRA) on linear layers, whose weights stay frozen.
+
+    Each target layer W computes W x + (alpha / dim) * B @ A @ x with trainable A and B."""
 
     config_name: ClassVar[str] = "lora"
     """The name that selects this method on the command line (`peft=lora`)."""
@@ -74,8 +75,10 @@ class LoRA(ConfigBase):
 
 @config_dataclass(kw_only=True)
 class DoRA(LoRA):
-    """Weight-decomposed low-rank adaptation (DoRA): each target weight is split into a trainable
-    magnitude per output feature and a direction W + (alpha / dim) * B @ A, normalized per row."""
+    """Weight-decomposed low-rank adaptation (DoRA) on linear layers, whose weights stay frozen.
+
+    Each target weight becomes m * V / ||V|| (norms per output row) with V = W + (alpha / dim) * B @ A
+    and a trainable magnitude m per output feature (initialized to the rows' norms)."""
 
     config_name: ClassVar[str] = "dora"
     """The name that selects this method on the command line (`peft=dora`)."""

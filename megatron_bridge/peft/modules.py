@@ -68,7 +68,7 @@ class AdaptedLinear(torch.nn.Module):
         else:
             out_full, in_local = weight.shape
             a_shape, b_shape, m_shape = (dim, in_local), (out_full, dim), (out_full,)
-        factory = dict(device=weight.device, dtype=weight.dtype)
+        factory = {"device": weight.device, "dtype": weight.dtype}
         self.lora_A = torch.nn.Parameter(torch.zeros(a_shape, **factory))
         self.lora_B = torch.nn.Parameter(torch.zeros(b_shape, **factory))
         self.lora_magnitude = torch.nn.Parameter(torch.ones(m_shape, **factory)) if dora else None

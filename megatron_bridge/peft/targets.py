@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Module names that adapters wrap: the linear layers of attention and MLPs (also in MoE experts)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.training.checkpointing import layout, state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
 
@@ -185,11 +186,10 @@ class DefaultCheckpointManager:
         resume = layout.has_checkpoint(c.load)
         base_dir, base_iteration = layout.resolve(c.pretrained_checkpoint, None if resume else c.ckpt_step)
         if dist_checkpointing.load_common_state_dict(base_dir).get("peft"):
-            raise ValueError(
-                f"checkpoint.pretrained_checkpoint={c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not "
-                "base weights (point it at the base model's checkpoint, or fold the adapters in first with "
-                "`mbridge peft merge`)"
-            )
+            raise ConfigValidationError(ConfigProblem(
+                "checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
+                "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
+            ))  # fmt: skip
         self._restore(run, base_dir, base_iteration, False, "base")
         self._peft_base = (base_dir, base_iteration)
         if not resume:
@@ -201,10 +201,10 @@ class DefaultCheckpointManager:
         directory, iteration = layout.resolve(c.load, c.ckpt_step)
         recorded = dist_checkpointing.load_common_state_dict(directory).get("peft")
         if not recorded:
-            raise ValueError(
-                f"checkpoint.load={c.load!r} holds a checkpoint without adapters; a PEFT run resumes only from its "
-                "own adapter checkpoints (set checkpoint.load to this run's save directory, or to a new one)"
-            )
+            raise ConfigValidationError(ConfigProblem(
+                "checkpoint.load", f"{c.load!r} holds a checkpoint without adapters; a PEFT run resumes only from its own adapter checkpoints",
+                "set checkpoint.load to this run's save directory (or a new one); the base goes in pretrained_checkpoint",
+            ))  # fmt: skip
         was = recorded.get("pretrained_iteration_dir")
         if was and os.path.abspath(was) != os.path.abspath(base_dir) and run.state.is_logging_rank:
             logger.warning("the adapters in %s were trained on the base in %s; loading them onto %s", directory, was, base_dir)

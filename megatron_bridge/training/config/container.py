@@ -134,8 +134,9 @@ class ConfigContainer(ConfigBase):
     """Profilers."""
 
     peft: Optional[Union[LoRA, DoRA]] = None
-    """Parameter-efficient fine-tuning: LoRA or DoRA adapters on the pretrained weights in
-    checkpoint.pretrained_checkpoint (`peft=lora` / `peft=dora` on the command line)."""
+    """Parameter-efficient fine-tuning (LoRA or DoRA adapters on checkpoint.pretrained_checkpoint).
+
+    On the command line `peft=lora` or `peft=dora` creates one with its defaults."""
 
     comm_overlap: Optional[CommOverlapConfig] = None
     """Communication overlap (None: leave model/ddp/optimizer settings as they are)."""
