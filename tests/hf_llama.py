@@ -16,7 +16,9 @@ from megatron_bridge.peft.hf_names import split_gate_up_rows, split_qkv_rows
 def read_checkpoint(iteration_dir: str) -> dict[str, torch.Tensor]:
     reader = dcp.FileSystemReader(iteration_dir)
     meta = reader.read_metadata().state_dict_metadata
-    keys = [k for k, v in meta.items() if not k.startswith("optimizer.") and hasattr(v, "size") and "_extra_state" not in k]
+    keys = [
+        k for k, v in meta.items() if not k.startswith("optimizer.") and hasattr(v, "size") and "_extra_state" not in k
+    ]
     tensors = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
     dcp.load(tensors, storage_reader=reader, no_dist=True)
     return tensors

@@ -107,7 +107,15 @@ def dora_run(base, tmp_path_factory):
 # ---------------------------------------------------------------------- config
 def test_peft_from_overrides_and_yaml_round_trip(tmp_path):
     cfg = config()
-    process_config_with_overrides(cfg, cli_overrides=["peft=lora", "peft.dim=16", "peft.alpha=32", "peft.target_modules=[linear_qkv,'*.layers.1.*.linear_fc2']"])
+    process_config_with_overrides(
+        cfg,
+        cli_overrides=[
+            "peft=lora",
+            "peft.dim=16",
+            "peft.alpha=32",
+            "peft.target_modules=[linear_qkv,'*.layers.1.*.linear_fc2']",
+        ],
+    )
     assert type(cfg.peft) is LoRA and cfg.peft.dim == 16 and cfg.peft.scale == 2.0
     assert cfg.peft.target_modules == ["linear_qkv", "*.layers.1.*.linear_fc2"]
     path = tmp_path / "run.yaml"
@@ -120,9 +128,13 @@ def test_peft_from_overrides_and_yaml_round_trip(tmp_path):
 
 
 def test_override_errors_name_the_choices():
-    with pytest.raises(ConfigValidationError, match=r"peft: is null, so it has no key 'dim'.*choose one first: peft=lora or peft=dora"):
+    with pytest.raises(
+        ConfigValidationError, match=r"peft: is null, so it has no key 'dim'.*choose one first: peft=lora or peft=dora"
+    ):
         process_config_with_overrides(config(), cli_overrides=["peft.dim=8"])
-    with pytest.raises(ConfigValidationError, match=r"expected 'lora' or 'dora' or a mapping, got str 'lorra'.*did you mean 'lora'"):
+    with pytest.raises(
+        ConfigValidationError, match=r"expected 'lora' or 'dora' or a mapping, got str 'lorra'.*did you mean 'lora'"
+    ):
         process_config_with_overrides(config(), cli_overrides=["peft=lorra"])
 
 
@@ -141,7 +153,10 @@ def test_bad_peft_configs_are_reported_together(tmp_path):
     text = str(err.value)
     assert "peft.dim: the rank must be positive, got 0" in text
     assert "peft.alpha: must be positive, got 0" in text
-    assert "checkpoint.pretrained_checkpoint: LoRA trains adapters on top of pretrained weights, and none are given" in text
+    assert (
+        "checkpoint.pretrained_checkpoint: LoRA trains adapters on top of pretrained weights, and none are given"
+        in text
+    )
 
 
 def test_unknown_target_lists_the_valid_names(tmp_path):
@@ -149,7 +164,10 @@ def test_unknown_target_lists_the_valid_names(tmp_path):
     with pytest.raises(ConfigValidationError) as err:
         cfg.validate()
     assert len(err.value.errors) == 2
-    assert "peft.target_modules.1: 'linear_qvk' matches no module of this model (valid names: linear_qkv, linear_proj, linear_fc1, linear_fc2;" in err.value.errors[0]
+    assert (
+        "peft.target_modules.1: 'linear_qvk' matches no module of this model (valid names: linear_qkv, linear_proj, linear_fc1, linear_fc2;"
+        in err.value.errors[0]
+    )
     assert "decoder.layers.0.self_attention.linear_qkv" in err.value.errors[0]
     assert err.value.errors[1].startswith("peft.target_modules.2: '*.layers.7.*' matches no module")
 
@@ -158,7 +176,10 @@ def test_grouped_gemm_experts_cannot_take_dora(tmp_path):
     moe = tiny_model(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_grouped_gemm=True)
     cfg = tiny_config(model=moe, checkpoint=CheckpointConfig(pretrained_checkpoint=str(tmp_path)))
     cfg.peft = DoRA(target_modules=["*.experts.*.linear_fc1"])
-    with pytest.raises(ConfigValidationError, match=r"peft.target_modules: DoRA cannot wrap grouped-GEMM experts .*set model.moe_grouped_gemm=False"):
+    with pytest.raises(
+        ConfigValidationError,
+        match=r"peft.target_modules: DoRA cannot wrap grouped-GEMM experts .*set model.moe_grouped_gemm=False",
+    ):
         cfg.validate()
     cfg.peft = DoRA(target_modules=["linear_qkv"])  # attention only: fine
     cfg.validate()
@@ -190,7 +211,9 @@ def test_moe_expert_adapters_start_as_the_base_and_train(monkeypatch):
         expected = logits(plain)
     with single_process_model(cfg) as adapted:
         names = [n for n, p in adapted.named_parameters() if p.requires_grad]
-        assert len(names) == 2 * 2 * 4 * 2 and all(".local_experts." in n for n in names)  # layers x fc x experts x (A, B)
+        assert len(names) == 2 * 2 * 4 * 2 and all(
+            ".local_experts." in n for n in names
+        )  # layers x fc x experts x (A, B)
         assert torch.equal(logits(adapted), expected)
         positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
         adapted(TOKENS, positions, None, labels=TOKENS).mean().backward()
@@ -212,7 +235,9 @@ def test_trainable_count_is_logged(base, caplog):
     with caplog.at_level(logging.INFO, logger="megatron_bridge"):
         train(config(iters=1, peft=LoRA(dim=8), pretrained=base))
     # 2 layers x (qkv 8x64 + 128x8, proj 8x64 + 64x8, fc1 8x64 + 256x8, fc2 8x128 + 64x8)
-    assert "LoRA: 13312 trainable parameters of 120128 on this rank (11.082%); the base weights are frozen" in caplog.text
+    assert (
+        "LoRA: 13312 trainable parameters of 120128 on this rank (11.082%); the base weights are frozen" in caplog.text
+    )
     assert "loaded base weights of iteration 10" in caplog.text
 
 
@@ -224,7 +249,11 @@ def test_checkpoint_holds_the_adapters_and_records_the_base(lora_run, base):
     assert common["peft"]["pretrained_iteration_dir"] == layout.iteration_dir(base, 10)
     import torch.distributed.checkpoint as dcp
 
-    keys = [k for k in dcp.FileSystemReader(directory).read_metadata().state_dict_metadata if not k.startswith(("optimizer.", "rng_state"))]
+    keys = [
+        k
+        for k in dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        if not k.startswith(("optimizer.", "rng_state"))
+    ]
     assert keys and all(is_adapter_key(k) for k in keys)
     tensors = read_adapter_tensors(directory)
     assert tensors["decoder.layers.0.mlp.linear_fc1.lora_B"].shape == (256, 8)  # whole, gate rows then up rows
@@ -238,7 +267,9 @@ def test_resume_is_exact(lora_run, base, tmp_path, caplog):
     assert state.train_state.step == 10
     with caplog.at_level(logging.INFO, logger="megatron_bridge"):
         second, state = train(config(iters=20, peft=peft, pretrained=base, save=path, load=path))
-    assert "loaded base weights of iteration 10" in caplog.text and "resumed from adapters of iteration 10" in caplog.text
+    assert (
+        "loaded base weights of iteration 10" in caplog.text and "resumed from adapters of iteration 10" in caplog.text
+    )
     assert first.losses + second.losses == straight.losses
 
 
@@ -286,8 +317,20 @@ def test_merged_and_hf_peft_logits_match(run, base, tmp_path, request):
 
     assert mbridge(["peft", "export", path, str(tmp_path / "hf")]) == 0
     adapter_config = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
-    assert adapter_config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    assert adapter_config["use_dora"] == (run == "dora_run") and adapter_config["r"] == 8 and adapter_config["lora_alpha"] == 16
+    assert adapter_config["target_modules"] == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    assert (
+        adapter_config["use_dora"] == (run == "dora_run")
+        and adapter_config["r"] == 8
+        and adapter_config["lora_alpha"] == 16
+    )
     hf_base = llama_from_megatron(layout.iteration_dir(base, 10), cfg.model)
     hf = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "hf")).eval()
     with torch.no_grad():
@@ -301,7 +344,13 @@ def test_export_splits_fused_projections_and_refuses_experts():
 
     model = tiny_llama_model()  # 4 heads in 2 query groups of 16 channels: per group 2 q heads, k, v
     rows = torch.arange(128.0).unsqueeze(1)
-    state = to_peft_state({"decoder.layers.1.self_attention.linear_qkv.lora_B": rows, "decoder.layers.1.mlp.linear_fc1.lora_magnitude": torch.arange(256.0)}, model)
+    state = to_peft_state(
+        {
+            "decoder.layers.1.self_attention.linear_qkv.lora_B": rows,
+            "decoder.layers.1.mlp.linear_fc1.lora_magnitude": torch.arange(256.0),
+        },
+        model,
+    )
     prefix = "base_model.model.model.layers.1."
     assert state[prefix + "self_attn.q_proj.lora_B.weight"][:, 0].tolist() == [*range(32), *range(64, 96)]
     assert state[prefix + "self_attn.k_proj.lora_B.weight"][:, 0].tolist() == [*range(32, 48), *range(96, 112)]

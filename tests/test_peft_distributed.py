@@ -27,7 +27,11 @@ def run(tmp_path, name, *args, nproc=1, timeout=400):
     cmd = [sys.executable, str(SCRIPT)]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPT)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     proc = subprocess.run([*cmd, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"{name}.rank{r}").read_text()) for r in range(nproc)], proc.stdout + proc.stderr
@@ -85,7 +89,9 @@ def test_lora_pipeline_parallel_2_trains_like_one_process(base, single, tmp_path
 
 
 def test_lora_data_parallel_2_with_distributed_optimizer(base, single, tmp_path):
-    results, output = run(tmp_path, "dp2", "--dist-opt", "--pretrained", base, "--save", str(tmp_path / "ckpt"), nproc=2)
+    results, output = run(
+        tmp_path, "dp2", "--dist-opt", "--pretrained", base, "--save", str(tmp_path / "ckpt"), nproc=2
+    )
     assert all(r["dp"] == 2 for r in results)
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
     assert mean == pytest.approx(single[0]["losses"], abs=1e-4)

@@ -143,7 +143,10 @@ def main() -> None:
     print(f"{'':22}{'full fine-tune':>18}{'LoRA rank 16':>18}{'LoRA / full':>14}")
     for label, a, b, ratio, goal in rows:
         print(f"{label:22}{a:>18}{b:>18}{ratio:>14}   {goal}".rstrip())
-    per_round = [f"{statistics.median(a.step_times[1:]):.2f}/{statistics.median(b.step_times[1:]):.2f}" for a, b in zip(full, lora)]
+    per_round = [
+        f"{statistics.median(a.step_times[1:]):.2f}/{statistics.median(b.step_times[1:]):.2f}"
+        for a, b in zip(full, lora)
+    ]
     print(f"median step seconds per round (full/LoRA): {', '.join(per_round)}")
 
 

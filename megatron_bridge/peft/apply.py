@@ -45,7 +45,11 @@ def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
     selected, unmatched = tg.match_targets(peft.target_modules, names)
     for target in unmatched:
         i = peft.target_modules.index(target)
-        problems.add(f"peft.target_modules.{i}", f"{target!r} matches no module of this model ({tg.describe_valid(names)})", "use one of the valid names or a pattern that matches some")
+        problems.add(
+            f"peft.target_modules.{i}",
+            f"{target!r} matches no module of this model ({tg.describe_valid(names)})",
+            "use one of the valid names or a pattern that matches some",
+        )
     experts = [n for n in selected if tg.is_expert_name(n)]
     if experts:
         _check_expert_targets(cfg, experts, method, problems)
@@ -167,7 +171,11 @@ def apply_peft(chunk: Any, peft: "LoRA", seed: int = 0) -> Applied:
             )
             continue
         if kind == "column" and getattr(module, "gather_output", False):
-            problems.add("peft.target_modules", f"{global_name} gathers its output over TP, which adapters do not support", "leave it out of target_modules")
+            problems.add(
+                "peft.target_modules",
+                f"{global_name} gathers its output over TP, which adapters do not support",
+                "leave it out of target_modules",
+            )
             continue
         if getattr(module, "explicit_expert_comm", False) and module.tp_group.size() > 1:
             problems.add(
@@ -195,7 +203,9 @@ def check_all_targets_matched(peft: "LoRA", applied: list[Applied]) -> None:
     import torch
     from megatron.core import parallel_state
 
-    counts = torch.tensor([sum(a.matched[i] for a in applied) for i in range(len(peft.target_modules))], dtype=torch.int64)
+    counts = torch.tensor(
+        [sum(a.matched[i] for a in applied) for i in range(len(peft.target_modules))], dtype=torch.int64
+    )
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         group = parallel_state.get_pipeline_model_parallel_group()
         device = "cuda" if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl" else "cpu"

@@ -59,14 +59,26 @@ class LoRA(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         p = problems
         p.check(self.dim > 0, "dim", f"the rank must be positive, got {self.dim}", "use e.g. dim=16")
-        p.check(self.alpha > 0, "alpha", f"must be positive, got {self.alpha}", "use e.g. alpha=32 (twice dim is common)")
+        p.check(
+            self.alpha > 0, "alpha", f"must be positive, got {self.alpha}", "use e.g. alpha=32 (twice dim is common)"
+        )
         p.check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}", "use e.g. 0.0 or 0.05")
-        if p.check(bool(self.target_modules), "target_modules", "is empty: nothing would be trained", f"use e.g. {list(DEFAULT_TARGETS)}"):
+        if p.check(
+            bool(self.target_modules),
+            "target_modules",
+            "is empty: nothing would be trained",
+            f"use e.g. {list(DEFAULT_TARGETS)}",
+        ):
             from megatron_bridge.peft.targets import pattern_problem
 
             for i, pattern in enumerate(self.target_modules):
                 why = pattern_problem(pattern)
-                p.check(why is None, f"target_modules.{i}", f"{pattern!r}: {why}", "use a module name or a dotted pattern with * wildcards")
+                p.check(
+                    why is None,
+                    f"target_modules.{i}",
+                    f"{pattern!r}: {why}",
+                    "use a module name or a dotted pattern with * wildcards",
+                )
 
     @property
     def method_name(self) -> str:

@@ -28,7 +28,9 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     directory, iteration = layout.resolve(path)
     config_file = os.path.join(directory, layout.RUN_CONFIG_FILE)
     if not os.path.isfile(config_file):
-        raise ValueError(f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to")
+        raise ValueError(
+            f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to"
+        )
     common = dist_checkpointing.load_common_state_dict(directory)
     cfg = ConfigContainer.from_yaml(config_file)
     if not common.get("peft") or cfg.peft is None:
@@ -46,7 +48,9 @@ def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
         return recorded
     if cfg.checkpoint.pretrained_checkpoint and os.path.isdir(cfg.checkpoint.pretrained_checkpoint):
         return cfg.checkpoint.pretrained_checkpoint
-    raise FileNotFoundError(f"the base weights of these adapters ({recorded!r}) are not there; give their directory explicitly")
+    raise FileNotFoundError(
+        f"the base weights of these adapters ({recorded!r}) are not there; give their directory explicitly"
+    )
 
 
 def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str:
@@ -61,7 +65,14 @@ def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str
         load_weights(model, base_dir, "base")
         load_weights(model, directory, "adapters")
         count = merge_and_unwrap(model)
-        final = save_model(model, out, iteration, plain_config(cfg), common, merged_from={"adapters": os.path.abspath(directory), "base": os.path.abspath(base_dir)})
+        final = save_model(
+            model,
+            out,
+            iteration,
+            plain_config(cfg),
+            common,
+            merged_from={"adapters": os.path.abspath(directory), "base": os.path.abspath(base_dir)},
+        )
     logger.info("folded %d adapters of %s into %s: %s", count, directory, base_dir, final)
     return final
 

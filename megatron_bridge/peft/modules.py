@@ -137,7 +137,9 @@ class AdaptedLinear(torch.nn.Module):
         out, bias = self.base_layer(x, *args, **kwargs)
         if self.merged:
             return out, bias
-        inner_bias = self.base_layer.bias if (self.base_layer.bias is not None and not self.base_layer.skip_bias_add) else None
+        inner_bias = (
+            self.base_layer.bias if (self.base_layer.bias is not None and not self.base_layer.skip_bias_add) else None
+        )
         delta = self._lora(x)
         if not self.dora:
             return out + delta, bias

@@ -82,7 +82,10 @@ def expected_names(model_cfg: Any) -> list[str]:
             names += [f"{base}.mlp.linear_fc1", f"{base}.mlp.linear_fc2"]
             continue
         for e in range(model_cfg.num_moe_experts):
-            names += [f"{base}.mlp.experts.local_experts.{e}.linear_fc1", f"{base}.mlp.experts.local_experts.{e}.linear_fc2"]
+            names += [
+                f"{base}.mlp.experts.local_experts.{e}.linear_fc1",
+                f"{base}.mlp.experts.local_experts.{e}.linear_fc2",
+            ]
         if model_cfg.moe_shared_expert_intermediate_size:
             names += [f"{base}.mlp.shared_experts.linear_fc1", f"{base}.mlp.shared_experts.linear_fc2"]
     return names

@@ -63,7 +63,9 @@ def main():
     args = p.parse_args()
     cls = LoRA if args.method == "lora" else DoRA
     cfg = tiny_config(
-        train=TrainingConfig(train_iters=args.iters, global_batch_size=8, micro_batch_size=2, exit_interval=args.exit_interval),
+        train=TrainingConfig(
+            train_iters=args.iters, global_batch_size=8, micro_batch_size=2, exit_interval=args.exit_interval
+        ),
         model=tiny_llama_model(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp),
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
         checkpoint=CheckpointConfig(pretrained_checkpoint=args.pretrained, save=args.save, load=args.load),
