@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tokenizers": ("hf", "Hugging Face tokenizers"),
     "matplotlib": ("plot", "plotting training curves"),
     "pynvml": ("nvml", "GPU energy logging"),
+    "safetensors": ("peft", "writing adapters in the peft format"),
 }
 
 

@@ -17,13 +17,20 @@ from recipes._base import RECIPES
 from recipes.llama import (
     llama2_7b_pretrain_config,
     llama3_8b_finetune_config,
+    llama3_8b_lora_finetune_config,
     llama3_8b_pretrain_config,
     llama3_70b_pretrain_config,
     llama31_405b_pretrain_config,
 )
 from recipes.mistral import mistral_7b_pretrain_config, mixtral_8x7b_pretrain_config
-from recipes.qwen import qwen3_8b_pretrain_config, qwen3_30b_a3b_pretrain_config, qwen25_7b_pretrain_config
-from recipes.tiny_gpt import tiny_gpt_finetune_config, tiny_gpt_pretrain_config
+from recipes.qwen import (
+    qwen3_8b_finetune_config,
+    qwen3_8b_lora_finetune_config,
+    qwen3_8b_pretrain_config,
+    qwen3_30b_a3b_pretrain_config,
+    qwen25_7b_pretrain_config,
+)
+from recipes.tiny_gpt import tiny_gpt_finetune_config, tiny_gpt_lora_finetune_config, tiny_gpt_pretrain_config
 
 
 class UnknownRecipeError(KeyError, ValueError):
@@ -57,12 +64,16 @@ __all__ = [
     "llama31_405b_pretrain_config",
     "llama3_70b_pretrain_config",
     "llama3_8b_finetune_config",
+    "llama3_8b_lora_finetune_config",
     "llama3_8b_pretrain_config",
     "mistral_7b_pretrain_config",
     "mixtral_8x7b_pretrain_config",
     "qwen25_7b_pretrain_config",
     "qwen3_30b_a3b_pretrain_config",
+    "qwen3_8b_finetune_config",
+    "qwen3_8b_lora_finetune_config",
     "qwen3_8b_pretrain_config",
     "tiny_gpt_finetune_config",
+    "tiny_gpt_lora_finetune_config",
     "tiny_gpt_pretrain_config",
 ]

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Optional, Union
 
 from megatron_bridge.models import GPTModelProvider
+from megatron_bridge.peft import LoRA
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.training.config import (
     CheckpointConfig,
@@ -125,6 +126,16 @@ def finetune_config(model: GPTModelProvider, opts: FinetuneOptions) -> ConfigCon
     )
     cfg = _container(model, dataset, opts)
     cfg.checkpoint.pretrained_checkpoint = _path(opts.pretrained_checkpoint)
+    return cfg
+
+
+def lora_finetune_config(model: GPTModelProvider, opts: FinetuneOptions, peft: Optional[LoRA] = None) -> ConfigContainer:
+    """`finetune_config` training LoRA adapters (default: rank 16, alpha 32 on the four
+    projections of every layer) on the frozen pretrained weights. Adapters wrap megatron-core's
+    local linear layers, so the model is built with them (not TransformerEngine's)."""
+    model.transformer_impl = "local"
+    cfg = finetune_config(model, opts)
+    cfg.peft = peft if peft is not None else LoRA(dim=16, alpha=32)
     return cfg
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from megatron_bridge.models import Qwen3ModelProvider8B, Qwen3MoEModelProvider30B_A3B, Qwen25ModelProvider7B
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import pretrain_config, recipe
-from recipes._options import PretrainOptions
+from recipes._base import finetune_config, lora_finetune_config, pretrain_config, recipe
+from recipes._options import FinetuneOptions, PretrainOptions
 
 
 @recipe(world_size=8, seq_length=4096, tensor_model_parallel_size=2, sequence_parallel=True)
@@ -32,3 +32,39 @@ def qwen3_8b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
 def qwen3_30b_a3b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
     """Qwen3 30B-A3B pretraining on 32 GPUs: TP4 PP2, 4-way expert parallel (experts not TP-split)."""
     return pretrain_config(Qwen3MoEModelProvider30B_A3B(), opts)
+
+
+@recipe(
+    world_size=8,
+    seq_length=4096,
+    tensor_model_parallel_size=2,
+    sequence_parallel=True,
+    train_iters=1000,
+    global_batch_size=128,
+    lr=1e-5,
+    min_lr=0.0,
+    lr_warmup_iters=50,
+    eval_interval=100,
+    save_interval=200,
+)
+def qwen3_8b_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
+    """Qwen3 8B full fine-tuning on 8 GPUs from a pretrained checkpoint: TP2, sequence parallel."""
+    return finetune_config(Qwen3ModelProvider8B(), opts)
+
+
+@recipe(
+    world_size=8,
+    seq_length=4096,
+    train_iters=1000,
+    global_batch_size=128,
+    lr=1e-4,
+    min_lr=0.0,
+    lr_warmup_iters=50,
+    eval_interval=100,
+    save_interval=200,
+)
+def qwen3_8b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
+    """Qwen3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.
+
+    The base weights stay frozen; checkpoints hold only the adapters."""
+    return lora_finetune_config(Qwen3ModelProvider8B(), opts)

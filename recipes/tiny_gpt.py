@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_bridge.models import TinyGPTModelProvider
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import finetune_config, pretrain_config, recipe
+from recipes._base import finetune_config, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
 
 _CPU = dict(
@@ -33,3 +33,11 @@ def tiny_gpt_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
 def tiny_gpt_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Tiny GPT fine-tuning on JSONL token ids from a pretrained checkpoint: one CPU process."""
     return finetune_config(TinyGPTModelProvider(), opts)
+
+
+@recipe(world_size=1, lr=1e-3, **_CPU)
+def tiny_gpt_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
+    """Tiny GPT LoRA fine-tuning (rank 16, alpha 32) on JSONL token ids: one CPU process.
+
+    Starts from a pretrained checkpoint; checkpoints hold only the adapters."""
+    return lora_finetune_config(TinyGPTModelProvider(), opts)

@@ -38,3 +38,47 @@ def tiny_config(**sections) -> ConfigContainer:
     )
     args.update(sections)
     return ConfigContainer(**args)
+
+
+def tiny_llama_model(**kw) -> GPTModelProvider:
+    """A tiny Llama-style model (RMSNorm, SwiGLU, grouped-query attention, no biases, untied
+    output layer, no dropout): what the PEFT tests adapt and compare with transformers' Llama."""
+    import torch.nn.functional as F
+
+    args = dict(
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        share_embeddings_and_output_weights=False, num_query_groups=2, ffn_hidden_size=128,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    args.update(kw)
+    return tiny_model(**args)
+
+
+class SequenceParallelNorm:
+    """torch's LayerNorm/RMSNorm with megatron-core's `sequence_parallel` mark on its weights (so
+    their gradients are summed over tensor-parallel ranks). megatron-core's own torch-norm wrapper
+    refuses sequence parallelism; its fused alternatives need CUDA."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **unused):
+        import torch
+
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_layer_spec(provider, vp_stage=None):
+    """megatron-core's local layers, with norms that support sequence parallelism on CPU."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_local_spec(normalization=provider.normalization)
+    layer.submodules = dataclasses.replace(
+        layer.submodules, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm
+    )
+    count = get_num_layers_to_build(provider, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)

@@ -332,9 +332,12 @@ def test_nvrx_straggler_thresholds_and_interval():
 
 
 def test_peft_needs_a_pretrained_checkpoint():
-    cfg = tiny_config(peft={"method": "lora"})
+    from megatron_bridge.peft import LoRA
+
+    cfg = tiny_config(peft=LoRA())
     assert (
-        "peft: parameter-efficient fine-tuning needs the weights it adapts (set checkpoint.pretrained_checkpoint)"
+        "checkpoint.pretrained_checkpoint: LoRA trains adapters on top of pretrained weights, and none are given "
+        "(set checkpoint.pretrained_checkpoint to the checkpoint of the base model)"
     ) in problems_of(cfg)
 
 

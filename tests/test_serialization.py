@@ -15,6 +15,7 @@ from factories import tiny_config
 from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
 
 from megatron_bridge.config.base import values_equal
+from megatron_bridge.peft import DoRA
 from megatron_bridge.training.config import (
     ConfigContainer,
     ConfigValidationError,
@@ -109,8 +110,9 @@ def test_round_trip_of_every_value_kind(tmp_path):
     cfg.train.rampup_batch_size = [16, 16, 1000]
     cfg.ddp.param_name_patterns_for_fp32_local_accumulation = ("*.bias", "all")
     cfg.logger.mlflow_tags = {"team": "llm"}
-    cfg.env_vars = {"A": 1, "B": "x", "C": 1.5, "D": True}
-    cfg.peft = {"rank": 8, "dtype": torch.bfloat16, "shape": (1, 2), "path": pathlib.Path("/x"), "fn": torch.relu}
+    # env_vars is typed dict[str, Any]: its values show how untyped data round-trips
+    cfg.env_vars = {"A": 1, "B": "x", "C": 1.5, "D": True, "rank": 8, "dtype": torch.bfloat16, "shape": (1, 2), "path": pathlib.Path("/x"), "fn": torch.relu}  # fmt: skip
+    cfg.peft = DoRA(dim=8, target_modules=["linear_qkv", "*.layers.1.*"])
     cfg.tensor_inspect = TensorInspectConfig(features=pathlib.Path("/features.yaml"))
     cfg.checkpoint.save = "/tmp/save"
     assert_same_config(cfg, reload(cfg, tmp_path))
@@ -158,12 +160,12 @@ def test_yaml_is_readable(tmp_path):
 
 def test_ambiguous_declarations_get_tagged_forms():
     cfg = make_config()
-    cfg.env_vars = {"T": (1, 2)}
-    cfg.peft = {"dtype": torch.float16, "where": pathlib.Path("/p")}
+    cfg.env_vars = {"T": (1, 2), "dtype": torch.float16, "where": pathlib.Path("/p")}
     cfg.tensor_inspect = TensorInspectConfig(features=pathlib.Path("/f.yaml"))
     data = to_dict(cfg)
-    assert data["env_vars"] == {"T": {"_tuple_": [1, 2]}}
-    assert data["peft"] == {"dtype": {"_target_": "torch.float16", "_call_": False}, "where": {"_path_": "/p"}}
+    assert data["env_vars"] == {
+        "T": {"_tuple_": [1, 2]}, "dtype": {"_target_": "torch.float16", "_call_": False}, "where": {"_path_": "/p"}
+    }  # fmt: skip
     assert data["tensor_inspect"]["features"] == {"_path_": "/f.yaml"}  # Union[dict, str, Path]
 
 

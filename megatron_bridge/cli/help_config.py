@@ -152,14 +152,22 @@ def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
     if section is not None:
         return type(section), section
     classes = section_classes(declared)
-    if value is None and len(classes) == 1:
-        return classes[0], None
+    if value is None and classes:
+        return classes[0], None  # several possible classes (peft: LoRA or DoRA): the first's fields
     return None, None
+
+
+def _named_choices(declared: Any) -> tuple[str, ...]:
+    """Short names of the section classes a field may hold (`lora`, `dora`), if they have them."""
+    from megatron_bridge.training.utils.override_types import section_classes
+
+    return tuple(c.config_name for c in section_classes(declared) if isinstance(getattr(c, "config_name", None), str))
 
 
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
     from megatron_bridge.config.typecheck import field_types
+    from megatron_bridge.training.utils.override_types import section_classes
 
     container = type(cfg)
     types = field_types(container)
@@ -171,7 +179,8 @@ def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
         if cls is None:
             kind = f"{show_value(value)} ({type_name(types[f.name])})"
         elif section is None:
-            kind = f"None ({cls.__name__})"
+            names = [c.__name__ for c in section_classes(types[f.name])]
+            kind = f"None ({' or '.join(names)})"
         elif isinstance(value, str):
             kind = f"{value!r} ({cls.__name__} preset)"
         else:
@@ -205,6 +214,7 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
     if parts[0] == OPTIONS and options is not None:
         cls, obj, parts = type(options), options, parts[1:]
     path: list[str] = []
+    choices: tuple = ()
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
         where = ".".join(path) or cls.__name__
@@ -212,6 +222,7 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
             raise _unknown(part, names, where)
         value = getattr(obj, part) if obj is not None else None
         sub_cls, sub_obj = _section_of(value, field_types(cls)[part])
+        choices = _named_choices(field_types(cls)[part])
         if sub_cls is None:
             if i != len(parts) - 1:
                 raise UsageError(f"--help-config: {'.'.join([*path, part])} is a field, not a section")
@@ -221,6 +232,9 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
     title = ".".join(path) or OPTIONS
     summary = class_summary(cls)
     head = f"{title} ({cls.__name__}){': ' + summary if summary else ''}"
-    if obj is None:
+    if obj is None and len(choices) > 1:
+        picks = " or ".join(f"{title}={name}" for name in choices)
+        head += f"\n  {title} is None: the class defaults of {cls.__name__} are shown; {picks} creates one."
+    elif obj is None:
         head += f"\n  {title} is None: the class defaults are shown; setting a field creates it."
     return "\n".join([head, *fields_text(cls, obj)])

@@ -31,9 +31,13 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
     model_config.apply_default("timers", state.timers)
     vp = model_config.virtual_pipeline_model_parallel_size
     stages = list(range(vp)) if vp and model_config.pipeline_model_parallel_size > 1 else [None]
-    chunks = []
+    chunks, adapted = [], []
     for vp_stage in stages:
         chunk = model_config.provide(vp_stage=vp_stage)
+        if cfg.peft is not None:  # before DDP: it sees only the adapters as trainable
+            from megatron_bridge.peft.apply import apply_peft
+
+            adapted.append(apply_peft(chunk, cfg.peft, seed=cfg.rng.seed))
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if state.device == "cuda":
@@ -41,6 +45,10 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
         if model_config.fp16 or model_config.bf16:
             chunk = Float16Module(model_config, chunk)
         chunks.append(chunk)
+    if cfg.peft is not None:
+        from megatron_bridge.peft.apply import check_all_targets_matched
+
+        check_all_targets_matched(cfg.peft, adapted)
     wrapped = [
         DistributedDataParallel(
             config=model_config,

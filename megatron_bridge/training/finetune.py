@@ -16,6 +16,9 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     tracker file, or one `iter_*` directory): model weights only, the step count starts at 0. If
     `checkpoint.load` already holds a checkpoint of this fine-tuning run, it resumes from there
     instead. Otherwise as `pretrain()`.
+
+    With `config.peft` (LoRA/DoRA), the pretrained weights are frozen and adapters train on them;
+    resuming loads the pretrained weights first, then the adapters saved by this run.
     """
     from megatron_bridge.training.runner import run_job
 

@@ -265,6 +265,14 @@ def setup(
             type(optimizer).__name__,
             state.device,
         )
+        if cfg.peft is not None:
+            from megatron_bridge.peft.apply import trainable_counts
+
+            trainable, total = trainable_counts(model)
+            logger.info(
+                "%s: %d trainable parameters of %d on this rank (%.3f%%); the base weights are frozen",
+                cfg.peft.method_name, trainable, total, 100.0 * trainable / max(total, 1),
+            )  # fmt: skip
     if (cfg.straggler is not None and cfg.straggler.log_straggler) or (cfg.nvrx_straggler is not None and cfg.nvrx_straggler.enabled):
         from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.training.checkpointing import layout, state_dict
 from megatron_bridge.training.child_processes import install_checkpoint_results_queue
 from megatron_bridge.training.checkpointing.compat import check_architecture
@@ -57,6 +58,7 @@ class DefaultCheckpointManager:
         self._cached_save_strategy = None
         self._last_saved: Optional[int] = None  # scheduled or written by this job
         self._pending: Optional[int] = None  # the iteration of the latest background save
+        self._peft_base: Optional[tuple[str, int]] = None  # base weights a PEFT run loaded
 
     # ------------------------------------------------------------------ saving
     def save(self, run: "Run", reason: str, rerun_requested: bool = False) -> None:
@@ -84,6 +86,8 @@ class DefaultCheckpointManager:
             with_common=True,
             with_rerun=state_dict.rerun_machine_active(),
             rerun_requested=rerun_requested,
+            model_part="adapters" if self.config.peft is not None else "all",
+            peft_base=self._peft_base,
         )
         install_checkpoint_results_queue()
         with _space_errors(self.config, iteration):
@@ -173,13 +177,56 @@ class DefaultCheckpointManager:
         return None
 
     def load(self, run: "Run") -> Optional[int]:
-        from megatron.core import dist_checkpointing
-
+        if self.config.peft is not None:
+            return self._load_peft(run)
         found = self.source()
         if found is None:
             return None
         path, resume = found
         directory, iteration = layout.resolve(path, self.ckpt.ckpt_step)
+        self._restore(run, directory, iteration, resume, "all")
+        return iteration
+
+    def _load_peft(self, run: "Run") -> int:
+        """A PEFT run: the base weights from `pretrained_checkpoint`, then, when `load` holds a
+        checkpoint of this run, its adapters and training state (`ckpt_step` picks the iteration
+        of the checkpoint resumed from, else of the base)."""
+        from megatron.core import dist_checkpointing
+
+        c = self.ckpt
+        resume = layout.has_checkpoint(c.load)
+        base_dir, base_iteration = layout.resolve(c.pretrained_checkpoint, None if resume else c.ckpt_step)
+        if dist_checkpointing.load_common_state_dict(base_dir).get("peft"):
+            raise ConfigValidationError(ConfigProblem(
+                "checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
+                "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
+            ))  # fmt: skip
+        self._restore(run, base_dir, base_iteration, False, "base")
+        self._peft_base = (base_dir, base_iteration)
+        if not resume:
+            from megatron_bridge.peft.apply import base_weights_loaded
+
+            base_weights_loaded(run.model)
+            run.optimizer.reload_model_params()
+            return base_iteration
+        directory, iteration = layout.resolve(c.load, c.ckpt_step)
+        recorded = dist_checkpointing.load_common_state_dict(directory).get("peft")
+        if not recorded:
+            raise ConfigValidationError(ConfigProblem(
+                "checkpoint.load", f"{c.load!r} holds a checkpoint without adapters; a PEFT run resumes only from its own adapter checkpoints",
+                "set checkpoint.load to this run's save directory (or a new one); the base goes in pretrained_checkpoint",
+            ))  # fmt: skip
+        was = recorded.get("pretrained_iteration_dir")
+        if was and os.path.abspath(was) != os.path.abspath(base_dir) and run.state.is_logging_rank:
+            logger.warning("the adapters in %s were trained on the base in %s; loading them onto %s", directory, was, base_dir)
+        self._restore(run, directory, iteration, not c.finetune, "adapters")
+        return iteration
+
+    def _restore(self, run: "Run", directory: str, iteration: int, resume: bool, part: str) -> None:
+        """Load the `part` weights of the checkpoint in `directory` into `run`; with `resume`, also
+        its optimizer, scheduler, counters and RNG states."""
+        from megatron.core import dist_checkpointing
+
         check_architecture(directory, self.config.model)
         common = dist_checkpointing.load_common_state_dict(directory)
         same_layout = common.get("layout") == state_dict.layout()
@@ -187,13 +234,18 @@ class DefaultCheckpointManager:
         with_rng = resume and self.ckpt.load_rng and same_layout and common.get("saved_rng", False)
         with_rerun = resume and common.get("saved_rerun", False) and state_dict.rerun_machine_active()
         template = state_dict.build(
-            run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False, with_rerun=with_rerun
-        )
+            run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False,
+            with_rerun=with_rerun, model_part=part,
+        )  # fmt: skip
         loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)
         for key, chunk in zip(state_dict.model_keys(run), run.model):
-            state_dict.unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            state_dict.load_model_state(chunk, loaded[key], part)
         if with_optimizer:
             run.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            # Optimizers that keep their own copy of the weights (fp16/bf16 main params) take
+            # the loaded ones; otherwise the first step would bring back the initial weights.
+            run.optimizer.reload_model_params()
         if resume:
             _load_scheduler(run.scheduler, common["opt_param_scheduler"])
             run.state.train_state.load_state_dict(common["train_state"])
@@ -209,9 +261,9 @@ class DefaultCheckpointManager:
                 run.state.fault_tolerance.load_state_dict(common.get("ft_state"))
         _barrier()
         if run.state.is_logging_rank:
-            kind = "resumed from" if resume else "loaded weights of"
-            logger.info("%s iteration %d in %s", kind, iteration, directory)
-        return iteration
+            what = {"all": "", "base": "base weights of ", "adapters": "adapters of "}[part]
+            kind = f"resumed from {what}" if resume else f"loaded {what or 'weights of '}"
+            logger.info("%siteration %d in %s", kind, iteration, directory)
 
     def _load_strategy(self, directory: str):
         from megatron.core import parallel_state

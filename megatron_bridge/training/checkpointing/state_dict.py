@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -72,6 +72,43 @@ def unwrap(chunk: Any) -> Any:
     return chunk
 
 
+MODEL_PARTS = ("all", "base", "adapters")
+"""Which weights a model entry holds: everything, the base weights of an adapted model (what a
+pretrained checkpoint provides), or only its adapters (what a PEFT run saves)."""
+
+
+def model_state(chunk: Any, part: str = "all") -> dict[str, Any]:
+    """The sharded state dict of one model chunk, or of `part` of it.
+
+    Adapter entries use one key per layer (`decoder.layers.3.`...) rather than megatron-core's
+    layers stacked into one tensor per key, because adapters may sit on some layers only."""
+    bare = unwrap(chunk)
+    if part == "all":
+        return bare.sharded_state_dict()
+    from megatron_bridge.peft.apply import is_adapter_key
+
+    if part == "adapters":
+        sd = bare.sharded_state_dict(metadata={"non_homogeneous_layers": True})
+        return {k: v for k, v in sd.items() if is_adapter_key(k)}
+    return {k: v for k, v in bare.sharded_state_dict().items() if not is_adapter_key(k)}
+
+
+def load_model_state(chunk: Any, state: dict[str, Any], part: str = "all") -> None:
+    """Load `part` of a chunk's weights; the other part must be exactly what is missing."""
+    bare = unwrap(chunk)
+    if part == "all":
+        bare.load_state_dict(state, strict=True)
+        return
+    from megatron_bridge.peft.apply import is_adapter_key
+
+    result = bare.load_state_dict(state, strict=False)
+    wrong_missing = [k for k in result.missing_keys if is_adapter_key(k) == (part == "adapters")]
+    if result.unexpected_keys or wrong_missing:
+        raise RuntimeError(
+            f"loading the {part} weights: unexpected keys {result.unexpected_keys[:5]}, missing keys {wrong_missing[:5]}"
+        )
+
+
 def model_keys(run: "Run") -> list[str]:
     return ["model"] if len(run.model) == 1 else [f"model{i}" for i in range(len(run.model))]
 
@@ -91,18 +128,22 @@ def build(
     with_common: bool,
     with_rerun: bool = False,
     rerun_requested: bool = False,
+    model_part: str = "all",
+    peft_base: Optional[tuple[str, int]] = None,
 ) -> dict[str, Any]:
     """The sharded state dict of `run` (what gets saved, or the template a load fills in).
 
     `with_rerun` adds the state of megatron-core's rerun state machine (result validation);
     `rerun_requested` (the machine asked for this checkpoint) adds the data iterators' replay state
-    so the resumed job re-runs the suspicious step on the same data.
+    so the resumed job re-runs the suspicious step on the same data. `model_part` picks the
+    weights (see `MODEL_PARTS`); a PEFT run saves and resumes its adapters only, and records
+    `peft_base` (the directory and iteration of the base weights it loaded).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd: dict[str, Any] = {}
     for key, chunk in zip(model_keys(run), run.model):
-        sd[key] = unwrap(chunk).sharded_state_dict()
+        sd[key] = model_state(chunk, model_part)
     # Adam's state exists only after the first step: nothing to save before it.
     with_optimizer = with_optimizer and (for_loading or run.state.train_state.step > 0)
     if with_optimizer:
@@ -122,9 +163,25 @@ def build(
         sd["saved_rerun"] = with_rerun
         ft = run.state.fault_tolerance
         sd["ft_state"] = ft.state_dict() if ft is not None else None
+        if model_part == "adapters":
+            sd["peft"] = peft_record(run.state.cfg, peft_base)
     if with_rerun:
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         iterator = run.train_iterator if rerun_requested else None
         sd["rerun_state_machine"] = get_rerun_state_machine().state_dict(iterator, "torch_dist", force=for_loading)
     return sd
+
+
+def peft_record(cfg: Any, base: Optional[tuple[str, int]]) -> dict[str, Any]:
+    """What an adapter checkpoint records about its run: the method and the base it was trained on."""
+    import os
+
+    record: dict[str, Any] = {
+        "method": cfg.peft.method_name,
+        "pretrained_checkpoint": os.path.abspath(cfg.checkpoint.pretrained_checkpoint),
+    }
+    if base is not None:
+        record["pretrained_iteration_dir"] = os.path.abspath(base[0])
+        record["pretrained_iteration"] = base[1]
+    return record

@@ -282,13 +282,9 @@ def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None
 def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
     if cfg.peft is None:
         return
-    problems.check(
-        cfg.checkpoint.pretrained_checkpoint is not None,
-        "peft",
-        "parameter-efficient fine-tuning needs the weights it adapts",
-        "set checkpoint.pretrained_checkpoint",
-    )
-    problems.add("peft", "PEFT methods are not implemented in this version", "remove peft and fine-tune all weights")
+    from megatron_bridge.peft.apply import check_config
+
+    check_config(cfg, problems)
 
 
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:

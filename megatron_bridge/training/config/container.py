@@ -27,6 +27,7 @@ from megatron_bridge.training.config.resiliency import (
     StragglerDetectionConfig,
 )
 from megatron_bridge.training.config.scheduler import SchedulerConfig
+from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
@@ -56,6 +57,7 @@ SECTIONS = (
     "inprocess_restart",
     "tensor_inspect",
     "optimizer_config_override_provider",
+    "peft",
 )
 
 
@@ -131,8 +133,10 @@ class ConfigContainer(ConfigBase):
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     """Profilers."""
 
-    peft: Optional[Any] = None
-    """Parameter-efficient fine-tuning method (needs a pretrained checkpoint)."""
+    peft: Optional[Union[LoRA, DoRA]] = None
+    """Parameter-efficient fine-tuning (LoRA or DoRA adapters on checkpoint.pretrained_checkpoint).
+
+    On the command line `peft=lora` or `peft=dora` creates one with its defaults."""
 
     comm_overlap: Optional[CommOverlapConfig] = None
     """Communication overlap (None: leave model/ddp/optimizer settings as they are)."""

@@ -353,6 +353,8 @@ def _build_decoder(tp: Any) -> Any:  # noqa: C901 - one branch per kind of annot
                 return raw
             if isinstance(raw, Mapping):
                 return dc.section(raw, (origin,))
+            if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
+                return origin()  # a section selected by its short name (`peft=lora`), with its defaults
             raise DecodeError(f"expected a {origin.__name__} mapping, {got(raw)}", "use {field: value, ...}")
 
         return typed(section)
@@ -440,6 +442,10 @@ def _union_decoder(tp: Any, arms: tuple) -> Any:
                     return decoder(dc, raw, mode)
                 except DecodeError:
                     pass
+        named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
+        if named and isinstance(raw, str):
+            hint = suggest(raw, named)
+            raise DecodeError(f"expected {' or '.join(map(repr, named))} or a mapping, {got(raw)}", hint or f"use one of {named}")
         raise DecodeError(f"expected {describe(tp)}, {got(raw)}", f"use a value of type {describe(tp)}")
 
     return decode

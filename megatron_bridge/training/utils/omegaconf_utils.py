@@ -231,6 +231,11 @@ class _Applier:
             except TypeError as exc:  # a section class that cannot be built without arguments
                 self.error(where, f"is null and cannot be created empty: {exc}", f"set {where} as a whole", source)
                 return
+            named = [c.config_name for c in section_classes(f.type) if isinstance(getattr(c, "config_name", None), str)]
+            if section is None and current is None and len(named) > 1 and o.op != "delete":
+                picks = " or ".join(f"{where}={n}" for n in named)
+                self.error(where, f"is null, so it has no key {o.key[i + 1]!r}", f"choose one first: {picks}", source)
+                return
             if section is not None:
                 if section is not current:
                     self.assign(obj, name, section, where, source)

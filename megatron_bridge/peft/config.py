@@ -1,0 +1,96 @@
+"""The PEFT methods a run can use: `LoRA` and `DoRA`, the values of `ConfigContainer.peft`.
+
+They are plain config sections (YAML round trip, overrides such as `peft.dim=32`, `--help-config
+peft`); `peft=lora` / `peft=dora` on the command line creates one with the defaults. What they do
+to the model lives in `megatron_bridge.peft.apply`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import ClassVar, Literal
+
+from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.errors import Problems
+
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""megatron-core's four projections of a transformer layer (attention in/out, MLP in/out)."""
+
+InitMethod = Literal["xavier", "kaiming", "normal", "zero"]
+
+
+@config_dataclass(kw_only=True)
+class LoRA(ConfigBase):
+    """Low-rank adapters (LoRA) on linear layers, whose weights stay frozen.
+
+    Each target layer W computes W x + (alpha / dim) * B @ A @ x with trainable A and B."""
+
+    config_name: ClassVar[str] = "lora"
+    """The name that selects this method on the command line (`peft=lora`)."""
+
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """Linear layers to adapt: a module name (`linear_qkv`, `linear_proj`, `linear_fc1`,
+    `linear_fc2`, also inside MoE experts) or a full-name pattern with wildcards, e.g.
+    `*.layers.0.*.linear_qkv` or `*.experts.*.linear_fc1` (layer and expert numbers are global)."""
+
+    dim: int = 32
+    """Rank of the update (the inner size of B @ A)."""
+
+    alpha: float = 32
+    """Scale numerator: the update is multiplied by alpha / dim."""
+
+    dropout: float = 0.0
+    """Dropout probability on the adapter path (0: none)."""
+
+    dropout_position: Literal["pre", "post"] = "pre"
+    """Where the adapter's dropout acts: on its input ('pre') or on its output ('post')."""
+
+    lora_A_init_method: InitMethod = "xavier"
+    """Initialization of A (the down projection)."""
+
+    lora_B_init_method: InitMethod = "zero"
+    """Initialization of B (the up projection); 'zero' makes the adapted model start as its base."""
+
+    @property
+    def scale(self) -> float:
+        """alpha / dim: the factor applied to B @ A."""
+        return self.alpha / self.dim
+
+    def _finalize(self, problems: Problems) -> None:
+        p = problems
+        p.check(self.dim > 0, "dim", f"the rank must be positive, got {self.dim}", "use e.g. dim=16")
+        p.check(
+            self.alpha > 0, "alpha", f"must be positive, got {self.alpha}", "use e.g. alpha=32 (twice dim is common)"
+        )
+        p.check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}", "use e.g. 0.0 or 0.05")
+        if p.check(
+            bool(self.target_modules),
+            "target_modules",
+            "is empty: nothing would be trained",
+            f"use e.g. {list(DEFAULT_TARGETS)}",
+        ):
+            from megatron_bridge.peft.targets import pattern_problem
+
+            for i, pattern in enumerate(self.target_modules):
+                why = pattern_problem(pattern)
+                p.check(
+                    why is None,
+                    f"target_modules.{i}",
+                    f"{pattern!r}: {why}",
+                    "use a module name or a dotted pattern with * wildcards",
+                )
+
+    @property
+    def method_name(self) -> str:
+        return "DoRA" if isinstance(self, DoRA) else "LoRA"
+
+
+@config_dataclass(kw_only=True)
+class DoRA(LoRA):
+    """Weight-decomposed low-rank adaptation (DoRA) on linear layers, whose weights stay frozen.
+
+    Each target weight becomes m * V / ||V|| (norms per output row) with V = W + (alpha / dim) * B @ A
+    and a trainable magnitude m per output feature (initialized to the rows' norms)."""
+
+    config_name: ClassVar[str] = "dora"
+    """The name that selects this method on the command line (`peft=dora`)."""

@@ -1,0 +1,104 @@
+"""`export_adapters`: a PEFT run's adapters in the format of the `peft` library.
+
+Writes `adapter_config.json` and `adapter_model.safetensors` with Hugging Face module names
+(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, ...), which `peft`
+(`PeftModel.from_pretrained`) and serving tools that load LoRA adapters read. Only the adapter
+tensors are read from the checkpoint (no model is built): they are small even for large models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+PEFT_PREFIX = "base_model.model."
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+PEFT_PARAM = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight", "lora_magnitude": "lora_magnitude_vector"}
+"""Our adapter parameter -> its name under a module in the peft format."""
+
+
+def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
+    """The adapter tensors of a PEFT checkpoint, whole (not split over ranks), by module name and
+    parameter: {'decoder.layers.0.self_attention.linear_qkv.lora_A': tensor, ...}."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_bridge.peft.apply import is_adapter_key
+
+    reader = dcp.FileSystemReader(iteration_dir)
+    metadata = reader.read_metadata().state_dict_metadata
+    keys = [k for k in metadata if not k.startswith("optimizer.") and is_adapter_key(k)]
+    tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def to_peft_state(tensors: dict[str, Any], model_cfg: Any) -> dict[str, Any]:
+    """Our adapter tensors under peft-format Hugging Face names (fused projections split)."""
+    from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, split_rows
+
+    out = {}
+    for key, tensor in sorted(tensors.items()):
+        module, param = key.rsplit(".", 1)
+        if ".experts." in module:
+            raise UnmappedModuleError(
+                f"{module}: adapters on MoE experts have no peft-format counterpart here (Hugging Face MoE models "
+                "keep their experts in fused tensors); train without expert targets to export"
+            )
+        names = hf_modules(module)
+        parts = (tensor,) * len(names) if param == "lora_A" else split_rows(module, tensor, model_cfg)
+        for name, part in zip(names, parts):
+            out[f"{PEFT_PREFIX}{name}.{PEFT_PARAM[param]}"] = part.clone()  # one copy per HF module
+    return out
+
+
+def peft_config(peft: Any, modules: list[str], num_layers: int, base_model: Optional[str]) -> dict[str, Any]:
+    """`adapter_config.json` for adapters on the HF `modules` (full names)."""
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    kinds = {m.split(".", 3)[3] for m in modules}  # model.layers.N.<kind>
+    complete = set(modules) == {f"model.layers.{i}.{kind}" for i in range(num_layers) for kind in kinds}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": peft.dim,
+        "lora_alpha": peft.alpha,
+        "lora_dropout": peft.dropout,
+        # Short names when every layer has the same adapters (what serving tools expect); else exact names.
+        "target_modules": leaves if complete else sorted(modules),
+        "use_dora": peft.method_name == "DoRA",
+        "use_rslora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
+
+
+def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = None) -> list[str]:
+    """Write the adapters of the PEFT checkpoint `checkpoint` to `out_dir` in the peft format;
+    returns the files written. `base_model` goes into the config as `base_model_name_or_path`
+    (default: the base checkpoint the adapters were trained on)."""
+    from megatron_bridge.extras import require
+    from megatron_bridge.peft.merge import read_adapter_checkpoint
+
+    safetensors_torch = require("safetensors.torch", "writing adapters in the peft format")
+    directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
+    state = to_peft_state(read_adapter_tensors(directory), cfg.model)
+    modules = sorted({k[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for k in state})
+    base = base_model if base_model is not None else common["peft"].get("pretrained_checkpoint")
+    config = peft_config(cfg.peft, modules, cfg.model.num_layers, base)
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, WEIGHTS_FILE)
+    safetensors_torch.save_file(state, weights, metadata={"format": "pt"})
+    config_path = os.path.join(out_dir, CONFIG_FILE)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [config_path, weights]

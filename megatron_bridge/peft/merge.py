@@ -1,0 +1,125 @@
+"""`merge_checkpoint`: a full checkpoint with a PEFT run's adapters folded into its base weights.
+
+The adapters' checkpoint records the base it was trained on; both are loaded into the unsplit
+model in one process (megatron-core reshards whatever layout they were saved in), every adapter
+is folded in (W + scale * B @ A; DoRA also rescales each row to its magnitude), and the plain
+model is saved as an ordinary checkpoint: `pretrained_checkpoint` of a later run, or resumable
+(without optimizer state) at the adapters' iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any, Optional
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
+    """(iteration dir, iteration, run config, common state) of the PEFT checkpoint at `path`;
+    ValueError if it holds no adapters."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.training.config import ConfigContainer
+
+    directory, iteration = layout.resolve(path)
+    config_file = os.path.join(directory, layout.RUN_CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise ValueError(
+            f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to"
+        )
+    common = dist_checkpointing.load_common_state_dict(directory)
+    cfg = ConfigContainer.from_yaml(config_file)
+    if not common.get("peft") or cfg.peft is None:
+        raise ValueError(f"{directory!r} is not a PEFT checkpoint (it holds no adapters)")
+    return directory, iteration, cfg, common
+
+
+def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
+    """The base weights the adapters were trained on (or `base` when given)."""
+    if base is not None:
+        return base
+    record = common["peft"]
+    recorded = record.get("pretrained_iteration_dir") or record.get("pretrained_checkpoint")
+    if recorded and os.path.isdir(recorded):
+        return recorded
+    if cfg.checkpoint.pretrained_checkpoint and os.path.isdir(cfg.checkpoint.pretrained_checkpoint):
+        return cfg.checkpoint.pretrained_checkpoint
+    raise FileNotFoundError(
+        f"the base weights of these adapters ({recorded!r}) are not there; give their directory explicitly"
+    )
+
+
+def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str:
+    """Fold the adapters of the PEFT checkpoint `adapters` into their base and save the result
+    under `out` (as `out/iter_N`, N the adapters' iteration); returns that directory."""
+    from megatron_bridge.peft.apply import merge_and_unwrap
+    from megatron_bridge.peft.offline import load_weights, single_process_model
+
+    directory, iteration, cfg, common = read_adapter_checkpoint(adapters)
+    base_dir = base_of(cfg, common, base)
+    with single_process_model(cfg) as model:
+        load_weights(model, base_dir, "base")
+        load_weights(model, directory, "adapters")
+        count = merge_and_unwrap(model)
+        final = save_model(
+            model,
+            out,
+            iteration,
+            plain_config(cfg),
+            common,
+            merged_from={"adapters": os.path.abspath(directory), "base": os.path.abspath(base_dir)},
+        )
+    logger.info("folded %d adapters of %s into %s: %s", count, directory, base_dir, final)
+    return final
+
+
+def plain_config(cfg: Any) -> Any:
+    """The run config of the merged model: no PEFT method, no base to load."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    cfg.peft = None
+    cfg.checkpoint.pretrained_checkpoint = None
+    cfg.checkpoint.load = cfg.checkpoint.save = None  # the adapters' directories, not this model's
+    return cfg
+
+
+def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **extra: Any) -> str:
+    """Save a bare model (one process) as a complete checkpoint in `out`: written under a
+    temporary name, then committed with the tracker file like the trainer's checkpoints."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_bridge.training.checkpointing import layout, state_dict
+
+    final = layout.iteration_dir(out, iteration)
+    staging = final + layout.INCOMPLETE_SUFFIX
+    os.makedirs(out, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    sd: dict[str, Any] = {"model": model.sharded_state_dict()}
+    sd.update(
+        checkpoint_version=state_dict.CHECKPOINT_VERSION,
+        iteration=iteration,
+        train_state=common.get("train_state"),
+        opt_param_scheduler=common.get("opt_param_scheduler"),
+        layout=state_dict.layout(),
+        saved_rng=False,
+        saved_optimizer=False,
+        saved_rerun=False,
+        ft_state=None,
+        **extra,
+    )
+    dist_checkpointing.save(sd, staging, TorchDistSaveShardedStrategy("torch_dist", 1))
+    cfg.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    layout.write_tracker(out, iteration)
+    torch.distributed.barrier()
+    return final
