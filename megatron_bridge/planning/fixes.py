@@ -114,7 +114,9 @@ def _layouts(inp: PlanInputs) -> Iterator[PlanInputs]:
             for cp in (c for c in sizes if c <= 16):
                 if (tp, pp, cp) == (inp.tp, inp.pp, inp.cp) or inp.world_size % (tp * pp * cp):
                     continue
-                vp = inp.vp if pp > 1 and inp.vp and pp == inp.pp else None
+                slots = inp.num_layers + int(inp.embedding_in_pipeline_split) + int(inp.loss_in_pipeline_split)
+                keep_vp = pp > 1 and inp.vp and slots % pp == 0 and (slots // pp) % inp.vp == 0
+                vp = inp.vp if keep_vp else None
                 etp = tp if inp.etp == inp.tp else inp.etp
                 yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1)
 
@@ -244,11 +246,12 @@ def _ranked(base: PlanInputs, found: list) -> list[Fix]:
     """Fixes best first (estimated tokens/s, then fewer changes), without any whose changes
     include all of a better one's."""
     fixes = [Fix(changes(base, ev.inputs), ev) for ev in found]
-    fixes.sort(key=lambda f: (-f.evaluation.timing.tokens_per_s, len(f.changes)))
-    minimal: list[Fix] = []
-    for fix in fixes:
-        keys = set(fix.overrides)
-        if any(set(kept.overrides) <= keys for kept in minimal):
+    sets = [frozenset(f.overrides) for f in fixes]
+    minimal, kept = [], set()
+    for fix, own in zip(fixes, sets):
+        if own in kept or any(other < own for other in sets):
             continue
+        kept.add(own)
         minimal.append(fix)
+    minimal.sort(key=lambda f: (-f.evaluation.timing.tokens_per_s, len(f.overrides)))
     return minimal

@@ -74,6 +74,8 @@ class PlanInputs:
     loss_in_pipeline_split: bool
     transformer_engine: bool
     # ---- precision
+    precision: str
+    """'bf16', 'fp16' or the parameter dtype (e.g. 'float32')."""
     param_bytes: int
     activation_bytes: int
     fp8_params: bool
@@ -207,13 +209,14 @@ class PlanInputs:
             cp=cp,
             ep=m.expert_model_parallel_size or 1,
             etp=(m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else tp) if experts else tp,
-            microbatch_group_size=getattr(m, "microbatch_group_size_per_vp_stage", None),
+            microbatch_group_size=_explicit(m, "microbatch_group_size_per_vp_stage"),
             sequence_parallel=bool(m.sequence_parallel),
             layers_first_stage=m.num_layers_in_first_pipeline_stage,
             layers_last_stage=m.num_layers_in_last_pipeline_stage,
             embedding_in_pipeline_split=bool(m.account_for_embedding_in_pipeline_split),
             loss_in_pipeline_split=bool(m.account_for_loss_in_pipeline_split),
             transformer_engine=m.transformer_impl == "transformer_engine",
+            precision="bf16" if bf16 else "fp16" if fp16 else str(m.params_dtype).replace("torch.", ""),
             param_bytes=param_bytes,
             activation_bytes=2 if (bf16 or fp16) else dtype_bytes(m.params_dtype),
             fp8_params=fp8_params,
@@ -240,6 +243,14 @@ class PlanInputs:
             global_batch_size=t.global_batch_size,
             train_iters=t.train_iters,
         )
+
+
+def _explicit(section: Any, name: str) -> Any:
+    """The value of `name` if the user chose it, None if it is derived (it then follows the layout)."""
+    is_explicit = getattr(section, "is_explicit", None)
+    if is_explicit is not None and not is_explicit(name):
+        return None
+    return getattr(section, name, None)
 
 
 def _moe_pattern(m: Any, experts: int) -> tuple[bool, ...]:

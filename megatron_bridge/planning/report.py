@@ -34,8 +34,7 @@ def count(n: float) -> str:
 
 
 def _precision(inp: PlanInputs) -> str:
-    name = {4: "fp32", 2: "bf16/fp16", 1: "fp8"}[inp.param_bytes]
-    return name + (" (fp8 weights)" if inp.fp8_params else "")
+    return inp.precision + (" (fp8 linear weights)" if inp.fp8_params else "")
 
 
 def _stage_name(r: RankMemory, inp: PlanInputs) -> str:
@@ -114,7 +113,7 @@ def plan_text(plan: Any) -> list[str]:
     lines.append(
         f"time at MFU {plan.mfu:.2f} (assumed; --mfu) of {plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak:"
     )
-    lines.append(f"  {count(t.flops_per_token)} FLOPs/token, {count(t.flops_per_step)} FLOPs/step, {count(t.tokens_per_step)} tokens/step")
+    lines.append(f"  {t.flops_per_token:.3g} FLOPs/token, {t.flops_per_step:.3g} FLOPs/step, {count(t.tokens_per_step)} tokens/step")
     lines.append(f"  step {t.step_time_s:.3g} s, {count(t.tokens_per_s)} tokens/s ({count(t.tokens_per_s / inp.world_size)} per GPU)")
     if t.train_iters is not None:
         lines.append(f"  {t.train_iters} iterations: {duration(t.time_to_train_s)}, {count(t.total_tokens)} tokens")
@@ -123,9 +122,10 @@ def plan_text(plan: Any) -> list[str]:
                      "fixes: none found within TP <= 8 and up to 16x the GPUs")
         for i, fix in enumerate(plan.fixes, 1):
             ev = fix.evaluation
+            lines.append(f"  {i}. {fix.description}")
             lines.append(
-                f"  {i}. {fix.description}: {gib(ev.worst.total)} GiB on the fullest GPU, "
-                f"{gib(ev.worst.margin)} GiB left; step {ev.timing.step_time_s:.3g} s, {count(ev.timing.tokens_per_s)} tokens/s"
+                f"     -> {gib(ev.worst.total)} GiB on the fullest GPU ({gib(ev.worst.margin)} left), "
+                f"step {ev.timing.step_time_s:.3g} s, {count(ev.timing.tokens_per_s)} tokens/s"
             )
             lines.append(f"     {' '.join(fix.overrides)}")
     return lines
