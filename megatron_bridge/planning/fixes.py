@@ -201,7 +201,10 @@ def _search(planner, starts: list[PlanInputs], moves: tuple[Move, ...], depth: i
     for _ in range(depth):
         candidates = []
         for inp in frontier:
+            relaid = (inp.tp, inp.pp, inp.cp) != (starts[0].tp, starts[0].pp, starts[0].cp)
             for move in moves:
+                if move is _layouts and relaid:
+                    continue  # one change of layout per fix; the other knobs refine it
                 for new in move(inp):
                     sig = _signature(new)
                     if sig in seen or not _valid(new):
