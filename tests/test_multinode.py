@@ -158,9 +158,11 @@ def test_slurm_script_for_gpus_with_container(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["train.exit_signal_handler=false"], "train.exit_signal_handler=false: a requeued job resumes"),
-        (["checkpoint.save=null"], "checkpoint.save is not set: a preempted job would start over"),
-        (["checkpoint.load=/elsewhere"], "differs from checkpoint.save"),
+        (["train.exit_signal_handler=false"], "train.exit_signal_handler: false, but a requeued job resumes from the "
+                                              "checkpoint saved on the exit signal (leave it unset"),
+        (["checkpoint.save=null"], "checkpoint.save: is not set: a preempted job would start over when requeued "
+                                   "(set checkpoint.save=DIR)"),
+        (["checkpoint.load=/elsewhere"], "checkpoint.load: '/elsewhere' differs from checkpoint.save="),
         (["--container-mounts", "/a:/a"], "--container-mounts needs --container IMAGE"),
         (["model.tensor_model_parallel_size=3"], "does not resolve at world size 8"),
     ],

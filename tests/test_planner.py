@@ -221,6 +221,13 @@ def test_fixes_are_minimal_and_the_plan_text_names_them():
 
 
 # ---------------------------------------------------------------------- CLI
+def test_gpu_choices_of_the_cli_are_the_planner_devices():
+    from megatron_bridge.cli.training import GPU_CHOICES
+    from megatron_bridge.planning import GPUS
+
+    assert GPU_CHOICES == tuple(GPUS)
+
+
 def test_plan_only_prints_the_plan(capsys):
     assert mbridge(["pretrain", "--recipe", "llama3_8b_pretrain_config", "--plan-only"]) == 0
     out = capsys.readouterr().out

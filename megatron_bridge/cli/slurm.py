@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_bridge.cli import source
     from megatron_bridge.cli.dry_run import resolve
+    from megatron_bridge.cli.errors import config_errors_are_usage_errors
+    from megatron_bridge.config.errors import Problems
     from megatron_bridge.launch.slurm import SlurmJob, render
 
     if args.container_mounts and not args.container:
@@ -96,19 +98,32 @@ def run(args: argparse.Namespace) -> int:
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
     t, ckpt = cfg.train, cfg.checkpoint
-    if t.is_explicit("exit_signal_handler") and not t.exit_signal_handler:
-        raise UsageError("train.exit_signal_handler=false: a requeued job resumes from the checkpoint saved on the "
-                         "exit signal (leave it unset; the script turns it on)")
-    if not ckpt.save:
-        raise UsageError("checkpoint.save is not set: a preempted job would start over when requeued "
-                         "(set checkpoint.save=DIR)")
+    problems = Problems()
+    problems.check(
+        not (t.is_explicit("exit_signal_handler") and not t.exit_signal_handler),
+        "train.exit_signal_handler",
+        "false, but a requeued job resumes from the checkpoint saved on the exit signal",
+        "leave it unset: the script turns it on",
+    )
+    problems.check(
+        bool(ckpt.save),
+        "checkpoint.save",
+        "is not set: a preempted job would start over when requeued",
+        "set checkpoint.save=DIR",
+    )
     extra = ["train.exit_signal_handler=true"]
-    if not ckpt.load:
+    if ckpt.save and not ckpt.load:
         extra.append(f"checkpoint.load={ckpt.save}")
-    elif os.path.abspath(ckpt.load) != os.path.abspath(ckpt.save):
-        raise UsageError(f"checkpoint.load={ckpt.load!r} differs from checkpoint.save={ckpt.save!r}: a requeued job "
-                         "would not resume from its own checkpoints (load from the save directory; start from other "
-                         "weights with checkpoint.pretrained_checkpoint)")
+    elif ckpt.save:
+        problems.check(
+            os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save),
+            "checkpoint.load",
+            f"{ckpt.load!r} differs from checkpoint.save={ckpt.save!r}: a requeued job would not resume from its own "
+            "checkpoints",
+            "load from the save directory; start from other weights with checkpoint.pretrained_checkpoint",
+        )
+    with config_errors_are_usage_errors("the config cannot be requeued: "):
+        problems.raise_if_any()
     world = args.nodes * args.gpus_per_node
     resolve(cfg, world)
     job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")

@@ -158,6 +158,10 @@ class PlanInputs:
             raise PlanningError("model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner")
         if getattr(m, "multi_latent_attention", False) or getattr(m, "mtp_num_layers", None):
             raise PlanningError("multi-latent attention and multi-token prediction are not modeled by the planner")
+        if getattr(cfg, "peft", None) is not None:
+            raise PlanningError("parameter-efficient fine-tuning (peft) is not modeled by the planner")
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False) or cfg.dist.use_torch_fsdp2:
+            raise PlanningError("FSDP sharding of parameters and gradients is not modeled by the planner")
         if cfg.data_parallel_size is None and world_size is None:
             raise PlanningError("the config is not resolved: call runtime_config_update(cfg) first")
         tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
