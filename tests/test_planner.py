@@ -271,6 +271,7 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
         (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
         (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
         (["--dry-run", "--json"], "--json only applies to --plan-only"),
+        (["--plan-only", "ddp.use_megatron_fsdp=true"], "no plan: FSDP sharding of parameters and gradients is not modeled"),
     ],
 )
 def test_plan_option_errors(capsys, argv, message):
