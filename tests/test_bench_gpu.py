@@ -14,8 +14,22 @@ BENCH = Path(__file__).parent.parent / "tools" / "bench_gpu.py"
 @pytest.mark.timeout(420)
 def test_gpu_benchmark_runs_on_cpu_with_the_tiny_shape():
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--tiny", "--rounds", "1", "--iters", "3", "--warmup", "1", "--trackers", "tensorboard"],
-        capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            str(BENCH),
+            "--tiny",
+            "--rounds",
+            "1",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--trackers",
+            "tensorboard",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
@@ -29,5 +43,7 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_shape():
 
 
 def test_unknown_tracker_is_refused():
-    out = subprocess.run([sys.executable, str(BENCH), "--trackers", "neptune"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--trackers", "neptune"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "unknown trackers ['neptune']" in out.stderr

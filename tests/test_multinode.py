@@ -27,13 +27,19 @@ def clean_env(**extra):
     return env
 
 
-def torchrun(*args, nnodes=1, nproc=2, port=None, rdzv=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes == 1:
-        cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
-    else:
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv}"]
-    return [*cmd, *map(str, args)]
+def torchrun_node(*args, port, rdzv):
+    """One "node" of a 2-node job on this machine: torchrun with 1 process, c10d rendezvous."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={rdzv}",
+        *map(str, args),
+    ]
 
 
 @pytest.mark.slow
@@ -45,9 +51,13 @@ def test_two_nodes_on_localhost_train_like_one_node(tmp_path):
     train = [SCRIPTS / "train_tiny.py", "--iters", "6"]
     port, ckpt = free_port(), tmp_path / "ckpt"
     nodes = [
-        subprocess.Popen(torchrun(*train, "--save", ckpt, "--out", tmp_path / "two", nnodes=2, nproc=1, port=port,
-                                  rdzv="two-nodes"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+        subprocess.Popen(
+            torchrun_node(*train, "--save", ckpt, "--out", tmp_path / "two", port=port, rdzv="two-nodes"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(),
+        )
         for _ in range(2)
     ]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
@@ -56,7 +66,9 @@ def test_two_nodes_on_localhost_train_like_one_node(tmp_path):
     results = [json.loads((tmp_path / f"two.rank{r}").read_text()) for r in (0, 1)]
     launchers = [r["launcher"] for r in results]
     assert [(lr["RANK"], lr["LOCAL_RANK"], lr["WORLD_SIZE"], lr["LOCAL_WORLD_SIZE"]) for lr in launchers] == [
-        ("0", "0", "2", "1"), ("1", "0", "2", "1")]
+        ("0", "0", "2", "1"),
+        ("1", "0", "2", "1"),
+    ]
     assert {lr["GROUP_RANK"] for lr in launchers} == {"0", "1"}  # one rank per node
     for r in results:
         assert r["step"] == 6 and r["dp"] == 2 and len(r["losses"]) == 6
@@ -71,24 +83,51 @@ def test_two_nodes_on_localhost_train_like_one_node(tmp_path):
 
 
 # ---------------------------------------------------------------------- Slurm
-OVERRIDES = ["train.train_iters=16", "train.global_batch_size=16", "train.micro_batch_size=2", "logger.log_interval=1",
-             "validation.eval_iters=0"]
+OVERRIDES = [
+    "train.train_iters=16",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=2",
+    "logger.log_interval=1",
+    "validation.eval_iters=0",
+]
 
 
 def write_script(tmp_path, name, *extra):
     script = tmp_path / f"{name}.sbatch"
-    argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "2", "--gpus-per-node", "1", "--cpu",
-            "--dir", str(tmp_path / "runs"), "--name", name, "--log-dir", str(tmp_path / "logs"), "-o", str(script),
-            *extra, *OVERRIDES]
+    argv = [
+        "slurm",
+        "--recipe",
+        "tiny_gpt_pretrain_config",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--cpu",
+        "--dir",
+        str(tmp_path / "runs"),
+        "--name",
+        name,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "-o",
+        str(script),
+        *extra,
+        *OVERRIDES,
+    ]
     assert mbridge(argv) == 0
     return script
 
 
 def slurm_env(tmp_path, job_id, restart=0):
     return clean_env(
-        PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES="2",
-        SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_RESTART_COUNT=str(restart),
-        FAKE_SLURM_REQUEUES=str(tmp_path / "requeues"), MASTER_PORT=str(free_port()),
+        PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID=str(job_id),
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[0-1]",
+        SLURM_RESTART_COUNT=str(restart),
+        FAKE_SLURM_REQUEUES=str(tmp_path / "requeues"),
+        MASTER_PORT=str(free_port()),
     )
 
 
@@ -104,8 +143,9 @@ def losses(run_dir):
 def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tmp_path):
     # uninterrupted
     script = write_script(tmp_path, "straight")
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=400,
-                          env=slurm_env(tmp_path, 101))
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=400, env=slurm_env(tmp_path, 101)
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "training stopped at iteration 16: completed" in done.stdout
     assert not (tmp_path / "requeues").exists()
@@ -116,8 +156,13 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
     script = write_script(tmp_path, "preempted")
     log = tmp_path / "preempted.log"
     with open(log, "w") as out:
-        job = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT,
-                               env=slurm_env(tmp_path, 102), start_new_session=True)
+        job = subprocess.Popen(
+            ["bash", str(script)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=slurm_env(tmp_path, 102),
+            start_new_session=True,
+        )
         deadline = time.time() + 300
         while "iteration  3/16" not in log.read_text() and job.poll() is None and time.time() < deadline:
             time.sleep(0.2)
@@ -131,8 +176,9 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
     assert 3 <= stopped < 16
 
     # the requeued job: same script, same job id, next restart count
-    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=400,
-                           env=slurm_env(tmp_path, 102, restart=1))
+    again = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=400, env=slurm_env(tmp_path, 102, restart=1)
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from iteration {stopped}" in again.stdout
     assert "training stopped at iteration 16: completed" in again.stdout
@@ -140,13 +186,39 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
 
 
 def test_slurm_script_for_gpus_with_container(tmp_path, capsys):
-    argv = ["slurm", "--recipe", "llama3_70b_pretrain_config", "--nodes", "8", "--gpus-per-node", "8", "--time",
-            "04:00:00", "--partition", "batch", "--container", "nvcr.io/nvidia/pytorch:25.01-py3",
-            "--container-mounts", "/lustre:/lustre", "--dir", "/lustre/runs", "-o", "-", "optimizer.lr=1e-4"]
+    argv = [
+        "slurm",
+        "--recipe",
+        "llama3_70b_pretrain_config",
+        "--nodes",
+        "8",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "04:00:00",
+        "--partition",
+        "batch",
+        "--container",
+        "nvcr.io/nvidia/pytorch:25.01-py3",
+        "--container-mounts",
+        "/lustre:/lustre",
+        "--dir",
+        "/lustre/runs",
+        "-o",
+        "-",
+        "optimizer.lr=1e-4",
+    ]
     assert mbridge(argv) == 0
     text = capsys.readouterr().out
-    for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120",
-                 "#SBATCH --time=04:00:00", "#SBATCH --partition=batch", 'export CUDA_DEVICE_MAX_CONNECTIONS="${'):
+    for line in (
+        "#SBATCH --nodes=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --partition=batch",
+        'export CUDA_DEVICE_MAX_CONNECTIONS="${',
+    ):
         assert line in text
     assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts=/lustre:/lustre" in text
     assert "--nproc-per-node=8" in text and "--rdzv-backend=c10d" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
@@ -158,18 +230,34 @@ def test_slurm_script_for_gpus_with_container(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["train.exit_signal_handler=false"], "train.exit_signal_handler: false, but a requeued job resumes from the "
-                                              "checkpoint saved on the exit signal (leave it unset"),
-        (["checkpoint.save=null"], "checkpoint.save: is not set: a preempted job would start over when requeued "
-                                   "(set checkpoint.save=DIR)"),
+        (
+            ["train.exit_signal_handler=false"],
+            "train.exit_signal_handler: false, but a requeued job resumes from the "
+            "checkpoint saved on the exit signal (leave it unset",
+        ),
+        (
+            ["checkpoint.save=null"],
+            "checkpoint.save: is not set: a preempted job would start over when requeued (set checkpoint.save=DIR)",
+        ),
         (["checkpoint.load=/elsewhere"], "checkpoint.load: '/elsewhere' differs from checkpoint.save="),
         (["--container-mounts", "/a:/a"], "--container-mounts needs --container IMAGE"),
         (["model.tensor_model_parallel_size=3"], "does not resolve at world size 8"),
     ],
 )
 def test_slurm_errors(capsys, tmp_path, extra, message):
-    argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "2", "--gpus-per-node", "4", "--cpu",
-            "-o", str(tmp_path / "x.sbatch"), *extra]
+    argv = [
+        "slurm",
+        "--recipe",
+        "tiny_gpt_pretrain_config",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--cpu",
+        "-o",
+        str(tmp_path / "x.sbatch"),
+        *extra,
+    ]
     assert mbridge(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.sbatch").exists()

@@ -48,10 +48,25 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
     bytes of parameters, gradient buffers, optimizer state (main copies + moments) and torch's
     step counters equal the planner's on each rank, and so does the parameter list."""
     out = tmp_path / "memory"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(SCRIPT), "--out", str(out), "--layouts", *LAYOUTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--layouts",
+        *LAYOUTS,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     differing_shards = 0
@@ -76,8 +91,15 @@ def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
     sys.path.insert(0, str(SCRIPT.parent.parent))
     from factories import tiny_config, tiny_model
 
-    cfg = tiny_config(model=tiny_model(share_embeddings_and_output_weights=False, add_qkv_bias=True, qk_layernorm=True,
-                                       vocab_size=250, add_bias_linear=False))
+    cfg = tiny_config(
+        model=tiny_model(
+            share_embeddings_and_output_weights=False,
+            add_qkv_bias=True,
+            qk_layernorm=True,
+            vocab_size=250,
+            add_bias_linear=False,
+        )
+    )
     cfg.tokenizer.vocab_size = 250
     cfg.ddp.use_distributed_optimizer, cfg.ddp.overlap_grad_reduce, cfg.ddp.bucket_size = True, True, 20000
     runtime_config_update(cfg, world_size=2)
@@ -94,10 +116,27 @@ def paper_inputs(**changes):
     attention, 16-bit activations."""
     cfg = resolved("llama2_7b_pretrain_config")
     inp = PlanInputs.from_config(cfg)
-    base = dict(hidden=4096, heads=32, query_groups=32, kv_channels=128, ffn=4 * 4096, gated=False, seq_length=2048,
-                micro_batch_size=2, hidden_dropout=0.1, attention_dropout=0.1, transformer_engine=False,
-                activation_bytes=2, tp=1, cp=1, sequence_parallel=False, recompute_granularity=None,
-                recompute_method=None, recompute_num_layers=None, recompute_modules=("core_attn",))
+    base = dict(
+        hidden=4096,
+        heads=32,
+        query_groups=32,
+        kv_channels=128,
+        ffn=4 * 4096,
+        gated=False,
+        seq_length=2048,
+        micro_batch_size=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        transformer_engine=False,
+        activation_bytes=2,
+        tp=1,
+        cp=1,
+        sequence_parallel=False,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=("core_attn",),
+    )
     base.update(changes)
     return inp.replace(**base)
 
@@ -126,10 +165,11 @@ def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, c
 def test_activation_terms_for_a_modern_layer():
     """GQA, SwiGLU, no dropout, fused attention: Q/K/V shrink to the query groups, no masks, the
     attention scores are not kept; context parallelism splits every term."""
-    inp = paper_inputs(query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0,
-                       transformer_engine=True)
+    inp = paper_inputs(
+        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True
+    )
     terms = layer_terms(inp)
-    s, b, h = 2048, 2, 4096
+    s, b = 2048, 2
     assert terms["Q, K, V"] == 2 * s * b * (4096 + 2 * 1024)
     assert terms["activation input"] == 2 * s * b * 2 * 14336
     assert not any("mask" in k or "softmax output" in k for k in terms)
@@ -137,8 +177,9 @@ def test_activation_terms_for_a_modern_layer():
 
 
 def test_micro_batches_in_flight_follow_megatron_schedules():
-    inp = paper_inputs().replace(pp=4, vp=None, global_batch_size=64, micro_batch_size=1, world_size=4,
-                                 microbatch_group_size=None)
+    inp = paper_inputs().replace(
+        pp=4, vp=None, global_batch_size=64, micro_batch_size=1, world_size=4, microbatch_group_size=None
+    )
     assert [in_flight_micro_batches(inp, r) for r in range(4)] == [4, 3, 2, 1]
     few = inp.replace(global_batch_size=2)
     assert in_flight_micro_batches(few, 0) == 2
@@ -154,10 +195,19 @@ def test_micro_batches_in_flight_follow_megatron_schedules():
     [
         dict(num_layers=8, pipeline_model_parallel_size=2),
         dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-        dict(num_layers=14, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-             account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-        dict(num_layers=10, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=1,
-             num_layers_in_last_pipeline_stage=3),
+        dict(
+            num_layers=14,
+            pipeline_model_parallel_size=4,
+            virtual_pipeline_model_parallel_size=2,
+            account_for_embedding_in_pipeline_split=True,
+            account_for_loss_in_pipeline_split=True,
+        ),
+        dict(
+            num_layers=10,
+            pipeline_model_parallel_size=4,
+            num_layers_in_first_pipeline_stage=1,
+            num_layers_in_last_pipeline_stage=3,
+        ),
     ],
 )
 def test_pipeline_split_matches_megatron_core(fields):
@@ -244,11 +294,22 @@ def test_plan_json_records_and_gpu_and_mfu(capsys):
     records = json.loads(capsys.readouterr().out)
     assert len(records) == 2  # PP 2: two rank layouts
     for r in records:
-        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes", "gpu_bytes",
-                    "fits", "step_time_s", "tokens_per_s"):
+        for key in (
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "activations_bytes",
+            "total_bytes",
+            "gpu_bytes",
+            "fits",
+            "step_time_s",
+            "tokens_per_s",
+        ):
             assert key in r
-        assert r["total_bytes"] == pytest.approx(r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
-                                                 + r["activations_bytes"] + r["workspace_bytes"], abs=2)
+        assert r["total_bytes"] == pytest.approx(
+            r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"] + r["workspace_bytes"],
+            abs=2,
+        )
         assert r["gpu"] == "h200-141gb" and r["mfu"] == 0.2 and r["expert_dp"] == 4
     assert mbridge([*argv, "--mfu", "0.4"]) == 0
     faster = json.loads(capsys.readouterr().out)
@@ -258,7 +319,7 @@ def test_plan_json_records_and_gpu_and_mfu(capsys):
 def test_dry_run_appends_the_plan_as_comments(capsys):
     assert mbridge(["pretrain", "--recipe", "llama3_70b_pretrain_config", "--dry-run", "--gpu", "b200-180gb"]) == 0
     out = capsys.readouterr().out
-    plan_part = out[out.index("# ---- plan:"):]
+    plan_part = out[out.index("# ---- plan:") :]
     assert "on 64 x B200 180GB" in plan_part
     assert all(line.startswith("#") for line in plan_part.splitlines())
 
@@ -271,7 +332,10 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
         (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
         (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
         (["--dry-run", "--json"], "--json only applies to --plan-only"),
-        (["--plan-only", "ddp.use_megatron_fsdp=true"], "no plan: FSDP sharding of parameters and gradients is not modeled"),
+        (
+            ["--plan-only", "ddp.use_megatron_fsdp=true"],
+            "no plan: FSDP sharding of parameters and gradients is not modeled",
+        ),
     ],
 )
 def test_plan_option_errors(capsys, argv, message):

@@ -71,7 +71,8 @@ def main() -> None:
     fn = get_recipe("llama31_405b_pretrain_config")
     cfg = fn()
     runtime_config_update(cfg, world_size=fn.world_size)
-    print(f"planner llama31_405b_pretrain_config at {fn.world_size} GPUs: median {_plan_ms(plan, cfg, args.plans):.2f} ms "
+    median = _plan_ms(plan, cfg, args.plans)
+    print(f"planner llama31_405b_pretrain_config at {fn.world_size} GPUs: median {median:.2f} ms "
           f"(target <= 50 ms; fits: {plan(cfg).fits})")
     squeezed = get_recipe("llama3_70b_pretrain_config")(tensor_model_parallel_size=1, sequence_parallel=False,
                                                         tp_comm_overlap=False)

@@ -29,10 +29,28 @@ import sys
 import tempfile
 import time
 
-GPU_SHAPE = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
-                 vocab=128256, seq=4096, mbs=1, gbs=8)
-TINY_SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
-                  vocab=512, seq=128, mbs=1, gbs=4)
+GPU_SHAPE = dict(
+    num_layers=16,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_query_groups=8,
+    ffn_hidden_size=8192,
+    vocab=128256,
+    seq=4096,
+    mbs=1,
+    gbs=8,
+)
+TINY_SHAPE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=256,
+    vocab=512,
+    seq=128,
+    mbs=1,
+    gbs=4,
+)
 VARIANTS = ("handwritten", "pretrain", "pretrain+trackers")
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet": "comet_ml"}
 
@@ -48,19 +66,25 @@ def model_fields(shape: dict, te: bool, cuda: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
     fields = dict(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"], num_attention_heads=shape["num_attention_heads"],
-        num_query_groups=shape["num_query_groups"], ffn_hidden_size=shape["ffn_hidden_size"],
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        transformer_impl="transformer_engine" if te else "local",
+        **{k: shape[k] for k in sizes}, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, transformer_impl="transformer_engine" if te else "local",
     )  # fmt: skip
     if cuda and not te:
         fields["recompute_granularity"] = "selective"
     if not cuda:  # the settings the CPU backend applies to pretrain()'s model
-        fields.update(use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-                      bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-                      persist_layer_norm=False, cross_entropy_loss_fusion=False)
+        fields.update(
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            cross_entropy_loss_fusion=False,
+        )
     return fields
 
 
@@ -114,15 +138,27 @@ def handwritten(shape: dict, iters: int) -> dict:
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(**model_fields(shape, te, cuda))
-    spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te
-            else gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape["vocab"],
-                   max_sequence_length=shape["seq"], position_embedding_type="rope", rotary_base=500000,
-                   share_embeddings_and_output_weights=True)
+    spec = (
+        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        if te
+        else gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape["vocab"],
+        max_sequence_length=shape["seq"],
+        position_embedding_type="rope",
+        rotary_base=500000,
+        share_embeddings_and_output_weights=True,
+    )
     if cuda:
         gpt.cuda()
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                    module=Float16Module(config, gpt))
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        module=Float16Module(config, gpt),
+    )
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-4, min_lr=3e-5, bf16=True, clip_grad=1.0), [model])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
@@ -131,9 +167,14 @@ def handwritten(shape: dict, iters: int) -> dict:
         eod_mask_loss=False, tokenizer=NullTokenizer(shape["vocab"]), split="1,0,0",
     )  # fmt: skip
     gbs, mbs = shape["gbs"], shape["mbs"]
-    train_ds, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [iters * gbs, None, None], lambda: True, data_config).build()
-    batches = iter(torch.utils.data.DataLoader(train_ds, batch_size=mbs, shuffle=False, num_workers=0, drop_last=True,
-                                               pin_memory=cuda))
+    train_ds, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [iters * gbs, None, None], lambda: True, data_config
+    ).build()
+    batches = iter(
+        torch.utils.data.DataLoader(
+            train_ds, batch_size=mbs, shuffle=False, num_workers=0, drop_last=True, pin_memory=cuda
+        )
+    )
     device = torch.device("cuda" if cuda else "cpu")
 
     def loss_func(loss_mask, output):
@@ -155,8 +196,16 @@ def handwritten(shape: dict, iters: int) -> dict:
         start = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        fwd_bwd(forward_step_func=forward_step, data_iterator=batches, model=[model], num_microbatches=gbs // mbs,
-                seq_length=shape["seq"], micro_batch_size=mbs, decoder_seq_length=shape["seq"], forward_only=False)
+        fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=[model],
+            num_microbatches=gbs // mbs,
+            seq_length=shape["seq"],
+            micro_batch_size=mbs,
+            decoder_seq_length=shape["seq"],
+            forward_only=False,
+        )
         optimizer.step()
         synchronize()
         times.append(time.perf_counter() - start)
@@ -204,15 +253,25 @@ def with_pretrain(shape: dict, iters: int, trackers: list[str], workdir: str) ->
     if "wandb" in used:
         logger_fields.update(wandb_project="bench", wandb_exp_name="bench", wandb_save_dir=f"{workdir}/wandb")
     if "mlflow" in used:
-        logger_fields.update(mlflow_experiment="bench", mlflow_run_name="bench", mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+        logger_fields.update(
+            mlflow_experiment="bench", mlflow_run_name="bench", mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db"
+        )
     if "comet" in used:
-        logger_fields.update(comet_project="bench", comet_experiment_name="bench", comet_offline_directory=f"{workdir}/comet")
+        logger_fields.update(
+            comet_project="bench", comet_experiment_name="bench", comet_offline_directory=f"{workdir}/comet"
+        )
     fields = model_fields(shape, te, cuda)
     for key in ("bf16", "params_dtype", "pipeline_dtype"):  # from the bf16_mixed preset
         fields.pop(key)
     cfg = ConfigContainer(
-        model=GPTModelProvider(**fields, seq_length=shape["seq"], vocab_size=shape["vocab"], position_embedding_type="rope",
-                               rotary_base=500000, share_embeddings_and_output_weights=True),
+        model=GPTModelProvider(
+            **fields,
+            seq_length=shape["seq"],
+            vocab_size=shape["vocab"],
+            position_embedding_type="rope",
+            rotary_base=500000,
+            share_embeddings_and_output_weights=True,
+        ),
         train=TrainingConfig(train_iters=iters, global_batch_size=shape["gbs"], micro_batch_size=shape["mbs"]),
         optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, clip_grad=1.0),
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0),
@@ -224,25 +283,49 @@ def with_pretrain(shape: dict, iters: int, trackers: list[str], workdir: str) ->
     )
     timing = Timing()
     pretrain(cfg, forward_step, callbacks=[timing])
-    gpu = next((g for g in GPUS.values() if cuda and g.name.split()[0] in torch.cuda.get_device_name()), GPUS["h100-80gb"])
+    gpu = next(
+        (g for g in GPUS.values() if cuda and g.name.split()[0] in torch.cuda.get_device_name()), GPUS["h100-80gb"]
+    )
     p = plan(cfg, gpu=gpu.key, with_fixes=False)
     worst = p.worst
-    return {"iteration_times": timing.times, "max_allocated": peak_memory(), "te": te, "trackers": used,
-            "planned_bytes": int(worst.total - worst.workspace), "planned_gpu": gpu.name}
+    return {
+        "iteration_times": timing.times,
+        "max_allocated": peak_memory(),
+        "te": te,
+        "trackers": used,
+        "planned_bytes": int(worst.total - worst.workspace),
+        "planned_gpu": gpu.name,
+    }
 
 
 # ---------------------------------------------------------------------- driver
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
-        env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=workdir,
-                   MLFLOW_DISABLE_TELEMETRY="true", COMET_ERROR_TRACKING_ENABLE="false")
-        command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--iters", str(args.iters),
-                   "--workdir", workdir, "--trackers", args.trackers] + (["--tiny"] if args.tiny else [])
+        env = dict(
+            os.environ,
+            WANDB_MODE="offline",
+            WANDB_SILENT="true",
+            WANDB_DIR=workdir,
+            MLFLOW_DISABLE_TELEMETRY="true",
+            COMET_ERROR_TRACKING_ENABLE="false",
+        )
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            variant,
+            "--iters",
+            str(args.iters),
+            "--workdir",
+            workdir,
+            "--trackers",
+            args.trackers,
+        ] + (["--tiny"] if args.tiny else [])
         out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir)
         line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
         if out.returncode != 0 or line is None:
             raise SystemExit(f"{variant} failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        return json.loads(line[len("BENCH "):])
+        return json.loads(line[len("BENCH ") :])
 
 
 def main() -> None:
@@ -251,8 +334,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
-    p.add_argument("--trackers", default=",".join(TRACKER_MODULES),
-                   help="trackers of the trackers-on variant, those installed of: %(default)s")
+    p.add_argument(
+        "--trackers",
+        default=",".join(TRACKER_MODULES),
+        help="trackers of the trackers-on variant, those installed of: %(default)s",
+    )
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -289,11 +375,13 @@ def report(runs: dict, shape: dict, args: argparse.Namespace, cuda: bool) -> Non
     flops_per_token = model_flops_per_token(shape)
     tokens = shape["gbs"] * shape["seq"]
     te = runs["handwritten"][0]["te"]
-    print(f"device: {device}; layers: {'TransformerEngine' if te else 'megatron-core local'}"
-          f"{' (selective recompute)' if cuda and not te else ''}; shape: {shape}")
+    print(
+        f"device: {device}; layers: {'TransformerEngine' if te else 'megatron-core local'}"
+        f"{' (selective recompute)' if cuda and not te else ''}; shape: {shape}"
+    )
     medians = {}
     for variant, results in runs.items():
-        times = [t for r in results for t in r["iteration_times"][args.warmup:]]
+        times = [t for r in results for t in r["iteration_times"][args.warmup :]]
         medians[variant] = statistics.median(times)
         tps = tokens / medians[variant]
         line = f"{variant:18s} median {medians[variant] * 1e3:9.2f} ms/iteration  {tps:12.0f} tokens/s"
@@ -310,9 +398,13 @@ def report(runs: dict, shape: dict, args: argparse.Namespace, cuda: bool) -> Non
         print(line)
     print(f"ratio pretrain()/hand-written per iteration: {medians['pretrain'] / medians['handwritten']:.3f}")
     used = runs["pretrain+trackers"][0].get("trackers") or ["none installed"]
-    print(f"trackers on/off per iteration ({', '.join(used)}, logging every iteration): "
-          f"{medians['pretrain+trackers'] / medians['pretrain']:.3f}")
-    print(f"({args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, alternating fresh processes)")
+    print(
+        f"trackers on/off per iteration ({', '.join(used)}, logging every iteration): "
+        f"{medians['pretrain+trackers'] / medians['pretrain']:.3f}"
+    )
+    print(
+        f"({args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, alternating fresh processes)"
+    )
 
 
 def torch_device_name() -> str:
@@ -326,11 +418,11 @@ def model_flops_per_token(shape: dict) -> float:
     from megatron_bridge.models import GPTModelProvider
     from megatron_bridge.models.param_count import flops_per_token
 
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
     m = GPTModelProvider(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"], num_attention_heads=shape["num_attention_heads"],
-        num_query_groups=shape["num_query_groups"], ffn_hidden_size=shape["ffn_hidden_size"], gated_linear_unit=True,
-        add_bias_linear=False, normalization="RMSNorm", seq_length=shape["seq"], vocab_size=shape["vocab"],
-        position_embedding_type="rope", share_embeddings_and_output_weights=True,
+        **{k: shape[k] for k in sizes}, gated_linear_unit=True, add_bias_linear=False, normalization="RMSNorm",
+        seq_length=shape["seq"], vocab_size=shape["vocab"], position_embedding_type="rope",
+        share_embeddings_and_output_weights=True,
     )  # fmt: skip
     return flops_per_token(m, shape["seq"], shape["vocab"])
 

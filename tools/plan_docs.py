@@ -53,9 +53,11 @@ Regenerate this page with `python tools/plan_docs.py`.
 
 def verdict(p) -> str:
     w = p.worst
-    parts = (f"parameters {w.state.params / 2**30:.1f} GiB + gradients {w.state.grads / 2**30:.1f} + optimizer "
-             f"{w.state.optimizer / 2**30:.1f} + activations {w.activations.total / 2**30:.1f} + workspace "
-             f"{w.workspace / 2**30:.0f}")
+    parts = (
+        f"parameters {w.state.params / 2**30:.1f} GiB + gradients {w.state.grads / 2**30:.1f} + optimizer "
+        f"{w.state.optimizer / 2**30:.1f} + activations {w.activations.total / 2**30:.1f} + workspace "
+        f"{w.workspace / 2**30:.0f}"
+    )
     where = f" (fullest: stage {w.pp_rank})" if p.inputs.pp > 1 else ""
     if p.fits:
         return f"**Fits**, {w.margin / 2**30:.2f} GiB to spare{where}: {parts} = {w.total / 2**30:.1f} GiB."
@@ -92,14 +94,24 @@ def main() -> None:
     squeeze = dict(tensor_model_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
     cfg = get_recipe("llama3_70b_pretrain_config")(**squeeze)
     runtime_config_update(cfg, world_size=8)
-    command = ("mbridge pretrain --recipe llama3_70b_pretrain_config --plan-only --world-size 8 "
-               "--recipe-arg tensor_model_parallel_size=1 --recipe-arg sequence_parallel=false "
-               "--recipe-arg tp_comm_overlap=false" + gpu_flag)
-    lines += ["# A config that does not fit", "",
-              "Llama 3 70B laid out for 64 GPUs, squeezed onto 8 at TP 1 (PP 4 x CP 2 remain). Only offloading the",
-              "optimizer to the host fits at 8 GPUs; the planner then also looks for the smallest larger world",
-              "size that fits without it.", ""]
-    lines += section("llama3_70b_pretrain_config on 8 GPUs, TP 1", command, plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config"))
+    command = (
+        "mbridge pretrain --recipe llama3_70b_pretrain_config --plan-only --world-size 8 "
+        "--recipe-arg tensor_model_parallel_size=1 --recipe-arg sequence_parallel=false "
+        "--recipe-arg tp_comm_overlap=false" + gpu_flag
+    )
+    lines += [
+        "# A config that does not fit",
+        "",
+        "Llama 3 70B laid out for 64 GPUs, squeezed onto 8 at TP 1 (PP 4 x CP 2 remain). Only offloading the",
+        "optimizer to the host fits at 8 GPUs; the planner then also looks for the smallest larger world",
+        "size that fits without it.",
+        "",
+    ]
+    lines += section(
+        "llama3_70b_pretrain_config on 8 GPUs, TP 1",
+        command,
+        plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config"),
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")

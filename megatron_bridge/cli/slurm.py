@@ -36,7 +36,9 @@ def register(subparsers: Any) -> None:
         description=textwrap.fill(
             "Write an sbatch script that trains a recipe (or YAML config) with torchrun on every node of a Slurm "
             "job. The config is resolved at nodes x gpus-per-node ranks first, so a bad config fails here, not "
-            "in the queue.", 100),
+            "in the queue.",
+            100,
+        ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,26 +46,44 @@ def register(subparsers: Any) -> None:
     src.add_argument("--recipe", metavar="NAME", help="recipe to train (`mbridge recipes` lists them)")
     src.add_argument("--config-file", metavar="FILE", help="YAML merged over the recipe, or a complete config")
     src.add_argument("--mode", choices=("pretrain", "finetune"), help="default: finetune for *_finetune_config recipes")
-    src.add_argument("--recipe-arg", dest="recipe_args", action="append", default=[], metavar="KEY=VALUE",
-                     help="one recipe option (repeatable)")
+    src.add_argument(
+        "--recipe-arg",
+        dest="recipe_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one recipe option (repeatable)",
+    )
     src.add_argument("--dir", help="base output directory (recipe option dir)")
     src.add_argument("--name", help="run name (recipe option name); also the default job name")
     src.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for mbridge pretrain")
     res = p.add_argument_group("resources")
     res.add_argument("--nodes", type=_positive_int, required=True, help="nodes to run on")
-    res.add_argument("--gpus-per-node", type=_positive_int, required=True,
-                     help="GPUs per node, one training process each (with --cpu: processes per node)")
-    res.add_argument("--cpu", action="store_true", help="CPU nodes: request no GPUs; --gpus-per-node processes per node")
+    res.add_argument(
+        "--gpus-per-node",
+        type=_positive_int,
+        required=True,
+        help="GPUs per node, one training process each (with --cpu: processes per node)",
+    )
+    res.add_argument(
+        "--cpu", action="store_true", help="CPU nodes: request no GPUs; --gpus-per-node processes per node"
+    )
     res.add_argument("--partition", help="#SBATCH --partition")
     res.add_argument("--account", help="#SBATCH --account")
     res.add_argument("--time", help="#SBATCH --time, e.g. 04:00:00")
     res.add_argument("--job-name", help="#SBATCH --job-name (default: the run name)")
     res.add_argument("--container", metavar="IMAGE", help="run in this container image (pyxis: srun --container-image)")
     res.add_argument("--container-mounts", metavar="SRC:DST[,...]", help="srun --container-mounts")
-    res.add_argument("--signal-seconds", type=_positive_int, default=120,
-                     help="warn the job this long before its time limit, to checkpoint and requeue (default: 120)")
+    res.add_argument(
+        "--signal-seconds",
+        type=_positive_int,
+        default=120,
+        help="warn the job this long before its time limit, to checkpoint and requeue (default: 120)",
+    )
     res.add_argument("--python", help="Python inside the job (default: this interpreter; 'python' in a container)")
-    res.add_argument("--log-dir", default="slurm_logs", help="directory of the job's output files (default: slurm_logs)")
+    res.add_argument(
+        "--log-dir", default="slurm_logs", help="directory of the job's output files (default: slurm_logs)"
+    )
     res.add_argument("--gpu", default="h100-80gb", help="GPU the plan in the script header is made for")
     p.add_argument("-o", "--output", metavar="FILE", help="script to write (default: JOB_NAME.sbatch; '-': stdout)")
     p.set_defaults(handler=run)
@@ -127,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
     world = args.nodes * args.gpus_per_node
     resolve(cfg, world)
     job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")
-    notes = ["Written by: mbridge slurm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
-             f"{args.nodes} nodes x {args.gpus_per_node} {'processes' if args.cpu else 'GPUs'} = {world} ranks"]
+    notes = [
+        "Written by: mbridge slurm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
+        f"{args.nodes} nodes x {args.gpus_per_node} {'processes' if args.cpu else 'GPUs'} = {world} ranks",
+    ]
     if not args.cpu:
         notes += _plan_notes(cfg, args.gpu, job_name)
     job = SlurmJob(
@@ -171,8 +193,10 @@ def _plan_notes(cfg: Any, gpu: str, label: str) -> list[str]:
         return [f"plan: not available ({exc})"]
     w = p.worst
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    line = (f"plan on {p.gpu.name}: {verdict}, {w.total / 2**30:.1f} of {p.gpu.memory_bytes / 2**30:.1f} GiB on the "
-            f"fullest GPU; step ~{p.timing.step_time_s:.3g} s at MFU {p.mfu:.2f} (mbridge pretrain --plan-only for details)")
+    line = (
+        f"plan on {p.gpu.name}: {verdict}, {w.total / 2**30:.1f} of {p.gpu.memory_bytes / 2**30:.1f} GiB on the "
+        f"fullest GPU; step ~{p.timing.step_time_s:.3g} s at MFU {p.mfu:.2f} (mbridge pretrain --plan-only for details)"
+    )
     if not p.fits:
         print(f"mbridge slurm: warning: {line}", file=sys.stderr)
     return [line]

@@ -114,7 +114,9 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
         metavar="F",
         help="model FLOPs utilization assumed for step time and tokens/s (default: 0.40)",
     )
-    check.add_argument("--json", action="store_true", help="with --plan-only: print the plan as JSON, one record per rank layout")
+    check.add_argument(
+        "--json", action="store_true", help="with --plan-only: print the plan as JSON, one record per rank layout"
+    )
     check.add_argument(
         "--help-config",
         nargs="?",
@@ -139,7 +141,9 @@ def run(args: argparse.Namespace, cmd: str) -> int:
 
     checking = args.dry_run or args.plan_only
     if args.world_size is not None and not checking:
-        raise UsageError("--world-size only applies to --dry-run and --plan-only (a real run uses the processes launched)")
+        raise UsageError(
+            "--world-size only applies to --dry-run and --plan-only (a real run uses the processes launched)"
+        )
     for flag, given in (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None)):
         if given and not checking:
             raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")

@@ -111,8 +111,9 @@ def render(job: SlurmJob) -> str:
         'MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"',
         'MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"',
         "export MASTER_ADDR MASTER_PORT",
-        f'mkdir -p {shlex.quote(job.log_dir)}',
-        'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes, rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        f"mkdir -p {shlex.quote(job.log_dir)}",
+        'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES nodes,"'
+        ' "rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "",
         "read -r -d '' NODE_SCRIPT <<'NODE_EOF'",
         node_script,

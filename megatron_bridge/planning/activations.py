@@ -137,13 +137,15 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
         n = inp.recompute_num_layers or 1
         if inp.recompute_method == "block":
             # the first n layers of the chunk keep their input only, the rest everything
-            total = sum(layer_input_bytes(inp) if i < n else sum(layer_terms(inp, pattern[j]).values())
-                        for i, j in enumerate(layers))
+            total = sum(
+                layer_input_bytes(inp) if i < n else sum(layer_terms(inp, pattern[j]).values())
+                for i, j in enumerate(layers)
+            )
         else:
             units = -(-chunk.num_layers // n)
             total = units * layer_input_bytes(inp)
     else:
-        moe_layers = sum(pattern[chunk.first_layer:chunk.first_layer + chunk.num_layers])
+        moe_layers = sum(pattern[chunk.first_layer : chunk.first_layer + chunk.num_layers])
         total = (chunk.num_layers - moe_layers) * layer_bytes(inp, False) + moe_layers * layer_bytes(inp, True)
     if chunk.pre_process and inp.hidden_dropout > 0:
         total += s * b * h / sp  # embedding dropout mask

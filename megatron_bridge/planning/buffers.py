@@ -36,8 +36,16 @@ def _pad(n: int, divisor: int) -> int:
     return int(math.ceil(n / divisor) * divisor)
 
 
-def build_buffer(params: list[Param], param_bytes: int, grad_bytes: int, dp_size: int, expert: bool,
-                 bucket_size: Optional[int], dist_opt: bool, high_busbw: bool) -> Buffer:
+def build_buffer(
+    params: list[Param],
+    param_bytes: int,
+    grad_bytes: int,
+    dp_size: int,
+    expert: bool,
+    bucket_size: Optional[int],
+    dist_opt: bool,
+    high_busbw: bool,
+) -> Buffer:
     """The layout `_ParamAndGradBuffer.__init__` computes for `params` (registration order)."""
     buf = Buffer(param_bytes, grad_bytes, dp_size, expert)
     divisor = math.lcm(dp_size, 128, 2**16) if high_busbw else math.lcm(dp_size, 128)
@@ -90,8 +98,18 @@ def chunk_buffers(inp: PlanInputs, params: list[Param], first_chunk_of_rank: boo
             pb = 1 if p.fp8 else inp.param_bytes
             groups.setdefault((pb, grad_of(2 if p.fp8 else inp.param_bytes)), []).append(p)
         for (pb, gb), members in groups.items():
-            out.append(build_buffer(members, pb, gb, dp_size, expert, bucket_size, inp.distributed_optimizer,
-                                    inp.pad_buckets_for_high_nccl_busbw))
+            out.append(
+                build_buffer(
+                    members,
+                    pb,
+                    gb,
+                    dp_size,
+                    expert,
+                    bucket_size,
+                    inp.distributed_optimizer,
+                    inp.pad_buckets_for_high_nccl_busbw,
+                )
+            )
     return out
 
 
@@ -115,7 +133,11 @@ def optimizer_bytes_per_element(inp: PlanInputs) -> tuple[int, int]:
     """(main-parameter bytes, moment bytes) per owned element."""
     sixteen_bit = inp.param_bytes == 2
     if inp.precision_aware:
-        main = (2 if inp.store_param_remainders and inp.main_params_bytes == 4 else inp.main_params_bytes) if sixteen_bit else 0
+        main = (
+            (2 if inp.store_param_remainders and inp.main_params_bytes == 4 else inp.main_params_bytes)
+            if sixteen_bit
+            else 0
+        )
         return main, inp.exp_avg_bytes + inp.exp_avg_sq_bytes
     main = 4 if sixteen_bit else 0  # fp32 parameters are their own main parameters
     if inp.optimizer == "adam":
@@ -123,8 +145,13 @@ def optimizer_bytes_per_element(inp: PlanInputs) -> tuple[int, int]:
     return main, 4 if inp.sgd_momentum > 0 else 0
 
 
-def state_bytes(inp: PlanInputs, chunk_params: list[list[Param]], pp_rank: int,
-                dp_rank: Optional[int] = None, expert_dp_rank: Optional[int] = None) -> StateBytes:
+def state_bytes(
+    inp: PlanInputs,
+    chunk_params: list[list[Param]],
+    pp_rank: int,
+    dp_rank: Optional[int] = None,
+    expert_dp_rank: Optional[int] = None,
+) -> StateBytes:
     """Bytes of parameters, gradient buffers and optimizer state of one rank holding the model
     chunks `chunk_params`. With the distributed optimizer the shard depends on the data-parallel
     rank (and the expert data-parallel rank for expert weights); `None` takes the largest."""

@@ -128,8 +128,9 @@ def _expert_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
 
 def _precision_aware(inp: PlanInputs) -> Iterator[PlanInputs]:
     if inp.distributed_optimizer and not inp.precision_aware and inp.optimizer == "adam" and inp.param_bytes == 2:
-        yield inp.replace(precision_aware=True, exp_avg_bytes=2, exp_avg_sq_bytes=2, main_params_bytes=4,
-                          store_param_remainders=False)
+        yield inp.replace(
+            precision_aware=True, exp_avg_bytes=2, exp_avg_sq_bytes=2, main_params_bytes=4, store_param_remainders=False
+        )
 
 
 def _offload(inp: PlanInputs) -> Iterator[PlanInputs]:
@@ -138,8 +139,14 @@ def _offload(inp: PlanInputs) -> Iterator[PlanInputs]:
 
 
 SAME_WORLD_MOVES: tuple[Move, ...] = (
-    _distributed_optimizer, _sequence_parallel, _recompute, _micro_batch, _layouts, _expert_parallel,
-    _precision_aware, _offload,
+    _distributed_optimizer,
+    _sequence_parallel,
+    _recompute,
+    _micro_batch,
+    _layouts,
+    _expert_parallel,
+    _precision_aware,
+    _offload,
 )
 LARGER_WORLD_MOVES: tuple[Move, ...] = (_distributed_optimizer, _sequence_parallel, _recompute, _layouts)
 
@@ -151,12 +158,20 @@ def changes(base: PlanInputs, new: PlanInputs) -> list[tuple[str, list[str]]]:
     if new.world_size != base.world_size:
         out.append((f"use {new.world_size} GPUs instead of {base.world_size}", [f"--world-size {new.world_size}"]))
     if new.distributed_optimizer != base.distributed_optimizer:
-        out.append(("shard optimizer state over data-parallel ranks (distributed optimizer)",
-                     ["ddp.use_distributed_optimizer=true"]))
+        out.append(
+            (
+                "shard optimizer state over data-parallel ranks (distributed optimizer)",
+                ["ddp.use_distributed_optimizer=true"],
+            )
+        )
     if (new.tp, new.pp, new.cp, new.vp) != (base.tp, base.pp, base.cp, base.vp):
         desc = f"layout TP {new.tp} x PP {new.pp} x CP {new.cp}"
         overrides = []
-        for key, old, value in (("tensor_model", base.tp, new.tp), ("pipeline_model", base.pp, new.pp), ("context", base.cp, new.cp)):
+        for key, old, value in (
+            ("tensor_model", base.tp, new.tp),
+            ("pipeline_model", base.pp, new.pp),
+            ("context", base.cp, new.cp),
+        ):
             if value != old:
                 overrides.append(f"model.{key}_parallel_size={value}")
         if new.vp != base.vp:
@@ -166,34 +181,75 @@ def changes(base: PlanInputs, new: PlanInputs) -> list[tuple[str, list[str]]]:
             overrides.append(f"model.expert_tensor_parallel_size={new.etp}")
         out.append((desc + f", was TP {base.tp} x PP {base.pp} x CP {base.cp}", overrides))
     if new.sequence_parallel != base.sequence_parallel:
-        out.append((f"sequence parallel {'on' if new.sequence_parallel else 'off'}",
-                    [f"model.sequence_parallel={str(new.sequence_parallel).lower()}"]))
+        out.append(
+            (
+                f"sequence parallel {'on' if new.sequence_parallel else 'off'}",
+                [f"model.sequence_parallel={str(new.sequence_parallel).lower()}"],
+            )
+        )
     if new.ep != base.ep:
         out.append((f"expert parallel {new.ep}, was {base.ep}", [f"model.expert_model_parallel_size={new.ep}"]))
     if new.recompute_granularity != base.recompute_granularity:
         if new.recompute_granularity == "full":
-            out.append(("recompute every layer in the backward pass (full, ~+33% compute)",
-                        ["model.recompute_granularity=full", "model.recompute_method=uniform",
-                         "model.recompute_num_layers=1"]))
+            out.append(
+                (
+                    "recompute every layer in the backward pass (full, ~+33% compute)",
+                    [
+                        "model.recompute_granularity=full",
+                        "model.recompute_method=uniform",
+                        "model.recompute_num_layers=1",
+                    ],
+                )
+            )
         else:
             out.append(("recompute attention scores (selective)", ["model.recompute_granularity=selective"]))
     if new.micro_batch_size != base.micro_batch_size:
-        out.append((f"micro batch {new.micro_batch_size}, was {base.micro_batch_size}",
-                    [f"train.micro_batch_size={new.micro_batch_size}"]))
+        out.append(
+            (
+                f"micro batch {new.micro_batch_size}, was {base.micro_batch_size}",
+                [f"train.micro_batch_size={new.micro_batch_size}"],
+            )
+        )
     if new.precision_aware != base.precision_aware:
-        out.append(("bf16 Adam moments (precision-aware optimizer; needs TransformerEngine)",
-                    ["optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_dtype=bf16",
-                     "optimizer.exp_avg_sq_dtype=bf16"]))
+        out.append(
+            (
+                "bf16 Adam moments (precision-aware optimizer; needs TransformerEngine)",
+                [
+                    "optimizer.use_precision_aware_optimizer=true",
+                    "optimizer.exp_avg_dtype=bf16",
+                    "optimizer.exp_avg_sq_dtype=bf16",
+                ],
+            )
+        )
     if new.cpu_offload_fraction != base.cpu_offload_fraction:
-        out.append(("optimizer state and step on the host (optimizer CPU offload; slower steps)",
-                    ["optimizer.optimizer_cpu_offload=true", f"optimizer.optimizer_offload_fraction={new.cpu_offload_fraction}"]))
+        out.append(
+            (
+                "optimizer state and step on the host (optimizer CPU offload; slower steps)",
+                [
+                    "optimizer.optimizer_cpu_offload=true",
+                    f"optimizer.optimizer_offload_fraction={new.cpu_offload_fraction}",
+                ],
+            )
+        )
     return out
 
 
 # ---------------------------------------------------------------------- search
 def _signature(inp: PlanInputs) -> tuple:
-    return (inp.world_size, inp.tp, inp.pp, inp.cp, inp.vp, inp.ep, inp.sequence_parallel, inp.distributed_optimizer,
-            inp.recompute_granularity, inp.micro_batch_size, inp.precision_aware, inp.cpu_offload_fraction)
+    return (
+        inp.world_size,
+        inp.tp,
+        inp.pp,
+        inp.cp,
+        inp.vp,
+        inp.ep,
+        inp.sequence_parallel,
+        inp.distributed_optimizer,
+        inp.recompute_granularity,
+        inp.micro_batch_size,
+        inp.precision_aware,
+        inp.cpu_offload_fraction,
+    )
 
 
 def _search(planner, starts: list[PlanInputs], moves: tuple[Move, ...], depth: int, beam: int, seen: set) -> list:

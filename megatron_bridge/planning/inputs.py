@@ -142,9 +142,24 @@ class PlanInputs:
     def state_key(self) -> tuple:
         """The fields that parameter, gradient and optimizer bytes depend on besides the
         architecture (recompute, micro batch and sequence parallelism change only activations)."""
-        return (self.world_size, self.tp, self.pp, self.vp, self.cp, self.ep, self.etp, self.distributed_optimizer,
-                self.precision_aware, self.main_params_bytes, self.exp_avg_bytes, self.exp_avg_sq_bytes,
-                self.store_param_remainders, self.cpu_offload_fraction, self.overlap_grad_reduce, self.bucket_size)
+        return (
+            self.world_size,
+            self.tp,
+            self.pp,
+            self.vp,
+            self.cp,
+            self.ep,
+            self.etp,
+            self.distributed_optimizer,
+            self.precision_aware,
+            self.main_params_bytes,
+            self.exp_avg_bytes,
+            self.exp_avg_sq_bytes,
+            self.store_param_remainders,
+            self.cpu_offload_fraction,
+            self.overlap_grad_reduce,
+            self.bucket_size,
+        )
 
     def replace(self, **changes: Any) -> "PlanInputs":
         return dataclasses.replace(self, **changes)
@@ -155,12 +170,18 @@ class PlanInputs:
         """Read a config resolved by `runtime_config_update` (`data_parallel_size` set)."""
         m, ddp, opt, t = cfg.model, cfg.ddp, cfg.optimizer, cfg.train
         if getattr(m, "pipeline_model_parallel_layout", None) is not None:
-            raise PlanningError("model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner")
+            raise PlanningError(
+                "model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner"
+            )
         if getattr(m, "multi_latent_attention", False) or getattr(m, "mtp_num_layers", None):
             raise PlanningError("multi-latent attention and multi-token prediction are not modeled by the planner")
         if getattr(cfg, "peft", None) is not None:
             raise PlanningError("parameter-efficient fine-tuning (peft) is not modeled by the planner")
-        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False) or cfg.dist.use_torch_fsdp2:
+        if (
+            getattr(ddp, "use_megatron_fsdp", False)
+            or getattr(ddp, "use_custom_fsdp", False)
+            or cfg.dist.use_torch_fsdp2
+        ):
             raise PlanningError("FSDP sharding of parameters and gradients is not modeled by the planner")
         if cfg.data_parallel_size is None and world_size is None:
             raise PlanningError("the config is not resolved: call runtime_config_update(cfg) first")

@@ -51,16 +51,18 @@ class RankMemory:
         return self.margin >= 0
 
 
-def stage_state(inp: PlanInputs, stage: list[Chunk], dp_rank: Optional[int] = None,
-                expert_dp_rank: Optional[int] = None) -> StateBytes:
+def stage_state(
+    inp: PlanInputs, stage: list[Chunk], dp_rank: Optional[int] = None, expert_dp_rank: Optional[int] = None
+) -> StateBytes:
     """Parameter, gradient-buffer and optimizer bytes of one rank of `stage`; the data-parallel
     ranks pick the optimizer shard (None: the largest)."""
     params = [chunk_params(inp, c, names=False) for c in stage]
     return state_bytes(inp, params, stage[0].pp_rank, dp_rank, expert_dp_rank)
 
 
-def rank_memory(inp: PlanInputs, gpu_bytes: int, workspace: int = WORKSPACE_BYTES,
-                state_cache: Optional[dict] = None) -> list[RankMemory]:
+def rank_memory(
+    inp: PlanInputs, gpu_bytes: int, workspace: int = WORKSPACE_BYTES, state_cache: Optional[dict] = None
+) -> list[RankMemory]:
     """One `RankMemory` per pipeline stage. `state_cache` (keyed by `inp.state_key()`) lets
     re-plans that change only activations reuse the model-state bytes of the same architecture."""
     stages = chunks(inp)

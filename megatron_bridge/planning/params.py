@@ -169,7 +169,9 @@ def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
     params += made(experts, expert=expert_parallel)
     if inp.shared_expert_ffn:
         fs = inp.shared_expert_ffn
-        shared = col("mlp.shared_experts.linear_fc1", fs * gated, h, bias) + row("mlp.shared_experts.linear_fc2", h, fs, bias)
+        shared = col("mlp.shared_experts.linear_fc1", fs * gated, h, bias) + row(
+            "mlp.shared_experts.linear_fc2", h, fs, bias
+        )
         if inp.shared_expert_gate:
             shared.append(("mlp.shared_experts.gate_weight", h))
         params += made(shared)
@@ -188,7 +190,11 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
     shared = inp.tied_embeddings and inp.pp > 1
     out: list[Param] = []
     if chunk.pre_process:
-        out.append(Param("embedding.word_embeddings.weight", inp.padded_vocab // tp * h, False, shared and not chunk.post_process))
+        out.append(
+            Param(
+                "embedding.word_embeddings.weight", inp.padded_vocab // tp * h, False, shared and not chunk.post_process
+            )
+        )
         if inp.learned_positions:
             out.append(Param("embedding.position_embeddings.weight", inp.seq_length * h, False, False))
     for i in range(chunk.num_layers):

@@ -72,8 +72,14 @@ class Plan(Evaluation):
         return json_records(self)
 
 
-def plan(cfg: Any, gpu: str = DEFAULT_GPU, mfu: float = DEFAULT_MFU, world_size: Optional[int] = None,
-         with_fixes: bool = True, label: str = "") -> Plan:
+def plan(
+    cfg: Any,
+    gpu: str = DEFAULT_GPU,
+    mfu: float = DEFAULT_MFU,
+    world_size: Optional[int] = None,
+    with_fixes: bool = True,
+    label: str = "",
+) -> Plan:
     """Plan `cfg` (resolved by `runtime_config_update`) on `gpu` (a key of `devices.GPUS`) at
     model FLOPs utilization `mfu`. Raises `PlanningError` for features the planner does not model."""
     from megatron_bridge.models.param_count import flops_per_token

@@ -68,13 +68,25 @@ def _memory_rows(plan: Any) -> list[tuple[str, list[str], str]]:
     act_note += f"SP {'on' if inp.sequence_parallel else 'off'}, {attn}"
     ranks = plan.ranks
     rows = [
-        ("parameters", [gib(r.state.params) for r in ranks], _precision(inp) + (", in DP buffers" if inp.distributed_optimizer else "")),
+        (
+            "parameters",
+            [gib(r.state.params) for r in ranks],
+            _precision(inp) + (", in DP buffers" if inp.distributed_optimizer else ""),
+        ),
         ("gradients", [gib(r.state.grads) for r in ranks], f"{grad_name} gradient buffers"),
         ("optimizer state", [gib(r.state.optimizer) for r in ranks], opt_note),
         ("activations", [gib(r.activations.total) for r in ranks], act_note),
         ("  per micro batch", [gib(r.activations.per_micro_batch) for r in ranks], "all layers of the rank"),
-        ("  in flight", [f"{r.activations.in_flight:.3g}" for r in ranks], "micro batches held at the peak (1F1B warm-up)"),
-        ("workspace allowance", [gib(r.workspace) for r in ranks], "fixed: CUDA context, NCCL/cuBLAS workspaces, fragmentation"),
+        (
+            "  in flight",
+            [f"{r.activations.in_flight:.3g}" for r in ranks],
+            "micro batches held at the peak (1F1B warm-up)",
+        ),
+        (
+            "workspace allowance",
+            [gib(r.workspace) for r in ranks],
+            "fixed: CUDA context, NCCL/cuBLAS workspaces, fragmentation",
+        ),
         ("total", [gib(r.total) for r in ranks], f"of {gib(plan.gpu.memory_bytes)} GiB on {plan.gpu.name}"),
         ("margin", [gib(r.margin) for r in ranks], ""),
     ]
@@ -88,7 +100,8 @@ def plan_text(plan: Any) -> list[str]:
     lines = [f"plan{': ' + plan.label if plan.label else ''} on {inp.world_size} x {plan.gpu.name}"]
     lines.append(f"layout: {layout_line(inp)}")
     lines.append(
-        f"batch: global {inp.global_batch_size} = micro {inp.micro_batch_size} x {inp.num_microbatches} micro batches x DP {inp.dp}; "
+        f"batch: global {inp.global_batch_size} = micro {inp.micro_batch_size} x {inp.num_microbatches} micro batches"
+        f" x DP {inp.dp}; "
         f"pipeline bubble {t.bubble:.1%}"
     )
     lines.append("memory per GPU (GiB):")
@@ -99,7 +112,9 @@ def plan_text(plan: Any) -> list[str]:
     col_w = max(8, *(len(n) for n in names))
     lines.append("  " + " " * label_w + "".join(f"{n:>{col_w + 1}}" for n in names))
     for label, values, note in rows:
-        lines.append("  " + f"{label:<{label_w}}" + "".join(f"{v:>{col_w + 1}}" for v in values) + (f"   {note}" if note else ""))
+        lines.append(
+            "  " + f"{label:<{label_w}}" + "".join(f"{v:>{col_w + 1}}" for v in values) + (f"   {note}" if note else "")
+        )
     worst = plan.worst
     if plan.fits:
         lines.append(f"fits: yes, {gib(worst.margin)} GiB left on the fullest GPU ({_stage_name(worst, inp)})")
@@ -110,16 +125,23 @@ def plan_text(plan: Any) -> list[str]:
             + (f" ({len(over)} of {len(ranks)} stages over)" if inp.pp > 1 else "")
             + f"; largest parts: {_largest_parts(worst)}"
         )
+    lines.append(f"time at MFU {plan.mfu:.2f} (assumed; --mfu) of {plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak:")
     lines.append(
-        f"time at MFU {plan.mfu:.2f} (assumed; --mfu) of {plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak:"
+        f"  {t.flops_per_token:.3g} FLOPs/token, {t.flops_per_step:.3g} FLOPs/step, "
+        f"{count(t.tokens_per_step)} tokens/step"
     )
-    lines.append(f"  {t.flops_per_token:.3g} FLOPs/token, {t.flops_per_step:.3g} FLOPs/step, {count(t.tokens_per_step)} tokens/step")
-    lines.append(f"  step {t.step_time_s:.3g} s, {count(t.tokens_per_s)} tokens/s ({count(t.tokens_per_s / inp.world_size)} per GPU)")
+    lines.append(
+        f"  step {t.step_time_s:.3g} s, {count(t.tokens_per_s)} tokens/s "
+        f"({count(t.tokens_per_s / inp.world_size)} per GPU)"
+    )
     if t.train_iters is not None:
         lines.append(f"  {t.train_iters} iterations: {duration(t.time_to_train_s)}, {count(t.total_tokens)} tokens")
     if not plan.fits:
-        lines.append("fixes (ranked by estimated tokens/s, each re-planned):" if plan.fixes else
-                     "fixes: none found within TP <= 8 and up to 16x the GPUs")
+        lines.append(
+            "fixes (ranked by estimated tokens/s, each re-planned):"
+            if plan.fixes
+            else "fixes: none found within TP <= 8 and up to 16x the GPUs"
+        )
         for i, fix in enumerate(plan.fixes, 1):
             ev = fix.evaluation
             lines.append(f"  {i}. {fix.description}")
@@ -148,35 +170,50 @@ def json_records(plan: Any) -> list[dict[str, Any]]:
     t = plan.timing
     records = []
     for r in plan.ranks:
-        records.append({
-            "layout": _stage_name(r, inp),
-            "pp_rank": r.pp_rank,
-            "layers": r.layers,
-            "tp": inp.tp, "pp": inp.pp, "vp": inp.vp, "cp": inp.cp, "dp": inp.dp,
-            "ep": inp.ep, "etp": inp.etp, "expert_dp": inp.expert_dp if inp.is_moe else None,
-            "world_size": inp.world_size,
-            "params_bytes": r.state.params,
-            "grads_bytes": r.state.grads,
-            "optimizer_bytes": r.state.optimizer,
-            "optimizer_host_bytes": r.state.optimizer_host,
-            "activations_bytes": int(r.activations.total),
-            "activations_per_micro_batch_bytes": int(r.activations.per_micro_batch),
-            "micro_batches_in_flight": r.activations.in_flight,
-            "workspace_bytes": r.workspace,
-            "total_bytes": int(r.total),
-            "gpu": plan.gpu.key,
-            "gpu_bytes": plan.gpu.memory_bytes,
-            "margin_bytes": int(r.margin),
-            "fits": r.fits,
-            "mfu": plan.mfu,
-            "flops_per_step": t.flops_per_step,
-            "step_time_s": t.step_time_s,
-            "tokens_per_s": t.tokens_per_s,
-            "pipeline_bubble": t.bubble,
-            "time_to_train_s": t.time_to_train_s,
-            "total_tokens": t.total_tokens,
-            "fixes": [{"description": f.description, "overrides": f.overrides, "world_size": f.world_size,
-                       "total_bytes": int(f.evaluation.worst.total), "step_time_s": f.evaluation.timing.step_time_s}
-                      for f in plan.fixes],
-        })
+        records.append(
+            {
+                "layout": _stage_name(r, inp),
+                "pp_rank": r.pp_rank,
+                "layers": r.layers,
+                "tp": inp.tp,
+                "pp": inp.pp,
+                "vp": inp.vp,
+                "cp": inp.cp,
+                "dp": inp.dp,
+                "ep": inp.ep,
+                "etp": inp.etp,
+                "expert_dp": inp.expert_dp if inp.is_moe else None,
+                "world_size": inp.world_size,
+                "params_bytes": r.state.params,
+                "grads_bytes": r.state.grads,
+                "optimizer_bytes": r.state.optimizer,
+                "optimizer_host_bytes": r.state.optimizer_host,
+                "activations_bytes": int(r.activations.total),
+                "activations_per_micro_batch_bytes": int(r.activations.per_micro_batch),
+                "micro_batches_in_flight": r.activations.in_flight,
+                "workspace_bytes": r.workspace,
+                "total_bytes": int(r.total),
+                "gpu": plan.gpu.key,
+                "gpu_bytes": plan.gpu.memory_bytes,
+                "margin_bytes": int(r.margin),
+                "fits": r.fits,
+                "mfu": plan.mfu,
+                "flops_per_step": t.flops_per_step,
+                "step_time_s": t.step_time_s,
+                "tokens_per_s": t.tokens_per_s,
+                "pipeline_bubble": t.bubble,
+                "time_to_train_s": t.time_to_train_s,
+                "total_tokens": t.total_tokens,
+                "fixes": [
+                    {
+                        "description": f.description,
+                        "overrides": f.overrides,
+                        "world_size": f.world_size,
+                        "total_bytes": int(f.evaluation.worst.total),
+                        "step_time_s": f.evaluation.timing.step_time_s,
+                    }
+                    for f in plan.fixes
+                ],
+            }
+        )
     return records

@@ -67,8 +67,14 @@ class Timing:
         return None if self.train_iters is None else self.tokens_per_step * self.train_iters
 
 
-def timing(inp: PlanInputs, base_flops_per_token: float, base_padded_vocab: int, peak_flops: float, mfu: float,
-           reference: Optional[PlanInputs] = None) -> Timing:
+def timing(
+    inp: PlanInputs,
+    base_flops_per_token: float,
+    base_padded_vocab: int,
+    peak_flops: float,
+    mfu: float,
+    reference: Optional[PlanInputs] = None,
+) -> Timing:
     """Timing of `inp`. `base_flops_per_token` is `flops_per_token` of the config at
     `base_padded_vocab`; `reference` (the configured inputs) anchors the stated MFU when `inp` is
     a changed layout."""

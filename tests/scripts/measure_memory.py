@@ -23,8 +23,14 @@ from megatron_bridge.training.config import TrainingConfig, ValidationConfig  # 
 from megatron_bridge.training.gpt_step import forward_step  # noqa: E402
 from megatron_bridge.training.pretrain import pretrain  # noqa: E402
 
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=False,
-           moe_token_dispatcher_type="allgather", add_bias_linear=False)
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_grouped_gemm=False,
+    moe_token_dispatcher_type="allgather",
+    add_bias_linear=False,
+)
 
 LAYOUTS = {
     # name: (model fields, ddp fields, mixed precision preset)
@@ -35,13 +41,21 @@ LAYOUTS = {
     "bf16_fp32_main": (dict(), {}, "bf16_mixed"),
     # several buckets (bucket padding), untied output layer, odd vocabulary, qkv bias, qk norms
     "buckets_bf16": (
-        dict(share_embeddings_and_output_weights=False, add_qkv_bias=True, qk_layernorm=True, vocab_size=250,
-             add_bias_linear=False),
+        dict(
+            share_embeddings_and_output_weights=False,
+            add_qkv_bias=True,
+            qk_layernorm=True,
+            vocab_size=250,
+            add_bias_linear=False,
+        ),
         dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000),
         "bf16_mixed",
     ),
-    "pp2_vp2_distopt": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
-                        dict(use_distributed_optimizer=True), "bf16_mixed"),
+    "pp2_vp2_distopt": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
 }
 
 
@@ -109,9 +123,14 @@ class Measure(Callback):
         for chunk in state.model:
             for name, p in chunk.named_parameters():
                 while name.startswith("module."):
-                    name = name[len("module."):]
+                    name = name[len("module.") :]
                 actual_names.append([name, p.numel()])
-        self.result = {"measured": measure(state), "planned": plan, "names": actual_names, "planned_names": planned_names}
+        self.result = {
+            "measured": measure(state),
+            "planned": plan,
+            "names": actual_names,
+            "planned_names": planned_names,
+        }
 
 
 def run_layout(name):
