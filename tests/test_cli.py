@@ -43,8 +43,8 @@ def cli_process(*argv: str, cwd: str = REPO, timeout: float = 120) -> subprocess
 
 
 def summary(out: str) -> dict[str, str]:
-    """The dry-run summary lines (`# key: text`) after the YAML, as key -> text."""
-    lines = out.split("# ---- dry run of", 1)[1].splitlines()[1:]
+    """The dry-run summary lines (`# key: text`) after the YAML and before the plan, as key -> text."""
+    lines = out.split("# ---- dry run of", 1)[1].split("# ---- plan", 1)[0].splitlines()[1:]
     return {k.lstrip("# ").strip(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
 
 

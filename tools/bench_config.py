@@ -6,6 +6,9 @@
    fresh interpreter, alternating (target <= 1.10).
 2. `runtime_config_update` on the Llama 3 8B and Llama 3.1 405B recipes after imports, on fresh
    copies (target < 20 ms; goal <= 0.40 ms).
+3. The planner (`megatron_bridge.planning.plan`) on the resolved Llama 3.1 405B recipe (target
+   <= 50 ms), and, for scale, on Llama 3 70B squeezed onto 8 GPUs at TP 1, which does not fit and
+   so also searches for fixes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--updates", type=int, default=200)
+    p.add_argument("--plans", type=int, default=30)
     args = p.parse_args()
 
     import_seconds("megatron.core")  # warm the file-system cache for both
@@ -61,6 +65,31 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         median_ms = statistics.median(times) * 1e3
         print(f"runtime_config_update {name:30s} median {median_ms:.3f} ms (target < 20 ms, goal <= 0.40 ms)")
+
+    from megatron_bridge.planning import plan
+
+    fn = get_recipe("llama31_405b_pretrain_config")
+    cfg = fn()
+    runtime_config_update(cfg, world_size=fn.world_size)
+    median = _plan_ms(plan, cfg, args.plans)
+    print(f"planner llama31_405b_pretrain_config at {fn.world_size} GPUs: median {median:.2f} ms "
+          f"(target <= 50 ms; fits: {plan(cfg).fits})")
+    squeezed = get_recipe("llama3_70b_pretrain_config")(tensor_model_parallel_size=1, sequence_parallel=False,
+                                                        tp_comm_overlap=False)
+    runtime_config_update(squeezed, world_size=8)
+    result = plan(squeezed)
+    print(f"planner llama3_70b_pretrain_config at 8 GPUs, TP 1 (does not fit, {len(result.fixes)} fixes searched "
+          f"and re-planned): median {_plan_ms(plan, squeezed, max(3, args.plans // 10)):.1f} ms (no target)")
+
+
+def _plan_ms(plan, cfg, rounds: int) -> float:
+    plan(cfg)  # warm
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        plan(cfg)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 if __name__ == "__main__":

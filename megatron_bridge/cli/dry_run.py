@@ -3,8 +3,10 @@ group, and print it with the sizes it implies."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 
@@ -54,9 +56,33 @@ def summary(cfg: "ConfigContainer", world_size: int) -> list[tuple[str, str]]:
     return rows
 
 
-def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, label: str) -> None:
-    """Resolve `cfg` at `world_size`, print its YAML, then the summary as YAML comments (so the
-    output is still a loadable config)."""
+@dataclass
+class PlanOptions:
+    """What the plan is computed for (`--gpu`, `--mfu`) and how it is printed (`--json`)."""
+
+    gpu: str = "h100-80gb"
+    mfu: Optional[float] = None
+    as_json: bool = False
+
+
+def make_plan(cfg: "ConfigContainer", label: str, options: PlanOptions) -> Any:
+    """The planner's plan of a resolved `cfg`, or None when it uses a feature the planner does
+    not model (a line on stderr says which)."""
+    import sys
+
+    from megatron_bridge.planning import DEFAULT_MFU, PlanningError, plan
+
+    try:
+        return plan(cfg, gpu=options.gpu, mfu=options.mfu or DEFAULT_MFU, label=label)
+    except PlanningError as exc:
+        print(f"mbridge: no plan: {exc}", file=sys.stderr)
+        return None
+
+
+def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, label: str,
+                  options: Optional[PlanOptions] = None) -> None:
+    """Resolve `cfg` at `world_size`, print its YAML, then the summary and the plan as YAML
+    comments (so the output is still a loadable config)."""
     resolve(cfg, world_size)
     print(cfg.to_yaml(), end="")
     print(f"# ---- dry run of {label} at world size {world_size} ({world_source}) ----")
@@ -66,6 +92,9 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
         print(f"# {key + ':':<{width}} {text}")
     for line in machine_problems(cfg):
         print(f"# would fail on this machine: {line}")
+    result = make_plan(cfg, label, options or PlanOptions())
+    if result is not None:
+        print("# ---- " + "\n# ".join(result.text()))
 
 
 def machine_problems(cfg: "ConfigContainer") -> list[str]:
@@ -76,6 +105,19 @@ def machine_problems(cfg: "ConfigContainer") -> list[str]:
     found = [str(p) for p in preflight.check_outputs(cfg, create=False)]
     warning = preflight.free_space_warning(cfg)
     return found + ([warning] if warning else [])
+
+
+def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label: str, options: PlanOptions) -> None:
+    """`--plan-only`: resolve `cfg` at `world_size` and print only its plan (text or JSON)."""
+    resolve(cfg, world_size)
+    result = make_plan(cfg, label, options)
+    if result is None:
+        raise UsageError(f"{label}: the planner cannot plan this config (see above)")
+    if options.as_json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print("\n".join(result.text()))
+        print(f"(world size {world_size}: {world_source})")
 
 
 def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:

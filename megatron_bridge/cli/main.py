@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from megatron_bridge.cli.common import add_debug_flag
 from megatron_bridge.cli.errors import EXIT_USAGE, UsageError
 
-SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "peft")
+SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "peft", "slurm")
 """Modules of `megatron_bridge.cli` that each add one subcommand (`register(subparsers)`).
 A module that does not exist (yet) is skipped."""
 
@@ -23,7 +23,9 @@ Train megatron-core models from typed, validated configs.
 
   mbridge recipes                                   list the recipes
   mbridge pretrain --recipe NAME [KEY=VALUE ...]    train (also under torchrun)
-  mbridge pretrain --recipe NAME --dry-run          print the resolved config and derived sizes
+  mbridge pretrain --recipe NAME --dry-run          print the resolved config, derived sizes and the plan
+  mbridge pretrain --recipe NAME --plan-only        memory per GPU, fit, fixes, step time (--gpu, --mfu, --json)
+  mbridge slurm --recipe NAME --nodes N --gpus-per-node G   write an sbatch script (requeues on preemption)
   mbridge config show|diff ...                      print or compare configs
   mbridge peft merge|export CKPT OUT                fold LoRA/DoRA adapters in, or write them for `peft`
 

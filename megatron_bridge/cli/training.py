@@ -33,6 +33,20 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+GPU_CHOICES = ("h100-80gb", "h200-141gb", "a100-80gb", "b200-180gb")
+"""`--gpu` values (the keys of megatron_bridge.planning.devices.GPUS; not imported here: --help stays fast)."""
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: str, gpu: str) -> argparse.ArgumentParser:
     """The parser of training subcommand `cmd` (its handler runs the `cmd` entry point); `tiny`
     and `gpu` are the recipe arguments its examples use."""
@@ -81,6 +95,29 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
         help="world size for --dry-run (default: the recipe's intended world size, else WORLD_SIZE, else 1)",
     )
     check.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print only the plan: memory per GPU (parameters, gradients, optimizer, activations, workspace), "
+        "fit and margin, ranked fixes when it does not fit, step time and tokens/s at --mfu, pipeline bubble "
+        "(--dry-run prints it after the config)",
+    )
+    check.add_argument(
+        "--gpu",
+        choices=GPU_CHOICES,
+        default=None,
+        help=f"GPU to plan for (default: {GPU_CHOICES[0]})",
+    )
+    check.add_argument(
+        "--mfu",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="model FLOPs utilization assumed for step time and tokens/s (default: 0.40)",
+    )
+    check.add_argument(
+        "--json", action="store_true", help="with --plan-only: print the plan as JSON, one record per rank layout"
+    )
+    check.add_argument(
         "--help-config",
         nargs="?",
         const="",
@@ -102,8 +139,16 @@ def run(args: argparse.Namespace, cmd: str) -> int:
     """`mbridge pretrain|finetune`: build the config, then show help, dry-run, or train."""
     from megatron_bridge.cli import source
 
-    if args.world_size is not None and not args.dry_run:
-        raise UsageError("--world-size only applies to --dry-run (a real run uses the processes launched)")
+    checking = args.dry_run or args.plan_only
+    if args.world_size is not None and not checking:
+        raise UsageError(
+            "--world-size only applies to --dry-run and --plan-only (a real run uses the processes launched)"
+        )
+    for flag, given in (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None)):
+        if given and not checking:
+            raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")
+    if args.json and not args.plan_only:
+        raise UsageError("--json only applies to --plan-only (the dry run prints YAML)")
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
     fn = source.get_recipe(args.recipe) if args.recipe is not None else None
@@ -113,14 +158,18 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         options = source.recipe_options(fn, args.recipe_args, shortcuts) if fn is not None else None
         print(help_text(cfg, args.help_config, options, _label(args, fn)))
         return 0
-    if args.dry_run:
-        from megatron_bridge.cli.dry_run import default_world_size, print_dry_run
+    if checking:
+        from megatron_bridge.cli.dry_run import PlanOptions, default_world_size, print_dry_run, print_plan
 
         if args.world_size is not None:
             world, why = args.world_size, "--world-size"
         else:
             world, why = default_world_size(fn.world_size if fn is not None else None)
-        print_dry_run(cfg, world, why, _label(args, fn))
+        options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json)
+        if args.plan_only:
+            print_plan(cfg, world, why, _label(args, fn), options)
+        else:
+            print_dry_run(cfg, world, why, _label(args, fn), options)
         return 0
     train(cfg, cmd)
     return 0

@@ -118,7 +118,9 @@ def main():
     state = pretrain(cfg, step, callbacks=[recorder])
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{args.out}.rank{rank}", "w") as f:
-        json.dump({"losses": recorder.losses, "params_norms": recorder.params_norms, "step": state.train_state.step, "dp": cfg.data_parallel_size}, f)
+        launcher = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        json.dump({"losses": recorder.losses, "params_norms": recorder.params_norms, "step": state.train_state.step,
+                   "dp": cfg.data_parallel_size, "launcher": launcher, "logging_rank": state.is_logging_rank}, f)
 
 
 if __name__ == "__main__":

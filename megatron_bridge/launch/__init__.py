@@ -1,0 +1,1 @@
+"""Launching runs past one machine: batch scripts for cluster schedulers (`slurm`)."""

@@ -1,0 +1,288 @@
+"""What the planner reads from a resolved config: plain numbers, copied once.
+
+The planner never touches the `ConfigContainer` after `PlanInputs.from_config`: fixes are
+`dataclasses.replace` of these inputs (cheap), not copies of the config (slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class PlanningError(ValueError):
+    """The config uses a feature the planner does not model (the message names it)."""
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a torch dtype (or its name)."""
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise PlanningError(f"dtype {dtype} is not modeled by the planner")
+    return _DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the memory and time model needs, as plain values."""
+
+    # ---- architecture
+    num_layers: int
+    hidden: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    ffn: int
+    gated: bool
+    linear_bias: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    norm_has_bias: bool
+    vocab_size: int
+    make_vocab_divisible_by: int
+    pad_vocab: bool
+    seq_length: int
+    learned_positions: bool
+    tied_embeddings: bool
+    hidden_dropout: float
+    attention_dropout: float
+    # ---- mixture of experts (num_experts 0: dense)
+    num_experts: int
+    topk: int
+    moe_ffn: int
+    shared_expert_ffn: int
+    shared_expert_gate: bool
+    moe_layer_pattern: tuple[bool, ...]
+    moe_grouped_gemm: bool
+    # ---- layout
+    world_size: int
+    tp: int
+    pp: int
+    vp: Optional[int]
+    cp: int
+    ep: int
+    etp: int
+    microbatch_group_size: Optional[int]
+    sequence_parallel: bool
+    layers_first_stage: Optional[int]
+    layers_last_stage: Optional[int]
+    embedding_in_pipeline_split: bool
+    loss_in_pipeline_split: bool
+    transformer_engine: bool
+    # ---- precision
+    precision: str
+    """'bf16', 'fp16' or the parameter dtype (e.g. 'float32')."""
+    param_bytes: int
+    activation_bytes: int
+    fp8_params: bool
+    grad_reduce_in_fp32: bool
+    # ---- recompute
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    recompute_modules: tuple[str, ...]
+    # ---- data parallel and optimizer
+    distributed_optimizer: bool
+    num_dist_opt_instances: int
+    overlap_grad_reduce: bool
+    bucket_size: Optional[int]
+    pad_buckets_for_high_nccl_busbw: bool
+    optimizer: str
+    sgd_momentum: float
+    precision_aware: bool
+    main_params_bytes: int
+    exp_avg_bytes: int
+    exp_avg_sq_bytes: int
+    store_param_remainders: bool
+    cpu_offload_fraction: float
+    torch_optimizer: bool
+    # ---- batch and length
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: Optional[int]
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (dense parameters)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of expert parameters: world / (ETP x EP x PP)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def padded_vocab(self) -> int:
+        if not self.pad_vocab:
+            return self.vocab_size
+        multiple = self.make_vocab_divisible_by * self.tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def num_microbatches(self) -> int:
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def __hash__(self) -> int:
+        # Inputs key the planner's caches; hashing ~80 fields on every lookup would dominate.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def state_key(self) -> tuple:
+        """The fields that parameter, gradient and optimizer bytes depend on besides the
+        architecture (recompute, micro batch and sequence parallelism change only activations)."""
+        return (
+            self.world_size,
+            self.tp,
+            self.pp,
+            self.vp,
+            self.cp,
+            self.ep,
+            self.etp,
+            self.distributed_optimizer,
+            self.precision_aware,
+            self.main_params_bytes,
+            self.exp_avg_bytes,
+            self.exp_avg_sq_bytes,
+            self.store_param_remainders,
+            self.cpu_offload_fraction,
+            self.overlap_grad_reduce,
+            self.bucket_size,
+        )
+
+    def replace(self, **changes: Any) -> "PlanInputs":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ from a config
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "PlanInputs":
+        """Read a config resolved by `runtime_config_update` (`data_parallel_size` set)."""
+        m, ddp, opt, t = cfg.model, cfg.ddp, cfg.optimizer, cfg.train
+        if getattr(m, "pipeline_model_parallel_layout", None) is not None:
+            raise PlanningError(
+                "model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner"
+            )
+        if getattr(m, "multi_latent_attention", False) or getattr(m, "mtp_num_layers", None):
+            raise PlanningError("multi-latent attention and multi-token prediction are not modeled by the planner")
+        if getattr(cfg, "peft", None) is not None:
+            raise PlanningError("parameter-efficient fine-tuning (peft) is not modeled by the planner")
+        if (
+            getattr(ddp, "use_megatron_fsdp", False)
+            or getattr(ddp, "use_custom_fsdp", False)
+            or cfg.dist.use_torch_fsdp2
+        ):
+            raise PlanningError("FSDP sharding of parameters and gradients is not modeled by the planner")
+        if cfg.data_parallel_size is None and world_size is None:
+            raise PlanningError("the config is not resolved: call runtime_config_update(cfg) first")
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        world = world_size if world_size is not None else cfg.data_parallel_size * tp * pp * cp
+        vocab = m.vocab_size if m.vocab_size is not None else cfg.tokenizer.vocab_size
+        if vocab is None:
+            raise PlanningError("the vocabulary size is unknown (set model.vocab_size or tokenizer.vocab_size)")
+        heads = m.num_attention_heads
+        experts = m.num_moe_experts or 0
+        pattern = _moe_pattern(m, experts)
+        bf16, fp16 = bool(m.bf16), bool(m.fp16)
+        param_bytes = 2 if (bf16 or fp16) else dtype_bytes(m.params_dtype)
+        fp8_params = bool(m.fp8) and bool(getattr(m, "fp8_param_gather", False))
+        aware = bool(opt.use_precision_aware_optimizer)
+        offload = float(opt.optimizer_offload_fraction) if opt.optimizer_cpu_offload else 0.0
+        from megatron.core import optimizer as mcore_optimizer
+
+        return cls(
+            num_layers=m.num_layers,
+            hidden=m.hidden_size,
+            heads=heads,
+            query_groups=m.num_query_groups or heads,
+            kv_channels=m.kv_channels or m.hidden_size // heads,
+            ffn=m.ffn_hidden_size or 4 * m.hidden_size,
+            gated=bool(m.gated_linear_unit),
+            linear_bias=bool(m.add_bias_linear),
+            qkv_bias=bool(m.add_bias_linear or getattr(m, "add_qkv_bias", False)),
+            qk_layernorm=bool(m.qk_layernorm),
+            norm_has_bias=m.normalization != "RMSNorm",
+            vocab_size=int(vocab),
+            make_vocab_divisible_by=m.make_vocab_size_divisible_by,
+            pad_vocab=bool(m.should_pad_vocab),
+            seq_length=m.seq_length,
+            learned_positions=m.position_embedding_type == "learned_absolute",
+            tied_embeddings=bool(m.share_embeddings_and_output_weights),
+            hidden_dropout=float(m.hidden_dropout or 0.0),
+            attention_dropout=float(m.attention_dropout or 0.0),
+            num_experts=experts,
+            topk=m.moe_router_topk or 0,
+            moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size) if experts else 0,
+            shared_expert_ffn=(m.moe_shared_expert_intermediate_size or 0) if experts else 0,
+            shared_expert_gate=bool(getattr(m, "moe_shared_expert_gate", False)),
+            moe_layer_pattern=pattern,
+            moe_grouped_gemm=bool(m.moe_grouped_gemm),
+            world_size=world,
+            tp=tp,
+            pp=pp,
+            vp=m.virtual_pipeline_model_parallel_size if pp > 1 else None,
+            cp=cp,
+            ep=m.expert_model_parallel_size or 1,
+            etp=(m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else tp) if experts else tp,
+            microbatch_group_size=_explicit(m, "microbatch_group_size_per_vp_stage"),
+            sequence_parallel=bool(m.sequence_parallel),
+            layers_first_stage=m.num_layers_in_first_pipeline_stage,
+            layers_last_stage=m.num_layers_in_last_pipeline_stage,
+            embedding_in_pipeline_split=bool(m.account_for_embedding_in_pipeline_split),
+            loss_in_pipeline_split=bool(m.account_for_loss_in_pipeline_split),
+            transformer_engine=m.transformer_impl == "transformer_engine",
+            precision="bf16" if bf16 else "fp16" if fp16 else str(m.params_dtype).replace("torch.", ""),
+            param_bytes=param_bytes,
+            activation_bytes=2 if (bf16 or fp16) else dtype_bytes(m.params_dtype),
+            fp8_params=fp8_params,
+            grad_reduce_in_fp32=bool(ddp.grad_reduce_in_fp32),
+            recompute_granularity=m.recompute_granularity,
+            recompute_method=m.recompute_method,
+            recompute_num_layers=m.recompute_num_layers,
+            recompute_modules=tuple(m.recompute_modules or ("core_attn",)),
+            distributed_optimizer=bool(ddp.use_distributed_optimizer),
+            num_dist_opt_instances=ddp.num_distributed_optimizer_instances or 1,
+            overlap_grad_reduce=bool(ddp.overlap_grad_reduce),
+            bucket_size=ddp.bucket_size,
+            pad_buckets_for_high_nccl_busbw=bool(ddp.pad_buckets_for_high_nccl_busbw),
+            optimizer=opt.optimizer,
+            sgd_momentum=float(opt.sgd_momentum or 0.0),
+            precision_aware=aware,
+            main_params_bytes=dtype_bytes(opt.main_params_dtype) if aware else 4,
+            exp_avg_bytes=dtype_bytes(opt.exp_avg_dtype) if aware else 4,
+            exp_avg_sq_bytes=dtype_bytes(opt.exp_avg_sq_dtype) if aware else 4,
+            store_param_remainders=bool(opt.store_param_remainders) and aware,
+            cpu_offload_fraction=offload,
+            torch_optimizer=bool(getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", True)),
+            micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size,
+            train_iters=t.train_iters,
+        )
+
+
+def _explicit(section: Any, name: str) -> Any:
+    """The value of `name` if the user chose it, None if it is derived (it then follows the layout)."""
+    is_explicit = getattr(section, "is_explicit", None)
+    if is_explicit is not None and not is_explicit(name):
+        return None
+    return getattr(section, name, None)
+
+
+def _moe_pattern(m: Any, experts: int) -> tuple[bool, ...]:
+    """Which layers are mixture-of-experts layers (megatron-core's reading of moe_layer_freq)."""
+    if not experts:
+        return (False,) * m.num_layers
+    freq = m.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(m.num_layers))
+    return tuple(bool(x) for x in freq)

@@ -1,0 +1,343 @@
+"""The planner: exact model-state bytes against megatron-core, the activation formula, the
+pipeline split, fixes that are re-planned and valid, and the CLI."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.cli.main import main as mbridge
+from megatron_bridge.planning import plan
+from megatron_bridge.planning.activations import in_flight_micro_batches, layer_bytes, layer_terms
+from megatron_bridge.planning.inputs import PlanInputs
+from megatron_bridge.planning.params import chunks
+from megatron_bridge.training.config import runtime_config_update
+from megatron_bridge.training.distributed import free_port
+from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+from recipes import get_recipe, list_recipes
+
+SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
+LAYOUTS = ("tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logging.disable(logging.WARNING)  # comm-overlap notes on every resolve
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def resolved(name, world_size=None, overrides=(), **options):
+    fn = get_recipe(name)
+    cfg = fn(**options)
+    if overrides:
+        process_config_with_overrides(cfg, cli_overrides=list(overrides))
+    runtime_config_update(cfg, world_size=world_size or fn.world_size)
+    return cfg
+
+
+# ---------------------------------------------------------------------- exact model state
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
+    """Seven layouts trained for one iteration with pretrain() under torchrun (2 processes): the
+    bytes of parameters, gradient buffers, optimizer state (main copies + moments) and torch's
+    step counters equal the planner's on each rank, and so does the parameter list."""
+    out = tmp_path / "memory"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--layouts",
+        *LAYOUTS,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    differing_shards = 0
+    for rank in (0, 1):
+        results = json.loads(Path(f"{out}.rank{rank}").read_text())
+        assert set(results) == set(LAYOUTS)
+        for layout, r in results.items():
+            assert r["measured"] == r["planned"], (layout, rank)
+            assert r["names"] == r["planned_names"], (layout, rank)
+            assert r["measured"]["params"] > 0 and r["measured"]["optimizer"] > 0
+    for layout in ("buckets_bf16", "dp2_distopt"):  # distributed optimizer: the two shards differ, still exact
+        a, b = (json.loads(Path(f"{out}.rank{r}").read_text())[layout]["measured"] for r in (0, 1))
+        differing_shards += a != b
+    assert differing_shards == 2
+
+
+def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
+    """The `buckets_bf16` layout above is the multi-bucket case (bucket padding to lcm(DP, 128))."""
+    from megatron_bridge.planning.buffers import chunk_buffers
+    from megatron_bridge.planning.params import chunk_params
+
+    sys.path.insert(0, str(SCRIPT.parent.parent))
+    from factories import tiny_config, tiny_model
+
+    cfg = tiny_config(
+        model=tiny_model(
+            share_embeddings_and_output_weights=False,
+            add_qkv_bias=True,
+            qk_layernorm=True,
+            vocab_size=250,
+            add_bias_linear=False,
+        )
+    )
+    cfg.tokenizer.vocab_size = 250
+    cfg.ddp.use_distributed_optimizer, cfg.ddp.overlap_grad_reduce, cfg.ddp.bucket_size = True, True, 20000
+    runtime_config_update(cfg, world_size=2)
+    inp = PlanInputs.from_config(cfg)
+    (buf,) = chunk_buffers(inp, chunk_params(inp, chunks(inp)[0][0]), True, 0)
+    assert len(buf.buckets) >= 3
+    assert all((end - start) % 128 == 0 for start, end, _ in buf.buckets)
+    assert buf.numel > sum(p.numel for p in chunk_params(inp, chunks(inp)[0][0]))
+
+
+# ---------------------------------------------------------------------- activations
+def paper_inputs(**changes):
+    """The architecture of Korthikanti et al.: MHA, 4h GeLU MLP, dropout, LayerNorm, unfused
+    attention, 16-bit activations."""
+    cfg = resolved("llama2_7b_pretrain_config")
+    inp = PlanInputs.from_config(cfg)
+    base = dict(
+        hidden=4096,
+        heads=32,
+        query_groups=32,
+        kv_channels=128,
+        ffn=4 * 4096,
+        gated=False,
+        seq_length=2048,
+        micro_batch_size=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        transformer_engine=False,
+        activation_bytes=2,
+        tp=1,
+        cp=1,
+        sequence_parallel=False,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=("core_attn",),
+    )
+    base.update(changes)
+    return inp.replace(**base)
+
+
+CLOSED_FORMS = [
+    (None, False, lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    (None, True, lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+    ("selective", False, lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    ("selective", True, lambda s, b, h, a, t: 34 * s * b * h / t),
+    ("full", False, lambda s, b, h, a, t: 2 * s * b * h),
+    ("full", True, lambda s, b, h, a, t: 2 * s * b * h / t),
+]
+
+
+@pytest.mark.parametrize(
+    "t, setting, sp, closed_form",
+    [(t, *form) for t in (1, 2, 8) for form in CLOSED_FORMS if t > 1 or not form[1]],  # SP needs TP > 1
+)
+def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, closed_form):
+    extra = dict(recompute_method="uniform", recompute_num_layers=1) if setting == "full" else {}
+    inp = paper_inputs(tp=t, sequence_parallel=sp, recompute_granularity=setting, **extra)
+    s, b, h, a = 2048, 2, 4096, 32
+    assert layer_bytes(inp) == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
+
+
+def test_activation_terms_for_a_modern_layer():
+    """GQA, SwiGLU, no dropout, fused attention: Q/K/V shrink to the query groups, no masks, the
+    attention scores are not kept; context parallelism splits every term."""
+    inp = paper_inputs(
+        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True
+    )
+    terms = layer_terms(inp)
+    s, b = 2048, 2
+    assert terms["Q, K, V"] == 2 * s * b * (4096 + 2 * 1024)
+    assert terms["activation input"] == 2 * s * b * 2 * 14336
+    assert not any("mask" in k or "softmax output" in k for k in terms)
+    assert layer_bytes(inp.replace(cp=2)) == pytest.approx(layer_bytes(inp) / 2)
+
+
+def test_micro_batches_in_flight_follow_megatron_schedules():
+    inp = paper_inputs().replace(
+        pp=4, vp=None, global_batch_size=64, micro_batch_size=1, world_size=4, microbatch_group_size=None
+    )
+    assert [in_flight_micro_batches(inp, r) for r in range(4)] == [4, 3, 2, 1]
+    few = inp.replace(global_batch_size=2)
+    assert in_flight_micro_batches(few, 0) == 2
+    inter = inp.replace(vp=2)
+    # rank 0: 2 (p - 1) + (v - 1) p + 1 = 11 chunks of half a stage
+    assert in_flight_micro_batches(inter, 0) == 11 / 2
+    assert in_flight_micro_batches(inp.replace(pp=1, world_size=1), 0) == 1
+
+
+# ---------------------------------------------------------------------- pipeline split
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(num_layers=8, pipeline_model_parallel_size=2),
+        dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        dict(
+            num_layers=14,
+            pipeline_model_parallel_size=4,
+            virtual_pipeline_model_parallel_size=2,
+            account_for_embedding_in_pipeline_split=True,
+            account_for_loss_in_pipeline_split=True,
+        ),
+        dict(
+            num_layers=10,
+            pipeline_model_parallel_size=4,
+            num_layers_in_first_pipeline_stage=1,
+            num_layers_in_last_pipeline_stage=3,
+        ),
+    ],
+)
+def test_pipeline_split_matches_megatron_core(fields):
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    sys.path.insert(0, str(SCRIPT.parent.parent))
+    from factories import tiny_config, tiny_model
+
+    cfg = tiny_config(model=tiny_model(**fields))
+    cfg.train.global_batch_size = 8
+    runtime_config_update(cfg, world_size=fields["pipeline_model_parallel_size"])
+    inp = PlanInputs.from_config(cfg)
+    for stage in chunks(inp):
+        for c in stage:
+            assert c.num_layers == get_num_layers_to_build(cfg.model, vp_stage=c.vp_stage, pp_rank=c.pp_rank)
+            assert c.first_layer == get_transformer_layer_offset(cfg.model, vp_stage=c.vp_stage, pp_rank=c.pp_rank)
+
+
+# ---------------------------------------------------------------------- plans and fixes
+def test_every_recipe_plans_and_llama3_8b_fits_on_8_h100():
+    for name in list_recipes():
+        if "finetune" in name:
+            continue
+        p = plan(resolved(name))
+        assert p.ranks and p.timing.tokens_per_s > 0
+    p = plan(resolved("llama3_8b_pretrain_config"))
+    (rank,) = p.ranks
+    # 8.03B bf16 parameters, fp32 gradients, 12 bytes/param of optimizer state over DP x CP = 8
+    assert rank.state.params == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert rank.state.grads == 2 * rank.state.params
+    assert rank.state.optimizer == pytest.approx(8.03e9 * 12 / 8, rel=0.01)
+    assert p.fits and 0 < rank.margin < 2**30
+
+
+def test_config_that_does_not_fit_gets_ranked_fixes_that_fit_when_applied():
+    """llama3_70b on 8 GPUs with TP=1: each printed fix, applied to the config as its overrides
+    (and world size), resolves, and re-planning it fits with the estimate the fix showed."""
+    options = dict(tensor_model_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
+    p = plan(resolved("llama3_70b_pretrain_config", 8, **options))
+    assert not p.fits and len(p.fixes) >= 3
+    speeds = [f.evaluation.timing.tokens_per_s for f in p.fixes if f.world_size == 8]
+    assert speeds == sorted(speeds, reverse=True)
+    for fix in p.fixes:
+        overrides = [o for o in fix.overrides if not o.startswith("--world-size")]
+        cfg = resolved("llama3_70b_pretrain_config", fix.world_size, overrides, **options)
+        again = plan(cfg, with_fixes=False)
+        assert again.fits, fix.description
+        assert again.worst.total == pytest.approx(fix.evaluation.worst.total, rel=1e-9)
+    assert any(f.world_size > 8 for f in p.fixes)  # at 8 GPUs only offloading the optimizer fits
+
+
+def test_fixes_are_minimal_and_the_plan_text_names_them():
+    p = plan(resolved("llama3_8b_pretrain_config", 8, ["train.micro_batch_size=2"]))
+    assert not p.fits
+    for a in p.fixes:
+        for b in p.fixes:
+            assert a is b or not set(b.overrides) < set(a.overrides)
+    text = "\n".join(p.text())
+    assert "fits: NO" in text and "fixes (ranked" in text and p.fixes[0].overrides[0] in text
+
+
+# ---------------------------------------------------------------------- CLI
+def test_gpu_choices_of_the_cli_are_the_planner_devices():
+    from megatron_bridge.cli.training import GPU_CHOICES
+    from megatron_bridge.planning import GPUS
+
+    assert GPU_CHOICES == tuple(GPUS)
+
+
+def test_plan_only_prints_the_plan(capsys):
+    assert mbridge(["pretrain", "--recipe", "llama3_8b_pretrain_config", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: llama3_8b_pretrain_config on 8 x H100 80GB" in out
+    for row in ("parameters", "gradients", "optimizer state", "activations", "workspace allowance", "total"):
+        assert f"\n  {row}" in out
+    assert "fits: yes" in out and "time at MFU 0.40" in out and "pipeline bubble" in out
+    assert "model:" not in out  # no YAML
+
+
+def test_plan_json_records_and_gpu_and_mfu(capsys):
+    argv = ["pretrain", "--recipe", "qwen3_30b_a3b_pretrain_config", "--plan-only", "--json"]
+    assert mbridge([*argv, "--gpu", "h200-141gb", "--mfu", "0.2"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert len(records) == 2  # PP 2: two rank layouts
+    for r in records:
+        for key in (
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "activations_bytes",
+            "total_bytes",
+            "gpu_bytes",
+            "fits",
+            "step_time_s",
+            "tokens_per_s",
+        ):
+            assert key in r
+        assert r["total_bytes"] == pytest.approx(
+            r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"] + r["workspace_bytes"],
+            abs=2,
+        )
+        assert r["gpu"] == "h200-141gb" and r["mfu"] == 0.2 and r["expert_dp"] == 4
+    assert mbridge([*argv, "--mfu", "0.4"]) == 0
+    faster = json.loads(capsys.readouterr().out)
+    assert faster[0]["step_time_s"] == pytest.approx(records[0]["step_time_s"] / 2)
+
+
+def test_dry_run_appends_the_plan_as_comments(capsys):
+    assert mbridge(["pretrain", "--recipe", "llama3_70b_pretrain_config", "--dry-run", "--gpu", "b200-180gb"]) == 0
+    out = capsys.readouterr().out
+    plan_part = out[out.index("# ---- plan:") :]
+    assert "on 64 x B200 180GB" in plan_part
+    assert all(line.startswith("#") for line in plan_part.splitlines())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--plan-only", "--mfu", "1.5"], "expected a number in (0, 1], got '1.5'"),
+        (["--plan-only", "--gpu", "h100"], "invalid choice: 'h100'"),
+        (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
+        (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
+        (["--dry-run", "--json"], "--json only applies to --plan-only"),
+        (
+            ["--plan-only", "ddp.use_megatron_fsdp=true"],
+            "no plan: FSDP sharding of parameters and gradients is not modeled",
+        ),
+    ],
+)
+def test_plan_option_errors(capsys, argv, message):
+    assert mbridge(["pretrain", "--recipe", "llama3_8b_pretrain_config", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""Write docs/planner.md: the planner's output for every recipe, and for a config that does not fit.
+
+    python tools/plan_docs.py [--out docs/planner.md] [--gpu h100-80gb]
+
+Each recipe is planned at its own world size, as `mbridge pretrain --recipe NAME --plan-only`
+prints it. Fine-tuning recipes get stand-in directories for their required paths (planning reads
+no data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+
+INTRO = """\
+# Planning a run: memory, fit and time before any GPU is used
+
+`mbridge pretrain|finetune --plan-only` (or `--dry-run`, which prints it after the config) plans
+the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU of
+
+- **parameters, gradients and optimizer state**, as megatron-core allocates them: the DDP
+  gradient buffers (fp32 with `grad_reduce_in_fp32`), with the distributed optimizer the parameter
+  buffer and the rank's shard of fp32 main parameters and Adam moments, padding included;
+  precision-aware optimizer dtypes, TP/PP/EP/ETP splits and vocabulary padding. For megatron-core's
+  local layers these are exact: `tests/test_planner.py` trains seven layouts (TP 2, PP 2, PP 2 with
+  virtual stages, distributed optimizer with DP 2, MoE with EP 2, bf16 with fp32 main parameters,
+  several padded buckets) under torchrun and compares with the bytes of the actual tensors on
+  every rank;
+- **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
+  grouped-query attention, gated MLPs, fused attention, MoE; recompute none/selective/full,
+  sequence and context parallelism) times the micro batches a stage holds in the 1F1B schedule
+  (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus the fp32 logits of the last stage;
+- a **fixed workspace allowance** of 4 GiB (CUDA context, NCCL/cuBLAS workspaces, fragmentation),
+  shown as such: it is not derived from the config.
+
+It says whether the config fits and by how much, and when it does not, ranked fixes: each is a
+set of overrides, re-planned with the same planner (the tests apply every fix to the config,
+resolve it and plan it again). Time: FLOPs per step from `flops_per_token`, step time and
+tokens/s at a stated MFU (`--mfu`, default 0.40), time to `train_iters` and total tokens; the
+pipeline bubble; DP, EP and expert-DP sizes. `--gpu` picks h100-80gb (default), h200-141gb,
+a100-80gb or b200-180gb; `--plan-only --json` prints one record per rank layout.
+
+Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
+buffers (inside the workspace allowance). With `transformer_impl: transformer_engine` the plan
+assumes TE layers (fused attention keeps no attention scores); the parameter order, and so a few
+elements of alignment padding, is then TE's as far as it is known here.
+
+Regenerate this page with `python tools/plan_docs.py`.
+"""
+
+
+def verdict(p) -> str:
+    w = p.worst
+    parts = (
+        f"parameters {w.state.params / 2**30:.1f} GiB + gradients {w.state.grads / 2**30:.1f} + optimizer "
+        f"{w.state.optimizer / 2**30:.1f} + activations {w.activations.total / 2**30:.1f} + workspace "
+        f"{w.workspace / 2**30:.0f}"
+    )
+    where = f" (fullest: stage {w.pp_rank})" if p.inputs.pp > 1 else ""
+    if p.fits:
+        return f"**Fits**, {w.margin / 2**30:.2f} GiB to spare{where}: {parts} = {w.total / 2**30:.1f} GiB."
+    return f"**Does not fit**, {-w.margin / 2**30:.2f} GiB over{where}: {parts} = {w.total / 2**30:.1f} GiB."
+
+
+def section(title: str, command: str, p) -> list[str]:
+    return [f"## {title}", "", verdict(p), "", "```", f"$ {command}", *p.text(), "```", ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "planner.md"))
+    ap.add_argument("--gpu", default="h100-80gb")
+    args = ap.parse_args()
+    logging.disable(logging.WARNING)
+    from megatron_bridge.planning import plan
+    from megatron_bridge.training.config import runtime_config_update
+    from recipes import get_recipe, list_recipes
+
+    gpu_flag = "" if args.gpu == "h100-80gb" else f" --gpu {args.gpu}"
+    lines = [INTRO]
+    with tempfile.TemporaryDirectory() as tmp:
+        stand_ins = dict(dataset_root=tmp, pretrained_checkpoint=tmp)
+        for name in list_recipes():
+            fn = get_recipe(name)
+            options = stand_ins if name.endswith("_finetune_config") else {}
+            cfg = fn(**options)
+            runtime_config_update(cfg, world_size=fn.world_size)
+            cmd = "finetune" if name.endswith("_finetune_config") else "pretrain"
+            extra = " --recipe-arg dataset_root=DIR --recipe-arg pretrained_checkpoint=CKPT" if options else ""
+            command = f"mbridge {cmd} --recipe {name} --plan-only{gpu_flag}{extra}"
+            lines += section(f"{name} on {fn.world_size} GPUs", command, plan(cfg, gpu=args.gpu, label=name))
+    squeeze = dict(tensor_model_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
+    cfg = get_recipe("llama3_70b_pretrain_config")(**squeeze)
+    runtime_config_update(cfg, world_size=8)
+    command = (
+        "mbridge pretrain --recipe llama3_70b_pretrain_config --plan-only --world-size 8 "
+        "--recipe-arg tensor_model_parallel_size=1 --recipe-arg sequence_parallel=false "
+        "--recipe-arg tp_comm_overlap=false" + gpu_flag
+    )
+    lines += [
+        "# A config that does not fit",
+        "",
+        "Llama 3 70B laid out for 64 GPUs, squeezed onto 8 at TP 1 (PP 4 x CP 2 remain). Only offloading the",
+        "optimizer to the host fits at 8 GPUs; the planner then also looks for the smallest larger world",
+        "size that fits without it.",
+        "",
+    ]
+    lines += section(
+        "llama3_70b_pretrain_config on 8 GPUs, TP 1",
+        command,
+        plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config"),
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
