@@ -8,6 +8,7 @@ import torch
 from factories import tiny_config
 
 from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.training.child_processes import die_with_parent
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,
@@ -45,6 +46,9 @@ def restart_config(save, **overrides):
 
 
 def test_inprocess_restart_resumes_from_the_last_checkpoint_and_finishes_like_an_unfaulted_run(tmp_path, caplog):
+    # As after any earlier run in this process: forked helpers are tied to their parent. The
+    # restart monitor (a double-forked daemon) must still start.
+    die_with_parent()
     clean = Losses()
     pretrain(restart_config(str(tmp_path / "clean")), forward_step, callbacks=[clean])
 

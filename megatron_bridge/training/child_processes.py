@@ -5,10 +5,15 @@ and keeps a `multiprocessing` manager for their results. If the trainer is kille
 nothing tells them to stop: they were re-parented to init and lived on, holding hundreds of MB
 each. Here every process forked by the trainer asks Linux to SIGKILL it when its parent dies
 (`PR_SET_PDEATHSIG`), and the results manager is started by fork so that it inherits this.
+
+Some helpers must outlive their parent on purpose: nvidia-resiliency-ext's restart monitor is
+a daemon made by a double fork, whose middle process exits at once. They are started inside
+`children_may_outlive_parent()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -18,6 +23,7 @@ import sys
 _PR_SET_PDEATHSIG = 1
 _installed = False
 _parent_pid = 0
+_exempt = False
 
 
 def _before_fork() -> None:
@@ -26,6 +32,8 @@ def _before_fork() -> None:
 
 
 def _in_child() -> None:
+    if _exempt:
+        return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -53,3 +61,21 @@ def install_checkpoint_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
+@contextlib.contextmanager
+def children_may_outlive_parent():
+    """Processes forked inside this block (and their own children) are not tied to their parent."""
+    global _exempt
+    previous, _exempt = _exempt, True
+    try:
+        yield
+    finally:
+        _exempt = previous
+
+
+def tie_children_to_parent() -> None:
+    """End an enclosing `children_may_outlive_parent()` early, for the rest of its block: used by
+    the code a daemon-starting wrapper calls back into (the training itself)."""
+    global _exempt
+    _exempt = False

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 
 from megatron_bridge.extras import is_installed, require
+from megatron_bridge.training.child_processes import children_may_outlive_parent, tie_children_to_parent
 
 if TYPE_CHECKING:
     from megatron_bridge.training.callbacks import Callback
@@ -140,6 +141,7 @@ def _run(execute: Callable[..., "GlobalState"], config: "ConfigContainer", forwa
     )
 
     def attempt(call_wrapper=None):
+        tie_children_to_parent()  # the monitor daemon is started; checkpoint writers die with us again
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
         cfg = copy.deepcopy(config)
         if iteration > 0:
@@ -152,4 +154,5 @@ def _run(execute: Callable[..., "GlobalState"], config: "ConfigContainer", forwa
     # The wrapper finds the parameter to pass itself in by its annotation, which must be the
     # class itself (this module's annotations are strings).
     attempt.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper]}
-    return build_wrapper(config)(attempt)()
+    with children_may_outlive_parent():  # the wrapper's monitor is a double-forked daemon
+        return build_wrapper(config)(attempt)()
