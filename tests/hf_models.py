@@ -74,23 +74,32 @@ def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def megatron_logits(directory: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
-    """Logits of our megatron-core model loaded from the Hugging Face `directory` under the
-    current launch (TP x PP x EP ranks); the full vocabulary (padding rows included) on the last
-    pipeline stage, None elsewhere."""
+def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
+    """Logits of our megatron-core model loaded from `source` (a Hugging Face directory, or a
+    checkpoint of ours) under the current launch (TP x PP x EP ranks); the full vocabulary
+    (padding rows included) on the last pipeline stage, None elsewhere."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bridge.models import GPTModelProvider
+    from megatron_bridge.models.hf.convert import checkpoint_provider
+    from megatron_bridge.models.hf.files import is_hf_directory
     from megatron_bridge.models.hf.load import load_hf_weights
-    from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
+    from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare
+    from megatron_bridge.training.checkpointing.layout import resolve
 
-    provider = GPTModelProvider.from_hf(directory)
+    if is_hf_directory(source):
+        provider = GPTModelProvider.from_hf(source)
+        load = lambda chunks: load_hf_weights(chunks, source)  # noqa: E731
+    else:
+        directory = resolve(source)[0]
+        provider = checkpoint_provider(directory)
+        load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
     with model_parallel(tp=tp, pp=pp, ep=ep) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
-        load_hf_weights(chunks, directory)
+        load(chunks)
         data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
 
         def step(data_iterator, module):

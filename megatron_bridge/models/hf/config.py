@@ -397,15 +397,26 @@ ARCHITECTURE_FIELDS = (
 
 
 def architecture_differences(model: Any, reference: Any) -> list[tuple[str, Any, Any]]:
-    """(field, model value, reference value) for each architecture field that differs; fields
-    left unset in `model` (None) count as the reference's."""
+    """(field, model value, reference value) for each architecture field that differs. Sizes
+    left to derive (None) count as what megatron-core derives; `model.vocab_size` left unset
+    counts as the reference's."""
     out = []
     for name in ARCHITECTURE_FIELDS:
-        mine, theirs = getattr(model, name), getattr(reference, name)
-        if name == "num_query_groups":
-            mine = mine or model.num_attention_heads
-            theirs = theirs or reference.num_attention_heads
+        mine, theirs = _effective(model, name), _effective(reference, name)
         if mine is None or mine == theirs:
             continue
         out.append((name, mine, theirs))
     return out
+
+
+def _effective(p: Any, name: str) -> Any:
+    value = getattr(p, name)
+    if value is not None or not p.hidden_size or not p.num_attention_heads:
+        return value
+    if name == "num_query_groups":
+        return p.num_attention_heads
+    if name == "kv_channels":
+        return p.hidden_size // p.num_attention_heads
+    if name == "ffn_hidden_size":
+        return 4 * p.hidden_size
+    return None
