@@ -172,26 +172,23 @@ def test_te_and_grouped_expert_names_map_like_local_ones():
     assert mapping.rule_for(llama, "decoder.layers.0.self_attention.linear_qkv.bias") is None  # no biases
 
 
-def test_fused_qkv_and_gated_layouts_round_trip_per_tensor_parallel_rank():
+def test_fused_qkv_and_gated_layouts_round_trip_per_tensor_parallel_rank(tmp_path):
     """Rows of q/k/v interleave per query group; tensor-parallel ranks hold whole groups."""
+    from safetensors.torch import save_file
 
-    class Reader:
-        def __init__(self, tensors):
-            self.tensors = tensors
-
-        def read(self, name, dim=None, start=0, stop=None):
-            t = self.tensors[name]
-            return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+    from megatron_bridge.models.hf.reader import SafetensorsReader
 
     heads, groups, hd, hidden = 4, 2, 3, 5
     hf = {n: torch.randn(rows, hidden) for n, rows in (("q", heads * hd), ("k", groups * hd), ("v", groups * hd))}
-    hf.update(gate=torch.randn(6, hidden), up=torch.randn(6, hidden))
+    hf.update(gate=torch.randn(6, hidden), up=torch.randn(6, hidden), o=torch.randn(hidden, 8))
+    save_file(hf, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader(str(tmp_path))
     qkv, gated = mapping.QKV("q", "k", "v", heads, groups, hd), mapping.Gated("gate", "up")
     for size in (1, 2):
         parts = []
         for rank in range(size):
             dest = torch.empty((heads + 2 * groups) * hd // size, hidden)
-            qkv.load(Reader(hf), dest, mapping.Partition(0, rank, size))
+            qkv.load(reader, dest, mapping.Partition(0, rank, size))
             parts.append(dest)
         group0 = parts[0][: (heads // groups + 2) * hd]  # q heads 0-1, k head 0, v head 0
         assert torch.equal(group0, torch.cat([hf["q"][: 2 * hd], hf["k"][:hd], hf["v"][:hd]]))
@@ -199,10 +196,14 @@ def test_fused_qkv_and_gated_layouts_round_trip_per_tensor_parallel_rank():
         assert all(torch.equal(back[n], hf[n]) for n in "qkv")
         fc1 = [torch.empty(12 // size, hidden) for _ in range(size)]
         for rank, dest in enumerate(fc1):
-            gated.load(Reader(hf), dest, mapping.Partition(0, rank, size))
+            gated.load(reader, dest, mapping.Partition(0, rank, size))
         assert torch.equal(fc1[-1][: 6 // size], hf["gate"][-6 // size :])  # [gate; up] on every rank
         back = gated.to_hf(fc1, mapping.Partition(0, 0, size))
         assert torch.equal(back["gate"], hf["gate"]) and torch.equal(back["up"], hf["up"])
+        columns = [torch.empty(hidden, 8 // size, dtype=torch.bfloat16) for _ in range(size)]  # via get_slice
+        for rank, dest in enumerate(columns):
+            mapping.Copy("o").load(reader, dest, mapping.Partition(1, rank, size))
+        assert torch.equal(torch.cat(columns, dim=1), hf["o"].to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------- config fields

@@ -80,17 +80,6 @@ def partition(name: str, local: tuple[int, ...], full: tuple[int, ...], rank: in
     return Partition(d, rank, size)
 
 
-def _rows(reader: "SafetensorsReader", name: str, start: int, stop: int) -> "torch.Tensor":
-    return reader.read(name, dim=0, start=start, stop=stop)
-
-
-def _fill(dest: "torch.Tensor", source: "torch.Tensor", what: str) -> None:
-    """Copy `source` into `dest` (converting the dtype); shapes must agree exactly."""
-    if tuple(dest.shape) != tuple(source.shape):
-        raise ValueError(f"{what}: the weights give shape {list(source.shape)}, the model expects {list(dest.shape)}")
-    dest.copy_(source)
-
-
 @dataclass
 class Copy(Rule):
     name: str
@@ -100,11 +89,11 @@ class Copy(Rule):
         return (self.name,)
 
     def load(self, reader, dest, part):
-        if part.dim is None or part.size == 1:
-            _fill(dest, reader.read(self.name), self.name)
+        if part.dim is None:
+            reader.read_into(dest, self.name)
             return
         n = dest.shape[part.dim]
-        _fill(dest, reader.read(self.name, dim=part.dim, start=part.rank * n, stop=(part.rank + 1) * n), self.name)
+        reader.read_into(dest, self.name, part.dim, part.rank * n, (part.rank + 1) * n)
 
     def to_hf(self, parts, part):
         import torch
@@ -132,9 +121,9 @@ class Vocab(Rule):
     def load(self, reader, dest, part):
         n = dest.shape[0]
         start, stop = part.rank * n, min((part.rank + 1) * n, self.vocab)
-        dest.zero_()
         if stop > start:
-            _fill(dest[: stop - start], _rows(reader, self.name, start, stop), self.name)
+            reader.read_into(dest[: stop - start], self.name, 0, start, stop)
+        dest[max(stop - start, 0) :].zero_()  # padding rows
 
     def to_hf(self, parts, part):
         import torch
@@ -162,20 +151,15 @@ class QKV(Rule):
         return (self.q, self.k, self.v)
 
     def load(self, reader, dest, part):
-        import torch
-
         local = self.groups // part.size
         g0, hpg, hd = part.rank * local, self.heads // self.groups, self.head_dim
-        q = _rows(reader, self.q, g0 * hpg * hd, (g0 + local) * hpg * hd)
-        k = _rows(reader, self.k, g0 * hd, (g0 + local) * hd)
-        v = _rows(reader, self.v, g0 * hd, (g0 + local) * hd)
-        rest = tuple(q.shape[1:])
-        fused = torch.cat(
-            [q.reshape(local, hpg * hd, *rest), k.reshape(local, hd, *rest), v.reshape(local, hd, *rest)], dim=1
-        )
-        if fused.numel() != dest.numel():
-            raise ValueError(f"{self.q}: the weights give {fused.numel()} values for the fused projection, the model expects {list(dest.shape)}")
-        dest.copy_(fused.reshape(dest.shape))
+        if dest.shape[0] != local * (hpg + 2) * hd:
+            raise ValueError(f"{self.q}: the fused projection of {local} query groups has {local * (hpg + 2) * hd} rows, the model expects {dest.shape[0]}")
+        for j in range(local):  # each group: its query heads, its key head, its value head
+            g, base = g0 + j, j * (hpg + 2) * hd
+            reader.read_into(dest[base : base + hpg * hd], self.q, 0, g * hpg * hd, (g + 1) * hpg * hd)
+            reader.read_into(dest[base + hpg * hd : base + (hpg + 1) * hd], self.k, 0, g * hd, (g + 1) * hd)
+            reader.read_into(dest[base + (hpg + 1) * hd : base + (hpg + 2) * hd], self.v, 0, g * hd, (g + 1) * hd)
 
     def to_hf(self, parts, part):
         import torch
@@ -209,8 +193,8 @@ class Gated(Rule):
     def load(self, reader, dest, part):
         n = dest.shape[0] // 2
         start, stop = part.rank * n, (part.rank + 1) * n
-        _fill(dest[:n], _rows(reader, self.gate, start, stop), self.gate)
-        _fill(dest[n:], _rows(reader, self.up, start, stop), self.up)
+        reader.read_into(dest[:n], self.gate, 0, start, stop)
+        reader.read_into(dest[n:], self.up, 0, start, stop)
 
     def to_hf(self, parts, part):
         import torch

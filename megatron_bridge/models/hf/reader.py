@@ -3,9 +3,14 @@
 `check_weights` reads only the index and each file's header (a few KB): a missing shard, a
 truncated file, a tensor listed in the index but absent from its file, a shape that does not
 match config.json are all reported, each naming the file and the tensor, before any model is
-built. `SafetensorsReader.read` returns one tensor or a slice of it along a dimension: it opens
-the file with `safetensors.safe_open` for that read and slices through `get_slice`, so a process
-touches only the bytes of its own slices and keeps no file mapped between reads.
+built.
+
+`SafetensorsReader.read_into` fills a parameter (or a part of one) with a slice of a tensor, and
+reads only that slice's bytes. A slice of whole rows in the parameter's dtype is contiguous in
+the file: it is read straight into the parameter's memory, with no copy in between. Any other
+slice (columns, for row-parallel layers; a dtype conversion) goes through safetensors'
+`safe_open(...).get_slice`, opened for that read only, so no file stays mapped between reads and
+a process's memory holds its parameters plus at most one slice.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
+TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where a tensor lives and what it is, from its file's header."""
@@ -32,6 +41,8 @@ class TensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+    """Position of its first byte in the file."""
 
 
 class HeaderError(ValueError):
@@ -74,7 +85,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raise HeaderError(
                 f"{name} is truncated: tensor {tensor!r} needs bytes up to {8 + length + end}, the file has {size}"
             )
-        out[tensor] = TensorInfo(name, dtype, shape)
+        out[tensor] = TensorInfo(name, dtype, shape, 8 + length + begin)
     return out
 
 
@@ -172,6 +183,51 @@ class SafetensorsReader:
         self.directory = directory
         self.mapping = mapping if mapping is not None else weight_map(directory)
         self.bytes_read = 0
+        self._headers: dict[str, dict[str, TensorInfo]] = {}
+
+    def info(self, name: str) -> TensorInfo:
+        file = self.mapping.get(name)
+        if file is None:
+            raise KeyError(f"{self.directory}: no tensor {name!r} in the weights")
+        if file not in self._headers:
+            self._headers[file] = read_header(os.path.join(self.directory, file))
+        return self._headers[file][name]
+
+    def read_into(self, dest, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> None:
+        """Fill `dest` with tensor `name`, or its [start, stop) slice along `dim` (shapes must
+        agree exactly; the dtype is converted)."""
+        import torch
+
+        info = self.info(name)
+        shape = list(info.shape)
+        if dim is not None:
+            stop = shape[dim] if stop is None else stop
+            shape[dim] = stop - start
+        if list(dest.shape) != shape:
+            raise ValueError(f"{info.file}: tensor {name!r} gives shape {shape} here, the model expects {list(dest.shape)}")
+        same_dtype = dest.dtype == getattr(torch, TORCH_DTYPES.get(info.dtype, "uint8"))
+        if dim in (None, 0) and same_dtype and dest.device.type == "cpu" and dest.is_contiguous():
+            row = dest.element_size()
+            for d in info.shape[1:]:
+                row *= d
+            self._read_bytes(info, info.offset + (start if dim == 0 else 0) * row, dest)
+            return
+        dest.copy_(self.read(name, dim, start, stop))
+
+    def _read_bytes(self, info: TensorInfo, offset: int, dest) -> None:
+        """Read `dest`'s bytes from the file at `offset`, straight into its memory."""
+        import torch
+
+        buffer = memoryview(dest.view(-1).view(torch.uint8).numpy())
+        with open(os.path.join(self.directory, info.file), "rb", buffering=0) as f:
+            f.seek(offset)
+            done = 0
+            while done < len(buffer):
+                n = f.readinto(buffer[done:])
+                if not n:
+                    raise ValueError(f"{info.file}: ends inside the data of a tensor (truncated?)")
+                done += n
+        self.bytes_read += len(buffer)
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None):
         """Tensor `name`, or its [start, stop) slice along `dim`, as stored (dtype included)."""

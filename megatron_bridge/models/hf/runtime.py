@@ -133,11 +133,37 @@ def load_checkpoint_weights(chunks: list[Any], directory: str) -> None:
         chunk.load_state_dict(loaded[key], strict=True)
 
 
+def _own_storage(sd: dict, chunks: list[Any]) -> None:
+    """Give every tensor of the sharded state dict its own storage, freeing model parameters as
+    their parts are copied. megatron-core's writer copies each tensor that is a view (the halves
+    of a gated MLP weight) and keeps the copies until the save ends; copying one parameter at a
+    time and releasing it instead keeps memory at the model's size. The model is unusable after."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sd)
+    params = {p.data.untyped_storage().data_ptr(): p for chunk in chunks for p in chunk.parameters()}
+    views: dict[int, list[Any]] = {}
+    for item in nested_values(sd):
+        if isinstance(item, ShardedTensor) and item.data is not None and item.data.device.type == "cpu":
+            data = item.data
+            if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                views.setdefault(data.untyped_storage().data_ptr(), []).append(item)
+    for storage, items in views.items():
+        for item in items:
+            item.data = item.data.clone()
+        param = params.get(storage)
+        if param is not None:
+            param.data = torch.empty(0, dtype=param.dtype)
+
+
 def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, assets: Optional[str] = None,
                             iteration: int = 0) -> str:
     """Write the weights of `chunks` as a checkpoint of ours (weights only) under `out_dir`:
     `iter_NNNNNNN/` with `run_config` as run_config.yaml and the Hugging Face config and
-    tokenizer files of `assets` in `hf/`, then the tracker. Returns the iteration directory."""
+    tokenizer files of `assets` in `hf/`, then the tracker. Returns the iteration directory.
+    Consumes the model (see `_own_storage`)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -155,6 +181,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     dist.barrier()
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     sd: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
+    _own_storage(sd, chunks)
     sd.update(
         checkpoint_version=state_dict.CHECKPOINT_VERSION, iteration=iteration, layout=state_dict.layout(),
         saved_rng=False, saved_optimizer=False, saved_rerun=False, weights_only=True,

@@ -164,9 +164,6 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     import torch
     import torch.distributed as dist
 
-    from megatron_bridge.extras import require
-
-    st = require("safetensors.torch", "writing Hugging Face weights")
     started = time.perf_counter()
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     rank = dist.get_rank()
@@ -187,11 +184,11 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
             if parts is None:
                 continue
             for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
-                pending[hf_name] = tensor.to(dtype=dtype, copy=True).contiguous()
+                pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
             del parts
             while my_files and all(t in pending for t in my_files[0][1]):
                 file, tensors = my_files.pop(0)
-                st.save_file({t: pending.pop(t) for t in tensors}, os.path.join(staging, file), metadata={"format": "pt"})
+                save_safetensors(os.path.join(staging, file), {t: pending.pop(t) for t in tensors})
                 written += 1
     if my_files or pending:
         raise RuntimeError(f"rank {rank}: planned files {[f for f, _ in my_files]} were not completed")
@@ -214,6 +211,31 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     logger.info("wrote Hugging Face weights (%d tensors in %d files, %s) to %s in %.1f s",
                 total, len(names), str(dtype).replace("torch.", ""), out_dir, seconds)  # fmt: skip
     return {"files": len(names), "tensors": total, "seconds": seconds, "written_by_this_rank": written}
+
+
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def save_safetensors(path: str, tensors: dict[str, Any]) -> None:
+    """Write contiguous CPU `tensors` as one safetensors file: an 8-byte header length, the JSON
+    header (padded to 8 bytes), then each tensor's bytes in order, straight from its memory."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _write_index(directory: str, plan: _Plan, names: list[str]) -> None:
