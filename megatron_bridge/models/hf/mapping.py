@@ -200,6 +200,8 @@ class Gated(Rule):
         import torch
 
         halves = [p.chunk(2, dim=0) for p in parts]
+        if len(halves) == 1:  # row halves of one tensor: contiguous already, no copy
+            return {self.gate: halves[0][0], self.up: halves[0][1]}
         return {self.gate: torch.cat([h[0] for h in halves]), self.up: torch.cat([h[1] for h in halves])}
 
     def hf_shapes(self, shape):
