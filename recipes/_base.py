@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Optional, Union
 
 from megatron_bridge.models import GPTModelProvider
-from megatron_bridge.models.hf.files import has_tokenizer, is_hf_directory
+from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.training.config import (
     CheckpointConfig,
@@ -120,8 +120,9 @@ def pretrain_config(model: GPTModelProvider, opts: PretrainOptions) -> ConfigCon
 def finetune_config(model: GPTModelProvider, opts: FinetuneOptions) -> ConfigContainer:
     """A fine-tuning container for `model` on the JSONL files under `opts.dataset_root`, starting
     from the weights in `opts.pretrained_checkpoint`. When that is a Hugging Face directory, its
-    config.json gives the architecture (the recipe's other model settings are kept) and its
-    tokenizer is used unless `opts.tokenizer` is set."""
+    config.json gives the architecture (the recipe's other model settings are kept); its
+    tokenizer (or that of the Hugging Face model a checkpoint was imported from) is used unless
+    `opts.tokenizer` is set."""
     pretrained = _path(opts.pretrained_checkpoint)
     if is_hf_directory(pretrained):
         model = _from_hf(model, pretrained)
@@ -131,8 +132,9 @@ def finetune_config(model: GPTModelProvider, opts: FinetuneOptions) -> ConfigCon
     )
     cfg = _container(model, dataset, opts)
     cfg.checkpoint.pretrained_checkpoint = pretrained
-    if is_hf_directory(pretrained) and opts.tokenizer is None and has_tokenizer(pretrained):
-        cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=pretrained)
+    origin = hf_origin(pretrained)  # the directory itself, or the one a checkpoint was imported from
+    if opts.tokenizer is None and has_tokenizer(origin):
+        cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=origin)
     return cfg
 
 

@@ -306,3 +306,16 @@ def test_dry_run_of_the_8b_finetune_from_config_json_and_index_alone(tmp_path, c
     assert f"pretrained_checkpoint: {directory}" in out and "_target_: megatron_bridge.models.LlamaModelProvider" in out
     assert "# parameters:            8,030,261,248 (8.03B)" in out
     assert "tokenizer_type: NullTokenizer" in out and "vocab_size: 128256" in out  # no tokenizer in the directory
+
+
+def test_hf_command_usage_errors(tmp_path, capsys, monkeypatch):
+    from megatron_bridge.cli.main import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["hf", "import", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "is not a Hugging Face model directory (config.json and model.safetensors[.index.json])" in capsys.readouterr().err
+    directory = write_config(tmp_path / "hf", config_dict("llama"))
+    assert main(["hf", "import", directory, str(tmp_path / "out"), "--tp", "3"]) == 2
+    assert "--tp 3 --pp 1 --ep 1 do not lay out over 2 process(es)" in capsys.readouterr().err
+    assert main(["hf", "export", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "big"]) == 2
+    assert "--max-shard-size 'big': expected a size such as 5GB or 500MB" in capsys.readouterr().err

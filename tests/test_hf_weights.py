@@ -63,14 +63,21 @@ def test_logits_match_transformers(tmp_path, name):
 def test_round_trip_through_import_and_export_is_bit_identical(tmp_path, capsys, name):
     from transformers import AutoModelForCausalLM
 
+    from recipes import llama3_8b_finetune_config
+
     source = save_tiny(name, str(tmp_path / "hf"), max_shard_size="100KB")
     assert os.path.isfile(os.path.join(source, "model.safetensors.index.json"))  # sharded
+    open(os.path.join(source, "tokenizer.json"), "w").write('{"stand-in": true}')
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "exported")
     assert main(["hf", "import", source, ckpt]) == 0
     assert "imported" in capsys.readouterr().out
+    # the imported checkpoint keeps the tokenizer: fine-tuning from it uses it
+    recipe = llama3_8b_finetune_config(pretrained=ckpt, dataset_root=str(tmp_path))
+    assert recipe.tokenizer.tokenizer_model == os.path.join(ckpt, "iter_0000000", "hf")
     assert main(["hf", "export", ckpt, out, "--max-shard-size", "150KB"]) == 0
     original, exported = read_all(source), read_all(out)
     assert_bit_identical(original, exported)
+    assert open(os.path.join(out, "tokenizer.json")).read() == '{"stand-in": true}'
     if name == "llama_tied":
         assert "lm_head.weight" not in exported  # tied: the embedding carries it, as in the source
     index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
@@ -218,3 +225,39 @@ def test_unsupported_architecture_is_a_config_error(tmp_path, capsys, no_model_b
     assert main(["hf", "import", directory, str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
     assert f"{directory}/config.json: architectures=['GPT2LMHeadModel'] is not supported (convert one of: LlamaForCausalLM" in err
+
+
+def test_weight_files_that_disagree_with_their_index_or_config_name_file_and_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.models.hf.load import check_hf_directory
+
+    directory = _sharded(tmp_path)
+    weight_map = _index(directory)
+    shard = weight_map["model.norm.weight"]
+    tensors = load_file(os.path.join(directory, shard))
+    tensors.pop("model.norm.weight")  # listed in the index, absent from the file
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors.get(
+        "model.layers.0.mlp.down_proj.weight", torch.zeros(64, 96)
+    ).to(torch.int32)  # not floating point
+    save_file(tensors, os.path.join(directory, shard))
+    weight_map["model.layers.0.mlp.down_proj.weight"] = shard
+    weight_map["model.layers.0.self_attn.rotary_emb.inv_freq"] = shard  # recomputed, ignored
+    weight_map["model.extra.weight"] = shard  # nothing uses it
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    problems = Problems("hf")
+    assert check_hf_directory(directory, problems) is None
+    errors = [str(p) for p in problems]
+    assert "hf: model.safetensors.index.json lists tensor 'model.extra.weight', which config.json does not account for" in errors[0]
+    assert any(f"{shard} has no tensor 'model.norm.weight', though the index lists it there" in e for e in errors)
+    assert any(f"{shard}: tensor 'model.layers.0.mlp.down_proj.weight' has dtype I32" in e for e in errors)
+
+
+def test_export_needs_a_checkpoint_of_ours(tmp_path, capsys):
+    (tmp_path / "iter_0000003").mkdir()
+    assert main(["hf", "export", str(tmp_path / "iter_0000003"), str(tmp_path / "out")]) == 2
+    assert "no run_config.yaml: the model architecture is unknown" in capsys.readouterr().err
+    assert main(["hf", "export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def read_hf_config(path: str, label: str = "") -> dict:
     try:
         data = read_json(file)
     except ValueError as exc:
-        raise ConfigValidationError(_problem(label or file, str(exc), "point it at a Hugging Face model directory"))
+        raise ConfigValidationError(_problem(label or file, str(exc), "point it at a Hugging Face model directory")) from None
     if not isinstance(data, dict):
         raise ConfigValidationError(_problem(label or file, f"{file} does not hold a JSON object", "fix the file"))
     return data

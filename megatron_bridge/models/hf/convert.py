@@ -18,7 +18,7 @@ from megatron_bridge.models.hf.config import (
     provider_from_hf_config,
     read_hf_config,
 )
-from megatron_bridge.models.hf.files import has_tokenizer, hf_origin
+from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -79,6 +79,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
         weights_only_config,
     )
     from megatron_bridge.models.hf.writer import torch_dtype
+    from megatron_bridge.training.checkpointing.layout import iteration_dir
 
     problems = Problems(hf_dir)
     provider = check_hf_directory(hf_dir, problems)
@@ -91,7 +92,8 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
         if weights_dtype != provider.params_dtype:
             # the checkpoint holds what a mixed-precision run keeps in its model
             provider.apply_default("bf16" if str(weights_dtype) == "torch.bfloat16" else "fp16", True)
-        config = weights_only_config(provider, hf_dir if has_tokenizer(hf_dir) else None, os.path.abspath(hf_dir))
+        assets = os.path.join(os.path.abspath(iteration_dir(out_dir, 0)), HF_ASSETS_DIR)  # tokenizer copied there
+        config = weights_only_config(provider, assets if has_tokenizer(hf_dir) else None, os.path.abspath(hf_dir))
         directory = save_checkpoint_weights(chunks, out_dir, config, assets=hf_dir)
         if dist.get_rank() == 0:
             logger.info("imported %s into %s", hf_dir, directory)
@@ -143,10 +145,10 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
 def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
     if has_tokenizer(origin):
         return origin
-    from megatron_bridge.models.hf.files import _run_config_value
+    from megatron_bridge.models.hf.files import run_config_value
 
-    if _run_config_value(directory, "tokenizer", "tokenizer_type") == "HuggingFaceTokenizer":
-        return _run_config_value(directory, "tokenizer", "tokenizer_model")
+    if run_config_value(directory, "tokenizer", "tokenizer_type") == "HuggingFaceTokenizer":
+        return run_config_value(directory, "tokenizer", "tokenizer_model")
     return None
 
 

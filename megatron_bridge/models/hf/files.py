@@ -99,7 +99,7 @@ def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
     assets = os.path.join(directory, HF_ASSETS_DIR)
     if os.path.isfile(os.path.join(assets, CONFIG_FILE)):
         return assets
-    return hf_origin(_run_config_value(directory, "checkpoint", "pretrained_checkpoint"), depth - 1)
+    return hf_origin(run_config_value(directory, "checkpoint", "pretrained_checkpoint"), depth - 1)
 
 
 def _iteration_dir(path: str) -> Optional[str]:
@@ -111,7 +111,8 @@ def _iteration_dir(path: str) -> Optional[str]:
         return None
 
 
-def _run_config_value(directory: str, section: str, name: str) -> Any:
+def run_config_value(directory: str, section: str, name: str) -> Any:
+    """`section.name` of the run_config.yaml in checkpoint iteration `directory` (None if absent)."""
     import yaml
 
     from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
