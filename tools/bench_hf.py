@@ -178,6 +178,8 @@ def phase_export(hf_dir: str, ckpt: str, out: str, repeat: int) -> dict:
 def run_phase(*args: str, torchrun: bool = False) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    results = tempfile.mkdtemp(prefix="bench_hf_results_")
+    env["BENCH_HF_RESULTS"] = results  # one file per process: their stdout lines would interleave
     if torchrun:
         from megatron_bridge.training.distributed import free_port
 
@@ -185,10 +187,13 @@ def run_phase(*args: str, torchrun: bool = False) -> list[dict]:
                f"--master_port={free_port()}", __file__, *args]  # fmt: skip
     else:
         cmd = [sys.executable, __file__, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        return [json.load(open(os.path.join(results, f))) for f in sorted(os.listdir(results))]
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
 
 
 def main() -> None:
@@ -206,7 +211,9 @@ def main() -> None:
         warnings.filterwarnings("ignore")
         result = {"direct-import": phase_direct_import, "import": phase_import, "export": phase_export}[args.phase]
         extra = [int(a) if a.isdigit() else a for a in args.args]
-        print("RESULT " + json.dumps(result(*extra)), flush=True)
+        value = result(*extra)
+        with open(os.path.join(os.environ["BENCH_HF_RESULTS"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump(value, f)
         return
     work = args.keep or tempfile.mkdtemp(prefix="bench_hf_")
     try:

@@ -88,7 +88,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
     weights_dtype = torch_dtype(dtype or default_dtype(provider, hf))
     with model_parallel(tp=tp, pp=pp, ep=ep) as device:
         chunks = build_chunks(prepare(provider, device, params_dtype=weights_dtype), device)
-        load_hf_weights(chunks, hf_dir)
+        load_hf_weights(chunks, hf_dir, map_files=True)  # the model is only written out again
         if weights_dtype != provider.params_dtype:
             # the checkpoint holds what a mixed-precision run keeps in its model
             provider.apply_default("bf16" if str(weights_dtype) == "torch.bfloat16" else "fp16", True)

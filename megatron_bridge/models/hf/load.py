@@ -76,9 +76,13 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     return out
 
 
-def load_hf_weights(chunks: list[Any], directory: str) -> int:
+def load_hf_weights(chunks: list[Any], directory: str, map_files: bool = False) -> int:
     """Fill every parameter of `chunks` (this rank's model) from the Hugging Face directory;
-    returns the bytes read. Each rank reads only the slices its parameters hold."""
+    returns the bytes read. Each rank reads only the slices its parameters hold.
+
+    `map_files` (for a model that is only written out again, as `import_hf` does): a parameter
+    that is one whole-row slice of one file tensor, in its dtype, becomes a view of the mapped
+    file instead of a copy; its bytes are read when they are used."""
     import torch
 
     started = time.perf_counter()
@@ -87,7 +91,11 @@ def load_hf_weights(chunks: list[Any], directory: str) -> int:
     with torch.no_grad():
         for chunk in chunks:
             for _, param, rule, part in named_global_parameters(chunk, hf):
-                rule.load(reader, param.data, part)
+                mapped = rule.mapped(reader, param.data, part) if map_files else None
+                if mapped is not None:
+                    param.data = mapped
+                else:
+                    rule.load(reader, param.data, part)
     logger.info(
         "loaded Hugging Face weights from %s: %.1f MB read by this rank in %.1f s",
         directory, reader.bytes_read / 1e6, time.perf_counter() - started,

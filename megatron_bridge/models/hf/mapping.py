@@ -57,6 +57,11 @@ class Rule:
         """Shapes of the Hugging Face tensors made from a parameter of (whole) `shape`."""
         raise NotImplementedError
 
+    def mapped(self, reader: "SafetensorsReader", dest: "torch.Tensor", part: Partition) -> Optional["torch.Tensor"]:
+        """A view of the mapped file that `load` would copy into `dest`, if it is one whole-row
+        slice of one tensor in `dest`'s dtype; else None."""
+        return None
+
     def full_shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
         """The whole parameter's shape (vocabulary unpadded), from the Hugging Face shapes."""
         return tuple(shapes[self.hf[0]])
@@ -95,6 +100,12 @@ class Copy(Rule):
         n = dest.shape[part.dim]
         reader.read_into(dest, self.name, part.dim, part.rank * n, (part.rank + 1) * n)
 
+    def mapped(self, reader, dest, part):
+        if part.dim is None:
+            return reader.mapped(self.name, dest)
+        n = dest.shape[part.dim]
+        return reader.mapped(self.name, dest, part.dim, part.rank * n, (part.rank + 1) * n) if part.dim == 0 else None
+
     def to_hf(self, parts, part):
         import torch
 
@@ -124,6 +135,11 @@ class Vocab(Rule):
         if stop > start:
             reader.read_into(dest[: stop - start], self.name, 0, start, stop)
         dest[max(stop - start, 0) :].zero_()  # padding rows
+
+    def mapped(self, reader, dest, part):
+        n = dest.shape[0]
+        start = part.rank * n
+        return reader.mapped(self.name, dest, 0, start, start + n) if start + n <= self.vocab else None
 
     def to_hf(self, parts, part):
         import torch

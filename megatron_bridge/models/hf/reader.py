@@ -214,6 +214,21 @@ class SafetensorsReader:
             return
         dest.copy_(self.read(name, dim, start, stop))
 
+    def mapped(self, name: str, dest, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None):
+        """Tensor `name` (or its [start, stop) rows) as a view of the file mapped in memory, when
+        that is exactly what `read_into(dest, ...)` would write into `dest` (shape, dtype, CPU);
+        else None."""
+        import torch
+
+        info = self.info(name)
+        shape = list(info.shape)
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        same_dtype = dest.dtype == getattr(torch, TORCH_DTYPES.get(info.dtype, "uint8"))
+        if dim not in (None, 0) or list(dest.shape) != shape or not same_dtype or dest.device.type != "cpu":
+            return None
+        return self.read(name, dim, start, stop)
+
     def _read_bytes(self, info: TensorInfo, offset: int, dest) -> None:
         """Read `dest`'s bytes from the file at `offset`, straight into its memory."""
         import torch
