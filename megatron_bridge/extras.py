@@ -19,9 +19,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nvidia_resiliency_ext": ("resiliency", "fault tolerance, in-process restart and NVRx straggler detection"),
     "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
     "tokenizers": ("hf", "Hugging Face tokenizers"),
+    "safetensors": ("hf", "reading and writing Hugging Face weights and peft adapters"),
     "matplotlib": ("plot", "plotting training curves"),
     "pynvml": ("nvml", "GPU energy logging"),
-    "safetensors": ("peft", "writing adapters in the peft format"),
 }
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 
 from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.peft import LoRA
+from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.training.config import (
     CheckpointConfig,
@@ -83,7 +84,7 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
 
 
 def _check_names(recipe_name: str, options_cls: type, kwargs: dict[str, Any]) -> None:
-    known = options_cls.__dataclass_fields__
+    known = [*options_cls.__dataclass_fields__, *options_cls._field_aliases]
     for key in kwargs:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
@@ -119,13 +120,22 @@ def pretrain_config(model: GPTModelProvider, opts: PretrainOptions) -> ConfigCon
 
 def finetune_config(model: GPTModelProvider, opts: FinetuneOptions) -> ConfigContainer:
     """A fine-tuning container for `model` on the JSONL files under `opts.dataset_root`, starting
-    from the weights in `opts.pretrained_checkpoint`."""
+    from the weights in `opts.pretrained_checkpoint`. When that is a Hugging Face directory, its
+    config.json gives the architecture (the recipe's other model settings are kept); its
+    tokenizer (or that of the Hugging Face model a checkpoint was imported from) is used unless
+    `opts.tokenizer` is set."""
+    pretrained = _path(opts.pretrained_checkpoint)
+    if is_hf_directory(pretrained):
+        model = _from_hf(model, pretrained)
     seq = _seq_length(model, opts)
     dataset = FinetuningDatasetConfig(
         dataset_root=_path(opts.dataset_root), seq_length=seq, seed=opts.seed, num_workers=opts.num_workers
     )
     cfg = _container(model, dataset, opts)
-    cfg.checkpoint.pretrained_checkpoint = _path(opts.pretrained_checkpoint)
+    cfg.checkpoint.pretrained_checkpoint = pretrained
+    origin = hf_origin(pretrained)  # the directory itself, or the one a checkpoint was imported from
+    if opts.tokenizer is None and has_tokenizer(origin):
+        cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=origin)
     return cfg
 
 
@@ -137,6 +147,15 @@ def lora_finetune_config(model: GPTModelProvider, opts: FinetuneOptions, peft: O
     cfg = finetune_config(model, opts)
     cfg.peft = peft if peft is not None else LoRA(dim=16, alpha=32)
     return cfg
+
+
+def _from_hf(recipe_model: GPTModelProvider, directory: str) -> GPTModelProvider:
+    """The provider of the Hugging Face model in `directory`, with the settings the recipe chose
+    for its own model that are not part of the architecture (e.g. the pipeline split)."""
+    model = GPTModelProvider.from_hf(directory)
+    for name in sorted(recipe_model.explicit_fields() - model.explicit_fields()):
+        setattr(model, name, getattr(recipe_model, name))
+    return model
 
 
 def _seq_length(model: GPTModelProvider, opts: RecipeOptions) -> int:

@@ -121,9 +121,13 @@ class PretrainOptions(RecipeOptions):
 class FinetuneOptions(RecipeOptions):
     """Options of fine-tuning recipes."""
 
+    _field_aliases = {"pretrained": "pretrained_checkpoint"}
+
     dataset_root: Optional[str] = None
     """Directory with training.jsonl / validation.jsonl / test.jsonl ("input"/"output" records)."""
 
     pretrained_checkpoint: Optional[str] = None
-    """Checkpoint directory holding the weights to start from (weights only: no optimizer state,
-    iterations start at 0)."""
+    """Weights to start from (weights only: no optimizer state, iterations start at 0): a
+    checkpoint directory of ours, or a Hugging Face model directory, whose config.json then gives
+    the model architecture and whose tokenizer is used unless `tokenizer` is set. Alias:
+    `pretrained`."""

@@ -9,7 +9,6 @@ execution and module imports while each case runs.
 """
 
 import contextlib
-import io
 import random
 import resource
 import sys

@@ -95,7 +95,7 @@ def test_unwritable_save_paths_are_refused_before_the_model_is_built(tmp_path, n
         for save, reason in cases.items():
             with pytest.raises(ConfigValidationError) as info:
                 pretrain(_config(save), forward_step)
-            assert info.value.errors[0].startswith(f"checkpoint.save: "), info.value.errors
+            assert info.value.errors[0].startswith("checkpoint.save: "), info.value.errors
             assert reason in info.value.errors[0], info.value.errors
     finally:
         undo()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this project in ./.venv on a fresh machine, then exit.
 #
-#   bash tools/bootstrap.sh [EXTRAS]     EXTRAS: pip extras to install (default: tensorboard)
+#   bash tools/bootstrap.sh [EXTRAS]     EXTRAS: pip extras to install (default: tensorboard,hf)
 #
 # Installs PyTorch first, because a bare `torch` requirement makes pip pick a multi-GB CUDA
 # build: where there is no GPU, the CPU build (torch==${TORCH_VERSION}); where `nvidia-smi` works,
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${1:-tensorboard}"
+EXTRAS="${1:-tensorboard,hf}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 

@@ -73,6 +73,20 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     tp_comm_overlap_cfg: Optional[Union[str, dict]] = None
     """TransformerEngine userbuffer settings for tensor-parallel communication overlap."""
 
+    # ------------------------------------------------------------------ Hugging Face
+    @classmethod
+    def from_hf(cls, path: str) -> "GPTModelProvider":
+        """The family provider (`LlamaModelProvider`, `Qwen3ModelProvider`, ...) for a local
+        Hugging Face model directory (or its config.json), every architecture field set from
+        config.json. A setting the provider cannot reproduce is a `ConfigValidationError` naming
+        it. Load the weights with `checkpoint.pretrained_checkpoint=path`."""
+        from megatron_bridge.models.hf.config import provider_from_hf
+
+        provider = provider_from_hf(path)
+        if not isinstance(provider, cls):
+            raise TypeError(f"{path} holds a {type(provider).__name__} model, not a {cls.__name__}")
+        return provider
+
     # ------------------------------------------------------------------ finalize
     def __post_init__(self) -> None:
         """Skip megatron-core's post-init; `finalize()` runs it."""
@@ -182,6 +196,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if self.num_moe_experts:
+            _router_gating_without_te()
         return GPTModel(
             config=self,
             transformer_layer_spec=self.layer_spec(vp_stage),
@@ -201,6 +217,15 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
         )
+
+
+def _router_gating_without_te() -> None:
+    """megatron-core 0.16's MoE router gating refers to TransformerEngine's GEMM even where TE is
+    not installed (a NameError at the first forward); there, None selects its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _is_module_spec(obj: Any) -> bool:

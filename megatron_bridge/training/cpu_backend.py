@@ -285,9 +285,10 @@ CPU_MODEL_SETTINGS = {
     "persist_layer_norm": False,
     "cross_entropy_loss_fusion": False,
     "transformer_impl": "local",
+    "moe_grouped_gemm": False,
 }
-"""Model settings a CPU run needs: fused CUDA kernels off, megatron-core's local layers, weights
-initialized on the CPU."""
+"""Model settings a CPU run needs: fused CUDA kernels off, megatron-core's local layers (and
+sequential experts: the grouped GEMM needs CUDA), weights initialized on the CPU."""
 
 
 def adapt_config(cfg, problems) -> list[str]:

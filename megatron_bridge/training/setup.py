@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.child_processes import die_with_parent
@@ -225,6 +226,7 @@ def setup(
 
     resolve_config(cfg)
     die_with_parent()
+    hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()

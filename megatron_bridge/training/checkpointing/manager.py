@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 import torch
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.training.checkpointing import layout, state_dict
 from megatron_bridge.training.child_processes import install_checkpoint_results_queue
 from megatron_bridge.training.checkpointing.compat import check_architecture
@@ -183,6 +184,8 @@ class DefaultCheckpointManager:
         if found is None:
             return None
         path, resume = found
+        if not resume and is_hf_directory(path):
+            return self._load_hf(run, path)
         directory, iteration = layout.resolve(path, self.ckpt.ckpt_step)
         self._restore(run, directory, iteration, resume, "all")
         return iteration
@@ -265,6 +268,17 @@ class DefaultCheckpointManager:
             kind = f"resumed from {what}" if resume else f"loaded {what or 'weights of '}"
             logger.info("%siteration %d in %s", kind, iteration, directory)
 
+    def _load_hf(self, run: "Run", path: str) -> int:
+        """Weights only, from a Hugging Face directory (checked before the model was built)."""
+        from megatron_bridge.models.hf.load import load_hf_weights
+
+        load_hf_weights(run.model, path)
+        run.optimizer.reload_model_params()
+        _barrier()
+        if run.state.is_logging_rank:
+            logger.info("loaded weights of the Hugging Face model in %s", path)
+        return 0
+
     def _load_strategy(self, directory: str):
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
@@ -342,7 +356,14 @@ class Checkpointer:
             self.manager.finalize_async_saves(blocking=False)
 
     def finalize(self, run: "Run") -> None:
-        """Save the final state (if not saved yet) and wait for background saves."""
+        """Save the final state (if not saved yet) and wait for background saves; with
+        `checkpoint.save_hf`, write the trained model as a Hugging Face directory too."""
         if run.state.train_state.do_train:
             self.manager.save(run, "end of training")
         self.manager.finalize_async_saves(blocking=True)
+        if self.config.checkpoint.save_hf and run.state.train_state.step >= self.config.train.train_iters:
+            from megatron_bridge.models.hf.convert import save_run
+
+            out_dir = save_run(run)
+            if run.state.is_logging_rank:
+                logger.info("saved the model in Hugging Face format to %s", out_dir)

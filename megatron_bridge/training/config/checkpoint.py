@@ -15,6 +15,8 @@ ASYNC_FORMATS = ("torch_dist",)
 class CheckpointConfig(ConfigBase):
     """Configuration settings for model checkpointing (saving and loading)."""
 
+    _field_aliases = {"save_hf_weights": "save_hf"}
+
     save: Optional[str] = None
     """Directory to save checkpoints to (None: never save)."""
 
@@ -60,8 +62,9 @@ class CheckpointConfig(ConfigBase):
     pretrained_checkpoint: Optional[str] = None
     """Directory containing a pretrained model checkpoint for finetuning.
 
-    Either a parent directory with a tracker file and `iter_*` subdirectories, or one `iter_*`
-    directory holding the checkpoint itself."""
+    Either a parent directory with a tracker file and `iter_*` subdirectories, one `iter_*`
+    directory holding the checkpoint itself, or a Hugging Face model directory (config.json and
+    safetensors weights), read directly: each rank reads only its slices."""
 
     ckpt_step: Optional[int] = None
     """Load this iteration instead of the latest."""
@@ -118,6 +121,15 @@ class CheckpointConfig(ConfigBase):
     """Keep only the k most recent checkpoints (-1: keep all). Old ones are deleted only after a
     new one is complete."""
 
+    save_hf: bool = False
+    """At the end of training, also write the model as a Hugging Face directory (sharded
+    safetensors with an index, config.json, tokenizer files) next to the final checkpoint:
+    `<save>/hf_iter_NNNNNNN`. Alias: `save_hf_weights`."""
+
+    save_hf_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
+    """dtype of the weights `save_hf` writes (None: that of the Hugging Face model the run
+    started from, else the dtype the model trains its weights in)."""
+
     save_tokenizer_assets: bool = True
     """Copy the tokenizer files into each checkpoint."""
 
@@ -149,6 +161,13 @@ class CheckpointConfig(ConfigBase):
                 "pretrained_checkpoint",
                 f"directory {self.pretrained_checkpoint!r} does not exist",
                 "point it at a checkpoint directory or one of its iter_* subdirectories",
+            )
+        if self.save_hf:
+            p.check(
+                self.save is not None,
+                "save_hf",
+                "the Hugging Face directory is written next to the final checkpoint, and checkpoint.save is not set",
+                "set checkpoint.save (or save_hf=False)",
             )
         if self.save_interval is not None:
             p.check(

@@ -33,6 +33,7 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
         check_context_parallel,
         check_deterministic_mode,
         check_peft,
+        check_hugging_face,
         check_vocab,
         check_logger_outputs,
         derive_weight_decay,
@@ -61,6 +62,13 @@ def apply_deprecated_training_fields(cfg: "ConfigContainer", problems: Problems)
             continue
         logger.warning("train.%s is deprecated: using it as validation.%s=%r", name, name, old)
         cfg.validation.apply_default(name, old)
+
+
+def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
+    """A run starting from a Hugging Face model uses its tokenizer unless the config names one."""
+    from megatron_bridge.models.hf import checks as hf_checks
+
+    hf_checks.apply_pretrained_defaults(cfg, problems)
 
 
 def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
@@ -285,6 +293,15 @@ def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
     from megatron_bridge.peft.apply import check_config
 
     check_config(cfg, problems)
+
+
+def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Hugging Face weights to start from (config.json and index against the model config), and
+    a model that `checkpoint.save_hf` can write."""
+    from megatron_bridge.models.hf import checks as hf_checks
+
+    hf_checks.check_pretrained(cfg, problems)
+    hf_checks.check_save_hf(cfg, problems)
 
 
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:

@@ -212,6 +212,7 @@ class ConfigContainer(ConfigBase):
             self.set_data_parallel_size(problems=problems)
         checks.apply_deprecated_training_fields(self, problems)
         checks.sync_distributed_optimizer(self, problems)
+        checks.apply_pretrained_defaults(self, problems)
         for name in SECTIONS:
             section = getattr(self, name)
             if section is None or isinstance(section, str):

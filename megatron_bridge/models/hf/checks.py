@@ -1,0 +1,85 @@
+"""Config checks for runs that start from, or save, Hugging Face weights.
+
+* `apply_pretrained_defaults` (before the sections finalize): a run starting from a Hugging Face
+  directory (or a checkpoint imported from one) uses its tokenizer unless the config names one.
+* `check_pretrained` (with the cross-section checks): the directory's config.json converts, its
+  index lists the tensors config.json implies, and the model config has its architecture. Only
+  config.json and the index are read, so a dry run works without the weights.
+* `check_save_hf`: `checkpoint.save_hf` needs a model with a Hugging Face counterpart.
+* `preflight` (in setup, before the model is built): the weight files themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from megatron_bridge.config.errors import Problems, show
+from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config.container import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+PATH = "checkpoint.pretrained_checkpoint"
+
+
+def _starts_from_hf(cfg: "ConfigContainer") -> bool:
+    """The run's weights come from a Hugging Face directory (it does not resume its own)."""
+    from megatron_bridge.training.checkpointing.layout import has_checkpoint
+
+    c = cfg.checkpoint
+    return is_hf_directory(c.pretrained_checkpoint) and not has_checkpoint(c.load)
+
+
+def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is not None or tok.is_explicit("tokenizer_type") or not cfg.checkpoint.pretrained_checkpoint:
+        return
+    origin = hf_origin(cfg.checkpoint.pretrained_checkpoint)
+    if has_tokenizer(origin):
+        tok.apply_default("tokenizer_type", "HuggingFaceTokenizer")
+        tok.apply_default("tokenizer_model", origin)
+        logger.info("tokenizer: the Hugging Face tokenizer in %s", origin)
+
+
+def check_pretrained(cfg: "ConfigContainer", problems: Problems) -> None:
+    if not _starts_from_hf(cfg):
+        return
+    from megatron_bridge.models.hf.config import architecture_differences
+    from megatron_bridge.models.hf.load import check_hf_directory
+
+    directory = cfg.checkpoint.pretrained_checkpoint
+    reference = check_hf_directory(directory, problems.at(PATH), weights=False)
+    if reference is None:
+        return
+    if cfg.model.vocab_size is None:  # the weights decide, not the tokenizer
+        cfg.model._derive("vocab_size", reference.vocab_size)
+    for name, mine, theirs in architecture_differences(cfg.model, reference):
+        problems.add(
+            f"model.{name}",
+            f"{show(mine)}, but the Hugging Face model in {directory} has {show(theirs)}",
+            f"build the model with GPTModelProvider.from_hf({directory!r}) (or set model.{name}={theirs!r})",
+        )
+
+
+def check_save_hf(cfg: "ConfigContainer", problems: Problems) -> None:
+    if not cfg.checkpoint.save_hf:
+        return
+    from megatron_bridge.models.hf.config import family_of_provider
+
+    family_of_provider(cfg.model, problems)
+
+
+def preflight(cfg: "ConfigContainer") -> None:
+    """Check the weight files of a run starting from a Hugging Face directory: every shard
+    present and complete, every tensor there with the shape config.json implies. Raises one
+    `ConfigValidationError` naming the files and tensors."""
+    if not _starts_from_hf(cfg):
+        return
+    from megatron_bridge.models.hf.load import check_hf_directory
+
+    problems = Problems()
+    check_hf_directory(cfg.checkpoint.pretrained_checkpoint, problems.at(PATH), weights=True)
+    problems.raise_if_any()

@@ -1,0 +1,171 @@
+"""Whole conversions: a Hugging Face directory to our checkpoint (`import_hf`), our checkpoint to
+a Hugging Face directory (`export_checkpoint`), and a finished run's model to one (`save_run`).
+
+Each works on every rank of the current launch (a plain process, or torchrun): the model is split
+over the ranks as tensor/pipeline/expert parallelism, and each rank reads or writes its part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.models.hf.config import (
+    architecture_differences,
+    hf_config_from_provider,
+    provider_from_hf_config,
+    read_hf_config,
+)
+from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin
+
+logger = logging.getLogger("megatron_bridge")
+
+_CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def origin_config(provider: Any, origin: Optional[str]) -> Optional[dict]:
+    """The config.json of `origin` if it describes `provider`'s architecture (then it is
+    written as is, keeping fields we do not model), else None."""
+    if not origin:
+        return None
+    try:
+        hf = read_hf_config(origin)
+    except ConfigValidationError:
+        return None
+    reference = provider_from_hf_config(hf, Problems())
+    if reference is None or architecture_differences(provider, reference):
+        logger.info("the model differs from %s/config.json: writing a config.json of its own", origin)
+        return None
+    return hf
+
+
+def default_dtype(provider: Any, hf: Optional[dict]) -> str:
+    """The dtype to export in: the origin's (config.json `torch_dtype`/`dtype`), else the dtype
+    the model trains its weights in."""
+    from megatron_bridge.models.hf.runtime import stored_dtype
+
+    if hf is not None:
+        named = _CONFIG_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")))
+        if named:
+            return named
+    return _CONFIG_DTYPES.get(str(stored_dtype(provider)).replace("torch.", ""), "fp32")
+
+
+def export_config(provider: Any, origin: Optional[str], dtype: Optional[str]) -> tuple[dict, str]:
+    """(config.json to write, dtype) for exporting `provider`'s weights."""
+    hf = origin_config(provider, origin)
+    dtype = dtype or default_dtype(provider, hf)
+    from megatron_bridge.models.hf.writer import torch_dtype
+
+    name = str(torch_dtype(dtype)).replace("torch.", "")
+    return (hf if hf is not None else hf_config_from_provider(provider, name)), dtype
+
+
+# ---------------------------------------------------------------------- HF -> ours
+def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: Optional[str] = None) -> str:
+    """Convert the Hugging Face directory `hf_dir` into a weights-only checkpoint of ours in
+    `out_dir` (load it with `checkpoint.pretrained_checkpoint`). Everything is checked before
+    the model is built. Returns the iteration directory written."""
+    import torch.distributed as dist
+
+    from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
+    from megatron_bridge.models.hf.runtime import (
+        build_chunks,
+        model_parallel,
+        prepare,
+        save_checkpoint_weights,
+        weights_only_config,
+    )
+    from megatron_bridge.models.hf.writer import torch_dtype
+    from megatron_bridge.training.checkpointing.layout import iteration_dir
+
+    problems = Problems(hf_dir)
+    provider = check_hf_directory(hf_dir, problems)
+    problems.raise_if_any()
+    hf = read_hf_config(hf_dir)
+    weights_dtype = torch_dtype(dtype or default_dtype(provider, hf))
+    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+        chunks = build_chunks(prepare(provider, device, params_dtype=weights_dtype), device)
+        load_hf_weights(chunks, hf_dir, map_files=True)  # the model is only written out again
+        if weights_dtype != provider.params_dtype:
+            # the checkpoint holds what a mixed-precision run keeps in its model
+            provider.apply_default("bf16" if str(weights_dtype) == "torch.bfloat16" else "fp16", True)
+        assets = os.path.join(os.path.abspath(iteration_dir(out_dir, 0)), HF_ASSETS_DIR)  # tokenizer copied there
+        config = weights_only_config(provider, assets if has_tokenizer(hf_dir) else None, os.path.abspath(hf_dir))
+        directory = save_checkpoint_weights(chunks, out_dir, config, assets=hf_dir)
+        if dist.get_rank() == 0:
+            logger.info("imported %s into %s", hf_dir, directory)
+    return directory
+
+
+# ---------------------------------------------------------------------- ours -> HF
+def checkpoint_provider(directory: str) -> Any:
+    """The model provider saved in our checkpoint iteration directory `directory`."""
+    from megatron_bridge.models import GPTModelProvider
+    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+    from megatron_bridge.training.config.serialization import from_dict, load_yaml_file
+
+    path = os.path.join(directory, RUN_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigValidationError(_no_config(directory))
+    data = load_yaml_file(path) or {}
+    return from_dict(data.get("model") or {}, GPTModelProvider)
+
+
+def _no_config(directory: str):
+    from megatron_bridge.config.errors import ConfigProblem
+
+    return ConfigProblem(directory, "no run_config.yaml: the model architecture is unknown",
+                         "export a checkpoint written by megatron_bridge (or `mbridge hf import`)")  # fmt: skip
+
+
+def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step: Optional[int] = None,
+                      tp: int = 1, pp: int = 1, ep: int = 1, max_shard_bytes: Optional[int] = None) -> dict:
+    """Write the model weights of our checkpoint `ckpt` (a save directory or one iter_*
+    directory) as a Hugging Face directory `out_dir` in `dtype` (None: the dtype of the Hugging
+    Face model it came from, else of its training weights)."""
+    from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare, stored_dtype
+    from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, write_hf_weights
+    from megatron_bridge.training.checkpointing.layout import resolve
+
+    directory, _ = resolve(ckpt, step)
+    provider = checkpoint_provider(directory)
+    origin = hf_origin(directory)
+    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+        model = prepare(provider, device, params_dtype=stored_dtype(provider), bf16=False, fp16=False)
+        chunks = build_chunks(model, device)
+        load_checkpoint_weights(chunks, directory)
+        hf, dtype = export_config(model, origin, dtype)
+        return write_hf_weights(chunks, out_dir, hf, dtype, tokenizer_source=_tokenizer_source(origin, directory),
+                                origin=origin, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)  # fmt: skip
+
+
+def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
+    if has_tokenizer(origin):
+        return origin
+    from megatron_bridge.models.hf.files import run_config_value
+
+    if run_config_value(directory, "tokenizer", "tokenizer_type") == "HuggingFaceTokenizer":
+        return run_config_value(directory, "tokenizer", "tokenizer_model")
+    return None
+
+
+def save_run(run: Any) -> Optional[str]:
+    """`checkpoint.save_hf`: write the model of a finished run as `<save>/hf_iter_NNNNNNN`."""
+    from megatron_bridge.models.hf.writer import write_hf_weights
+
+    cfg = run.state.cfg
+    step = run.state.train_state.step
+    out_dir = os.path.join(cfg.checkpoint.save, f"hf_iter_{step:07d}")
+    if cfg.ddp.use_distributed_optimizer and cfg.ddp.overlap_param_gather:
+        for chunk in run.model:  # the last step's parameters may not be gathered yet
+            chunk.start_param_sync(force_sync=True)
+    origin = hf_origin(cfg.checkpoint.pretrained_checkpoint)
+    hf, dtype = export_config(cfg.model, origin, cfg.checkpoint.save_hf_dtype)
+    tokenizer = origin if has_tokenizer(origin) else None
+    if tokenizer is None and cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer = cfg.tokenizer.tokenizer_model
+    write_hf_weights(run.model, out_dir, hf, dtype, tokenizer_source=tokenizer, origin=origin)
+    return out_dir

@@ -1,0 +1,126 @@
+"""What a Hugging Face model directory holds, and where a checkpoint's Hugging Face origin is.
+
+    <dir>/config.json                     the architecture
+    <dir>/model.safetensors               the weights in one file, or
+    <dir>/model.safetensors.index.json    {"weight_map": {tensor: file}} over several shards
+    <dir>/tokenizer.json, ...             the tokenizer (optional)
+
+Plain file handling only: no torch, no safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+HF_ASSETS_DIR = "hf"
+"""Inside an iteration directory of a megatron checkpoint imported from (or trained from) a
+Hugging Face model: its config.json and tokenizer files, so an export can reproduce them."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+"""Tokenizer files copied along with the weights (whichever exist)."""
+
+ORIGIN_FILES = ("generation_config.json",)
+"""Files of the Hugging Face model a checkpoint came from, copied into its export."""
+
+
+def is_hf_directory(path: Optional[str]) -> bool:
+    """True if `path` is a directory with config.json and safetensors weights (a single file or
+    an index; the shards themselves are checked before loading)."""
+    if not path or not os.path.isdir(path):
+        return False
+    has_weights = os.path.isfile(os.path.join(path, INDEX_FILE)) or os.path.isfile(os.path.join(path, SINGLE_FILE))
+    return has_weights and os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_json(path: str) -> Any:
+    """Parse a JSON file; a missing or malformed file is a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+
+
+def config_path(path: str) -> str:
+    """config.json of a directory, or `path` itself when it names a file."""
+    return os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+
+
+def has_tokenizer(directory: Optional[str]) -> bool:
+    return bool(directory) and os.path.isfile(os.path.join(directory, "tokenizer.json"))
+
+
+def copy_tokenizer_files(source: Optional[str], destination: str, names: tuple[str, ...] = TOKENIZER_FILES) -> list[str]:
+    """Copy the tokenizer files of `source` (a directory, or a tokenizer.json file) into
+    `destination`; returns the names copied."""
+    if not source:
+        return []
+    if os.path.isfile(source):
+        shutil.copyfile(source, os.path.join(destination, "tokenizer.json"))
+        return ["tokenizer.json"]
+    copied = []
+    for name in names:
+        src = os.path.join(source, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(destination, name))
+            copied.append(name)
+    return copied
+
+
+def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
+    """The Hugging Face directory whose config.json and tokenizer describe the weights at `path`:
+    `path` itself if it is one; for a megatron checkpoint (parent or iter_* directory), the `hf/`
+    assets saved in it, else the origin of the run's `checkpoint.pretrained_checkpoint`. None if
+    there is none (a model trained from scratch)."""
+    if not path or depth <= 0:
+        return None
+    if is_hf_directory(path):
+        return path
+    directory = _iteration_dir(path)
+    if directory is None:
+        return None
+    assets = os.path.join(directory, HF_ASSETS_DIR)
+    if os.path.isfile(os.path.join(assets, CONFIG_FILE)):
+        return assets
+    return hf_origin(run_config_value(directory, "checkpoint", "pretrained_checkpoint"), depth - 1)
+
+
+def _iteration_dir(path: str) -> Optional[str]:
+    from megatron_bridge.training.checkpointing.layout import resolve
+
+    try:
+        return resolve(path)[0]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run_config_value(directory: str, section: str, name: str) -> Any:
+    """`section.name` of the run_config.yaml in checkpoint iteration `directory` (None if absent)."""
+    import yaml
+
+    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+
+    path = os.path.join(directory, RUN_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        saved = yaml.safe_load(f) or {}
+    value = (saved.get(section) or {}).get(name)
+    return value if isinstance(value, str) else None

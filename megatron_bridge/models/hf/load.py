@@ -1,0 +1,103 @@
+"""Hugging Face weights into megatron-core model chunks: checked, then each rank reads its slices.
+
+`check_hf_directory` validates config.json and the weight files without building anything;
+`load_hf_weights` fills the parameters of this rank's model chunks (its pipeline stages, its
+tensor-parallel part, its experts) by reading exactly those slices from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.models.hf import mapping
+from megatron_bridge.models.hf.config import provider_from_hf_config, read_hf_config
+from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights
+
+logger = logging.getLogger("megatron_bridge")
+
+
+def expected_weights(hf: dict) -> tuple[mapping.Architecture, dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """(architecture, {tensor: shape} config.json implies, optional tensors) of an accepted config."""
+    arch = mapping.architecture(hf)
+    moe_ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size", 0)
+    expected = mapping.expected_tensors(arch, hf["hidden_size"], hf.get("intermediate_size", 0), moe_ffn)
+    optional = ("lm_head.weight",) if arch.tied else ()
+    return arch, expected, optional
+
+
+def check_hf_directory(directory: str, problems: Problems, weights: bool = True) -> Optional[Any]:
+    """Check `directory` as a model to load: config.json converts to a provider, and its weights
+    hold exactly the tensors config.json implies, with those shapes, in complete files
+    (`weights=False`: only the index, so a directory with config.json and the index is enough).
+    Returns the provider, or None with the problems added."""
+    try:
+        hf = read_hf_config(directory)
+    except ConfigValidationError as exc:
+        problems.absorb(exc)
+        return None
+    start = len(problems)
+    provider = provider_from_hf_config(hf, problems, where=f"{directory}/config.json")
+    if provider is None or len(problems) > start:
+        return None
+    _, expected, optional = expected_weights(hf)
+    check = check_weights if weights else check_index
+    check(directory, expected, problems.at(""), optional, mapping.IGNORED_TENSORS)
+    return provider if len(problems) == start else None
+
+
+def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mapping.Rule, mapping.Partition]]:
+    """(global name, parameter, rule, partition) for every parameter of one model chunk (the bare
+    GPTModel inside DDP/Float16Module wrappers) of the model config.json `hf` describes. The
+    partition follows from the shapes: the part this rank holds against the whole parameter."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.training.checkpointing.state_dict import unwrap
+
+    arch, expected, _ = expected_weights(hf)
+    model = unwrap(chunk)
+    expert_rank = ps.get_expert_model_parallel_rank() if arch.num_experts else 0
+    rename = mapping.global_names(model, arch.num_experts, expert_rank)
+    out = []
+    for local, param in model.named_parameters():
+        name = rename(local)
+        rule = mapping.rule_for(arch, name)
+        if rule is None:
+            raise ValueError(f"no Hugging Face tensor maps to the model's parameter {name!r}")
+        if mapping.is_expert(name):
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        full = rule.full_shape(expected)
+        part = mapping.partition(name, tuple(param.shape), full, rank, size, padded=isinstance(rule, mapping.Vocab))
+        out.append((name, param, rule, part))
+    return out
+
+
+def load_hf_weights(chunks: list[Any], directory: str, map_files: bool = False) -> int:
+    """Fill every parameter of `chunks` (this rank's model) from the Hugging Face directory;
+    returns the bytes read. Each rank reads only the slices its parameters hold.
+
+    `map_files` (for a model that is only written out again, as `import_hf` does): a parameter
+    that is one whole-row slice of one file tensor, in its dtype, becomes a view of the mapped
+    file instead of a copy; its bytes are read when they are used."""
+    import torch
+
+    started = time.perf_counter()
+    hf = read_hf_config(directory)
+    reader = SafetensorsReader(directory)
+    with torch.no_grad():
+        for chunk in chunks:
+            for _, param, rule, part in named_global_parameters(chunk, hf):
+                mapped = rule.mapped(reader, param.data, part) if map_files else None
+                if mapped is not None:
+                    param.data = mapped
+                else:
+                    rule.load(reader, param.data, part)
+    logger.info(
+        "loaded Hugging Face weights from %s: %.1f MB read by this rank in %.1f s",
+        directory, reader.bytes_read / 1e6, time.perf_counter() - started,
+    )  # fmt: skip
+    return reader.bytes_read

@@ -1,0 +1,246 @@
+"""megatron-core model chunks out to a Hugging Face directory: sharded safetensors with an index,
+config.json and the tokenizer files.
+
+Every rank takes part. For each parameter, the ranks holding its tensor-parallel parts (data- and
+expert-data-parallel rank 0) gather them on tensor-parallel rank 0, which converts them to the
+Hugging Face tensors and appends them to its current output file. Files are planned up front from
+the shapes alone, so the writers (one per pipeline stage and expert-parallel rank) write their own
+files in parallel and hold at most one file's tensors besides their model part: no rank ever
+holds the whole model. The directory is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_bridge.models.hf import mapping
+from megatron_bridge.models.hf.files import CONFIG_FILE, INDEX_FILE, ORIGIN_FILES, SINGLE_FILE, copy_tokenizer_files
+from megatron_bridge.models.hf.load import named_global_parameters
+
+logger = logging.getLogger("megatron_bridge")
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+INCOMPLETE_SUFFIX = ".incomplete"
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}  # fmt: skip
+"""Accepted dtype spellings -> the torch/config.json name."""
+
+
+@dataclass
+class _Item:
+    """One parameter this rank takes part in writing."""
+
+    name: str
+    param: Any
+    part: mapping.Partition
+    rule: mapping.Rule
+    group: Any
+    """Tensor-parallel group to gather over (None: not split)."""
+    writer: bool
+    """This rank writes the result (tensor-parallel rank 0 of the group)."""
+
+
+@dataclass
+class _Plan:
+    files: list[tuple[int, list[str]]] = field(default_factory=list)
+    """(writing rank, tensor names) per output file, in file order."""
+    nbytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of each output tensor."""
+
+
+def torch_dtype(name: str):
+    import torch
+
+    key = DTYPES.get(str(name).replace("torch.", ""))
+    if key is None:
+        raise ValueError(f"unsupported dtype {name!r} (use bf16, fp16 or fp32)")
+    return getattr(torch, key)
+
+
+def _items(chunks: list[Any], hf: dict) -> list[_Item]:
+    """The parameters this rank gathers or writes: dense ones from data-parallel rank 0, expert
+    ones from expert-data-parallel rank 0; dense first, then experts (same order on every rank
+    of a group, so the gathers pair up)."""
+    from megatron.core import parallel_state as ps
+
+    dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    dense_writer = dense_owner and ps.get_tensor_model_parallel_rank() == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0 if mapping.architecture(hf).num_experts else False
+    expert_writer = expert_owner and ps.get_expert_tensor_parallel_rank() == 0
+    dense, experts = [], []
+    for chunk in chunks:
+        for name, param, rule, part in named_global_parameters(chunk, hf):
+            is_expert = mapping.is_expert(name)
+            if not (expert_owner if is_expert else dense_owner):
+                continue
+            split = part.dim is not None and part.size > 1
+            if is_expert:
+                group = ps.get_expert_tensor_parallel_group() if split else None
+            else:
+                group = ps.get_tensor_model_parallel_group() if split else None
+            writer = expert_writer if is_expert else dense_writer
+            (experts if is_expert else dense).append(_Item(name, param, part, rule, group, writer))
+    return dense + experts
+
+
+def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
+    """Every rank's output tensors (from shapes only) packed into files: each writer fills its
+    own files in parameter order, writers in rank order."""
+    import torch.distributed as dist
+
+    itemsize = _itemsize(dtype)
+    mine = []
+    for item in items:
+        if not item.writer:
+            continue
+        shape = list(item.param.shape)
+        if item.part.dim is not None:
+            shape[item.part.dim] *= item.part.size
+        for hf_name, hf_shape in item.rule.hf_shapes(tuple(shape)).items():
+            numel = 1
+            for d in hf_shape:
+                numel *= d
+            mine.append((hf_name, numel * itemsize))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    plan, seen = _Plan(), set()
+    for rank, tensors in enumerate(everyone):
+        current, size = [], 0
+        for name, nbytes in tensors:
+            if name in seen:
+                raise ValueError(f"two ranks write Hugging Face tensor {name!r}")
+            seen.add(name)
+            plan.nbytes[name] = nbytes
+            if current and size + nbytes > max_bytes:
+                plan.files.append((rank, current))
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        if current:
+            plan.files.append((rank, current))
+    return plan
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _file_names(plan: _Plan) -> list[str]:
+    n = len(plan.files)
+    if n == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _gather(item: _Item) -> Optional[list[Any]]:
+    """The parameter's parts from every rank of its tensor-parallel group, on the writer (CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    local = item.param.detach()
+    if item.group is None:
+        return [local.cpu()] if item.writer else None
+    parts = [torch.empty_like(local) for _ in range(item.part.size)] if item.writer else None
+    dst = dist.get_global_rank(item.group, 0)
+    dist.gather(local.contiguous(), parts, dst=dst, group=item.group)
+    return [p.cpu() for p in parts] if item.writer else None
+
+
+def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: Any,
+                     tokenizer_source: Optional[str] = None, origin: Optional[str] = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write the model held by `chunks` (on every rank) as a Hugging Face directory `out_dir`,
+    weights in `dtype` (a torch dtype or 'bf16'/'fp16'/'fp32'), with `hf_config` as config.json,
+    the tokenizer files of `tokenizer_source` and the generation config of `origin` (the Hugging
+    Face directory the model came from). Call on every rank. Returns statistics."""
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    rank = dist.get_rank()
+    staging = out_dir.rstrip("/") + INCOMPLETE_SUFFIX
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    items = _items(chunks, hf_config)
+    plan = _plan(items, dtype, max_shard_bytes)
+    names = _file_names(plan)
+    my_files = [(names[i], tensors) for i, (r, tensors) in enumerate(plan.files) if r == rank]
+    dist.barrier()  # the staging directory exists
+    pending: dict[str, Any] = {}
+    written = 0
+    with torch.no_grad():
+        for item in items:
+            parts = _gather(item)
+            if parts is None:
+                continue
+            for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
+                pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
+            del parts
+            while my_files and all(t in pending for t in my_files[0][1]):
+                file, tensors = my_files.pop(0)
+                save_safetensors(os.path.join(staging, file), {t: pending.pop(t) for t in tensors})
+                written += 1
+    if my_files or pending:
+        raise RuntimeError(f"rank {rank}: planned files {[f for f, _ in my_files]} were not completed")
+    dist.barrier()  # every file is written
+    total = sum(len(t) for _, t in plan.files)
+    if rank == 0:
+        config = dict(hf_config)
+        config.pop("dtype", None)
+        config["torch_dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(staging, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if len(names) > 1:
+            _write_index(staging, plan, names)
+        copy_tokenizer_files(tokenizer_source, staging)
+        copy_tokenizer_files(origin, staging, ORIGIN_FILES)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(staging, out_dir)
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    logger.info("wrote Hugging Face weights (%d tensors in %d files, %s) to %s in %.1f s",
+                total, len(names), str(dtype).replace("torch.", ""), out_dir, seconds)  # fmt: skip
+    return {"files": len(names), "tensors": total, "seconds": seconds, "written_by_this_rank": written}
+
+
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def save_safetensors(path: str, tensors: dict[str, Any]) -> None:
+    """Write contiguous CPU `tensors` as one safetensors file: an 8-byte header length, the JSON
+    header (padded to 8 bytes), then each tensor's bytes in order, straight from its memory."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _write_index(directory: str, plan: _Plan, names: list[str]) -> None:
+    weight_map = {tensor: file for file, (_, tensors) in zip(names, plan.files) for tensor in tensors}
+    total = sum(plan.nbytes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)

@@ -1,0 +1,123 @@
+"""Tiny random Hugging Face models of every family we convert, built offline with transformers'
+own config classes and `save_pretrained`; and our megatron-core model's logits for them."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.125,  # large enough that a wrong mapping moves the logits far beyond 1e-4
+    rms_norm_eps=1e-5,
+)
+MOE = dict(intermediate_size=48, num_experts_per_tok=2)
+
+
+def family_configs() -> dict:
+    """name -> a transformers config of a tiny model of that family."""
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    return {
+        "llama": LlamaConfig(**{**COMMON, "max_position_embeddings": 16384}, rope_parameters=llama3_rope),
+        "llama_tied": LlamaConfig(**COMMON, tie_word_embeddings=True),
+        "mistral": MistralConfig(**COMMON, sliding_window=8),
+        "mixtral": MixtralConfig(**{**COMMON, **MOE}, num_local_experts=4),
+        "qwen2": Qwen2Config(**{**COMMON, "vocab_size": 250}),
+        "qwen3": Qwen3Config(**COMMON, head_dim=32),
+        "qwen3_moe": Qwen3MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+    }
+
+
+def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional[str] = None, config=None) -> str:
+    """Build the tiny `name` model with random weights (norms and biases randomized too, so each
+    mapping matters) and `save_pretrained` it to `directory`, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = config if config is not None else family_configs()[name]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif pname.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
+    """Logits of our megatron-core model loaded from `source` (a Hugging Face directory, or a
+    checkpoint of ours) under the current launch (TP x PP x EP ranks); the full vocabulary
+    (padding rows included) on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_bridge.models import GPTModelProvider
+    from megatron_bridge.models.hf.convert import checkpoint_provider
+    from megatron_bridge.models.hf.files import is_hf_directory
+    from megatron_bridge.models.hf.load import load_hf_weights
+    from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare
+    from megatron_bridge.training.checkpointing.layout import resolve
+
+    if is_hf_directory(source):
+        provider = GPTModelProvider.from_hf(source)
+        load = lambda chunks: load_hf_weights(chunks, source)  # noqa: E731
+    else:
+        directory = resolve(source)[0]
+        provider = checkpoint_provider(directory)
+        load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
+    batch, seq = tokens.shape
+    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+        model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
+        chunks = build_chunks(model, device)
+        load(chunks)
+        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
+
+        def step(data_iterator, module):
+            item = next(data_iterator)
+            output = module(item["tokens"], item["position_ids"], None)
+            return output, lambda out, non_loss_data=False: out.detach().clone()
+
+        out = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1, seq_length=seq,
+            micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
+        )  # fmt: skip
+        last = parallel_state.is_pipeline_last_stage()
+    return out[0] if last else None
+
+
+def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def in_subprocess_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

@@ -1,0 +1,56 @@
+"""Hugging Face weights under torchrun with 2 processes (gloo, CPU): TP=2, PP=2 and EP=2 loads
+give the logits of one process; import and export split over ranks stay bit-identical."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import family_configs, in_subprocess_env, megatron_logits, random_tokens, save_tiny
+from test_hf_weights import assert_bit_identical, read_all
+
+from megatron_bridge.training.distributed import free_port
+
+SCRIPT = Path(__file__).parent / "scripts" / "hf_logits.py"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def torchrun(*args: str, timeout: int = 300) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=in_subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [("qwen2", ["--tp", "2"]), ("llama", ["--pp", "2"]), ("mixtral", ["--ep", "2"])],
+    ids=["tp2-padded-vocab", "pp2", "ep2-experts"],
+)
+def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, name, layout):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    directory = save_tiny(name, str(tmp_path / name), max_shard_size="100KB")
+    vocab = family_configs()[name].vocab_size
+    out = tmp_path / "logits.pt"
+    torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), *layout, "--out", str(out))
+    parallel = torch.load(out)
+    single = megatron_logits(directory, random_tokens(vocab))
+    assert parallel.shape[:2] == single.shape[:2]
+    assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
+
+
+def test_tensor_parallel_import_and_pipeline_parallel_export_are_exact(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny("qwen3_moe", str(tmp_path / "hf"), max_shard_size="100KB")
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "exported")
+    torchrun("-m", "megatron_bridge", "hf", "import", source, ckpt, "--tp", "2")
+    output = torchrun("-m", "megatron_bridge", "hf", "export", ckpt, out, "--pp", "2", "--max-shard-size", "100KB")
+    assert f"exported {ckpt} -> {out}" in output
+    assert_bit_identical(read_all(source), read_all(out))
+    AutoModelForCausalLM.from_pretrained(out)
