@@ -64,6 +64,19 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
     width = max(len(k) for k, _ in rows) + 1
     for key, text in rows:
         print(f"# {key + ':':<{width}} {text}")
+    check_data_on_this_machine(cfg, width)
+
+
+def check_data_on_this_machine(cfg: "ConfigContainer", width: int) -> None:
+    """The data checks of a real run, as comments; data absent from this machine (a login
+    node) is noted, not an error. Data present but unusable is an error."""
+    from megatron_bridge.data.checks import dry_run_lines
+
+    lines, error = dry_run_lines(cfg)
+    for i, line in enumerate(lines):
+        print(f"# {('data:' if i == 0 else ''):<{width}} {line}")
+    if error is not None:
+        raise UsageError(f"the data has problems: {error}")
 
 
 def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:

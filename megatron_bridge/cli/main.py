@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from megatron_bridge.cli.common import add_debug_flag
 from megatron_bridge.cli.errors import EXIT_USAGE, UsageError
 
-SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot")
+SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "data")
 """Modules of `megatron_bridge.cli` that each add one subcommand (`register(subparsers)`).
 A module that does not exist (yet) is skipped."""
 
@@ -25,6 +25,7 @@ Train megatron-core models from typed, validated configs.
   mbridge pretrain --recipe NAME [KEY=VALUE ...]    train (also under torchrun)
   mbridge pretrain --recipe NAME --dry-run          print the resolved config and derived sizes
   mbridge config show|diff ...                      print or compare configs
+  mbridge data preprocess|inspect ...               text to indexed datasets (.bin/.idx), and a look at one
 
 `mbridge COMMAND --help` describes each command."""
 

@@ -84,6 +84,9 @@ class GlobalState:
     stragglers: Any = None
     """Straggler detection (when `straggler.log_straggler` or `nvrx_straggler.enabled`)."""
 
+    data_phases: Any = None
+    """The blend-phase schedule (`dataset.blend_phases`): `label(iteration)` names the active phase."""
+
     exit_code: int = 0
     """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.data.rules import check_data_rules
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -34,6 +35,7 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
     check_peft(cfg, problems)
     check_vocab(cfg, problems)
     check_logger_outputs(cfg, problems)
+    check_data_rules(cfg, problems)
     derive_weight_decay(cfg, problems)
     derive_scheduler_steps(cfg, problems)
 
