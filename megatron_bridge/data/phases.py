@@ -38,9 +38,12 @@ def blending_indices(phases: list[Phase], num_datasets: int, global_batch_size: 
         size = end - begin
         if size <= 0:
             continue
-        part_d = np.empty(size, dtype=np.int16)
+        # only the datasets the phase draws from: megatron-core's helper gives a 0-weight dataset a sample
+        active = np.flatnonzero(np.asarray(phase.weights) > 0)
+        local = np.empty(size, dtype=np.int16)
         part_s = np.empty(size, dtype=np.int64)
-        helpers.build_blending_indices(part_d, part_s, np.asarray(phase.weights, dtype=np.float64), num_datasets, size, False)
+        helpers.build_blending_indices(local, part_s, np.asarray(phase.weights, dtype=np.float64)[active], len(active), size, False)
+        part_d = active[local].astype(np.int16)
         dataset_index[begin:end] = part_d
         sample_index[begin:end] = part_s + used[part_d]
         used += np.bincount(part_d, minlength=num_datasets)
