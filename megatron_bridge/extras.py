@@ -19,6 +19,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nvidia_resiliency_ext": ("resiliency", "fault tolerance, in-process restart and NVRx straggler detection"),
     "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
     "tokenizers": ("hf", "Hugging Face tokenizers"),
+    "datasets": ("data", "reading datasets directories"),
+    "pyarrow": ("data", "reading Parquet and Arrow files"),
+    "jinja2": ("data", "chat templates"),
     "matplotlib": ("plot", "plotting training curves"),
     "pynvml": ("nvml", "GPU energy logging"),
 }

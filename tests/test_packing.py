@@ -144,3 +144,38 @@ def test_the_packed_cache_is_reused_for_the_same_data_only(tmp_path):
     specs.on_the_fly = True
     packed_dataset(tokenized, "data-v1", source, "train", specs, data, 10, 0, "mask")
     assert len(calls) == 3 and len(list((tmp_path / "packed").iterdir())) == 2
+
+
+def test_packing_settings_are_checked_and_round_trip(tmp_path):
+    from factories import tiny_config
+
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.training.config import ConfigContainer, FinetuningDatasetConfig, PackedSequenceSpecs, runtime_config_update
+    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    def cfg(**model):
+        return tiny_config(
+            model=tiny_model(**model),
+            dataset=FinetuningDatasetConfig(dataset_root=str(tmp_path), seq_length=32, num_workers=0, packed_sequence_specs=PackedSequenceSpecs(packed_sequence_size=64)),
+        )
+
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg(context_parallel_size=2, seq_length=32), world_size=2)
+    assert err.value.errors == [
+        "dataset.packed_sequence_specs.packed_sequence_size: 64 exceeds model.seq_length=32 (pack to at most the model's sequence length)",
+        "dataset.packed_sequence_specs: packed sequences are not split over context-parallel ranks (context_parallel_size=2) "
+        "(use context_parallel_size=1 with packing, or turn packing off)",
+    ]
+    good = cfg(seq_length=64)
+    runtime_config_update(good)
+    again = ConfigContainer.from_yaml(_write(tmp_path / "c.yaml", good.to_yaml()))
+    assert again.dataset.packed_sequence_specs == good.dataset.packed_sequence_specs
+    plain = tiny_config(model=tiny_model(seq_length=64), dataset=FinetuningDatasetConfig(dataset_root=str(tmp_path), seq_length=64, num_workers=0))
+    process_config_with_overrides(plain, cli_overrides=["dataset.packed_sequence_specs={packed_sequence_size:64,on_the_fly:true}", "dataset.column_mapping={input:q,output:a}"])
+    assert plain.dataset.packed_sequence_specs == PackedSequenceSpecs(packed_sequence_size=64, on_the_fly=True)
+    assert plain.dataset.column_mapping == {"input": "q", "output": "a"}
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)

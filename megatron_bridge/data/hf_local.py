@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
+from megatron_bridge.extras import require
+
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """Data file suffixes and their formats."""
 
@@ -112,8 +114,6 @@ class LocalSplit:
 
     # -- reading
     def hf_dataset(self) -> Any:
-        from megatron_bridge.extras import require
-
         force_offline()
         datasets = require("datasets", "reading a datasets directory (save_to_disk)")
         return datasets.load_from_disk(self.dataset_dir)
@@ -125,12 +125,12 @@ class LocalSplit:
         file = self.files[0]
         kind = SUFFIX_FORMATS[os.path.splitext(file)[1]]
         if kind == "parquet":
-            import pyarrow.parquet as pq
+            pq = require("pyarrow.parquet", "reading Parquet files")
 
             return list(pq.ParquetFile(file).schema_arrow.names)
         if kind == "arrow":
-            return list(_open_arrow(file).schema.names)
-        for _, record in self._json_records(file, limit=1):
+            return list(open_arrow(file).schema.names)
+        for _, record in self.json_records(file, limit=1):
             return list(record)
         return []
 
@@ -171,7 +171,7 @@ class LocalSplit:
         for file in self.files:
             kind = SUFFIX_FORMATS[os.path.splitext(file)[1]]
             if kind == "json":
-                yield from self._json_records(file)
+                yield from self.json_records(file)
             else:
                 batches = _parquet_batches(file, columns) if kind == "parquet" else _arrow_batches(file, columns)
                 row = 0
@@ -181,7 +181,7 @@ class LocalSplit:
                         row += 1
 
     @staticmethod
-    def _json_records(file: str, limit: Optional[int] = None) -> Iterator[tuple[str, dict]]:
+    def json_records(file: str, limit: Optional[int] = None) -> Iterator[tuple[str, dict]]:
         with open(file, "rb") as f:
             head = f.read(64).lstrip()
         if head.startswith(b"["):  # one JSON array of records
@@ -215,8 +215,8 @@ def _as_record(value: Any, location: str) -> dict:
     return value
 
 
-def _open_arrow(file: str) -> Any:
-    import pyarrow as pa
+def open_arrow(file: str) -> Any:
+    pa = require("pyarrow", "reading Arrow files")
 
     source = pa.memory_map(file)
     try:
@@ -226,7 +226,7 @@ def _open_arrow(file: str) -> Any:
 
 
 def _arrow_batches(file: str, columns: Optional[list[str]]) -> Iterator[Any]:
-    reader = _open_arrow(file)
+    reader = open_arrow(file)
     keep = [c for c in columns if c in reader.schema.names] if columns else None
     if hasattr(reader, "get_batch"):  # the random-access file format
         batches: Any = (reader.get_batch(i) for i in range(reader.num_record_batches))
@@ -237,7 +237,7 @@ def _arrow_batches(file: str, columns: Optional[list[str]]) -> Iterator[Any]:
 
 
 def _parquet_batches(file: str, columns: Optional[list[str]]) -> Iterator[Any]:
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "reading Parquet files")
 
     pf = pq.ParquetFile(file)
     keep = [c for c in columns if c in pf.schema_arrow.names] if columns else None
@@ -247,12 +247,12 @@ def _parquet_batches(file: str, columns: Optional[list[str]]) -> Iterator[Any]:
 def _count_rows(file: str) -> int:
     kind = SUFFIX_FORMATS[os.path.splitext(file)[1]]
     if kind == "parquet":
-        import pyarrow.parquet as pq
+        pq = require("pyarrow.parquet", "reading Parquet files")
 
         return pq.ParquetFile(file).metadata.num_rows
     if kind == "arrow":
         return sum(b.num_rows for b in _arrow_batches(file, None))
-    return sum(1 for _ in LocalSplit._json_records(file))
+    return sum(1 for _ in LocalSplit.json_records(file))
 
 
 def _arrow_files(dataset_dir: Optional[str]) -> list[str]:

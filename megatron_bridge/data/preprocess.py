@@ -25,10 +25,11 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit, _open_arrow, select_split
+from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit, open_arrow, select_split
 from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
+from megatron_bridge.extras import require
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
 
 CHUNK_ROWS = 4096
@@ -118,12 +119,12 @@ def plan_chunks(source: LocalSplit) -> list[tuple]:
     for file in source.files:
         kind = SUFFIX_FORMATS[os.path.splitext(file)[1]]
         if kind == "parquet":
-            import pyarrow.parquet as pq
+            pq = require("pyarrow.parquet", "reading Parquet files")
 
             meta = pq.ParquetFile(file).metadata
             chunks += [("parquet", file, g, g + 1, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
         elif kind == "arrow":
-            reader = _open_arrow(file)
+            reader = open_arrow(file)
             sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)] if hasattr(reader, "get_batch") else [b.num_rows for b in reader]
             batches_per_chunk = max(1, CHUNK_ROWS // max(1, max(sizes, default=1)))
             for b in range(0, len(sizes), batches_per_chunk):
@@ -188,7 +189,7 @@ def read_chunk(chunk: tuple, keys: list[str]) -> tuple[list[list[str]], int, lis
             if errors:
                 break
     elif kind == "json-array":
-        for location, record in LocalSplit._json_records(where):
+        for location, record in LocalSplit.json_records(where):
             take(record, location)
             if errors:
                 break
@@ -197,11 +198,11 @@ def read_chunk(chunk: tuple, keys: list[str]) -> tuple[list[list[str]], int, lis
             rows = LocalSplit("train", dataset_dir=where).hf_dataset()[start:stop]
             records = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else []
         elif kind == "parquet":
-            import pyarrow.parquet as pq
+            pq = require("pyarrow.parquet", "reading Parquet files")
 
             records = pq.ParquetFile(where).read_row_group(start).to_pylist()
         else:
-            reader = _open_arrow(where)
+            reader = open_arrow(where)
             batches = (reader.get_batch(i) for i in range(start, stop)) if hasattr(reader, "get_batch") else itertools.islice(reader, start, stop)
             records = [r for b in batches for r in b.to_pylist()]
         for i, record in enumerate(records):
