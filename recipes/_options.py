@@ -122,7 +122,8 @@ class FinetuneOptions(RecipeOptions):
     """Options of fine-tuning recipes."""
 
     dataset_root: Optional[str] = None
-    """Directory with training.jsonl / validation.jsonl / test.jsonl ("input"/"output" records)."""
+    """Fine-tuning data: a directory with training.jsonl / validation.jsonl / test.jsonl, data files,
+    or a datasets directory; rows of "input"/"output" or chat "messages"."""
 
     pretrained_checkpoint: Optional[str] = None
     """Checkpoint directory holding the weights to start from (weights only: no optimizer state,

@@ -7,7 +7,7 @@ from statistics import mean
 
 import pytest
 from factories import tiny_config, tiny_model
-from text_data import CHATML, OBJECTS, SUBJECTS, documents, sentence, train_tokenizer, write_jsonl
+from text_data import CHATML, OBJECTS, SUBJECTS, sentence, train_tokenizer, write_jsonl
 
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.finetuning import SFTDataset

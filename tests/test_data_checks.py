@@ -1,7 +1,6 @@
 """Bad data is a clear config error before the model is built, each with its message; a dry run
 on a machine without the data notes it as not found instead of failing."""
 
-import json
 import os
 
 import numpy as np

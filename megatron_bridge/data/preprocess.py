@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from megatron_bridge.data.hf_local import DataSourceError, LocalSplit, open_local, select_split
 
