@@ -20,6 +20,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
     "tokenizers": ("hf", "Hugging Face tokenizers"),
     "safetensors": ("hf", "reading and writing Hugging Face weights and peft adapters"),
+    "datasets": ("data", "reading datasets directories"),
+    "pyarrow": ("data", "reading Parquet and Arrow files"),
+    "jinja2": ("data", "chat templates"),
     "matplotlib": ("plot", "plotting training curves"),
     "pynvml": ("nvml", "GPU energy logging"),
 }

@@ -124,7 +124,8 @@ class FinetuneOptions(RecipeOptions):
     _field_aliases = {"pretrained": "pretrained_checkpoint"}
 
     dataset_root: Optional[str] = None
-    """Directory with training.jsonl / validation.jsonl / test.jsonl ("input"/"output" records)."""
+    """Fine-tuning data: a directory with training.jsonl / validation.jsonl / test.jsonl, data files,
+    or a datasets directory; rows of "input"/"output" or chat "messages"."""
 
     pretrained_checkpoint: Optional[str] = None
     """Weights to start from (weights only: no optimizer state, iterations start at 0): a

@@ -192,6 +192,7 @@ def test_full_config_file_without_recipe(tmp_path, capsys, monkeypatch):
 
 
 def test_finetune_dry_run(tmp_path, capsys):
+    (tmp_path / "training.jsonl").write_text('{"input": "1 2 3", "output": "4 5"}\n')  # the dry run reads the data
     code, out, err = cli(
         capsys,
         "finetune",

@@ -95,6 +95,7 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
     result = make_plan(cfg, label, options or PlanOptions())
     if result is not None:
         print("# ---- " + "\n# ".join(result.text()))
+    check_data_on_this_machine(cfg, width)  # last: unusable data ends the dry run with an error
 
 
 def machine_problems(cfg: "ConfigContainer") -> list[str]:
@@ -118,6 +119,18 @@ def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label
     else:
         print("\n".join(result.text()))
         print(f"(world size {world_size}: {world_source})")
+
+
+def check_data_on_this_machine(cfg: "ConfigContainer", width: int) -> None:
+    """The data checks of a real run, as comments; data absent from this machine (a login
+    node) is noted, not an error. Data present but unusable is an error."""
+    from megatron_bridge.data.checks import dry_run_lines
+
+    lines, error = dry_run_lines(cfg)
+    for i, line in enumerate(lines):
+        print(f"# {('data:' if i == 0 else ''):<{width}} {line}")
+    if error is not None:
+        raise UsageError(f"the data has problems: {error}")
 
 
 def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:

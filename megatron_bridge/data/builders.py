@@ -54,11 +54,25 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
 
         return build_finetuning_datasets(data, tokenizer, counts, cfg.model)
     if isinstance(data, GPTDatasetConfig):
-        return _build_gpt_datasets(data, tokenizer, counts)
+        return _build_gpt_datasets(data, tokenizer, counts, cfg)
     raise TypeError(f"cfg.dataset: unsupported dataset config {type(data).__name__}")
 
 
-def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCounts):
+def resolved_phases(cfg: "ConfigContainer") -> Optional[list]:
+    """The blend phases of `cfg` with start iterations (the first at 0); None without phases."""
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.data.phase_schedule import resolve_phases
+
+    data = cfg.dataset
+    if not isinstance(data, GPTDatasetConfig) or data.blend_phases is None or data.blend is None:
+        return None
+    problems = Problems()
+    phases = resolve_phases(data.blend_phases, data.blend[1], cfg.train.train_iters, problems)
+    problems.raise_if_any()
+    return phases
+
+
+def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCounts, cfg: Optional["ConfigContainer"] = None):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
@@ -68,7 +82,17 @@ def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCo
     config.apply_default("token_dtype_code", None if vocab is None else (4 if vocab > 65536 else 8))
     if data.skip_getting_attention_mask_from_dataset:  # the attention backend builds the causal mask
         config.apply_default("create_attention_mask", False)
-    sizes = [counts.train, counts.valid or None, counts.test or None]
     dataset_class = MockGPTDataset if config.mock else GPTDataset
+    phases = resolved_phases(cfg) if cfg is not None and not config.mock else None
+    if phases is not None:
+        from megatron_bridge.data.phases import build_phased_train_dataset
+
+        train = build_phased_train_dataset(config, phases, cfg.train.global_batch_size, counts.train)
+        split = list(config.split_matrix)
+        rest = copy.copy(config)
+        rest.apply_default("split_matrix", [None, split[1] if counts.valid else None, split[2] if counts.test else None])
+        _, valid, test = BlendedMegatronDatasetBuilder(dataset_class, [0, counts.valid, counts.test], lambda: True, rest).build()
+        return train, valid, test
+    sizes = [counts.train, counts.valid or None, counts.test or None]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     return train, valid, test

@@ -1,9 +1,10 @@
-"""Fine-tuning data: JSONL files of prompt/answer pairs; the loss covers the answer only.
+"""Fine-tuning datasets: prompt/answer or chat rows, tokenized, with a loss mask on the answer
+or the assistant turns; packed into full sequences when `dataset.packed_sequence_specs` is set.
 
-`<dataset_root>/training.jsonl` (and `validation.jsonl`, `test.jsonl`) hold one JSON object per
-line, e.g. `{"input": "What is 2+2?", "output": "4"}` (keys configurable through
-`dataset_kwargs={"prompt_key": ..., "answer_key": ...}`). A sample is
-`[bos] prompt answer eod`, truncated to `seq_length + 1` tokens.
+The data (`dataset.dataset_root`) is a directory with `training.jsonl` / `validation.jsonl` /
+`test.jsonl`, a directory of json/jsonl/parquet/arrow files, a `datasets` directory
+(save_to_disk), or one data file; see `sft_records` for the formats. A prompt/answer sample is
+`[bos] prompt answer eod`; every sample is truncated to `seq_length + 1` tokens.
 """
 
 from __future__ import annotations
@@ -11,95 +12,133 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import os
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
+
+from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
 
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts
     from megatron_bridge.training.config import FinetuningDatasetConfig
 
-SPLIT_FILES = {"train": "training.jsonl", "valid": "validation.jsonl", "test": "test.jsonl"}
+Sample = tuple[np.ndarray, np.ndarray]
+"""(token ids, flags): flags[i] is 1 when token i is one the loss covers (answer, assistant turn)."""
 
 
 def read_examples(path: str, prompt_key: str, answer_key: str, limit: Optional[int] = None) -> list[tuple[str, str]]:
     """(prompt, answer) pairs of a JSONL file; a line without both keys is an error naming it."""
-    examples = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                examples.append((str(record[prompt_key]), str(record[answer_key])))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f"{path}:{number}: expected a JSON object with {prompt_key!r} and {answer_key!r} ({exc})"
-                ) from None
-            if limit is not None and len(examples) >= limit:
-                break
-    return examples
+    from megatron_bridge.data.hf_local import LocalSplit
+
+    fmt = RecordFormat("prompt/answer", prompt=prompt_key, answer=answer_key)
+    return [(str(r[prompt_key]), str(r[answer_key])) for r in _valid_records(LocalSplit("train", files=(path,)), fmt, None, limit)]
 
 
-_WORKER_TOKENIZER: Any = None
+def _valid_records(source: Any, fmt: RecordFormat, null_vocab: Optional[int], limit: Optional[int]) -> list[dict]:
+    records = []
+    for location, record in source.records(fmt.columns()):
+        problem = record_problem(record, fmt, location, null_vocab)
+        if problem:
+            raise ValueError(problem[1])
+        records.append(record)
+        if limit is not None and len(records) >= limit:
+            break
+    return records
 
 
-def _init_worker(tokenizer: Any) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
+# ---------------------------------------------------------------------- tokenization
+class SampleEncoder:
+    """Rows of one format to samples."""
+
+    def __init__(self, tokenizer: Any, fmt: RecordFormat, seq_length: int):
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.limit = seq_length + 1
+        self.renderer = None
+        if fmt.kind == CHAT:
+            from megatron_bridge.data.chat import ChatRenderer
+
+            self.renderer = ChatRenderer(tokenizer)
+
+    def encode(self, record: dict) -> Sample:
+        if self.renderer is not None:
+            ids, flags = self.renderer.encode(record[self.fmt.messages])
+        else:
+            prompt = self.tokenizer.tokenize(str(record[self.fmt.prompt]))
+            answer = self.tokenizer.tokenize(str(record[self.fmt.answer]))
+            return prompt_answer_sample(prompt, answer, self.tokenizer, self.limit)
+        return ids[: self.limit], flags[: self.limit]
 
 
-def _tokenize_pair(pair: tuple[str, str]) -> tuple[list[int], list[int]]:
-    return _WORKER_TOKENIZER.tokenize(pair[0]), _WORKER_TOKENIZER.tokenize(pair[1])
+def prompt_answer_sample(prompt: list[int], answer: list[int], tokenizer: Any, limit: int) -> Sample:
+    head = ([tokenizer.bos] if getattr(tokenizer, "bos", None) is not None else []) + list(prompt)
+    ids = np.asarray(head + list(answer) + [tokenizer.eod], dtype=np.int64)[:limit]
+    flags = np.zeros(len(ids), dtype=np.uint8)
+    flags[len(head) :] = 1
+    return ids, flags
 
 
-def tokenize_examples(examples: list[tuple[str, str]], tokenizer: Any, workers: int) -> list[tuple[list[int], list[int]]]:
-    """Token ids of each (prompt, answer); in `workers` processes for large files."""
-    if workers <= 1 or len(examples) < 1000:
-        return [(tokenizer.tokenize(p), tokenizer.tokenize(a)) for p, a in examples]
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-        return pool.map(_tokenize_pair, examples, chunksize=256)
+_WORKER_ENCODER: Optional[SampleEncoder] = None
 
 
-class PromptAnswerDataset(torch.utils.data.Dataset):
-    """Prompt/answer samples with a loss mask on the answer (and the closing end-of-document).
+def _init_worker(encoder: SampleEncoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
 
-    `num_samples` larger than the file repeats it, reshuffled each epoch (seeded).
-    """
 
-    def __init__(self, pairs: list[tuple[list[int], list[int]]], tokenizer: Any, seq_length: int, num_samples: int, seed: int, pad_multiple: int = 8, pad_to: Optional[int] = None):
-        if not pairs:
-            raise ValueError("the fine-tuning file has no examples")
-        self.pairs = pairs
-        self.seq_length = seq_length
-        self.num_samples = max(num_samples, len(pairs))
+def _encode_in_worker(record: dict) -> Sample:
+    return _WORKER_ENCODER.encode(record)
+
+
+def encode_records(records: list[dict], encoder: SampleEncoder, workers: int) -> list[Sample]:
+    """Samples of `records`, in order; in `workers` processes for 1000 rows or more."""
+    if workers <= 1 or len(records) < 1000:
+        return [encoder.encode(r) for r in records]
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
+        return pool.map(_encode_in_worker, records, chunksize=256)
+
+
+# ---------------------------------------------------------------------- datasets
+class EpochOrder:
+    """Index -> item for `num_samples` draws over `size` items: in order for the first pass,
+    then reshuffled each further pass with a seed that depends on the pass."""
+
+    def __init__(self, size: int, num_samples: int, seed: int):
+        self.size = size
+        self.num_samples = max(num_samples, size)
         self.seed = seed
-        self.eod = tokenizer.eod
-        self.bos = getattr(tokenizer, "bos", None)
-        self.pad_id = tokenizer.pad if getattr(tokenizer, "pad", -1) is not None and tokenizer.pad >= 0 else 0
-        self.pad_multiple = pad_multiple
-        self.pad_to = pad_to
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def _example_index(self, idx: int) -> int:
-        epoch, position = divmod(idx, len(self.pairs))
+    def __call__(self, idx: int) -> int:
+        epoch, position = divmod(idx, self.size)
         if epoch == 0:
             return position
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
-        return int(torch.randperm(len(self.pairs), generator=g)[position])
+        return int(torch.randperm(self.size, generator=g)[position])
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Samples with a loss mask on the flagged tokens; `num_samples` larger than the data
+    repeats it, reshuffled each pass (seeded)."""
+
+    def __init__(self, samples: list[Sample], seq_length: int, num_samples: int, seed: int, pad_id: int, pad_multiple: int = 8, pad_to: Optional[int] = None):
+        if not samples:
+            raise ValueError("the fine-tuning data has no examples")
+        self.samples = samples
+        self.seq_length = seq_length
+        self.order = EpochOrder(len(samples), num_samples, seed)
+        self.pad_id = pad_id
+        self.pad_multiple = pad_multiple
+        self.pad_to = pad_to
+
+    def __len__(self) -> int:
+        return self.order.num_samples
 
     def __getitem__(self, idx: int) -> dict[str, list[int]]:
-        prompt, answer = self.pairs[self._example_index(idx)]
-        head = ([self.bos] if self.bos is not None else []) + prompt
-        ids = (head + answer + [self.eod])[: self.seq_length + 1]
-        tokens, labels = ids[:-1], ids[1:]
-        # label j is ids[j + 1]: it belongs to the answer from position len(head) on
-        loss_mask = [1 if j + 1 >= len(head) else 0 for j in range(len(labels))]
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        ids, flags = self.samples[self.order(idx)]
+        # label j is ids[j + 1]: it counts when token j + 1 is flagged
+        return {"tokens": ids[:-1].tolist(), "labels": ids[1:].tolist(), "loss_mask": flags[1:].astype(np.int64).tolist()}
 
     def collate_fn(self, items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         """Pad every sample of the batch to one length (the longest, rounded up to
@@ -117,28 +156,51 @@ class PromptAnswerDataset(torch.utils.data.Dataset):
         return batch
 
 
+def pad_id_of(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad", -1)
+    return pad if pad is not None and pad >= 0 else 0
+
+
+class PromptAnswerDataset(SFTDataset):
+    """Prompt/answer token-id pairs with a loss mask on the answer (and the closing end-of-document)."""
+
+    def __init__(self, pairs: list[tuple[list[int], list[int]]], tokenizer: Any, seq_length: int, num_samples: int, seed: int, pad_multiple: int = 8, pad_to: Optional[int] = None):
+        samples = [prompt_answer_sample(p, a, tokenizer, seq_length + 1) for p, a in pairs]
+        super().__init__(samples, seq_length, num_samples, seed, pad_id_of(tokenizer), pad_multiple, pad_to)
+
+
+# ---------------------------------------------------------------------- building
 def build_finetuning_datasets(data: "FinetuningDatasetConfig", tokenizer: Any, counts: "SampleCounts", model: Any = None):
-    """(train, valid, test) prompt/answer datasets from `data.dataset_root`."""
-    kwargs = data.dataset_kwargs or {}
-    prompt_key, answer_key = kwargs.get("prompt_key", "input"), kwargs.get("answer_key", "output")
+    """(train, valid, test) datasets from `data.dataset_root`."""
     pad_multiple, pad_to = 8, None
     if model is not None:
         pad_multiple = math.lcm(8, 2 * model.context_parallel_size, model.tensor_model_parallel_size if model.sequence_parallel else 1)
         if model.pipeline_model_parallel_size > 1:
             pad_to = data.seq_length  # pipeline stages exchange fixed-shape activations
     wanted = {"train": counts.train, "valid": counts.valid if data.do_validation else 0, "test": counts.test if data.do_test else 0}
+    sources = split_sources(data)
+    mapping = column_mapping(data)
+    null_vocab = tokenizer.vocab_size if type(tokenizer).__name__ == "NullTokenizer" else None
     datasets = []
-    for split, file in SPLIT_FILES.items():
-        path = os.path.join(os.fspath(data.dataset_root), file)
-        if not wanted[split]:
+    for split in SPLITS:
+        source = sources[split]
+        if not wanted[split] or source is None:
             datasets.append(None)
             continue
-        if not os.path.isfile(path):
-            if split == "train":
-                raise FileNotFoundError(f"dataset.dataset_root: no {file} in {data.dataset_root!r}")
-            datasets.append(None)
-            continue
+        fmt = detect_format(source.columns(), mapping, source.describe())
         limit = data.max_train_samples if split == "train" else None
-        pairs = tokenize_examples(read_examples(path, prompt_key, answer_key, limit), tokenizer, data.memmap_workers)
-        datasets.append(PromptAnswerDataset(pairs, tokenizer, data.seq_length, wanted[split], data.seed, pad_multiple, pad_to))
+
+        def tokenized(source=source, fmt=fmt, limit=limit) -> list[Sample]:
+            records = _valid_records(source, fmt, null_vocab, limit)
+            return encode_records(records, SampleEncoder(tokenizer, fmt, data.seq_length), data.memmap_workers)
+
+        specs = data.packed_sequence_specs
+        if specs is not None:
+            from megatron_bridge.data.packing import packed_dataset
+
+            key = json.dumps([source.identity(), str(fmt), dict(tokenizer.unique_identifiers), data.seq_length, limit], sort_keys=True, default=str)
+            attention = "cu_seqlens" if model is not None and model.transformer_impl == "transformer_engine" else "mask"
+            datasets.append(packed_dataset(tokenized, key, source, split, specs, data, wanted[split], pad_id_of(tokenizer), attention))
+        else:
+            datasets.append(SFTDataset(tokenized(), data.seq_length, wanted[split], data.seed, pad_id_of(tokenizer), pad_multiple, pad_to))
     return tuple(datasets)

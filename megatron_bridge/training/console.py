@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -17,8 +17,9 @@ def format_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
 
-def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds: float) -> str:
-    """e.g. `[ 33%] iter 10/30 | samples 80 | 16.2 ms/iter | 15.8k tok/s | lr 2.70E-03 | lm loss 4.812E+00 | ...`"""
+def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds: float, phase: Optional[str] = None) -> str:
+    """e.g. `[ 33%] iter 10/30 | samples 80 | 16.2 ms/iter | 15.8k tok/s | lr 2.70E-03 | lm loss 4.812E+00 | ...`;
+    `phase` (the active data phase of a phased blend) follows the batch size."""
     percent = 100.0 * step / total if total else 100.0
     parts = [
         f"[{percent:3.0f}%] iteration {step:>{len(str(total))}}/{total}",
@@ -28,6 +29,8 @@ def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds:
         f"lr {metrics['learning-rate']:.3E}",
         f"batch {int(metrics['batch-size'])}",
     ]
+    if phase:
+        parts.append(f"data {phase}")
     if "lm loss" in metrics:
         parts.append(f"lm loss {metrics['lm loss']:.4E}")
     for key in sorted(metrics):

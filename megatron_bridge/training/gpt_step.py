@@ -9,7 +9,8 @@ import torch
 
 from megatron_bridge.training.state import GlobalState
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "cu_seqlens")
+"""What the step takes from a batch; `cu_seqlens` (packed sequences for TransformerEngine) is optional."""
 
 
 def get_batch(data_iterator: Iterator[dict], state: GlobalState) -> dict[str, Optional[torch.Tensor]]:
@@ -29,6 +30,27 @@ def get_batch(data_iterator: Iterator[dict], state: GlobalState) -> dict[str, Op
 
         out = get_batch_on_this_cp_rank(out)
     return out
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor):
+    """megatron-core's PackedSeqParams ('thd') for one packed sequence (micro batch size 1):
+    `cu_seqlens` holds the sample boundaries, padded with -1."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if cu_seqlens.shape[0] != 1:
+        raise ValueError(f"packed sequences with TransformerEngine need micro batch size 1, got {cu_seqlens.shape[0]}")
+    cu = cu_seqlens[0]
+    cu = cu[cu >= 0].to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
 
 
 def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor, state: Optional[GlobalState] = None):
@@ -78,10 +100,14 @@ def forward_step(state: GlobalState, data_iterator: Iterator[dict], model: torch
     batch = get_batch(data_iterator, state)
     if timers is not None:
         timers("batch-generator").stop()
+    extra = {}
+    if batch["cu_seqlens"] is not None:
+        extra["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"])
     output = model(
         batch["tokens"],
         batch["position_ids"],
         batch["attention_mask"],
         labels=batch["labels"],
+        **extra,
     )
     return output, partial(masked_next_token_loss, batch["loss_mask"], state=state)

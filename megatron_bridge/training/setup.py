@@ -206,6 +206,19 @@ def _start_resiliency(cfg: ConfigContainer, state: GlobalState) -> list[Callback
     return [state.fault_tolerance]
 
 
+def _data_phase_callbacks(cfg: ConfigContainer, state: GlobalState) -> list[Callback]:
+    """The console announcer of blend phases (`dataset.blend_phases`), if any."""
+    from megatron_bridge.data.builders import resolved_phases
+
+    phases = resolved_phases(cfg)
+    if phases is None:
+        return []
+    from megatron_bridge.data.phases import PhaseAnnouncer
+
+    state.data_phases = PhaseAnnouncer(phases, list(cfg.dataset.blend[0]))
+    return [state.data_phases]
+
+
 def setup(
     cfg: ConfigContainer,
     forward_step_func: Callable,
@@ -222,7 +235,7 @@ def setup(
     from megatron_bridge.training.build import build_model, build_optimizer, count_local_parameters, wire_model_config
     from megatron_bridge.training.checkpointing import Checkpointer, make_manager
     from megatron_bridge.training.loggers import build_tracker
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 
     resolve_config(cfg)
     die_with_parent()
@@ -245,9 +258,10 @@ def setup(
     set_seeds(cfg)
     init_rerun_state_machine(cfg)
     state.timers = Timers(max(cfg.logger.timing_log_level, 0), cfg.logger.timing_log_option)
-    state.tokenizer = build_tokenizer(cfg.tokenizer)
+    state.tokenizer = build_checked_tokenizer(cfg)
     if cfg.model.vocab_size is None:
         cfg.model.apply_default("vocab_size", state.tokenizer.vocab_size)
+    check_before_build(cfg, state.tokenizer)  # data files, vocabulary: before anything is allocated
     # Trackers in a helper process start while the model and data are built; logging the config
     # at the end of setup waits for them and raises if one could not start.
     state.tracker = build_tracker(cfg, state.is_logging_rank)
@@ -280,6 +294,7 @@ def setup(
 
         state.stragglers = StragglerMonitor(state)
         internal_callbacks.append(state.stragglers)
+    internal_callbacks += _data_phase_callbacks(cfg, state)
     callback_list = CallbackList([*internal_callbacks, *(callbacks or [])])
     run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
     manager = make_manager(cfg)

@@ -86,6 +86,8 @@ class GlobalState:
 
     save_lock: Any = None
     """Path of the save directory's lock while this job holds it (rank 0)."""
+    data_phases: Any = None
+    """The blend-phase schedule (`dataset.blend_phases`): `label(iteration)` names the active phase."""
 
     exit_code: int = 0
     """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""

@@ -247,7 +247,8 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     values.update(reduced)
     done, remaining = ts.step - start_step, cfg.train.train_iters - ts.step
     eta = (time.perf_counter() - loop_start) / done * remaining if done else float("nan")
-    logger.info(console.train_line(ts.step, cfg.train.train_iters, values, eta))
+    phase = state.data_phases.label(ts.step - 1) if state.data_phases is not None else None
+    logger.info(console.train_line(ts.step, cfg.train.train_iters, values, eta, phase=phase))
     if timers:
         logger.info(console.timers_line(timers))
     state.tracker.log_metrics(values, ts.step)

@@ -13,6 +13,7 @@ from megatron_bridge.training.config.data import (
     GPTDatasetConfig,
     GPTFIMDatasetConfig,
     MockGPTDatasetConfig,
+    PackedSequenceSpecs,
 )
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import ConfigValidationError, MissingPackageError
@@ -55,6 +56,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerConfigOverrideProvider",
     "OptimizerConfigOverrideProviderContext",
+    "PackedSequenceSpecs",
     "ProfilingConfig",
     "RNGConfig",
     "RerunStateMachineConfig",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.data.rules import check_data_rules
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -36,6 +37,7 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
         check_hugging_face,
         check_vocab,
         check_logger_outputs,
+        check_data_rules,
         derive_weight_decay,
         derive_scheduler_steps,
     ):

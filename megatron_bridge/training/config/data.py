@@ -155,6 +155,11 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
     skip_getting_attention_mask_from_dataset: bool = True
     """Pass no attention mask from the dataset; the attention backend builds the causal mask."""
 
+    blend_phases: Optional[list[dict[str, Any]]] = None
+    """Phases of the blend's training mixture: a list of {weights: [one per prefix],
+    start_iteration: N (or start_fraction: 0.9), name: ...}; the weights change at each start
+    (exactly, also across resume). Before the first phase the blend's own weights apply."""
+
     def __post_init__(self) -> None:
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
@@ -199,6 +204,12 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
                 f"{len(self.blend[0])} prefixes but {len(self.blend[1])} weights",
                 "give one weight per prefix",
             )
+        if self.blend_phases is not None:
+            from megatron_bridge.data.phase_schedule import check_phases
+
+            blend = self.blend
+            if p.check(blend is not None, "blend_phases", "phases change the weights of a blend, and no data_path/blend is set", "set dataset.data_path with several prefixes"):
+                check_phases(self.blend_phases, len(blend[0]), p)
         if not p:
             self._run_parent_post_init(BlendedMegatronDatasetConfig, p)
 
@@ -263,6 +274,34 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
 
 
 @config_dataclass(kw_only=True)
+class PackedSequenceSpecs(ConfigBase):
+    """Sequence packing for fine-tuning: samples share sequences of `packed_sequence_size`
+    tokens; attention stays within each sample and position ids restart per sample."""
+
+    packed_sequence_size: Optional[int] = None
+    """Tokens per packed sequence; None: dataset.seq_length. At least dataset.seq_length and at
+    most model.seq_length."""
+
+    packed_train_data_path: Optional[str] = None
+    """File (.npz) caching the packed training split; None: packed/ beside the data."""
+
+    packed_val_data_path: Optional[str] = None
+    """File (.npz) caching the packed validation split; None: packed/ beside the data."""
+
+    on_the_fly: bool = False
+    """Pack in memory at every start instead of caching the packed data on disk."""
+
+    def _finalize(self, problems: Problems) -> None:
+        size = self.packed_sequence_size
+        problems.check(
+            size is None or size > 1,
+            "packed_sequence_size",
+            f"must be > 1, got {size}",
+            "use the model's sequence length, or remove dataset.packed_sequence_specs to turn packing off",
+        )
+
+
+@config_dataclass(kw_only=True)
 class FinetuningDatasetConfig(DataloaderConfig):
     """Configuration specific to finetuning datasets, inheriting from DataloaderConfig.
 
@@ -275,7 +314,17 @@ class FinetuningDatasetConfig(DataloaderConfig):
     common length."""
 
     dataset_root: Optional[Union[str, Path]] = None
-    """Directory with training.jsonl / validation.jsonl / test.jsonl."""
+    """The data: a directory with training.jsonl / validation.jsonl / test.jsonl, a directory of
+    json/jsonl/parquet/arrow files (split by file name), a `datasets` save_to_disk directory, or
+    one data file. Local only."""
+
+    splits: Optional[dict[str, str]] = None
+    """Which split of the data each run split reads, e.g. {train: 'train[:95%]', valid:
+    'train[95%:]'}; defaults: train 'train', valid 'validation', test 'test'."""
+
+    column_mapping: Optional[dict[str, str]] = None
+    """Columns holding `input` / `output` (prompt/answer rows) or `messages` (chat rows), e.g.
+    {input: question, output: answer}; default: those names."""
 
     seq_length: Optional[int] = None
     """Maximum tokens per sample (prompt + answer); longer samples are truncated."""
@@ -289,11 +338,11 @@ class FinetuningDatasetConfig(DataloaderConfig):
     max_train_samples: Optional[int] = None
     """Use at most this many training examples."""
 
-    packed_sequence_specs: Optional[dict] = None
-    """Packed-sequence settings. Sequence packing is not supported yet; must stay None."""
+    packed_sequence_specs: Optional[PackedSequenceSpecs] = None
+    """Pack samples into full sequences (see PackedSequenceSpecs); None: one sample per sequence."""
 
     dataset_kwargs: Optional[dict[str, Any]] = None
-    """Extra options: `prompt_key` / `answer_key` (default "input" / "output")."""
+    """Extra options: `prompt_key` / `answer_key` (older spelling of column_mapping input/output)."""
 
     do_validation: bool = True
     """Build the validation split."""
@@ -315,9 +364,8 @@ class FinetuningDatasetConfig(DataloaderConfig):
                 f"must be positive, got {self.max_train_samples}",
                 "use a positive count or None",
             )
-        p.check(
-            self.packed_sequence_specs is None,
-            "packed_sequence_specs",
-            "sequence packing is not supported",
-            "remove dataset.packed_sequence_specs",
-        )
+        if self.packed_sequence_specs is not None:
+            self.packed_sequence_specs._finalize(p.at("packed_sequence_specs"))
+        from megatron_bridge.data.sft_records import check_sft_options
+
+        check_sft_options(self, p)

@@ -32,10 +32,12 @@ class TokenizerConfig(ConfigBase):
     """Extra special tokens to register with a Hugging Face tokenizer."""
 
     chat_template: Optional[str] = None
-    """Jinja chat template to set on a Hugging Face tokenizer (used by fine-tuning datasets)."""
+    """Jinja chat template (or the path of a .jinja file) for chat fine-tuning data; overrides
+    the tokenizer's own template."""
 
     hf_tokenizer_kwargs: dict = field(default_factory=dict)
-    """Keyword arguments passed to the Hugging Face tokenizer loader."""
+    """Options of the Hugging Face tokenizer: bos_token / eos_token / pad_token name its special
+    tokens; other keys go to transformers.AutoTokenizer.from_pretrained (always offline)."""
 
     def _finalize(self, problems: Problems) -> None:
         if not problems.check(
@@ -58,6 +60,29 @@ class TokenizerConfig(ConfigBase):
                 "tokenizer_model",
                 "HuggingFaceTokenizer needs a local tokenizer directory or file",
                 "set tokenizer.tokenizer_model to a path with tokenizer.json",
+            )
+        if self.tokenizer_type != "HuggingFaceTokenizer":
+            for name in ("chat_template", "hf_tokenizer_kwargs"):
+                problems.check(
+                    not getattr(self, name),
+                    name,
+                    f"only a HuggingFaceTokenizer reads it (tokenizer_type={self.tokenizer_type!r})",
+                    f"remove tokenizer.{name} or use a HuggingFaceTokenizer",
+                )
+        kwargs = self.hf_tokenizer_kwargs or {}
+        problems.check(
+            not kwargs.get("trust_remote_code"),
+            "hf_tokenizer_kwargs.trust_remote_code",
+            "a config cannot run code from a tokenizer directory",
+            "use a tokenizer that loads without remote code (one with tokenizer.json)",
+        )
+        for name in ("bos_token", "eos_token", "pad_token"):
+            value = kwargs.get(name)
+            problems.check(
+                value is None or (isinstance(value, str) and value),
+                f"hf_tokenizer_kwargs.{name}",
+                f"must be the text of a token, got {value!r}",
+                "e.g. '</s>'",
             )
         problems.check(
             self.vocab_extra_ids >= 0, "vocab_extra_ids", f"must be >= 0, got {self.vocab_extra_ids}", "use 0 or more"

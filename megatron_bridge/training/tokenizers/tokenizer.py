@@ -1,8 +1,10 @@
 """Tokenizers built from `TokenizerConfig`, with the interface megatron-core datasets use
-(`vocab_size`, `eod`, `pad`, `tokenize`, `detokenize`, `unique_identifiers`)."""
+(`vocab_size`, `eod`, `pad`, `tokenize`, `detokenize`, `unique_identifiers`), plus what the
+data pipeline needs: batch encoding, character offsets, and the chat template."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -12,9 +14,14 @@ from typing import Any, Optional
 from megatron_bridge.extras import require
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
+SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
+"""`hf_tokenizer_kwargs` keys that name special tokens; honoured by both loaders."""
+
 
 class NullTokenizer:
     """Token ids are the data: "3 4 5" tokenizes to [3, 4, 5]. The last id is end-of-document."""
+
+    chat_template = None
 
     def __init__(self, vocab_size: int):
         self.vocab_size = int(vocab_size)
@@ -25,6 +32,9 @@ class NullTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]
 
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
 
@@ -34,32 +44,60 @@ class NullTokenizer:
 
 
 class HuggingFaceTokenizer:
-    """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json` (or a directory
-    holding one); never downloads."""
+    """A Hugging Face tokenizer from local files only (never downloads): a `tokenizer.json`
+    (or a directory holding one) is read with `tokenizers`; any other directory is loaded with
+    `transformers.AutoTokenizer` offline, which must yield a fast tokenizer.
 
-    def __init__(self, path: str, special_tokens: Optional[list[str]] = None, extra_ids: int = 0):
-        tokenizers = require("tokenizers", "tokenizer.tokenizer_type='HuggingFaceTokenizer'")
+    `hf_kwargs`: `bos_token` / `eos_token` / `pad_token` override the special tokens; other keys
+    go to `AutoTokenizer.from_pretrained` (and so select that loader). `chat_template` overrides
+    the template of the tokenizer's files.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        special_tokens: Optional[list[str]] = None,
+        extra_ids: int = 0,
+        chat_template: Optional[str] = None,
+        hf_kwargs: Optional[dict[str, Any]] = None,
+    ):
+        kwargs = dict(hf_kwargs or {})
+        overrides = {k: kwargs.pop(k) for k in SPECIAL_TOKEN_KWARGS if k in kwargs}
         file = Path(path)
-        if file.is_dir():
+        directory = file if file.is_dir() else file.parent
+        loaded: dict[str, Any] = {}
+        if file.is_dir() and (file / "tokenizer.json").is_file() and not kwargs:
             file = file / "tokenizer.json"
-        if not file.is_file():
+        if file.is_file():
+            tokenizers = require("tokenizers", "tokenizer.tokenizer_type='HuggingFaceTokenizer'")
+            self._tok = tokenizers.Tokenizer.from_file(str(file))
+            self.path = str(file)
+        elif file.is_dir():
+            self._tok, loaded = _load_with_transformers(str(file), kwargs)
+            self.path = str(file)
+        else:
             raise FileNotFoundError(
-                f"tokenizer.tokenizer_model: no tokenizer.json at {path!r} "
-                "(point it at a directory with tokenizer.json or at the file itself)"
+                f"tokenizer.tokenizer_model: nothing at {path!r} "
+                "(point it at a directory with tokenizer.json, a tokenizer.json file, or a local "
+                "directory that transformers.AutoTokenizer loads)"
             )
-        self.path = str(file)
-        self._tok = tokenizers.Tokenizer.from_file(self.path)
         extra = list(special_tokens or []) + [f"<extra_id_{i}>" for i in range(extra_ids)]
         if extra:
             self._tok.add_special_tokens(extra)
-        settings = _read_settings(file.parent)
+        settings = {**_read_settings(directory), **loaded, **overrides}
         self.eod = self._id_of(settings.get("eos_token"), ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
         if self.eod is None:
-            raise ValueError(f"tokenizer at {path!r} has no end-of-sequence token (set eos_token in tokenizer_config.json)")
+            raise ValueError(
+                f"tokenizer at {path!r} has no end-of-sequence token "
+                "(set eos_token in tokenizer_config.json or tokenizer.hf_tokenizer_kwargs={eos_token: ...})"
+            )
         pad = self._id_of(settings.get("pad_token"), ("<pad>", "[PAD]", "<|pad|>"))
         self.pad = pad if pad is not None else -1
         self.bos = self._id_of(settings.get("bos_token"), ("<s>", "<|begin_of_text|>", "[CLS]"))
+        self.eos_token = self._tok.id_to_token(self.eod)
+        self.bos_token = self._tok.id_to_token(self.bos) if self.bos is not None else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _resolve_template(chat_template) if chat_template else _template_from_files(directory, settings)
 
     def _id_of(self, preferred: Any, fallbacks: tuple[str, ...]) -> Optional[int]:
         if isinstance(preferred, dict):
@@ -73,12 +111,47 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def detokenize(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids))
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; uses the tokenizer's own threads unless disabled
+        (TOKENIZERS_PARALLELISM=false)."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and the (start, end) character span of each token in `text`."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(kind="HuggingFaceTokenizer", path=os.path.abspath(self.path), vocab_size=self.vocab_size)
+        ids = OrderedDict(kind="HuggingFaceTokenizer", path=os.path.abspath(self.path), vocab_size=self.vocab_size)
+        if self.chat_template:
+            ids["chat_template"] = hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
+        return ids
+
+
+def _load_with_transformers(directory: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The `tokenizers` backend of the fast tokenizer `transformers.AutoTokenizer` builds from
+    local files, and the special tokens and chat template it settled on."""
+    transformers = require("transformers", "loading a tokenizer directory without tokenizer.json")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(directory, **{**kwargs, "local_files_only": True, "use_fast": True})
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"tokenizer.tokenizer_model: transformers cannot load {directory!r} offline ({exc})") from exc
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(
+            f"tokenizer.tokenizer_model: {directory!r} loads as a slow {type(tok).__name__}; a fast tokenizer is "
+            "needed (save it with tokenizer.json, e.g. AutoTokenizer.from_pretrained(...).save_pretrained(dir))"
+        )
+    backend = tok.backend_tokenizer
+    for name in ("bos_token", "eos_token", "pad_token"):  # tokens set by the Python class, not in tokenizer.json
+        token = getattr(tok, name, None)
+        if token and backend.token_to_id(token) is None:
+            backend.add_special_tokens([token])
+    settings = {n: getattr(tok, n, None) for n in ("bos_token", "eos_token", "pad_token", "chat_template")}
+    return backend, {k: v for k, v in settings.items() if v}
 
 
 def _read_settings(directory: Path) -> dict:
@@ -89,10 +162,35 @@ def _read_settings(directory: Path) -> dict:
     return {}
 
 
+def _resolve_template(template: str) -> str:
+    """A template given in the config: Jinja text, or the path of a `.jinja` file."""
+    if template.endswith(".jinja") and "\n" not in template:
+        path = Path(template)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer.chat_template: no file {template!r}")
+        return path.read_text()
+    return template
+
+
+def _template_from_files(directory: Path, settings: dict) -> Optional[str]:
+    """The tokenizer's own chat template: `chat_template.jinja`, else tokenizer_config.json's
+    `chat_template` (a string, or named templates of which 'default' is used)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
 def build_tokenizer(cfg: TokenizerConfig):
     """The tokenizer `cfg` describes (finalized config assumed)."""
     if cfg.tokenizer_type == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size + cfg.vocab_extra_ids)
     if cfg.tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids)
+        return HuggingFaceTokenizer(
+            cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs
+        )
     raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")

@@ -1,0 +1,206 @@
+"""Data checks before the model is built: the tokenizer loads and fits the model's vocabulary,
+every indexed-dataset prefix has a readable, consistent `.bin`/`.idx` pair whose token ids fit
+the tokenizer, and the fine-tuning data parses (the first bad row named).
+
+`setup()` runs them on every rank before building the model; a problem is a
+`ConfigValidationError`. A dry run (planning on a machine without the data, such as a login
+node) runs them too, but data that is absent is only noted as "not found on this machine".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config import ConfigContainer
+
+NOT_FOUND = "not found on this machine"
+
+
+@dataclass
+class DataReport:
+    """What the checks found: problems, and (on a dry run) the data absent from this machine."""
+
+    problems: Problems = field(default_factory=Problems)
+    not_found: list[str] = field(default_factory=list)
+
+    def missing(self, path: str, what: str, dry_run: bool, fix: str) -> None:
+        if dry_run:
+            self.not_found.append(f"{path}: {what}: {NOT_FOUND}")
+        else:
+            self.problems.add(path, f"{what} does not exist", fix)
+
+
+def build_checked_tokenizer(cfg: "ConfigContainer") -> Any:
+    """`build_tokenizer(cfg.tokenizer)`, its failures reported as config problems."""
+    report = DataReport()
+    tokenizer = _tokenizer(cfg, report, dry_run=False)
+    report.problems.raise_if_any()
+    return tokenizer
+
+
+def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Optional[Any]:
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+
+    tok = cfg.tokenizer
+    if tok.tokenizer_type == "HuggingFaceTokenizer" and tok.tokenizer_model and not os.path.exists(tok.tokenizer_model):
+        report.missing("tokenizer.tokenizer_model", repr(tok.tokenizer_model), dry_run, "point it at a local tokenizer directory or tokenizer.json")
+        return None
+    try:
+        return build_tokenizer(tok)
+    except ModuleNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        report.problems.add("tokenizer.tokenizer_model", str(exc).removeprefix("tokenizer.tokenizer_model: "), "use a tokenizer that loads from local files")
+        return None
+
+
+def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = False) -> DataReport:
+    """Run every data check of `cfg` (a resolved config); builds the tokenizer when not given."""
+    from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+
+    report = DataReport()
+    if tokenizer is None:
+        tokenizer = _tokenizer(cfg, report, dry_run)
+    if tokenizer is not None:
+        check_vocab_fits(cfg, tokenizer, report.problems)
+    data = cfg.dataset
+    if isinstance(data, GPTDatasetConfig) and not data.mock:
+        for path, prefix in data_prefixes(data):
+            check_indexed_prefix(prefix, path, tokenizer, report, dry_run)
+    if isinstance(data, FinetuningDatasetConfig) and data.dataset_root is not None:
+        check_finetuning_data(cfg, tokenizer, report, dry_run)
+    return report
+
+
+def check_before_build(cfg: "ConfigContainer", tokenizer: Any) -> None:
+    """`check_data` for a real run: raise every problem at once."""
+    check_data(cfg, tokenizer).problems.raise_if_any()
+
+
+def check_vocab_fits(cfg: "ConfigContainer", tokenizer: Any, problems: Problems) -> None:
+    vocab = getattr(tokenizer, "vocab_size", None)
+    model_vocab = cfg.model.vocab_size
+    if vocab is None or model_vocab is None:
+        return
+    problems.check(
+        vocab <= model_vocab,
+        "model.vocab_size",
+        f"{model_vocab} is smaller than the tokenizer's vocabulary of {vocab} (token ids up to {vocab - 1} would index past the embedding)",
+        f"set model.vocab_size to at least {vocab}, or leave it unset to take the tokenizer's",
+    )
+
+
+# ---------------------------------------------------------------------- indexed datasets
+def data_prefixes(data: Any) -> list[tuple[str, str]]:
+    """(config path, prefix) of every indexed dataset the config names."""
+    found = []
+    source = "dataset.data_path" if data.data_path is not None else "dataset.blend"
+    if data.blend is not None:
+        found += [(source, p) for p in data.blend[0]]
+    for split, blend in zip(("train", "valid", "test"), data.blend_per_split or []):
+        if blend is not None:
+            found += [(f"dataset.blend_per_split.{split}", p) for p in blend[0]]
+    return found
+
+
+def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool) -> None:
+    from megatron_bridge.data.indexed import largest_token_id, read_index_header
+
+    p = report.problems
+    have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
+    if not any(have.values()):
+        report.missing(path, f"{prefix}.bin/.idx", dry_run, "run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx)")
+        return
+    for suffix, other in ((".idx", ".bin"), (".bin", ".idx")):
+        if not have[suffix]:
+            p.add(path, f"{prefix}{other} exists but {prefix}{suffix} does not", "an interrupted or partial copy? preprocess or copy the pair again")
+            return
+    try:
+        header = read_index_header(prefix)
+        with open(prefix + ".bin", "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        p.add(path, f"cannot read {prefix}: {exc.strerror} ({exc.filename})", "check the file permissions")
+        return
+    except ValueError as exc:
+        p.add(path, str(exc), "preprocess the data again")
+        return
+    size = os.path.getsize(prefix + ".bin")
+    if size != header.bin_bytes:
+        p.add(path, f"{prefix}.bin has {size:,} bytes but its .idx describes {header.bin_bytes:,}", "the two files come from different runs or a copy was cut short; preprocess again")
+        return
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is None:
+        return
+    limit = int(np.iinfo(header.dtype).max) + 1 if np.issubdtype(header.dtype, np.integer) else None
+    if limit is not None and vocab > limit:
+        p.add(path, f"{prefix} stores {np.dtype(header.dtype).name} token ids (at most {limit:,} ids) but the tokenizer has {vocab:,}", "it was made with a smaller vocabulary: preprocess with this tokenizer")
+        return
+    largest = largest_token_id(prefix, header.dtype)
+    p.check(
+        largest < vocab,
+        path,
+        f"{prefix} holds token id {largest:,}, outside the tokenizer's vocabulary of {vocab:,}",
+        "it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with)",
+    )
+
+
+# ---------------------------------------------------------------------- fine-tuning data
+def check_finetuning_data(cfg: "ConfigContainer", tokenizer: Any, report: DataReport, dry_run: bool) -> None:
+    from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
+    from megatron_bridge.data.hf_local import DataSourceError
+    from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
+
+    data, p = cfg.dataset, report.problems
+    root = os.fspath(data.dataset_root)
+    if dry_run and not os.path.exists(root):
+        report.missing("dataset.dataset_root", repr(root), dry_run, "")
+        return
+    try:
+        sources = split_sources(data)
+    except DataSourceError as exc:
+        p.add("dataset.dataset_root", exc.message, exc.fix)
+        return
+    null_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.tokenizer_type == "NullTokenizer" else None
+    mapping = column_mapping(data)
+    for split, source in sources.items():
+        if source is None or (split == "valid" and not data.do_validation) or (split == "test" and not data.do_test):
+            continue
+        try:
+            fmt = detect_format(source.columns(), mapping, source.describe())
+        except DataSourceError as exc:
+            p.add("dataset.column_mapping" if mapping else "dataset.dataset_root", exc.message, exc.fix)
+            continue
+        if fmt.kind == CHAT:
+            if null_vocab is not None:
+                p.add("tokenizer.tokenizer_type", f"chat data ({source.describe()}) needs a tokenizer with a chat template, not a NullTokenizer", "use a HuggingFaceTokenizer (tokenizer.tokenizer_model=DIR)")
+                continue
+            if tokenizer is not None:
+                try:
+                    ChatRenderer(tokenizer)
+                except ChatFormatError as exc:
+                    p.add("tokenizer.chat_template", str(exc), "set tokenizer.chat_template, or use a tokenizer whose files have one")
+                    continue
+        problem = first_problem(source, fmt, null_vocab)
+        if problem is not None:
+            where, message = problem
+            fix = {
+                "tokenizer.tokenizer_type": "use a HuggingFaceTokenizer (tokenizer.tokenizer_model=DIR) for text, or write token ids",
+            }.get(where, "fix or remove that row")
+            p.add(where, message, fix)
+
+
+def dry_run_lines(cfg: "ConfigContainer") -> tuple[list[str], Optional[ConfigValidationError]]:
+    """For `--dry-run`: the lines to print about the data, and the error of data problems (None
+    when there are none)."""
+    report = check_data(cfg, dry_run=True)
+    lines = report.not_found or ["all found and readable"]
+    error = ConfigValidationError(report.problems.items) if report.problems.items else None
+    return lines, error

@@ -1,0 +1,130 @@
+"""Chat fine-tuning: `messages` rendered with the chat template, the loss on assistant turns only
+(checked token by token), training on it; the tokenizer settings that reach the tokenizer."""
+
+import json
+import random
+from statistics import mean
+
+import pytest
+from factories import tiny_config, tiny_model
+from text_data import CHATML, OBJECTS, SUBJECTS, sentence, train_tokenizer, write_jsonl
+
+from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
+from megatron_bridge.data.finetuning import SFTDataset
+from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=300, chat_template=CHATML)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Who sees the map?"},
+    {"role": "assistant", "content": "The cat sees the map."},
+    {"role": "user", "content": "And the café ✓?"},
+    {"role": "assistant", "content": "A dog likes the café ✓ after lunch."},
+]
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(tok_dir):
+    tok = HuggingFaceTokenizer(tok_dir)
+    ids, flags = ChatRenderer(tok).encode(CONVERSATION)
+    # Independently: the pieces the ChatML template writes, tokenized one by one. An assistant
+    # turn is its content and its end-of-turn marker (with the newline the template adds).
+    expected_ids, expected_flags = [], []
+    for m in CONVERSATION:
+        is_assistant = m["role"] == "assistant"
+        for text, flag in ((f"<|im_start|>{m['role']}\n", False), (m["content"], is_assistant), ("<|im_end|>", is_assistant), ("\n", is_assistant)):
+            piece = tok.tokenize(text)
+            expected_ids += piece
+            expected_flags += [int(flag)] * len(piece)
+    assert ids.tolist() == expected_ids
+    assert flags.tolist() == expected_flags
+    assert tok.detokenize([i for i, f in zip(ids, flags) if f], skip_special_tokens=False) == (
+        "The cat sees the map.<|im_end|>\nA dog likes the café ✓ after lunch.<|im_end|>\n"
+    )
+    sample = SFTDataset([(ids, flags)], seq_length=len(ids), num_samples=1, seed=0, pad_id=0)[0]
+    assert sample["labels"] == expected_ids[1:]
+    for j, counted in enumerate(sample["loss_mask"]):  # label j is token j + 1
+        assert counted == expected_flags[j + 1], j
+
+
+def test_the_configured_template_overrides_the_tokenizers_own(tok_dir):
+    own = HuggingFaceTokenizer(tok_dir)
+    assert own.chat_template == CHATML
+    other = HuggingFaceTokenizer(tok_dir, chat_template=OTHER_TEMPLATE)
+    text, spans = ChatRenderer(other).assistant_spans(CONVERSATION[:3])
+    assert text.startswith("[system] You answer briefly.\n[user]")
+    assert [text[a:b] for a, b in spans] == ["[assistant] The cat sees the map.\n"]  # no generation prompt in this template
+    with pytest.raises(ChatFormatError, match="the chat template is not valid Jinja: unexpected '}'"):
+        ChatRenderer(HuggingFaceTokenizer(tok_dir, chat_template="{{ messages }"))
+
+
+def test_hf_tokenizer_kwargs_reach_the_tokenizer(tok_dir, tmp_path):
+    pytest.importorskip("transformers")
+    tok = HuggingFaceTokenizer(tok_dir, hf_kwargs={"eos_token": "<|im_end|>"})
+    assert tok.eod == tok._tok.token_to_id("<|im_end|>") != HuggingFaceTokenizer(tok_dir).eod
+    # a directory without tokenizer.json (vocab.json + merges.txt) loads through transformers, offline
+    from tokenizers import Tokenizer
+
+    slow = tmp_path / "gpt2_files"
+    slow.mkdir()
+    Tokenizer.from_file(f"{tok_dir}/tokenizer.json").model.save(str(slow))
+    (slow / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}))
+    loaded = HuggingFaceTokenizer(str(slow), hf_kwargs={"add_prefix_space": False})
+    text = "The old man paints a quiet song by the sea."
+    assert loaded.tokenize(text) == HuggingFaceTokenizer(tok_dir).tokenize(text)
+    assert loaded.eod == HuggingFaceTokenizer(tok_dir).eod
+
+
+def chat_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        subject, obj = rng.choice(SUBJECTS), rng.choice(OBJECTS)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What does {subject} see? " + sentence(rng)},
+                    {"role": "assistant", "content": f"{subject.capitalize()} sees {obj}."},
+                ]
+            }
+        )
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_chat_sft_trains_with_packing(tok_dir, tmp_path):
+    from megatron_bridge.training.callbacks import Callback
+    from megatron_bridge.training.config import FinetuningDatasetConfig, PackedSequenceSpecs, TrainingConfig, ValidationConfig
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    data = tmp_path / "chat"
+    data.mkdir()
+    write_jsonl(data / "training.jsonl", chat_rows(300, seed=0))
+    write_jsonl(data / "validation.jsonl", chat_rows(20, seed=1))
+    losses = []
+
+    class Record(Callback):
+        def on_step_end(self, state, metrics):
+            losses.append(metrics["lm loss"])
+
+    cfg = tiny_config(
+        model=tiny_model(seq_length=128),
+        train=TrainingConfig(train_iters=30, global_batch_size=8, micro_batch_size=2),
+        dataset=FinetuningDatasetConfig(dataset_root=str(data), seq_length=128, num_workers=0, packed_sequence_specs=PackedSequenceSpecs()),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir),
+        validation=ValidationConfig(eval_interval=None, eval_iters=1),
+    )
+    state = pretrain(cfg, forward_step, callbacks=[Record()])
+    assert state.train_state.step == 30
+    print("chat losses", [round(x, 2) for x in losses])
+    assert mean(losses[-5:]) < mean(losses[:5]) - 1.0
+    cached = list((data / "packed").glob("*.npz"))
+    assert len(cached) == 2  # train and validation, packed once, next to the data

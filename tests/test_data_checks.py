@@ -1,0 +1,187 @@
+"""Bad data is a clear config error before the model is built, each with its message; a dry run
+on a machine without the data notes it as not found instead of failing."""
+
+import os
+
+import numpy as np
+import pytest
+from factories import tiny_config, tiny_model
+from text_data import train_tokenizer, write_jsonl
+
+from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.data.checks import check_data
+from megatron_bridge.data.indexed import IndexedDatasetWriter
+from megatron_bridge.training.config import FinetuningDatasetConfig, GPTDatasetConfig, runtime_config_update
+from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=300)
+
+
+def indexed(prefix, largest=200):
+    writer = IndexedDatasetWriter(str(prefix), np.uint16)
+    for start in range(0, 400, 20):
+        writer.add_document(np.append(np.arange(start, start + 19) % largest, largest), [20])
+    writer.finalize()
+    return str(prefix)
+
+
+def problems(cfg, tokenizer=None, dry_run=False):
+    runtime_config_update(cfg)
+    report = check_data(cfg, tokenizer, dry_run=dry_run)
+    return [str(p) for p in report.problems.items], report.not_found
+
+
+def gpt(data_path, **kw):
+    return tiny_config(dataset=GPTDatasetConfig(seq_length=32, data_path=data_path, num_workers=0), **kw)
+
+
+def sft(root, **kw):
+    data = {k: kw.pop(k) for k in ("column_mapping", "splits") if k in kw}
+    return tiny_config(dataset=FinetuningDatasetConfig(dataset_root=str(root), seq_length=32, num_workers=0, **data), **kw)
+
+
+def hf_tokenizer(path):
+    return TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path)
+
+
+def test_indexed_dataset_problems(tmp_path, tok_dir):
+    good = indexed(tmp_path / "good")
+    assert problems(gpt(good)) == ([], [])
+    no_idx = indexed(tmp_path / "no_idx")
+    os.remove(no_idx + ".idx")
+    truncated = indexed(tmp_path / "cut")
+    with open(truncated + ".bin", "r+b") as f:
+        f.truncate(100)
+    assert problems(gpt(f"{no_idx} {tmp_path}/absent {truncated}"))[0] == [
+        f"dataset.data_path: {no_idx}.bin exists but {no_idx}.idx does not (an interrupted or partial copy? preprocess or copy the pair again)",
+        f"dataset.data_path: {tmp_path}/absent.bin/.idx does not exist (run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx))",
+        f"dataset.data_path: {truncated}.bin has 100 bytes but its .idx describes 800 (the two files come from different runs or a copy was cut short; preprocess again)",
+    ]
+    other_vocab = indexed(tmp_path / "big", largest=299)  # made with a 300-token vocabulary
+    assert problems(gpt(other_vocab))[0] == [
+        f"dataset.data_path: {other_vocab} holds token id 299, outside the tokenizer's vocabulary of 256 "
+        "(it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with))"
+    ]
+
+
+def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
+    cfg = gpt(indexed(tmp_path / "d"), model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
+    assert problems(cfg)[0] == [
+        "model.vocab_size: 256 is smaller than the tokenizer's vocabulary of 300 (token ids up to 299 would index past the "
+        "embedding) (set model.vocab_size to at least 300, or leave it unset to take the tokenizer's)"
+    ]
+
+
+def test_finetuning_file_problems(tmp_path, tok_dir):
+    root = tmp_path / "bad_json"
+    root.mkdir()
+    (root / "training.jsonl").write_text('{"input": "1 2", "output": "3"}\n\n{"input": "4", "output": 5,}\n')
+    assert problems(sft(root))[0] == [f"dataset.dataset_root: {root}/training.jsonl line 3: not valid JSON (Expecting property name enclosed in double quotes, column 28) (fix or remove that row)"]
+
+    root = tmp_path / "text"
+    root.mkdir()
+    write_jsonl(root / "training.jsonl", [{"input": "What is two plus two?", "output": "Four."}])
+    assert problems(sft(root))[0] == [
+        f"tokenizer.tokenizer_type: NullTokenizer reads space-separated token ids below 256, but {root}/training.jsonl line 1 "
+        "has 'What is two plus two?' in 'input' (use a HuggingFaceTokenizer (tokenizer.tokenizer_model=DIR) for text, or write token ids)"
+    ]
+    assert problems(sft(root, tokenizer=hf_tokenizer(tok_dir)))[0] == []  # text is fine with a real tokenizer
+
+    root = tmp_path / "columns"
+    root.mkdir()
+    write_jsonl(root / "training.jsonl", [{"prompt": "1 2", "response": "3"}])
+    assert problems(sft(root))[0] == [
+        f"dataset.dataset_root: {root}/training.jsonl: unknown column 'input' (input), 'output' (output); its columns are "
+        "['prompt', 'response'] (use 'input'/'output' or 'messages' columns, or map yours: dataset.column_mapping={input: NAME, output: NAME})"
+    ]
+    assert problems(sft(root, column_mapping={"input": "question", "output": "response"}))[0] == [
+        f"dataset.column_mapping: {root}/training.jsonl: unknown column 'question' (input); its columns are ['prompt', 'response'] "
+        "(use 'input'/'output' or 'messages' columns, or map yours: dataset.column_mapping={input: NAME, output: NAME})"
+    ]
+    assert problems(sft(root, column_mapping={"input": "prompt", "output": "response"}))[0] == []
+
+    root = tmp_path / "chat"
+    root.mkdir()
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    write_jsonl(root / "training.jsonl", [good, {"messages": [{"role": "user", "content": "Hi"}, {"content": "Hello."}]}])
+    chat_tokenizer = hf_tokenizer(tok_dir)
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert problems(sft(root, tokenizer=chat_tokenizer))[0] == [
+        f"dataset.dataset_root: {root}/training.jsonl line 2: messages[1] has no 'role' (each message needs a role such as user "
+        "or assistant, and its content) (fix or remove that row)"
+    ]
+    assert problems(sft(root))[0] == [
+        f"tokenizer.tokenizer_type: chat data ({root}/training.jsonl) needs a tokenizer with a chat template, not a NullTokenizer "
+        "(use a HuggingFaceTokenizer (tokenizer.tokenizer_model=DIR))"
+    ]
+    assert problems(sft(root, tokenizer=hf_tokenizer(tok_dir)))[0] == [
+        "tokenizer.chat_template: the tokenizer has no chat template (set tokenizer.chat_template to a Jinja template) "
+        "(set tokenizer.chat_template, or use a tokenizer whose files have one)"
+    ]
+
+
+def test_a_hub_id_without_a_local_copy(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert problems(sft("someorg/chat-data"))[0] == [
+        "dataset.dataset_root: 'someorg/chat-data' is not a local path; datasets are read from local files only, and a Hub id is "
+        "not downloaded (make a local copy where there is network (datasets.load_dataset('someorg/chat-data').save_to_disk(DIR)) and use DIR)"
+    ]
+
+
+def test_tokenizer_settings_are_checked():
+    cfg = tiny_config(tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256, chat_template="{{ x }}"))
+    with pytest.raises(ConfigValidationError, match=r"tokenizer.chat_template: only a HuggingFaceTokenizer reads it \(tokenizer_type='NullTokenizer'\)"):
+        runtime_config_update(cfg)
+    cfg = tiny_config(tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="x", hf_tokenizer_kwargs={"trust_remote_code": True}))
+    with pytest.raises(ConfigValidationError, match="tokenizer.hf_tokenizer_kwargs.trust_remote_code: a config cannot run code from a tokenizer directory"):
+        runtime_config_update(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_errors_come_before_the_model_is_built(tmp_path, tok_dir, monkeypatch):
+    from megatron_bridge.training import build
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(build, "build_model", no_model)
+    root = tmp_path / "sft"
+    root.mkdir()
+    write_jsonl(root / "training.jsonl", [{"input": "What is two plus two?", "output": "Four."}])
+    with pytest.raises(ConfigValidationError, match="NullTokenizer reads space-separated token ids below 256"):
+        pretrain(sft(root), forward_step)
+    prefix = indexed(tmp_path / "d")
+    os.remove(prefix + ".idx")
+    cfg = gpt(prefix, model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(cfg, forward_step)
+    assert [e.split(":")[0] for e in err.value.errors] == ["model.vocab_size", "dataset.data_path"]  # all at once
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_notes_data_not_on_this_machine(tmp_path, tok_dir, capsys):
+    from megatron_bridge.cli.main import main
+
+    code = main(["pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dry-run", "--recipe-arg", "data_paths=[/cluster/data/web_text_document]", "--recipe-arg", "tokenizer=/cluster/tok"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "# data:" in out
+    assert "tokenizer.tokenizer_model: '/cluster/tok': not found on this machine" in out
+    assert "dataset.data_path: /cluster/data/web_text_document.bin/.idx: not found on this machine" in out
+
+    prefix = indexed(tmp_path / "d", largest=299)
+    code = main(["pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dry-run", "--recipe-arg", f"data_paths=[{prefix}]"])
+    captured = capsys.readouterr()
+    assert code == 2  # present here, and unusable: an error
+    assert f"dataset.data_path: {prefix} holds token id 299, outside the tokenizer's vocabulary of 256" in captured.err
+
+    root = tmp_path / "sft"
+    root.mkdir()
+    (root / "training.jsonl").write_text('{"input": "1", "output": "2"}\n')
+    code = main(["finetune", "--recipe", "tiny_gpt_finetune_config", "--dry-run", "--recipe-arg", f"dataset_root={root}", "--recipe-arg", f"pretrained_checkpoint={root}"])
+    assert code == 0 and "all found and readable" in capsys.readouterr().out

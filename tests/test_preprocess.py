@@ -1,0 +1,188 @@
+"""`mbridge data preprocess|inspect`: JSONL / Parquet / datasets directories to .bin/.idx that
+megatron-core reads, independent of the worker count, and a pretraining run on the result."""
+
+import filecmp
+import json
+import os
+from statistics import mean
+
+import numpy as np
+import pytest
+from text_data import documents, train_tokenizer, write_jsonl
+
+from megatron_bridge.cli.main import main
+from megatron_bridge.data import preprocess as pre
+from megatron_bridge.data.indexed import IndexedDatasetWriter, read_index_header
+from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    write_jsonl(path, [{"id": i, "text": d} for i, d in enumerate(documents(5000, seed=1))])
+    return path
+
+
+def options(tok_dir, input, prefix, **kw):
+    return pre.PreprocessOptions(input=str(input), output_prefix=str(prefix), tokenizer=tok_dir, progress=False, **kw)
+
+
+def same_files(a, b):
+    return all(filecmp.cmp(f"{a}{s}", f"{b}{s}", shallow=False) for s in (".bin", ".idx"))
+
+
+@pytest.mark.timeout(300)
+def test_preprocess_5000_documents_then_pretrain_with_data_paths(tok_dir, corpus, tmp_path, monkeypatch, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_bridge.training.callbacks import Callback
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from recipes import tiny_gpt_pretrain_config
+
+    monkeypatch.setattr(pre, "CHUNK_BYTES", 64 << 10)  # ~15 chunks: the workers really share the file
+    for workers in (1, 2):
+        code = main(["data", "preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / f"w{workers}"), "--tokenizer", tok_dir, "--workers", str(workers), "--append-eod", "--no-progress"])
+        assert code == 0
+    out = capsys.readouterr().out
+    assert f"text: {tmp_path}/w2_text_document.bin/.idx: 5,000 documents" in out
+    prefix = str(tmp_path / "w1_text_document")
+    assert same_files(prefix, tmp_path / "w2_text_document")  # bit-identical with 1 and 2 workers
+
+    tok = HuggingFaceTokenizer(tok_dir)
+    ds = IndexedDataset(prefix)
+    first = json.loads(corpus.read_text().splitlines()[0])["text"]
+    assert len(ds) == 5000 and ds[0].tolist() == tok.tokenize(first) + [tok.eod]
+
+    losses = []
+
+    class Record(Callback):
+        def on_step_end(self, state, metrics):
+            losses.append(metrics["lm loss"])
+
+    cfg = tiny_gpt_pretrain_config(
+        dir=str(tmp_path / "runs"), data_paths=[prefix], tokenizer=tok_dir, train_iters=40, seq_length=64,
+        lr_warmup_iters=4, eval_interval=1000, eval_iters=1, save_interval=None,
+    )  # fmt: skip
+    cfg.model.vocab_size = 320  # the tiny model's 256 does not hold this tokenizer's 260 tokens
+    cfg.checkpoint.save = None
+    cfg.checkpoint.load = None
+    cfg.logger.tensorboard_dir = None
+    state = pretrain(cfg, forward_step, callbacks=[Record()])
+    assert state.train_state.step == 40
+    print("losses", [round(x, 2) for x in losses])
+    assert mean(losses[-5:]) < mean(losses[:5]) - 1.0
+
+
+def test_writer_matches_megatron_core_builder_byte_for_byte(tmp_path):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    docs = [[rng.integers(0, 60000, rng.integers(1, 40)).tolist() for _ in range(rng.integers(1, 4))] for _ in range(300)]
+    ref = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    ours = IndexedDatasetWriter(str(tmp_path / "ours"), np.uint16)
+    for sentences in docs:
+        flat = [t for s in sentences for t in s]
+        ref.add_document(torch.tensor(flat), [len(s) for s in sentences])
+    half = len(docs) // 2  # in two bulk appends, as the workers deliver them
+    for part in (docs[:half], docs[half:]):
+        ours.add_documents(
+            np.array([t for d in part for s in d for t in s]), np.array([len(s) for d in part for s in d]), np.array([len(d) for d in part])
+        )
+    ref.finalize(str(tmp_path / "ref.idx"))
+    assert not os.path.exists(tmp_path / "ours.bin")  # under a temporary name until finalized
+    ours.finalize()
+    assert same_files(tmp_path / "ref", tmp_path / "ours")
+    read = IndexedDataset(str(tmp_path / "ours"))
+    assert read[0].tolist() == docs[0][0] and read[len(docs[0])].tolist() == docs[1][0]  # one item per sentence
+    header = read_index_header(str(tmp_path / "ours"))
+    assert (header.documents, header.sequences) == (300, sum(len(d) for d in docs))
+
+
+def test_sentences_keys_and_other_input_formats_give_the_same_output(tok_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"title": f"Story {i}.", "text": d} for i, d in enumerate(documents(200, seed=2))]
+    rows[7]["text"] = ""  # an empty document leaves no sequence
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    results = pre.preprocess(options(tok_dir, tmp_path / "in.jsonl", tmp_path / "j", json_keys=["title", "text"], split_sentences=True, append_eod=True))
+    assert set(results) == {"title", "text"} and results["text"].skipped_empty == 1
+    text = results["text"]
+    assert text.prefix == str(tmp_path / "j_text_sentence") and text.documents == 199
+    header = read_index_header(text.prefix)
+    sentences = sum(len(pre.split_sentences(r["text"])) for r in rows)
+    assert header.sequences == sentences  # one sequence per sentence
+    tok = HuggingFaceTokenizer(tok_dir)
+    with open(text.prefix + ".idx", "rb") as f:
+        f.seek(34)
+        lengths = np.fromfile(f, dtype=np.int32, count=header.sequences)
+    data = np.fromfile(text.prefix + ".bin", dtype=np.uint16)
+    first = pre.split_sentences(rows[0]["text"])
+    assert data[: lengths[0]].tolist() == tok.tokenize(first[0])
+    assert data[lengths[: len(first)].sum() - 1] == tok.eod  # the document's last sentence ends with EOD
+
+    # the same rows as Parquet and as a `datasets` directory
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "in.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for name, source in (("p", tmp_path / "in.parquet"), ("d", tmp_path / "saved")):
+        pre.preprocess(options(tok_dir, source, tmp_path / name, json_keys=["title", "text"], split_sentences=True, append_eod=True))
+        for key in ("title", "text"):
+            assert same_files(tmp_path / f"j_{key}_sentence", tmp_path / f"{name}_{key}_sentence"), (name, key)
+
+
+def test_sentence_splitting():
+    text = 'He left. "Why?" she asked! It rained... Then 3.5 cm fell.\nEnd'
+    assert pre.split_sentences(text) == ["He left.", '"Why?"', "she asked!", "It rained...", "Then 3.5 cm fell.", "End"]
+    assert "".join(pre.split_sentences(text, keep_newlines=True)) == text
+
+
+def test_a_bad_line_is_named_and_nothing_is_written(tok_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(pre, "CHUNK_BYTES", 4096)
+    lines = [json.dumps({"text": d}) for d in documents(300, seed=3)]
+    lines[211] = '{"text": "unterminated'
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(pre.PreprocessError, match=r"bad.jsonl line 212: not valid JSON \(Unterminated string"):
+        pre.preprocess(options(tok_dir, tmp_path / "bad.jsonl", tmp_path / "out", workers=2))
+    lines[211] = json.dumps({"body": "x"})
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(pre.PreprocessError, match=r"bad.jsonl line 212: no 'text' field \(its fields: \['body'\]; choose with --json-keys\)"):
+        pre.preprocess(options(tok_dir, tmp_path / "bad.jsonl", tmp_path / "out", workers=2))
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # no partial output, no temporary files
+
+
+def test_interruption_leaves_nothing_under_the_final_names(tok_dir, corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(pre, "CHUNK_BYTES", 64 << 10)
+    calls = []
+    original = IndexedDatasetWriter.add_documents
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pre.preprocess(options(tok_dir, corpus, tmp_path / "out", workers=2))
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_errors_and_inspect(tok_dir, corpus, tmp_path, capsys):
+    assert main(["data", "preprocess", "--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o"), "--tokenizer", tok_dir]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["data", "preprocess", "--input", "someorg/somedata", "--output-prefix", str(tmp_path / "o"), "--tokenizer", tok_dir]) == 2
+    assert "is not a local path; datasets are read from local files only, and a Hub id is not downloaded" in capsys.readouterr().err
+    small = tmp_path / "small.jsonl"
+    write_jsonl(small, [{"text": "The cat sees the map."}, {"text": "A dog likes an apple."}])
+    assert main(["data", "preprocess", "--input", str(small), "--output-prefix", str(tmp_path / "s"), "--tokenizer", tok_dir, "--append-eod", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["data", "inspect", str(tmp_path / "s_text_document"), "--tokenizer", tok_dir]) == 0
+    out = capsys.readouterr().out
+    assert "documents: 2" in out and "dtype:     uint16" in out
+    assert "document 1 (" in out and "'A dog likes an apple.<|endoftext|>'" in out
