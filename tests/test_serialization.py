@@ -28,7 +28,7 @@ from megatron_bridge.training.config import (
     runtime_config_update,
 )
 from megatron_bridge.config import targets
-from megatron_bridge.training.config.serialization import from_dict, from_yaml, to_dict, to_yaml
+from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 
 
@@ -291,7 +291,7 @@ def test_target_outside_the_allowlist_is_refused_with_a_fix(tmp_path):
         "torch.os.system",
         "torch.serialization.os.system",
         "torch.save",
-        "megatron_bridge.training.config.serialization.register_target",
+        "megatron_bridge.config.serialization.register_target",
         "megatron_bridge.config.targets.importlib.import_module",
         "megatron_bridge.__main__.main",
         "megatron_bridge.models.llama.F",

@@ -22,9 +22,9 @@ from abc import ABCMeta
 from typing import Any, ClassVar, Iterator
 
 from megatron_bridge.config import ranges
+from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.targets import register_config_class
-from megatron_bridge.config.typecheck import type_problem
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
 # carried by copy.deepcopy and pickle but ignored by dataclasses.fields/asdict/replace.
@@ -216,28 +216,6 @@ def _failing_line(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     line = frames[-1].line if frames else ""
     return f"{type(exc).__name__} at `{line}`" if line else type(exc).__name__
-
-
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for config values: `functools.partial` compares by function and arguments."""
-    if a is b:
-        return True
-    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return (
-            values_equal(a.func, b.func)
-            and len(a.args) == len(b.args)
-            and all(values_equal(x, y) for x, y in zip(a.args, b.args))
-            and a.keywords.keys() == b.keywords.keys()
-            and all(values_equal(a.keywords[k], b.keywords[k]) for k in a.keywords)
-        )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:

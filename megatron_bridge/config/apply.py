@@ -1,0 +1,351 @@
+"""Apply a YAML file and command-line overrides to a `ConfigContainer`.
+
+The file is merged first, then the overrides in order (the command line wins). Every value is
+decoded against the declared type of its field (`model.params_dtype=bf16` gives a torch dtype,
+`model.activation_func=silu` a function), set through the config's type-checked assignment, and
+counts as set by the user. Problems are collected and raised together as one
+`ConfigValidationError`; on error the config may be partly updated.
+
+`${...}` interpolations are resolved by OmegaConf (see `config.interpolation`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Iterable, Optional, Union
+
+from megatron_bridge.config.annotations import (
+    TARGET,
+    VALUE_TAGS,
+    DecodeError,
+    container_item_type,
+    is_placeholder,
+    section_classes,
+    section_from_value,
+    suggest,
+)
+from megatron_bridge.config.base import ConfigBase
+from megatron_bridge.config.errors import ConfigValidationError, Problems, show
+from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
+from megatron_bridge.config.overrides import NO_VALUE, Override, OverrideSyntaxError, parse_override
+from megatron_bridge.config.serialization import (
+    DERIVED,
+    EXPLICIT,
+    IMPLICIT,
+    SECTION_TAGS,
+    ConfigDecoder,
+    class_info,
+    decode_field,
+    is_default,
+    load_yaml_file,
+    remember_derived,
+    tag_names,
+)
+
+
+def process_config_with_overrides(
+    config: Any,
+    config_filepath: Optional[Union[str, os.PathLike]] = None,
+    cli_overrides: Optional[Iterable[str]] = None,
+) -> Any:
+    """Merge `config_filepath` (YAML) into `config`, then apply `cli_overrides` (Hydra grammar,
+    see `config.overrides`); return `config`, updated in place. Does not finalize it."""
+    problems = Problems()
+    data: Any = None
+    if config_filepath is not None:
+        try:
+            data = load_yaml_file(config_filepath)
+        except ConfigValidationError as exc:
+            problems.absorb(exc)
+        if data is not None and not isinstance(data, Mapping):
+            problems.add(
+                "",
+                f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections",
+                "write key: value lines",
+            )
+            data = None
+    overrides: list[Override] = []
+    for text in cli_overrides or ():
+        try:
+            overrides.append(parse_override(text))
+        except OverrideSyntaxError as exc:
+            key = str(text).partition("=")[0].lstrip("+~").strip()
+            where = key if key and all(part.isidentifier() or part.isdigit() for part in key.split(".")) else ""
+            problems.add(where, f"{exc} [override {show(str(text))}]", exc.fix)
+    # Whatever parsed is applied even when something did not, so every problem is reported at once.
+    applier = _Applier(config, problems)
+    file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
+    if has_interpolation(data, overrides):
+        try:
+            data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        except RecursionError:  # OmegaConf recurses over nested interpolations
+            problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
+            data, overrides = None, []
+    if data:
+        applier.merge_section(config, data, "", file_label)
+    for override in overrides:
+        applier.apply(override)
+    problems.raise_if_any()
+    return config
+
+
+class _Applier:
+    def __init__(self, config: Any, problems: Problems):
+        self.config = config
+        self.problems = problems
+        self.loader = ConfigDecoder()
+
+    def error(self, path: str, message: str, fix: str, source: str) -> None:
+        self.problems.add(path, f"{message} [{source}]", fix)
+
+    def config_errors(self, exc: ConfigValidationError, path: str, source: str) -> None:
+        for p in exc.problems:
+            self.error(path, p.message, p.fix, source)
+
+    def decode_errors(self, exc: DecodeError, path: str, source: str) -> None:
+        for sub, message, fix in exc.items:
+            self.error(".".join(p for p in (path, sub) if p), message, fix, source)
+
+    # ------------------------------------------------------------------ file sections
+    def merge_section(self, obj: Any, data: Mapping, path: str, source: str) -> Any:
+        """Merge mapping `data` into dataclass `obj`; return `obj`, or its replacement when `data`
+        has a `_target_` naming another class."""
+        info = class_info(type(obj))
+        from_dump = TARGET in data
+        if from_dump:
+            try:
+                cls = self.loader.section_class(data, ())
+            except DecodeError as exc:
+                self.decode_errors(exc, path, source)
+                return obj
+            if cls is not type(obj):
+                if not path:
+                    self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
+                    return obj
+                return self.build(data, (cls,), path, source, obj)
+        tags = {}
+        for tag in (EXPLICIT, IMPLICIT, DERIVED):
+            tags[tag], errors = tag_names(info, data, tag)
+            for sub, message, fix in errors:
+                self.error(f"{path}.{sub}" if path else sub, message, fix, source)
+        for key, raw in data.items():
+            if key in SECTION_TAGS:
+                continue
+            name = info.aliases.get(key, key)
+            where = f"{path}.{key}" if path else str(key)
+            f = info.by_name.get(name)
+            if f is None:
+                self.unknown(info, key, where, source)
+                continue
+            if from_dump and name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(raw):
+                continue  # a runtime object of a saved run: the framework installs it again
+            before = len(self.problems)
+            self.merge_field(obj, f, raw, where, source)
+            if from_dump and isinstance(obj, ConfigBase) and len(self.problems) == before:
+                # A saved section: whether the user set the field follows the file's bookkeeping.
+                user = name in tags[EXPLICIT] or (
+                    name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, getattr(obj, name))
+                )
+                obj.mark_explicit(name, user)
+                if name in tags[DERIVED]:
+                    remember_derived(obj, name, f.fresh_default())
+        return obj
+
+    def merge_field(self, obj: Any, f: Any, raw: Any, path: str, source: str) -> None:
+        current = getattr(obj, f.name, None)
+        plain_mapping = isinstance(raw, Mapping) and not (len(raw) == 1 and next(iter(raw)) in VALUE_TAGS)
+        if plain_mapping and section_classes(f.type):
+            try:
+                section = section_from_value(current, f.type)
+            except ConfigValidationError as exc:
+                self.config_errors(exc, path, source)
+                return
+            if section is None:
+                new = self.build(raw, section_classes(f.type), path, source, None)
+            else:
+                new = self.merge_section(section, raw, path, source)
+            if new is not None and new is not current:
+                self.assign(obj, f.name, new, path, source)
+            return
+        if plain_mapping and isinstance(current, dict) and TARGET not in raw:
+            try:
+                update = self.decode(f, raw)
+            except DecodeError as exc:
+                self.decode_errors(exc, path, source)
+                return
+            self.assign(obj, f.name, _merge_dicts(current, update), path, source)
+            return
+        try:
+            value = self.decode(f, raw)
+        except DecodeError as exc:
+            self.decode_errors(exc, path, source)
+            return
+        self.assign(obj, f.name, value, path, source)
+
+    def build(self, raw: Mapping, classes: tuple, path: str, source: str, fallback: Any) -> Any:
+        try:
+            return self.loader.section(raw, classes)
+        except DecodeError as exc:
+            self.decode_errors(exc, path, source)
+            return fallback
+
+    def decode(self, f: Any, raw: Any) -> Any:
+        return decode_field(self.loader, f, raw)
+
+    def assign(self, obj: Any, name: str, value: Any, path: str, source: str) -> None:
+        try:
+            setattr(obj, name, value)  # type-checked; marks the field as the user's
+        except (TypeError, ValueError) as exc:
+            self.error(path, str(exc), "use a value of the declared type", source)
+
+    def unknown(self, info: Any, key: Any, path: str, source: str) -> None:
+        hint = suggest(key, info.key_names())
+        self.error(path, f"unknown key: {info.cls.__name__} has no field {key!r}", hint or "remove it", source)
+
+    # ------------------------------------------------------------------ overrides
+    def apply(self, o: Override) -> None:
+        source = f"override {show(o.text)}"
+        obj, i = self.config, 0
+        # Walk down the dataclass sections; the remaining key parts address a field and items in it.
+        while True:
+            info = class_info(type(obj))
+            part = o.key[i]
+            name = info.aliases.get(part, part)
+            f = info.by_name.get(name)
+            where = ".".join(o.key[: i + 1])
+            if f is None:
+                if o.op == "add" and i == len(o.key) - 1:
+                    hint = suggest(part, info.key_names())
+                    self.error(
+                        where,
+                        f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields",
+                        hint or "remove it",
+                        source,
+                    )
+                else:
+                    self.unknown(info, part, where, source)
+                return
+            if i == len(o.key) - 1:
+                return self.apply_to_field(obj, f, o, where, source)
+            current = getattr(obj, name)
+            try:
+                section = section_from_value(current, f.type)
+                if section is None and current is None and len(section_classes(f.type)) == 1 and o.op != "delete":
+                    section = section_classes(f.type)[0]()  # `ft.enable_ft_package=true` while ft is null
+            except ConfigValidationError as exc:
+                self.config_errors(exc, where, source)
+                return
+            except TypeError as exc:  # a section class that cannot be built without arguments
+                self.error(where, f"is null and cannot be created empty: {exc}", f"set {where} as a whole", source)
+                return
+            named = [c.config_name for c in section_classes(f.type) if isinstance(getattr(c, "config_name", None), str)]
+            if section is None and current is None and len(named) > 1 and o.op != "delete":
+                picks = " or ".join(f"{where}={n}" for n in named)
+                self.error(where, f"is null, so it has no key {o.key[i + 1]!r}", f"choose one first: {picks}", source)
+                return
+            if section is not None:
+                if section is not current:
+                    self.assign(obj, name, section, where, source)
+                obj, i = section, i + 1
+                continue
+            try:
+                new = _update_item(self.loader, current, f.type, o, i + 1)
+            except DecodeError as exc:
+                self.decode_errors(exc, ".".join(o.key), source)
+                return
+            return self.assign(obj, name, new, where, source)
+
+    def apply_to_field(self, obj: Any, f: Any, o: Override, path: str, source: str) -> None:
+        if o.op == "add":
+            self.error(path, "already exists, so it cannot be added", f"use {o.text[1:]} or +{o.text}", source)
+        elif o.op == "delete":
+            if f.required:
+                self.error(path, "is required and has no default to reset to", "set a value instead", source)
+                return
+            if o.value is not NO_VALUE and not _matches(self.loader, f, o.value, getattr(obj, f.name)):
+                self.error(path, f"is {show(getattr(obj, f.name))}, not {show(o.value)}", f"use ~{path}", source)
+                return
+            value = f.fresh_default()
+            if isinstance(obj, ConfigBase):
+                obj.apply_default(f.name, value)
+                obj.mark_explicit(f.name, False)
+            else:
+                setattr(obj, f.name, value)
+        else:
+            self.merge_field(obj, f, o.value, path, source)
+
+
+def _merge_dicts(base: dict, update: Mapping) -> dict:
+    """OmegaConf-style merge: nested dicts merge, everything else is replaced."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge_dicts(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _matches(loader: Any, f: Any, raw: Any, current: Any) -> bool:
+    from megatron_bridge.config.base import values_equal
+
+    try:
+        return values_equal(decode_field(loader, f, raw), current)
+    except DecodeError:
+        return False
+
+
+def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
+    """A copy of container `node` (a field's dict/list/tuple value) with the override applied at
+    key parts `o.key[i:]`; the caller assigns it back, so the field counts as set by the user."""
+    part = o.key[i]
+    last = i == len(o.key) - 1
+    if node is None and o.op in ("add", "force") and container_item_type(tp, None, dict) is not None:
+        node = {}
+    if isinstance(node, dict):
+        key = part if part in node or not part.lstrip("-").isdigit() or int(part) not in node else int(part)
+        exists = key in node
+        item_tp = container_item_type(tp, key, dict) or Any
+        if last:
+            if o.op == "delete":
+                if not exists:
+                    raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r} to remove", "check the key")
+                return {k: v for k, v in node.items() if k != key}
+            if o.op == "set" and not exists:
+                hint = suggest(part, [str(k) for k in node])
+                raise DecodeError(
+                    f"{'.'.join(o.key[:i])} has no key {part!r}", f"{hint} use +{o.text} to add it".strip()
+                )
+            if o.op == "add" and exists:
+                raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
+            value = loader.value(o.value, item_tp)
+            out = dict(node)
+            out[key] = (
+                _merge_dicts(node[key], value) if isinstance(node.get(key), dict) and isinstance(value, dict) else value
+            )
+            return out
+        if not exists and o.op not in ("add", "force"):
+            raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r}", f"use +{o.text} to add it")
+        out = dict(node)
+        out[key] = _update_item(loader, node.get(key), item_tp, o, i + 1)
+        return out
+    if isinstance(node, (list, tuple)):
+        if not part.isdigit():
+            raise DecodeError(f"{'.'.join(o.key[:i])} is a list; {part!r} is not an index", "use a number, e.g. .0")
+        index = int(part)
+        if index >= len(node):
+            raise DecodeError(
+                f"index {index} is out of range for a list of {len(node)}",
+                f"use 0..{len(node) - 1}, or replace the whole list",
+            )
+        if o.op == "add":
+            raise DecodeError("cannot add a list item by index", "replace the whole list: key=[a, b, c]")
+        items = list(node)
+        item_tp = container_item_type(tp, index, type(node)) or Any
+        if last and o.op == "delete":
+            del items[index]
+        elif last:
+            items[index] = loader.value(o.value, item_tp)
+        else:
+            items[index] = _update_item(loader, node[index], item_tp, o, i + 1)
+        return type(node)(items)
+    kind = "null" if node is None else type(node).__name__
+    raise DecodeError(f"{'.'.join(o.key[:i])} is {kind}, so it has no key {part!r}", "set the whole value instead")
