@@ -11,16 +11,15 @@ counts as set by the user. Problems are collected and raised together as one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Union
 
 from megatron_bridge.config.annotations import (
     TARGET,
-    VALUE_TAGS,
     DecodeError,
     container_item_type,
-    is_placeholder,
     section_classes,
     section_from_value,
     suggest,
@@ -30,17 +29,12 @@ from megatron_bridge.config.errors import ConfigValidationError, Problems, show
 from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
 from megatron_bridge.config.overrides import NO_VALUE, Override, OverrideSyntaxError, parse_override
 from megatron_bridge.config.serialization import (
-    DERIVED,
-    EXPLICIT,
-    IMPLICIT,
-    SECTION_TAGS,
     ConfigDecoder,
     class_info,
     decode_field,
-    is_default,
     load_yaml_file,
-    remember_derived,
-    tag_names,
+    merge_dicts,
+    unknown_key,
 )
 
 
@@ -83,7 +77,7 @@ def process_config_with_overrides(
             problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
             data, overrides = None, []
     if data:
-        applier.merge_section(config, data, "", file_label)
+        applier.merge(config, data, "", file_label)
     for override in overrides:
         applier.apply(override)
     problems.raise_if_any()
@@ -107,91 +101,35 @@ class _Applier:
         for sub, message, fix in exc.items:
             self.error(".".join(p for p in (path, sub) if p), message, fix, source)
 
-    # ------------------------------------------------------------------ file sections
-    def merge_section(self, obj: Any, data: Mapping, path: str, source: str) -> Any:
-        """Merge mapping `data` into dataclass `obj`; return `obj`, or its replacement when `data`
-        has a `_target_` naming another class."""
-        info = class_info(type(obj))
-        from_dump = TARGET in data
-        if from_dump:
+    # ------------------------------------------------------------------ mappings
+    def merge(self, obj: Any, data: Mapping, path: str, source: str) -> Any:
+        """Merge mapping `data` (a file, a recipe's options) into dataclass `obj`, reporting
+        problems with their `source`; returns `obj` or, when `data` has a `_target_` naming
+        another class, its replacement."""
+        if not path and TARGET in data:
             try:
                 cls = self.loader.section_class(data, ())
             except DecodeError as exc:
                 self.decode_errors(exc, path, source)
                 return obj
             if cls is not type(obj):
-                if not path:
-                    self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
-                    return obj
-                return self.build(data, (cls,), path, source, obj)
-        tags = {}
-        for tag in (EXPLICIT, IMPLICIT, DERIVED):
-            tags[tag], errors = tag_names(info, data, tag)
-            for sub, message, fix in errors:
-                self.error(f"{path}.{sub}" if path else sub, message, fix, source)
-        for key, raw in data.items():
-            if key in SECTION_TAGS:
-                continue
-            name = info.aliases.get(key, key)
-            where = f"{path}.{key}" if path else str(key)
-            f = info.by_name.get(name)
-            if f is None:
-                self.unknown(info, key, where, source)
-                continue
-            if from_dump and name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(raw):
-                continue  # a runtime object of a saved run: the framework installs it again
-            before = len(self.problems)
-            self.merge_field(obj, f, raw, where, source)
-            if from_dump and isinstance(obj, ConfigBase) and len(self.problems) == before:
-                # A saved section: whether the user set the field follows the file's bookkeeping.
-                user = name in tags[EXPLICIT] or (
-                    name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, getattr(obj, name))
-                )
-                obj.mark_explicit(name, user)
-                if name in tags[DERIVED]:
-                    remember_derived(obj, name, f.fresh_default())
-        return obj
+                self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
+                return obj
+        try:
+            return self.loader.merge(obj, data)
+        except DecodeError as exc:
+            self.decode_errors(exc, path, source)
+            return obj
 
     def merge_field(self, obj: Any, f: Any, raw: Any, path: str, source: str) -> None:
         current = getattr(obj, f.name, None)
-        plain_mapping = isinstance(raw, Mapping) and not (len(raw) == 1 and next(iter(raw)) in VALUE_TAGS)
-        if plain_mapping and section_classes(f.type):
-            try:
-                section = section_from_value(current, f.type)
-            except ConfigValidationError as exc:
-                self.config_errors(exc, path, source)
-                return
-            if section is None:
-                new = self.build(raw, section_classes(f.type), path, source, None)
-            else:
-                new = self.merge_section(section, raw, path, source)
-            if new is not None and new is not current:
-                self.assign(obj, f.name, new, path, source)
-            return
-        if plain_mapping and isinstance(current, dict) and TARGET not in raw:
-            try:
-                update = self.decode(f, raw)
-            except DecodeError as exc:
-                self.decode_errors(exc, path, source)
-                return
-            self.assign(obj, f.name, _merge_dicts(current, update), path, source)
-            return
         try:
-            value = self.decode(f, raw)
+            value = self.loader.field(f, raw, current)
         except DecodeError as exc:
             self.decode_errors(exc, path, source)
             return
-        self.assign(obj, f.name, value, path, source)
-
-    def build(self, raw: Mapping, classes: tuple, path: str, source: str, fallback: Any) -> Any:
-        try:
-            return self.loader.section(raw, classes)
-        except DecodeError as exc:
-            self.decode_errors(exc, path, source)
-            return fallback
-
-    def decode(self, f: Any, raw: Any) -> Any:
-        return decode_field(self.loader, f, raw)
+        if not (value is current and dataclasses.is_dataclass(value)):  # a section merged in place
+            self.assign(obj, f.name, value, path, source)
 
     def assign(self, obj: Any, name: str, value: Any, path: str, source: str) -> None:
         try:
@@ -200,8 +138,7 @@ class _Applier:
             self.error(path, str(exc), "use a value of the declared type", source)
 
     def unknown(self, info: Any, key: Any, path: str, source: str) -> None:
-        hint = suggest(key, info.key_names())
-        self.error(path, f"unknown key: {info.cls.__name__} has no field {key!r}", hint or "remove it", source)
+        self.error(path, *unknown_key(info, key), source)
 
     # ------------------------------------------------------------------ overrides
     def apply(self, o: Override) -> None:
@@ -276,14 +213,6 @@ class _Applier:
             self.merge_field(obj, f, o.value, path, source)
 
 
-def _merge_dicts(base: dict, update: Mapping) -> dict:
-    """OmegaConf-style merge: nested dicts merge, everything else is replaced."""
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merge_dicts(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
-    return out
-
-
 def _matches(loader: Any, f: Any, raw: Any, current: Any) -> bool:
     from megatron_bridge.config.base import values_equal
 
@@ -319,7 +248,7 @@ def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
             value = loader.value(o.value, item_tp)
             out = dict(node)
             out[key] = (
-                _merge_dicts(node[key], value) if isinstance(node.get(key), dict) and isinstance(value, dict) else value
+                merge_dicts(node[key], value) if isinstance(node.get(key), dict) and isinstance(value, dict) else value
             )
             return out
         if not exists and o.op not in ("add", "force"):

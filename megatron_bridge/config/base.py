@@ -8,7 +8,7 @@
 * **Deferred finalize.** Subclasses of megatron-core configs do nothing in `__post_init__`; their
   checks and derived values run in `finalize()`, so recipes and overrides can edit fields first.
 * **Derived values stay fresh.** When `finalize()` fills in a field, the previous
-  value is remembered; the next `finalize()` puts it back before recomputing, so editing
+  value is remembered; the next `finalize()` puts it back before any section code runs, so editing
   `hidden_size` after a finalize does not leave a stale `ffn_hidden_size` behind. A field the user
   sets explicitly is never put back.
 """
@@ -190,7 +190,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def _finalize(self, problems: Problems) -> None:
         """Checks and derived values of this section; report problems into `problems`.
 
-        Subclasses override this (calling `self._restore_derived()` first if they derive values).
+        Subclasses override this. `finalize_into` has already put back what the previous finalize
+        derived, so a derived value is recomputed from the current fields.
         """
 
     def finalize(self) -> None:
@@ -237,6 +238,7 @@ def finalize_into(config: Any, problems: Problems) -> None:
     if isinstance(config, ConfigBase):
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
+        config._restore_derived()
         if ranges.check(config, problems):
             config._finalize(problems)
         return

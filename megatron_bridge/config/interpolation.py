@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.errors import show
-from megatron_bridge.config.serialization import ConfigEncoder, class_info
 from megatron_bridge.config.overrides import NO_VALUE, Override
+from megatron_bridge.config.serialization import ConfigEncoder, class_info
 
 _INTERPOLATION = re.compile(r"\$\{([^{}]*)")
 _UNRESOLVED = object()

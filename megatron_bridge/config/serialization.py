@@ -33,12 +33,15 @@ import yaml
 from megatron_bridge.config.annotations import (
     TARGET,
     UNSERIALIZABLE,
+    VALUE_TAGS,
     DecodeError,
     Decoder,
     Encoder,
     FlowList,
     field_types,
     is_placeholder,
+    section_classes,
+    section_from_value,
     suggest,
 )
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
@@ -199,11 +202,54 @@ def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
 
 # ====================================================================== reading
 class ConfigDecoder(Decoder):
-    """`Decoder` that builds dataclass sections (see `build_section`)."""
+    """`Decoder` that builds dataclass sections (`build_section`) or merges mappings into existing
+    ones (`merge`): the one reader of config mappings, whatever their source."""
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
         cls = self.section_class(raw, declared)
         return build_section(self, cls, raw)
+
+    def field(self, f: FieldInfo, raw: Any, current: Any = _NO_DEFAULT) -> Any:
+        """The new value of field `f` from plain data. Given the `current` value, a plain mapping
+        merges into it (a section, or a dict) instead of replacing it."""
+        if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not (len(raw) == 1 and next(iter(raw)) in VALUE_TAGS):
+            classes = section_classes(f.type)
+            if classes:
+                try:
+                    section = section_from_value(current, f.type)
+                except ConfigValidationError as exc:
+                    raise DecodeError(items=[("", p.message, p.fix) for p in exc.problems]) from None
+                return self.section(raw, classes) if section is None else self.merge(section, raw)
+            if isinstance(current, dict) and TARGET not in raw:
+                return merge_dicts(current, decode_field(self, f, raw))
+        return decode_field(self, f, raw)
+
+    def merge(self, obj: Any, raw: Mapping) -> Any:
+        """Merge section mapping `raw` into dataclass `obj`; returns `obj`, or a new section when
+        `raw` has a `_target_` naming another class. Fields that decode are set even when others
+        do not; the problems are then raised together as one DecodeError."""
+        if TARGET in raw:
+            cls = self.section_class(raw, ())
+            if cls is not type(obj):
+                return self.section(raw, (cls,))
+        info = class_info(type(obj))
+        tags, values, errors = read_section(self, info, raw, obj)
+        from_dump, tracked = TARGET in raw, isinstance(obj, ConfigBase)
+        for name, value in values.items():
+            try:
+                if not (value is getattr(obj, name, None) and dataclasses.is_dataclass(value)):  # merged in place
+                    setattr(obj, name, value)  # type-checked; marks the field as the user's
+            except (TypeError, ValueError) as exc:
+                errors.append((name, str(exc), "use a value of the declared type"))
+                continue
+            if from_dump and tracked:  # a saved section: whether the user set it follows the file
+                f = info.by_name[name]
+                obj.mark_explicit(name, name in tags[EXPLICIT] or (name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value)))
+                if name in tags[DERIVED]:
+                    remember_derived(obj, name, f.fresh_default())
+        if errors:
+            raise DecodeError(items=errors)
+        return obj
 
     def section_class(self, raw: Mapping, declared: tuple[type, ...]) -> type:
         """The class a section mapping describes: its `_target_`, or the declared class whose
@@ -254,24 +300,29 @@ def tag_names(info: ClassInfo, raw: Mapping, tag: str) -> tuple[set[str], list[t
     return out, errors
 
 
-def decode_fields(
-    loader: Decoder, info: ClassInfo, raw: Mapping, not_users: frozenset = frozenset()
-) -> tuple[dict[str, Any], list]:
-    """Decode every non-tag key of a section mapping: ({field name: value}, problems).
+def read_section(
+    loader: ConfigDecoder, info: ClassInfo, raw: Mapping, current: Any = None
+) -> tuple[dict[str, set[str]], dict[str, Any], list]:
+    """Read a section mapping: (its bookkeeping tags, {field name: new value}, problems).
 
-    A runtime object the framework installed (a placeholder in a field listed in `not_users`,
-    e.g. the loss-scaling hook of a saved run) is left out, so the field takes its default and the
-    framework installs it again; a user's value without a YAML form is an error."""
-    values: dict[str, Any] = {}
+    With `current` (the section being merged into), a plain mapping merges into the field's value.
+    A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
+    e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
+    the framework installs it again; a user's value without a YAML form is an error."""
+    tags: dict[str, set[str]] = {}
     errors: list[tuple[str, str, str]] = []
+    for tag in (EXPLICIT, IMPLICIT, DERIVED):
+        tags[tag], tag_errors = tag_names(info, raw, tag)
+        errors.extend(tag_errors)
+    not_users = tags[IMPLICIT] | tags[DERIVED]
+    values: dict[str, Any] = {}
     for key, item in raw.items():
         if key in SECTION_TAGS:
             continue
         name = info.aliases.get(key, key) if isinstance(key, str) else key
         f = info.by_name.get(name)
         if f is None:
-            hint = suggest(key, info.key_names())
-            errors.append((str(key), f"unknown key for {info.cls.__name__}", hint or "remove it"))
+            errors.append((str(key), *unknown_key(info, key)))
             continue
         if name in values:
             errors.append((str(key), f"{name!r} is given twice (once through an alias)", "keep one"))
@@ -280,10 +331,23 @@ def decode_fields(
             logger.info("%s.%s: the saved run had a runtime object here; using the default", info.cls.__name__, name)
             continue
         try:
-            values[name] = decode_field(loader, f, item)
+            values[name] = loader.field(f, item, _NO_DEFAULT if current is None else getattr(current, name, None))
         except DecodeError as exc:
             errors.extend(exc.under(key).items)
-    return values, errors
+    return tags, values, errors
+
+
+def unknown_key(info: ClassInfo, key: Any) -> tuple[str, str]:
+    """(message, fix) for a key that is not a field of the section."""
+    return f"unknown key: {info.cls.__name__} has no field {key!r}", suggest(key, info.key_names()) or "remove it"
+
+
+def merge_dicts(base: dict, update: Mapping) -> dict:
+    """OmegaConf-style merge: nested dicts merge, everything else is replaced."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = merge_dicts(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
 
 
 def decode_field(loader: Decoder, f: FieldInfo, raw: Any) -> Any:
@@ -297,12 +361,7 @@ def decode_field(loader: Decoder, f: FieldInfo, raw: Any) -> Any:
 def build_section(loader: Decoder, cls: type, raw: Mapping) -> Any:
     """Build an instance of dataclass `cls` from a section mapping (see the module docstring)."""
     info = class_info(cls)
-    tags, errors = {}, []
-    for tag in (EXPLICIT, IMPLICIT, DERIVED):
-        tags[tag], tag_errors = tag_names(info, raw, tag)
-        errors.extend(tag_errors)
-    values, field_errors = decode_fields(loader, info, raw, frozenset(tags[IMPLICIT] | tags[DERIVED]))
-    errors.extend(field_errors)
+    tags, values, errors = read_section(loader, info, raw)
     present = {info.aliases.get(k, k) for k in raw if k not in SECTION_TAGS}
     for f in info.fields:
         if f.required and f.init and f.name not in present:
