@@ -23,7 +23,7 @@ from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.config import targets
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.config.apply import process_config_with_overrides
+from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import tiny_gpt_pretrain_config
 
 SEED = 20261123

@@ -17,7 +17,7 @@ from megatron_bridge.training.config import (
 )
 from megatron_bridge.config.serialization import to_yaml
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
-from megatron_bridge.config.apply import process_config_with_overrides
+from megatron_bridge.config.overrides import process_config_with_overrides
 from megatron_bridge.config.overrides import parse_value
 
 

@@ -139,7 +139,7 @@ def main() -> None:
 
     from megatron_bridge.training.config import ConfigContainer
     from megatron_bridge.config.serialization import from_yaml, to_yaml
-    from megatron_bridge.config.apply import process_config_with_overrides
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     base, source = build_config()
     if len(OVERRIDES) != 50:

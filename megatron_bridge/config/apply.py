@@ -1,20 +1,17 @@
-"""Apply a YAML file and command-line overrides to a `ConfigContainer`.
-
-The file is merged first, then the overrides in order (the command line wins). Every value is
-decoded against the declared type of its field (`model.params_dtype=bf16` gives a torch dtype,
-`model.activation_func=silu` a function), set through the config's type-checked assignment, and
-counts as set by the user. Problems are collected and raised together as one
+"""The one way values enter a config: mappings (a YAML file, a merge, a recipe's options, a saved
+config) and parsed command-line overrides are applied here, every value decoded against the
+declared type of its field (`model.params_dtype=bf16` gives a torch dtype,
+`model.activation_func=silu` a function; see `config.annotations`), set through the config's
+type-checked assignment, and counted as set by the user. Problems are collected, each tagged
+with its source (`[file my.yaml]`, `[override 'optimizer.lr=x']`), and raised together as one
 `ConfigValidationError`; on error the config may be partly updated.
-
-`${...}` interpolations are resolved by OmegaConf (see `config.interpolation`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 from megatron_bridge.config.annotations import (
     TARGET,
@@ -26,65 +23,45 @@ from megatron_bridge.config.annotations import (
 )
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
-from megatron_bridge.config.overrides import NO_VALUE, Override, OverrideSyntaxError, parse_override
 from megatron_bridge.config.serialization import (
     ConfigDecoder,
     class_info,
     decode_field,
-    load_yaml_file,
     merge_dicts,
     unknown_key,
 )
 
+NO_VALUE = object()
+"""The value of a `~key` override given without `=value`."""
 
-def process_config_with_overrides(
-    config: Any,
-    config_filepath: Optional[Union[str, os.PathLike]] = None,
-    cli_overrides: Optional[Iterable[str]] = None,
-) -> Any:
-    """Merge `config_filepath` (YAML) into `config`, then apply `cli_overrides` (Hydra grammar,
-    see `config.overrides`); return `config`, updated in place. Does not finalize it."""
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One parsed override."""
+
+    op: str
+    """'set' (key=v), 'add' (+key=v), 'force' (++key=v) or 'delete' (~key)."""
+    key: tuple[str, ...]
+    value: Any
+    text: str
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.key)
+
+
+def apply(config: Any, data: Mapping, source: str) -> Any:
+    """Merge mapping `data` into `config` (in place; also returned); problems are raised together
+    as one `ConfigValidationError`, each tagged with `source` (e.g. `file my.yaml`)."""
     problems = Problems()
-    data: Any = None
-    if config_filepath is not None:
-        try:
-            data = load_yaml_file(config_filepath)
-        except ConfigValidationError as exc:
-            problems.absorb(exc)
-        if data is not None and not isinstance(data, Mapping):
-            problems.add(
-                "",
-                f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections",
-                "write key: value lines",
-            )
-            data = None
-    overrides: list[Override] = []
-    for text in cli_overrides or ():
-        try:
-            overrides.append(parse_override(text))
-        except OverrideSyntaxError as exc:
-            key = str(text).partition("=")[0].lstrip("+~").strip()
-            where = key if key and all(part.isidentifier() or part.isdigit() for part in key.split(".")) else ""
-            problems.add(where, f"{exc} [override {show(str(text))}]", exc.fix)
-    # Whatever parsed is applied even when something did not, so every problem is reported at once.
-    applier = _Applier(config, problems)
-    file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
-    if has_interpolation(data, overrides):
-        try:
-            data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
-        except RecursionError:  # OmegaConf recurses over nested interpolations
-            problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
-            data, overrides = None, []
-    if data:
-        applier.merge(config, data, "", file_label)
-    for override in overrides:
-        applier.apply(override)
+    Applier(config, problems).merge(config, data, "", source)
     problems.raise_if_any()
     return config
 
 
-class _Applier:
+class Applier:
+    """Applies mappings and parsed overrides to a config, collecting problems tagged with their source."""
+
     def __init__(self, config: Any, problems: Problems):
         self.config = config
         self.problems = problems
