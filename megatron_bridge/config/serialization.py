@@ -402,20 +402,21 @@ def remember_derived(obj: ConfigBase, name: str, before: Any) -> None:
     obj.__dict__.setdefault(_DERIVED, {})[name] = before
 
 
-def raise_decode_error(exc: DecodeError, prefix: str = "") -> None:
-    """Raise a `DecodeError` as one `ConfigValidationError` with dotted paths."""
-    problems = Problems(prefix)
+def raise_decode_error(exc: DecodeError, source: str = "") -> None:
+    """Raise a `DecodeError` as one `ConfigValidationError` with dotted paths, each message
+    tagged with `source` (as `config.apply` tags them)."""
+    problems = Problems()
     for path, message, fix in exc.items:
-        problems.add(path, message, fix)
+        problems.add(path, f"{message} [{source}]" if source else message, fix)
     problems.raise_if_any()
 
 
-def from_dict(data: Mapping, cls: Optional[type] = None) -> Any:
+def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> Any:
     """Build a config from `to_dict` output or a hand-written equivalent.
 
     `cls` is the expected class (the data's `_target_` may name a subclass); without it the data
     must carry `_target_`. Names resolve through `config.targets` only. All problems are raised
-    together as one `ConfigValidationError`.
+    together as one `ConfigValidationError`, tagged with `source` (e.g. `file my.yaml`) if given.
     """
     if not isinstance(data, Mapping):
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
@@ -423,7 +424,7 @@ def from_dict(data: Mapping, cls: Optional[type] = None) -> Any:
     try:
         return loader.section(data, (cls,) if cls is not None else ())
     except DecodeError as exc:
-        raise_decode_error(exc)
+        raise_decode_error(exc, source)
 
 
 def load_yaml_file(path: Union[str, os.PathLike]) -> Any:
@@ -439,4 +440,4 @@ def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     data = load_yaml_file(path)
     if data is None:
         raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
-    return from_dict(data, cls)
+    return from_dict(data, cls, f"file {os.fspath(path)}")

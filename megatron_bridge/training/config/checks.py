@@ -11,9 +11,10 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.mixed_precision import check_low_precision
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -182,8 +183,6 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
             f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
         )
     problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
-    from megatron_bridge.training.mixed_precision import check_low_precision
-
     check_low_precision(m, problems, "model.", "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'")
 
 
