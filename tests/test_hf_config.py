@@ -208,7 +208,7 @@ def test_fused_qkv_and_gated_layouts_round_trip_per_tensor_parallel_rank(tmp_pat
 
 # ---------------------------------------------------------------------- config fields
 def test_save_hf_has_the_save_hf_weights_alias_and_needs_a_save_directory():
-    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     assert CheckpointConfig(save_hf_weights=True).save_hf is True
     cfg = tiny_config()

@@ -8,7 +8,7 @@
 * **Deferred finalize.** Subclasses of megatron-core configs do nothing in `__post_init__`; their
   checks and derived values run in `finalize()`, so recipes and overrides can edit fields first.
 * **Derived values stay fresh.** When `finalize()` fills in a field, the previous
-  value is remembered; the next `finalize()` puts it back before recomputing, so editing
+  value is remembered; the next `finalize()` puts it back before any section code runs, so editing
   `hidden_size` after a finalize does not leave a stale `ffn_hidden_size` behind. A field the user
   sets explicitly is never put back.
 """
@@ -22,9 +22,9 @@ from abc import ABCMeta
 from typing import Any, ClassVar, Iterator
 
 from megatron_bridge.config import ranges
+from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.targets import register_config_class
-from megatron_bridge.config.typecheck import type_problem
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
 # carried by copy.deepcopy and pickle but ignored by dataclasses.fields/asdict/replace.
@@ -190,7 +190,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def _finalize(self, problems: Problems) -> None:
         """Checks and derived values of this section; report problems into `problems`.
 
-        Subclasses override this (calling `self._restore_derived()` first if they derive values).
+        Subclasses override this. `finalize_into` has already put back what the previous finalize
+        derived, so a derived value is recomputed from the current fields.
         """
 
     def finalize(self) -> None:
@@ -218,28 +219,6 @@ def _failing_line(exc: BaseException) -> str:
     return f"{type(exc).__name__} at `{line}`" if line else type(exc).__name__
 
 
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for config values: `functools.partial` compares by function and arguments."""
-    if a is b:
-        return True
-    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return (
-            values_equal(a.func, b.func)
-            and len(a.args) == len(b.args)
-            and all(values_equal(x, y) for x, y in zip(a.args, b.args))
-            and a.keywords.keys() == b.keywords.keys()
-            and all(values_equal(a.keywords[k], b.keywords[k]) for k in a.keywords)
-        )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
 def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
     """`@dataclass` for config classes: keeps `ConfigBase.__eq__` (which understands partials)."""
 
@@ -259,6 +238,7 @@ def finalize_into(config: Any, problems: Problems) -> None:
     if isinstance(config, ConfigBase):
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
+        config._restore_derived()
         if ranges.check(config, problems):
             config._finalize(problems)
         return

@@ -17,7 +17,7 @@ from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.child_processes import die_with_parent
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
-from megatron_bridge.training.forward_step import prepare_forward_step
+from megatron_bridge.training.forward_step_adapter import prepare_forward_step
 from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState

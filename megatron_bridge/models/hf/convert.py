@@ -105,7 +105,7 @@ def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
     from megatron_bridge.models import GPTModelProvider
     from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-    from megatron_bridge.training.config.serialization import from_dict, load_yaml_file
+    from megatron_bridge.config.serialization import from_dict, load_yaml_file
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
     if not os.path.isfile(path):
