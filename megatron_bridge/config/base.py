@@ -261,6 +261,9 @@ def finalize_into(config: Any, problems: Problems) -> None:
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
         if ranges.check(config, problems):
             config._finalize(problems)
+        from megatron_bridge.config.status import check_unsupported
+
+        check_unsupported(config, problems)
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):
