@@ -271,8 +271,17 @@ def trained(tmp_path_factory):
     cfg = tiny_config(train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=2))
     cfg.logger.save_config_filepath = str(path)
     cfg.validation.eval_interval = None
-    state = pretrain(cfg, forward_step)
-    return cfg, state, path
+    from megatron_bridge.training.callbacks import Callback
+
+    class Keep(Callback):
+        """Keeps what megatron-core was built with (the state drops it at shutdown)."""
+
+        def on_train_end(self, state):
+            self.model, self.optimizer = state.model, state.optimizer
+
+    kept = Keep()
+    pretrain(cfg, forward_step, callbacks=[kept])
+    return cfg, kept, path
 
 
 @pytest.mark.timeout(300)
@@ -289,18 +298,59 @@ def test_save_config_filepath_writes_the_resolved_yaml(trained):
 
 @pytest.mark.timeout(300)
 def test_megatron_core_fields_reach_megatron_core(trained):
-    """The model is built with the provider itself as its TransformerConfig, megatron-core's DDP
-    with our ddp section, and the optimizer with our optimizer section: every inherited field's
-    value is the one megatron-core reads."""
+    """The model is built with a copy of the provider as its TransformerConfig, megatron-core's
+    DDP with our ddp section, and the optimizer with our optimizer section: every inherited field
+    that is not derived has the value the user set where megatron-core reads it."""
     cfg, state, _ = trained
-    chunk = state.model[0]
+    chunk = state.model[0]  # what the run trained (kept by a callback)
     module = chunk.module if hasattr(chunk, "module") else chunk
     while hasattr(module, "module"):
         module = module.module
     mcore_objects = [(cfg.model, module.config), (cfg.ddp, chunk.ddp_config), (cfg.optimizer, state.optimizer.config)]
     for ours, theirs in mcore_objects:
-        names = [f.name for f in dataclasses.fields(ours) if field_status.from_megatron_core(type(ours), f.name)]
+        names = [
+            f.name
+            for f in dataclasses.fields(ours)
+            if field_status.from_megatron_core(type(ours), f.name) and field_status.status_of(type(ours), f.name) == field_status.USED
+        ]
         assert len(names) > 10
         for name in names:
             assert getattr(theirs, name) is getattr(ours, name) or getattr(theirs, name) == getattr(ours, name), name
-    assert module.config is cfg.model
+    assert type(module.config) is type(cfg.model)
+
+
+@pytest.mark.timeout(120)
+def test_megatron_core_dataset_fields_reach_the_dataset():
+    """megatron-core's dataset builder gets a copy of our dataset section (plus the tokenizer)."""
+    from megatron_bridge.data.builders import build_datasets
+    from megatron_bridge.training.config import runtime_config_update
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    cfg.dataset.random_seed = 4321
+    runtime_config_update(cfg)
+    train, _, _ = build_datasets(cfg, build_tokenizer(cfg.tokenizer))
+    names = [f.name for f in dataclasses.fields(cfg.dataset) if field_status.from_megatron_core(type(cfg.dataset), f.name)]
+    assert len(names) > 10 and train.config.random_seed == 4321
+    # Filled in for the builder: the tokenizer, its token width, and (skip_getting_attention_mask_from_dataset)
+    # whether the dataset builds attention masks.
+    for name in set(names) - {"tokenizer", "token_dtype_code", "create_attention_mask"}:
+        assert getattr(train.config, name) == getattr(cfg.dataset, name), name
+
+
+# ---------------------------------------------------------------------- typos
+def test_assigning_an_unknown_field_names_the_closest():
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    with pytest.raises(AttributeError, match=r"OptimizerConfig has no field 'learning_rate'; did you mean lr\?"):
+        cfg.optimizer.learning_rate = 1e-3
+    with pytest.raises(AttributeError, match=r"TrainingConfig has no field 'train_iter'; did you mean train_iters"):
+        cfg.train.train_iter = 5
+    with pytest.raises(AttributeError, match=r"ConfigContainer has no field 'optimiser'; did you mean optimizer"):
+        cfg.optimiser = None
+    assert cfg.optimizer.lr == 3e-3 and cfg.train.train_iters == 20
+    cfg.train._scratch = 1  # private bookkeeping stays allowed
+    cfg.dataset.seq_length = 32  # an alias of a field still works
+    assert cfg.dataset.sequence_length == 32

@@ -96,6 +96,8 @@ class ConfigBase(metaclass=_ConfigMeta):
         if aliased is not None:
             setattr(self, aliased, value)
             return
+        if d.get(_TRACKING) and not name.startswith("_") and not hasattr(type(self), name):
+            raise AttributeError(unknown_field_message(type(self), name))
         object.__setattr__(self, name, value)
 
     def is_explicit(self, name: str) -> bool:
@@ -207,6 +209,18 @@ class ConfigBase(metaclass=_ConfigMeta):
         return all(values_equal(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def unknown_field_message(cls: type, name: str) -> str:
+    """`cls` has no field `name`: the message names the closest fields (a typo is never silent)."""
+    import difflib
+
+    names = sorted(field_names(cls) | set(cls._field_aliases))
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    initials = "".join(part[:1] for part in name.split("_"))  # learning_rate -> lr
+    close += [n for n in names if n == initials and n not in close]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"{cls.__name__} has no field {name!r}{hint}"
 
 
 def _failing_line(exc: BaseException) -> str:

@@ -37,9 +37,8 @@ def declared_fields() -> dict[tuple[str, str], tuple[type, field_status.Status]]
         for f in dataclasses.fields(cls):
             owner = field_status.declaring_class(cls, f.name).__name__
             key = (owner, f.name)
-            status = field_status.status_of(cls, f.name)
-            if key not in out or (isinstance(status, field_status.Unsupported) and cls.__name__ in field_status.UNSUPPORTED):
-                out[key] = (cls, status)
+            if key not in out:
+                out[key] = (cls, field_status.status_of(cls, f.name))
     return out
 
 
@@ -62,8 +61,7 @@ def unsupported_markdown() -> str:
     rows = []
     for (owner, name), (cls, status) in declared_fields().items():
         if isinstance(status, field_status.Unsupported):
-            label = cls.__name__ if cls.__name__ in field_status.UNSUPPORTED and owner not in field_status.UNSUPPORTED else owner
-            rows.append(f"| `{label}.{name}` | {status.reason} |")
+            rows.append(f"| `{owner}.{name}` | {status.reason} |")
     lines += sorted(rows)
     lines += ["", "## Unsupported config classes", ""]
     lines += [f"- `{name}`: {why.reason}" for name, why in sorted(field_status.UNSUPPORTED_CLASSES.items())]

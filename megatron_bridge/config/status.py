@@ -99,6 +99,15 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
 }
 """Fields accepted but not honoured, by declaring class."""
 
+DERIVED_FIELDS: dict[str, frozenset[str]] = {
+    # megatron-core hooks that the build wires onto the model's copy of the config.
+    "GPTModelProvider": frozenset(
+        {"timers", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"}
+    ),
+    "OptimizerConfig": frozenset({"timers"}),  # set by the optimizer build on its copy
+}
+"""Fields a rule computes although megatron-core lets them be passed, by declaring class."""
+
 UNSUPPORTED_CLASSES: dict[str, Unsupported] = {"GPTFIMDatasetConfig": _FIM}
 """Config classes that cannot be used at all (the run would silently do something else)."""
 
@@ -136,16 +145,10 @@ def status_of(cls: type, name: str) -> Status:
     """The status of field `name` of config class `cls`."""
     owner = declaring_class(cls, name)
     unsupported = UNSUPPORTED.get(owner.__name__, {}).get(name)
-    if unsupported is None:
-        # A subclass may add its own entries for inherited fields (GPTFIMDatasetConfig).
-        for klass in cls.__mro__:
-            unsupported = UNSUPPORTED.get(klass.__name__, {}).get(name)
-            if unsupported is not None:
-                break
     if unsupported is not None:
         return unsupported
     f = cls.__dataclass_fields__[name]
-    if not f.init:
+    if not f.init or name in DERIVED_FIELDS.get(owner.__name__, ()):
         return DERIVED
     return USED
 

@@ -298,7 +298,7 @@ def setup(
         internal_callbacks.append(state.stragglers)
     internal_callbacks += _data_phase_callbacks(cfg, state)
     callback_list = CallbackList([*internal_callbacks, *(callbacks or [])])
-    run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
+    run = Run(state=state, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
     manager = make_manager(cfg)
     manager.load(run)  # before the data iterators: they resume at the loaded sample counts
     state.progress = ProgressFile.for_run(state)
