@@ -354,3 +354,39 @@ def test_assigning_an_unknown_field_names_the_closest():
     cfg.train._scratch = 1  # private bookkeeping stays allowed
     cfg.dataset.seq_length = 32  # an alias of a field still works
     assert cfg.dataset.sequence_length == 32
+
+
+def test_gpu_only_settings_are_refused_before_the_build_on_a_cpu_machine():
+    import torch
+
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    cfg.model.enable_cuda_graph = True
+    found = field_status.machine_problems(cfg)
+    if torch.cuda.is_available():
+        assert found == []
+    else:
+        assert found == ["model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) (run on a machine with a GPU, or leave it unset)"]
+
+
+@pytest.mark.timeout(120)
+def test_the_run_refuses_machine_problems_before_building(monkeypatch):
+    import torch
+
+    from megatron_bridge.training import build
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from tests.factories import tiny_config
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(build, "build_model", no_build)
+    cfg = tiny_config()
+    cfg.model.external_cuda_graph = True
+    with pytest.raises(ConfigValidationError, match=r"model\.external_cuda_graph: external_cuda_graph=True needs a GPU"):
+        pretrain(cfg, forward_step)

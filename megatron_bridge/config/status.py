@@ -45,7 +45,9 @@ _FIM = Unsupported("megatron-core 0.16.1 has no fill-in-the-middle dataset; use 
 _TENSOR_INSPECT = Unsupported(
     "tensor inspection is not implemented (it needs TransformerEngine's debug API, nvdlfw_inspect)"
 )
+_FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
 NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
+NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
 
 UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
     "CheckpointConfig": {
@@ -77,6 +79,20 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
     },
     "DistributedDataParallelConfig": {
         "use_megatron_fsdp": Unsupported(f"{_NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"),
+        **{
+            name: _FSDP_ONLY
+            for name in (
+                "use_custom_fsdp",
+                "data_parallel_sharding_strategy",
+                "gradient_reduce_div_fusion",
+                "suggested_communication_unit_size",
+                "preserve_fp32_weights",
+                "keep_fp8_transpose_cache",
+                "fsdp_double_buffer",
+                "outer_dp_sharding_strategy",
+                "fsdp_manual_registration",
+            )
+        },
         "param_name_patterns_for_fp32_local_accumulation": Unsupported(
             f"{_NOT_IMPLEMENTED}: megatron-core 0.16.1 has no such option"
         ),
@@ -95,6 +111,9 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
     "GPTModelProvider": {
         "fp8": NEEDS_TE,
         "fp4": NEEDS_TE,
+        "enable_cuda_graph": NEEDS_GPU,
+        "cuda_graph_impl": NEEDS_GPU,
+        "external_cuda_graph": NEEDS_GPU,
     },
 }
 """Fields accepted but not honoured, by declaring class."""
