@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import glob
 import os
+import pathlib
 import re
 
 import pytest
@@ -150,7 +151,7 @@ UNTESTED_USED = {
 def _test_sources() -> dict[str, str]:
     found = {}
     for path in sorted(glob.glob(os.path.join(REPO, "tests", "test_*.py"))):
-        src = open(path, encoding="utf-8").read()
+        src = pathlib.Path(path).read_text(encoding="utf-8")
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
                 found[f"tests/{os.path.basename(path)}::{node.name}"] = ast.get_source_segment(src, node) or ""
@@ -184,7 +185,11 @@ def test_used_fields_are_named_by_a_test():
             untested.add(f"{owner}.{name}")
     assert not untested - UNTESTED_USED, f"used fields without a test: {sorted(untested - UNTESTED_USED)}"
     assert not UNTESTED_USED - untested, f"now tested, drop from UNTESTED_USED: {sorted(UNTESTED_USED - untested)}"
-    assert field_status.GENERIC_MCORE_TEST.split("::")[1] in {n.name for n in ast.walk(ast.parse(open(__file__).read())) if isinstance(n, ast.FunctionDef)}
+    assert field_status.GENERIC_MCORE_TEST.split("::")[1] in {
+        n.name
+        for n in ast.walk(ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8")))
+        if isinstance(n, ast.FunctionDef)
+    }
 
 
 def test_unsupported_doc_is_current():
@@ -203,7 +208,9 @@ def test_unsupported_settings_are_refused_together():
         runtime_config_update(cfg)
     text = str(info.value)
     assert "checkpoint.ckpt_format" in text and "'zarr'" in text and "zarr is deprecated in megatron-core" in text
-    assert "checkpoint.non_persistent_save_interval" in text and "non-persistent checkpoints are not implemented" in text
+    assert (
+        "checkpoint.non_persistent_save_interval" in text and "non-persistent checkpoints are not implemented" in text
+    )
     assert "train.train_sync_interval" in text and "5" in text
 
 
@@ -232,7 +239,15 @@ def test_machine_only_reasons_plan_in_dry_run_and_refuse_at_run(capsys, monkeypa
     from megatron_bridge import extras
     from megatron_bridge.cli.main import main
 
-    argv = ["pretrain", "--recipe", "llama3_8b_pretrain", "--dry-run", "--world-size", "8", "mixed_precision=bf16_with_fp8_current_scaling_mixed"]
+    argv = [
+        "pretrain",
+        "--recipe",
+        "llama3_8b_pretrain",
+        "--dry-run",
+        "--world-size",
+        "8",
+        "mixed_precision=bf16_with_fp8_current_scaling_mixed",
+    ]
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -246,7 +261,6 @@ def test_machine_only_reasons_plan_in_dry_run_and_refuse_at_run(capsys, monkeypa
     monkeypatch.undo()
 
     import recipes
-    from megatron_bridge.training.config import runtime_config_update
 
     cfg = recipes.get_recipe("llama3_8b_pretrain")()
     cfg.model.fp8 = "hybrid"
@@ -258,9 +272,9 @@ def test_machine_only_reasons_plan_in_dry_run_and_refuse_at_run(capsys, monkeypa
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-step tiny run that also writes its resolved config."""
+    from megatron_bridge.training.config import TrainingConfig
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
-    from megatron_bridge.training.config import TrainingConfig
     from tests.factories import tiny_config
 
     path = tmp_path_factory.mktemp("cfg") / "sub" / "resolved.yaml"
@@ -308,7 +322,8 @@ def test_megatron_core_fields_reach_megatron_core(trained):
         names = [
             f.name
             for f in dataclasses.fields(ours)
-            if field_status.from_megatron_core(type(ours), f.name) and field_status.status_of(type(ours), f.name) == field_status.USED
+            if field_status.from_megatron_core(type(ours), f.name)
+            and field_status.status_of(type(ours), f.name) == field_status.USED
         ]
         assert len(names) > 10
         for name in names:
@@ -328,7 +343,9 @@ def test_megatron_core_dataset_fields_reach_the_dataset():
     cfg.dataset.random_seed = 4321
     runtime_config_update(cfg)
     train, _, _ = build_datasets(cfg, build_tokenizer(cfg.tokenizer))
-    names = [f.name for f in dataclasses.fields(cfg.dataset) if field_status.from_megatron_core(type(cfg.dataset), f.name)]
+    names = [
+        f.name for f in dataclasses.fields(cfg.dataset) if field_status.from_megatron_core(type(cfg.dataset), f.name)
+    ]
     assert len(names) > 10 and train.config.random_seed == 4321
     # skip_getting_attention_mask_from_dataset (on by default) stops the dataset building masks.
     assert cfg.dataset.skip_getting_attention_mask_from_dataset and cfg.dataset.create_attention_mask
@@ -367,7 +384,9 @@ def test_gpu_only_settings_are_refused_before_the_build_on_a_cpu_machine():
     if torch.cuda.is_available():
         assert found == []
     else:
-        assert found == ["model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) (run on a machine with a GPU, or leave it unset)"]
+        assert found == [
+            "model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) (run on a machine with a GPU, or leave it unset)"
+        ]
 
 
 @pytest.mark.timeout(120)
@@ -388,5 +407,7 @@ def test_the_run_refuses_machine_problems_before_building(monkeypatch):
     monkeypatch.setattr(build, "build_model", no_build)
     cfg = tiny_config()
     cfg.model.external_cuda_graph = True
-    with pytest.raises(ConfigValidationError, match=r"model\.external_cuda_graph: external_cuda_graph=True needs a GPU"):
+    with pytest.raises(
+        ConfigValidationError, match=r"model\.external_cuda_graph: external_cuda_graph=True needs a GPU"
+    ):
         pretrain(cfg, forward_step)

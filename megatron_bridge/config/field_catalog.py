@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Iterator
+from collections.abc import Iterator
 
 from megatron_bridge.config import status as field_status
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any
 
 USED = "used"
 DERIVED = "derived"
@@ -30,11 +31,11 @@ class Unsupported:
     """A field that is accepted but not honoured; `reason` says why (and what to use instead)."""
 
     reason: str
-    needs: Optional[str] = None
+    needs: str | None = None
     """`"gpu"` or `"transformer_engine"` when only the machine is missing; None otherwise."""
 
 
-Status = Union[str, Unsupported]
+Status = str | Unsupported
 
 _NOT_IMPLEMENTED = "not implemented"
 _NON_PERSISTENT = Unsupported(
@@ -51,7 +52,9 @@ NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
 
 UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
     "CheckpointConfig": {
-        "load_main_params_from_ckpt": Unsupported(f"{_NOT_IMPLEMENTED}: fp32 main parameters are always re-derived from the model weights"),
+        "load_main_params_from_ckpt": Unsupported(
+            f"{_NOT_IMPLEMENTED}: fp32 main parameters are always re-derived from the model weights"
+        ),
         "non_persistent_save_interval": _NON_PERSISTENT,
         "non_persistent_ckpt_type": _NON_PERSISTENT,
         "non_persistent_global_ckpt_dir": _NON_PERSISTENT,
@@ -62,13 +65,24 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
             "fsdp_dtensor needs Megatron FSDP; use torch_dist"
         ),
         "async_strategy": Unsupported(f"{_NOT_IMPLEMENTED}: async saves always use megatron-core's writer"),
-        "async_write_results_mp_mode": Unsupported(f"{_NOT_IMPLEMENTED}: megatron-core's async writer chooses its own start method"),
-        "strict_fsdp_dtensor_load": Unsupported("fsdp_dtensor checkpoints are not supported; use ckpt_format=torch_dist"),
+        "async_write_results_mp_mode": Unsupported(
+            f"{_NOT_IMPLEMENTED}: megatron-core's async writer chooses its own start method"
+        ),
+        "strict_fsdp_dtensor_load": Unsupported(
+            "fsdp_dtensor checkpoints are not supported; use ckpt_format=torch_dist"
+        ),
         "save_tokenizer_assets": Unsupported(f"{_NOT_IMPLEMENTED}: checkpoints do not include the tokenizer files"),
     },
     "GPTFIMDatasetConfig": {
         name: _FIM
-        for name in ("fim_rate", "fim_spm_rate", "fim_extra_tokens", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix")
+        for name in (
+            "fim_rate",
+            "fim_spm_rate",
+            "fim_extra_tokens",
+            "fim_split_sample",
+            "fim_fragment_rate",
+            "fim_no_prefix",
+        )
     },
     "DistributedInitConfig": {
         "distributed_timeout_seconds_after_init": Unsupported(f"{_NOT_IMPLEMENTED}: use distributed_timeout_minutes"),
@@ -78,7 +92,9 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
         "use_decentralized_pg": Unsupported(f"{_NOT_IMPLEMENTED}: megatron-core's global process groups are used"),
     },
     "DistributedDataParallelConfig": {
-        "use_megatron_fsdp": Unsupported(f"{_NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"),
+        "use_megatron_fsdp": Unsupported(
+            f"{_NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
+        ),
         **{
             name: _FSDP_ONLY
             for name in (
@@ -102,7 +118,9 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
         "check_weight_hash_across_dp_replicas_interval": Unsupported(_NOT_IMPLEMENTED),
         "train_sync_interval": Unsupported(_NOT_IMPLEMENTED),
         "exit_signal_handler_for_dataloader": Unsupported(_NOT_IMPLEMENTED),
-        "check_optimizer_step_success": Unsupported(f"{_NOT_IMPLEMENTED}: a failed step is reported by the skipped-iterations count"),
+        "check_optimizer_step_success": Unsupported(
+            f"{_NOT_IMPLEMENTED}: a failed step is reported by the skipped-iterations count"
+        ),
         "skip_sync_grad_norm_across_mp": Unsupported(_NOT_IMPLEMENTED),
     },
     "TensorInspectConfig": {
@@ -141,7 +159,7 @@ def _is_ours(cls: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, ConfigBase)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def declaring_class(cls: type, name: str) -> type:
     """The first of our config classes (from the base down) that has field `name`."""
     for klass in reversed(cls.__mro__):
@@ -150,7 +168,7 @@ def declaring_class(cls: type, name: str) -> type:
     return cls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def from_megatron_core(cls: type, name: str) -> bool:
     """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
     return any(
@@ -159,7 +177,7 @@ def from_megatron_core(cls: type, name: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def status_of(cls: type, name: str) -> Status:
     """The status of field `name` of config class `cls`."""
     owner = declaring_class(cls, name)
@@ -234,7 +252,9 @@ def _machine_problems(cfg: Any) -> list[tuple[str, str, str]]:
         for name, value, why in unsupported_settings(section):
             path = f"{section_name}.{name}"
             if why.needs == "transformer_engine" and not is_installed("transformer_engine"):
-                found.append((path, f"{name}={value!r} {why.reason}", "pip install transformer-engine, or leave it unset"))
+                found.append(
+                    (path, f"{name}={value!r} {why.reason}", "pip install transformer-engine, or leave it unset")
+                )
             elif why.needs == "gpu" and not _has_gpu():
                 found.append((path, f"{name}={value!r} {why.reason}", "run on a machine with a GPU, or leave it unset"))
     return found
