@@ -153,6 +153,12 @@ GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reac
 
 
 # ---------------------------------------------------------------------- lookups
+def _values_equal(a: Any, b: Any) -> bool:
+    from megatron_bridge.config.base import values_equal
+
+    return values_equal(a, b)
+
+
 def _is_ours(cls: type) -> bool:
     from megatron_bridge.config.base import ConfigBase
 
@@ -199,27 +205,30 @@ def default_of(cls: type, name: str) -> Any:
     return dataclasses.MISSING
 
 
+@functools.cache
+def _unsupported_fields(cls: type) -> tuple[tuple[str, Unsupported], ...]:
+    return tuple((f.name, st) for f in dataclasses.fields(cls) if isinstance(st := status_of(cls, f.name), Unsupported))
+
+
 def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
     """(field, value, why) for each unsupported field of `config` set to a non-default value,
     and ("", class name, why) when the class itself is unsupported."""
-    from megatron_bridge.config.base import values_equal
-
     cls = type(config)
     why = UNSUPPORTED_CLASSES.get(cls.__name__)
     if why is not None:
         yield "", cls.__name__, why
-    for f in dataclasses.fields(cls):
-        status = status_of(cls, f.name)
-        if not isinstance(status, Unsupported):
-            continue
-        value = getattr(config, f.name, None)
-        default = default_of(cls, f.name)
-        if default is dataclasses.MISSING or not values_equal(value, default):
-            yield f.name, value, status
+    for name, status in _unsupported_fields(cls):
+        value = getattr(config, name, None)
+        default = default_of(cls, name)
+        if default is dataclasses.MISSING or not _values_equal(value, default):
+            yield name, value, status
 
 
 def check_unsupported(config: Any, problems: Any) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
+    cls = type(config)
+    if not _unsupported_fields(cls) and cls.__name__ not in UNSUPPORTED_CLASSES:
+        return
     for name, value, why in unsupported_settings(config):
         if why.needs is not None:
             continue
