@@ -96,6 +96,8 @@ class ConfigBase(metaclass=_ConfigMeta):
         if aliased is not None:
             setattr(self, aliased, value)
             return
+        if d.get(_TRACKING) and not name.startswith("_") and not hasattr(type(self), name):
+            raise AttributeError(unknown_field_message(type(self), name))
         object.__setattr__(self, name, value)
 
     def is_explicit(self, name: str) -> bool:
@@ -210,6 +212,18 @@ class ConfigBase(metaclass=_ConfigMeta):
     __hash__ = None  # type: ignore[assignment]
 
 
+def unknown_field_message(cls: type, name: str) -> str:
+    """`cls` has no field `name`: the message names the closest fields (a typo is never silent)."""
+    import difflib
+
+    names = sorted(field_names(cls) | set(cls._field_aliases))
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    initials = "".join(part[:1] for part in name.split("_"))  # learning_rate -> lr
+    close += [n for n in names if n == initials and n not in close]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"{cls.__name__} has no field {name!r}{hint}"
+
+
 def _failing_line(exc: BaseException) -> str:
     """The source line that raised `exc` (megatron-core has bare asserts without a message)."""
     import traceback
@@ -241,6 +255,9 @@ def finalize_into(config: Any, problems: Problems) -> None:
         config._restore_derived()
         if ranges.check(config, problems):
             config._finalize(problems)
+        from megatron_bridge.config.status import check_unsupported
+
+        check_unsupported(config, problems)
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):

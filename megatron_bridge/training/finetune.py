@@ -21,6 +21,9 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     resuming loads the pretrained weights first, then the adapters saved by this run.
     """
     from megatron_bridge.training.runner import run_job
+    from megatron_bridge.warning_filters import quiet_known_warnings
+
+    quiet_known_warnings()
 
     ckpt = config.checkpoint
     if not ckpt.pretrained_checkpoint and not has_checkpoint(ckpt.load):
