@@ -40,9 +40,9 @@ def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     if m.vocab_size is None and vocab is not None:  # derived from the tokenizer when the run started
         m.apply_default("vocab_size", vocab)
     if m.vocab_size is None:
-        from megatron_bridge.training.config.checks import check_vocab
+        from megatron_bridge.training.config.checks import derive_vocab_size
 
-        check_vocab(cfg, Problems())  # a NullTokenizer's size
+        derive_vocab_size(cfg, Problems())  # a NullTokenizer's size
     if m.vocab_size is None:
         raise ValueError("model.vocab_size is not set (and the tokenizer's size is not known without loading it)")
     return cfg
