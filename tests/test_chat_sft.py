@@ -128,3 +128,24 @@ def test_chat_sft_trains_with_packing(tok_dir, tmp_path):
     assert mean(losses[-5:]) < mean(losses[:5]) - 1.0
     cached = list((data / "packed").glob("*.npz"))
     assert len(cached) == 2  # train and validation, packed once, next to the data
+
+
+@pytest.mark.timeout(300)
+def test_encoding_in_worker_processes_gives_the_samples_of_one_process(tok_dir):
+    """`dataset.memmap_workers` > 1 encodes in spawned workers (1000 rows or more); the samples
+    are the same, in the same order, for chat and prompt/answer rows."""
+    from megatron_bridge.data.finetuning import SampleEncoder, encode_records
+    from megatron_bridge.data.sft_records import CHAT, PROMPT, RecordFormat
+
+    rng = random.Random(3)
+    tok = HuggingFaceTokenizer(tok_dir)
+    chats = [{"messages": [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": sentence(rng)}]}
+             for _ in range(1100)]
+    pairs = [{"input": sentence(rng), "output": sentence(rng)} for _ in range(1100)]
+    for rows, fmt in ((chats, RecordFormat(CHAT)), (pairs, RecordFormat(PROMPT))):
+        encoder = SampleEncoder(tok, fmt, seq_length=64)
+        one = encode_records(rows, encoder, workers=1)
+        two = encode_records(rows, encoder, workers=2)
+        assert len(one) == len(two) == len(rows)
+        for (ids_a, flags_a), (ids_b, flags_b) in zip(one, two):
+            assert list(ids_a) == list(ids_b) and list(flags_a) == list(flags_b)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
+from megatron_bridge.training.child_processes import worker_pool
 
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts
@@ -61,6 +61,10 @@ class SampleEncoder:
 
             self.renderer = ChatRenderer(tokenizer)
 
+    def __reduce__(self):
+        # Sent to worker processes: the compiled chat template does not pickle, so it is rebuilt there.
+        return (SampleEncoder, (self.tokenizer, self.fmt, self.limit - 1))
+
     def encode(self, record: dict) -> Sample:
         if self.renderer is not None:
             ids, flags = self.renderer.encode(record[self.fmt.messages])
@@ -95,8 +99,8 @@ def encode_records(records: list[dict], encoder: SampleEncoder, workers: int) ->
     """Samples of `records`, in order; in `workers` processes for 1000 rows or more."""
     if workers <= 1 or len(records) < 1000:
         return [encoder.encode(r) for r in records]
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
-        return pool.map(_encode_in_worker, records, chunksize=256)
+    with worker_pool(workers, _init_worker, (encoder,)) as pool:
+        return list(pool.map(_encode_in_worker, records, chunksize=256))
 
 
 # ---------------------------------------------------------------------- datasets

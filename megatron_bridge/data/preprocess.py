@@ -14,12 +14,12 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import multiprocessing
 import os
 import re
 import signal
 import sys
 import time
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -28,6 +28,7 @@ import numpy as np
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit, open_arrow, select_split
 from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
+from megatron_bridge.training.child_processes import worker_pool
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
@@ -337,24 +338,33 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _in_main_thread() else None
     done = 0.0
     try:
-        with multiprocessing.get_context("fork").Pool(options.workers, initializer=_init_worker, initargs=(options, False)) as pool:
+        pool = worker_pool(options.workers, _init_worker, (options, False))
+        try:
             pending: collections.deque = collections.deque()
             todo = iter(chunks)
             for chunk in itertools.islice(todo, 2 * options.workers):
-                pending.append((chunk, pool.apply_async(_process, (chunk,))))
+                pending.append((chunk, pool.submit(_process, chunk)))
             while pending:
                 chunk, job = pending.popleft()
-                status, payload, lines = job.get()
+                try:
+                    status, payload, lines = job.result()
+                except BrokenProcessPool:
+                    raise PreprocessError(
+                        f"a worker process died (killed, or out of memory) while reading {chunk[1]}; "
+                        "try fewer --workers"
+                    ) from None
                 if status == "error":
                     raise PreprocessError(_locate(payload, chunk))
                 for chunk_next in itertools.islice(todo, 1):
-                    pending.append((chunk_next, pool.apply_async(_process, (chunk_next,))))
+                    pending.append((chunk_next, pool.submit(_process, chunk_next)))
                 for key, (ids, lengths, counts, empty) in zip(options.json_keys, payload):
                     writers[key].add_documents(ids, lengths, counts)
                     skipped[key] += empty
                 done += chunk[4]
                 first = writers[options.json_keys[0]]
                 bar.update(done, first.documents, first.tokens)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         for writer in writers.values():
             writer.finalize()
     except BaseException:

@@ -101,3 +101,25 @@ def tie_children_to_parent() -> None:
     the code a daemon-starting wrapper calls back into (the training itself)."""
     global _exempt
     _exempt = False
+
+
+def _start_worker(parent_pid: int, initializer: Callable[..., None], initargs: tuple) -> None:
+    _die_when_parent_dies(parent_pid)
+    initializer(*initargs)
+
+
+def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple = ()) -> Any:
+    """A `ProcessPoolExecutor` of `workers` spawned processes that die with this one.
+
+    Spawned, not forked: a child forked from a process whose libraries run threads (pyarrow,
+    tokenizers) can crash in its first garbage collection. An executor, not a `Pool`: a worker
+    that dies anyway fails the pending work with `BrokenProcessPool` instead of hanging it.
+    `initializer`, `initargs` and the submitted functions must be picklable (module level)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(os.getpid(), initializer, initargs),
+    )
