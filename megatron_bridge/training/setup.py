@@ -89,7 +89,19 @@ def set_seeds(cfg: ConfigContainer) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if cfg.model.deterministic_mode:
+        use_deterministic_algorithms()
     model_parallel_cuda_manual_seed(seed, te_rng_tracker=cfg.rng.te_rng_tracker, inference_rng_tracker=cfg.rng.inference_rng_tracker)
+
+
+def use_deterministic_algorithms() -> None:
+    """What model.deterministic_mode asks of torch (as Megatron-LM does): deterministic kernels
+    only, failing on an op that has none; cuBLAS needs a fixed workspace for that."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    logger.info("deterministic mode: torch.use_deterministic_algorithms(True)")
 
 
 def _rng_snapshot() -> dict[str, Any]:

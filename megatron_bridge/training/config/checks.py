@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.training.config import run_rules
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -38,8 +39,13 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
         check_vocab,
         check_logger_outputs,
         check_data_rules,
+        run_rules.check_fp8_param_sync,
+        run_rules.check_context_parallel_finetuning,
+        run_rules.check_schedule_length,
+        run_rules.derive_recipe_warmup,
         derive_weight_decay,
         derive_scheduler_steps,
+        run_rules.derive_resume_schedule,
     ):
         try:
             check(cfg, problems)
@@ -397,10 +403,14 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
     if s.lr_decay_style != "constant":
+        if sample_based:
+            where, unit, told = "scheduler.lr_warmup_samples", "samples", (warmup, decay)
+        else:  # the user gave iterations: report iterations
+            where, unit, told = "scheduler.lr_warmup_iters", "iterations", (warmup // gbs, decay // gbs)
         problems.check(
             warmup < decay,
-            "scheduler.lr_warmup_iters" if not sample_based else "scheduler.lr_warmup_samples",
-            f"warmup ({warmup} samples) is not shorter than the decay ({decay} samples)",
+            where,
+            f"warmup ({told[0]} {unit}) is not shorter than the decay ({told[1]} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
