@@ -71,7 +71,10 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
                 opts = options_cls(**{**merged, **kwargs})
             except TypeError as exc:
                 raise TypeError(f"{fn.__name__}(): {exc}") from None
-            return fn(opts)
+            cfg = fn(opts)
+            if cfg.recipe_world_size is None:  # survives to_yaml / --config-file
+                cfg.apply_default("recipe_world_size", world_size)
+            return cfg
 
         build.world_size = world_size
         build.defaults = MappingProxyType(merged)

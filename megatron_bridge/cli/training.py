@@ -58,7 +58,12 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("config")
-    src.add_argument("--recipe", metavar="NAME", help="recipe to start from (`mbridge recipes` lists them)")
+    src.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="recipe to start from: a library name (`mbridge recipes` lists them), module.path:function "
+        "or path/to/file.py:function",
+    )
     src.add_argument(
         "--config-file",
         metavar="FILE",
@@ -164,7 +169,9 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         if args.world_size is not None:
             world, why = args.world_size, "--world-size"
         else:
-            world, why = default_world_size(fn.world_size if fn is not None else None)
+            from megatron_bridge.cli.recipe_loader import world_size_of
+
+            world, why = default_world_size(world_size_of(fn, cfg))
         options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json)
         if args.plan_only:
             print_plan(cfg, world, why, _label(args, fn), options)
