@@ -5,6 +5,7 @@ megatron-core."""
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -113,3 +114,21 @@ def test_recipe_world_size_survives_yaml(tmp_path, capsys):
     code, out, err = cli(capsys, "pretrain", "--config-file", str(path), "--plan-only")
     assert code == 0, err
     assert "on 8 x H100" in out
+
+
+def test_config_diff_hides_derived_fields_unless_asked(tmp_path, capsys):
+    from megatron_bridge.training.config import runtime_config_update
+
+    run = recipes.tiny_gpt_pretrain_config()
+    run.train.train_iters = 30
+    runtime_config_update(run, world_size=1)  # as saved with a run: derived values filled in
+    path = tmp_path / "run.yaml"
+    path.write_text(run.to_yaml())
+    code, out, err = cli(capsys, "config", "diff", "tiny_gpt_pretrain_config", str(path))
+    assert code == 0, err
+    assert out.splitlines() == ["train.train_iters: 200 -> 30"]
+    hidden = int(re.search(r"\((\d+) derived fields hidden; --derived shows them\)", err).group(1))
+    code, out, err = cli(capsys, "config", "diff", "--derived", "tiny_gpt_pretrain_config", str(path))
+    assert "scheduler.lr_decay_steps: null -> 240" in out and "data_parallel_size: null -> 1" in out
+    assert "model.pipeline_dtype: null -> float32" in out  # set by the precision preset
+    assert len(out.splitlines()) == hidden + 1

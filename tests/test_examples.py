@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,8 @@ def test_forward_step_with_extra_metric(tmp_path):
     train_lines = [line for line in out.splitlines() if "iteration 5/5" in line]
     assert train_lines and "token accuracy" in train_lines[0] and "lm loss" in train_lines[0], out[-2000:]
     assert "trained 5 iterations" in out
+    # console lines carry a timestamp, as Megatron-LM's do
+    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] \[100%\] iteration 5/5", out, re.M), out[-2000:]
 
 
 def test_callback(tmp_path):

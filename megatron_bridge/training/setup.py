@@ -53,6 +53,10 @@ class _DropRoutine(logging.Filter):
         return not str(record.msg).startswith(prefixes)
 
 
+CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+"""strftime format of the timestamp that starts every console line."""
+
+
 def configure_logging(state: GlobalState) -> None:
     """Progress lines from the logging rank on stdout (unless the application configured
     logging itself); warnings from every rank."""
@@ -62,7 +66,8 @@ def configure_logging(state: GlobalState) -> None:
     ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
     if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
         handler._mb_console = True  # type: ignore[attr-defined]
         ours.addHandler(handler)
         ours.propagate = False
