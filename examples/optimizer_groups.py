@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.config import OptimizerConfigOverrideProvider
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
@@ -36,6 +37,14 @@ class NoDecayOnNormsLowerEmbeddingLR(OptimizerConfigOverrideProvider):
         }
 
 
+class PrintGroups(Callback):
+    """Prints the optimizer's parameter groups once training starts."""
+
+    def on_train_start(self, state):
+        for group in state.optimizer.param_groups:
+            print(f"group: {len(group['params'])} tensors, max_lr {group['max_lr']:.2e}, wd_mult {group['wd_mult']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="runs", help="where checkpoints and logs go")
@@ -44,10 +53,7 @@ def main() -> None:
 
     cfg = tiny_gpt_pretrain_config(dir=args.dir, name="example_groups", train_iters=args.train_iters)
     cfg.optimizer_config_override_provider = NoDecayOnNormsLowerEmbeddingLR()
-    state = pretrain(cfg, forward_step)
-    for group in state.optimizer.param_groups:
-        names = len(group["params"])
-        print(f"group: {names} tensors, max_lr {group['max_lr']:.2e}, wd_mult {group['wd_mult']}")
+    pretrain(cfg, forward_step, callbacks=[PrintGroups()])
 
 
 if __name__ == "__main__":  # the checkpoint writer re-imports this file in its helper processes

@@ -402,6 +402,7 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
+    unit = "samples" if sample_based else "iterations"
     if s.lr_decay_style != "constant":
         if sample_based:
             where, unit, told = "scheduler.lr_warmup_samples", "samples", (warmup, decay)
@@ -416,8 +417,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     if wsd is not None:
         problems.check(
             wsd <= decay,
-            "scheduler.lr_wsd_decay_iters",
-            f"the WSD decay phase ({wsd} samples) is longer than the whole decay ({decay} samples)",
-            "shorten lr_wsd_decay_iters",
+            "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
+            f"the WSD decay phase ({wsd if sample_based else wsd // gbs} {unit}) is longer than the whole "
+            f"decay ({decay if sample_based else decay // gbs} {unit})",
+            "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
         )
 
