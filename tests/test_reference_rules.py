@@ -156,3 +156,17 @@ def test_recipe_warmup_scales_down_to_a_short_run(caplog):
     big.scheduler.lr_warmup_iters = 2000
     (message,) = errors_of(big, world_size=8)
     assert "warmup (2000 iterations) is not shorter than the decay (1000 iterations)" in message
+
+
+def test_yaml_floats_at_their_shortest_round_trip_form(tmp_path):
+    from megatron_bridge.training.config import ConfigContainer
+
+    cfg = tiny_config()
+    cfg.optimizer.adam_eps, cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-8, 3e-4, 1e-16
+    text = cfg.to_yaml()
+    assert "  adam_eps: 1e-08\n" in text and "  lr: 0.0003\n" in text and "  min_lr: 1e-16\n" in text
+    assert "1.0e-" not in text
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    back = ConfigContainer.from_yaml(str(path))
+    assert (back.optimizer.adam_eps, back.optimizer.lr, back.optimizer.min_lr) == (1e-8, 3e-4, 1e-16)
