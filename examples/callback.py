@@ -31,8 +31,9 @@ class BestValidation(Callback):
         loss = metrics.get("lm loss")  # empty on ranks that do not hold the last pipeline stage
         if loss is not None and loss < self.best:
             self.best, self.best_step = loss, state.train_state.step
+        self.write(state)  # also after the final evaluation, which follows on_train_end
 
-    def on_train_end(self, state):
+    def write(self, state):
         if state.is_logging_rank:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "w") as f:

@@ -1,5 +1,6 @@
-"""A custom forward step that logs an extra metric: next-token accuracy, next to `lm loss`, on
-the console, in the trackers and at evaluation.
+"""A custom forward step that logs an extra metric: next-token accuracy, next to `lm loss`, in
+the trackers (TensorBoard here) every log step and on the console at each evaluation (the
+console's training line shows only the metrics named "... loss").
 
     python examples/extra_metric.py --dir runs/example_metric --train-iters 20
 

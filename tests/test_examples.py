@@ -45,9 +45,18 @@ def test_optimizer_override_provider(tmp_path):
 
 def test_forward_step_with_extra_metric(tmp_path):
     out = run_example("extra_metric.py", "--dir", str(tmp_path), "--train-iters", "5")
-    train_lines = [line for line in out.splitlines() if "iteration 5/5" in line]
-    assert train_lines and "token accuracy" in train_lines[0] and "lm loss" in train_lines[0], out[-2000:]
+    validation = [line for line in out.splitlines() if "validation at iteration 5" in line]
+    assert validation and "token accuracy" in validation[0] and "lm loss" in validation[0], out[-2000:]
     assert "trained 5 iterations" in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "example_metric" / "tb_logs"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "token accuracy" in tags and "lm loss" in tags, tags
+    steps = [e.step for e in events.Scalars("token accuracy")]
+    assert steps == [5], steps  # log_interval 5: one training log step
+    assert all(0.0 <= e.value <= 1.0 for e in events.Scalars("token accuracy"))
     # console lines carry a timestamp, as Megatron-LM's do
     assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] \[100%\] iteration 5/5", out, re.M), out[-2000:]
 

@@ -43,7 +43,7 @@ PLAN = [
     ("mbridge slurm", "run", [("sbatch llama3_70b_pretrain.sbatch", "test -s llama3_70b_pretrain.sbatch", "no Slurm here: the script is checked instead"),
                               ("/lustre/runs", "{tmp}/lustre", TMP)], ""),
     ("# my.yaml", "file", [], ""),
-    ("mbridge pretrain --recipe tiny_gpt_pretrain_config --config-file my.yaml", "run",
+    ("mbridge pretrain --recipe tiny_gpt_pretrain_config --name overrides --config-file my.yaml", "run",
      [("train.train_iters=50", "train.train_iters=5", FEWER)], ""),
     ("$ mbridge pretrain --recipe tiny_gpt_pretrain_config train.train_iter=5", "output", [], ""),
     ("# train.py", "python", [("train_iters=50", "train_iters=5", FEWER)], ""),
