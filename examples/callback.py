@@ -48,6 +48,7 @@ def main() -> None:
 
     cfg = tiny_gpt_pretrain_config(dir=args.dir, name="example_callback", train_iters=args.train_iters)
     cfg.validation.eval_interval = 10
+    cfg.validation.test_iters = 0  # on_eval_end also sees the test split; keep to validation here
     best = BestValidation(os.path.join(args.dir, "example_callback", "best.json"))
     state = pretrain(cfg, forward_step, callbacks=[best])
     print(f"best validation loss {best.best:.4f} at iteration {best.best_step} (of {state.train_state.step})")
