@@ -132,3 +132,26 @@ def test_config_diff_hides_derived_fields_unless_asked(tmp_path, capsys):
     assert "scheduler.lr_decay_steps: null -> 240" in out and "data_parallel_size: null -> 1" in out
     assert "model.pipeline_dtype: null -> float32" in out  # set by the precision preset
     assert len(out.splitlines()) == hidden + 1
+
+
+def test_finetune_dry_run_reports_every_problem_in_one_round(capsys):
+    code, _, err = cli(capsys, "finetune", "--recipe", "tiny_gpt_finetune_config", "--dry-run")
+    assert_usage_error(code, err, "2 configuration problems", "dataset.dataset_root: is not set",
+                       "checkpoint.pretrained_checkpoint: finetune() needs pretrained weights")  # fmt: skip
+
+
+def test_first_finetune_help_example_runs(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    code, out, _ = cli(capsys, "finetune", "--help")
+    lines = out.split("examples:\n", 1)[1].splitlines()
+    first = [lines[0]]
+    while first[-1].endswith("\\"):
+        first.append(lines[len(first)])
+    argv = shlex.split(" ".join(line.rstrip("\\") for line in first))
+    assert argv[:2] == ["mbridge", "finetune"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny_gpt_pretrain" / "checkpoints").mkdir(parents=True)  # what `mbridge pretrain` writes
+    code, out, err = cli(capsys, *argv[1:], "--dry-run")  # the real run is in tests/test_readme.py
+    assert code == 0, err
+    assert "dry run of tiny_gpt_finetune_config" in out
