@@ -237,6 +237,4 @@ def _set_layout(model: GPTModelProvider, opts: RecipeOptions) -> None:
 def _tokenizer(model: GPTModelProvider, opts: RecipeOptions) -> TokenizerConfig:
     if opts.tokenizer is None:
         return TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size)
-    if not model.is_explicit("vocab_size"):  # the architecture's default vocabulary: the tokenizer's instead
-        model.apply_default("vocab_size", None)
     return TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=_path(opts.tokenizer))
