@@ -51,7 +51,7 @@ PLAN = [
     ("from megatron_bridge.models import GPTModelProvider", "python", [], ""),
     ("# my_data.py", "python", [("train_iters=30", "train_iters=5", FEWER)], ""),
     ("# groups.py", "python", [("train_iters=30", "train_iters=5", FEWER)], ""),
-    ("mbridge data preprocess", "run", [("tiny_gpt_pretrain_config", "tiny_gpt_pretrain_config train.train_iters=3", FEWER)], ""),
+    ("mbridge data preprocess", "run", [("model.vocab_size=512", "model.vocab_size=512 train.train_iters=3", FEWER)], ""),
     ("dataset:\n  data_path:", "skip", [], "a fragment of a config (blend phases are run in tests/test_phases.py)"),
     ('{"input": "What is', "skip", [], "sample rows in text; the tiny recipes read token ids (data/sft below)"),
     ('{"messages":', "skip", [], "sample rows in text; chat data is run in tests/test_chat_sft.py"),
