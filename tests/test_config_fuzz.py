@@ -23,7 +23,7 @@ from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.config import targets
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import tiny_gpt_pretrain_config
 
 SEED = 20261123
@@ -81,12 +81,12 @@ def target_names(rng):
 
     import megatron_bridge
     import megatron_bridge.config.targets as target_module
-    import megatron_bridge.training.config.serialization as serialization
+    import megatron_bridge.config.serialization as serialization
     import recipes
 
     names = [
         "torch.os.system", "torch.serialization.os.system", "torch.save", "torch.load",
-        "megatron_bridge.training.config.serialization.register_target",
+        "megatron_bridge.config.serialization.register_target",
         "megatron_bridge.config.targets.register_target", "megatron_bridge.config.targets.importlib.import_module",
         "megatron_bridge.__main__.main", "builtins.eval", "os.system", "subprocess.run", "functools.partial",
         "torch.nn.functional.os.system", "recipes.os.system", "megatron.core.os.system",

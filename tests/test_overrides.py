@@ -15,10 +15,10 @@ from megatron_bridge.training.config import (
     GPTDatasetConfig,
     runtime_config_update,
 )
-from megatron_bridge.training.config.serialization import to_yaml
+from megatron_bridge.config.serialization import to_yaml
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
-from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
-from megatron_bridge.training.utils.override_parser import parse_value
+from megatron_bridge.config.overrides import process_config_with_overrides
+from megatron_bridge.config.overrides import parse_value
 
 
 def make_config():

@@ -151,7 +151,7 @@ def test_packing_settings_are_checked_and_round_trip(tmp_path):
 
     from megatron_bridge.config.errors import ConfigValidationError
     from megatron_bridge.training.config import ConfigContainer, FinetuningDatasetConfig, PackedSequenceSpecs, runtime_config_update
-    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     def cfg(**model):
         return tiny_config(

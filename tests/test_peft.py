@@ -27,7 +27,7 @@ from megatron_bridge.training.config import (
 from megatron_bridge.training.finetune import finetune
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
-from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+from megatron_bridge.config.overrides import process_config_with_overrides
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -28,7 +28,7 @@ from megatron_bridge.training.config import (
     runtime_config_update,
 )
 from megatron_bridge.config import targets
-from megatron_bridge.training.config.serialization import from_dict, from_yaml, to_dict, to_yaml
+from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 
 
@@ -291,7 +291,7 @@ def test_target_outside_the_allowlist_is_refused_with_a_fix(tmp_path):
         "torch.os.system",
         "torch.serialization.os.system",
         "torch.save",
-        "megatron_bridge.training.config.serialization.register_target",
+        "megatron_bridge.config.serialization.register_target",
         "megatron_bridge.config.targets.importlib.import_module",
         "megatron_bridge.__main__.main",
         "megatron_bridge.models.llama.F",
@@ -369,8 +369,8 @@ def test_unknown_keys_are_errors_naming_the_closest_fields():
     with pytest.raises(ConfigValidationError) as info:
         from_dict(data, ConfigContainer)
     errors = info.value.errors
-    assert "train.train_iter: unknown key for TrainingConfig (did you mean 'train_iters'" in errors[0]
-    assert errors[1].startswith("modle: unknown key for ConfigContainer (did you mean 'model'?)")
+    assert "train.train_iter: unknown key: TrainingConfig has no field 'train_iter' (did you mean 'train_iters'" in errors[0]
+    assert errors[1].startswith("modle: unknown key: ConfigContainer has no field 'modle' (did you mean 'model'?)")
 
 
 def test_all_loading_errors_are_raised_together():
@@ -428,7 +428,7 @@ def test_union_section_without_target_takes_the_class_that_knows_its_keys():
     data["dataset"] = {"seq_length": 32, "dataset_root": "/x", "memmap_workers": 2}
     assert type(from_dict(data, ConfigContainer).dataset) is FinetuningDatasetConfig
     data["dataset"] = {"seq_length": 32, "data_path": "a", "dataset_rot": "/x"}
-    with pytest.raises(ConfigValidationError, match="dataset.dataset_rot: unknown key for GPTDatasetConfig"):
+    with pytest.raises(ConfigValidationError, match="dataset.dataset_rot: unknown key: GPTDatasetConfig has no field 'dataset_rot'"):
         from_dict(data, ConfigContainer)
 
 

@@ -138,8 +138,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_bridge.training.config import ConfigContainer
-    from megatron_bridge.training.config.serialization import from_yaml, to_yaml
-    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron_bridge.config.serialization import from_yaml, to_yaml
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     base, source = build_config()
     if len(OVERRIDES) != 50:

@@ -111,10 +111,12 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
 
 def machine_problems(cfg: "ConfigContainer") -> list[str]:
     """What a run of `cfg` would trip over on this machine (not in the config itself): output
-    directories that cannot be written, too little space for a checkpoint."""
+    directories that cannot be written, too little space for a checkpoint, settings that need a
+    GPU or TransformerEngine."""
+    from megatron_bridge.config import status
     from megatron_bridge.training import preflight
 
-    found = [str(p) for p in preflight.check_outputs(cfg, create=False)]
+    found = [str(p) for p in preflight.check_outputs(cfg, create=False)] + status.machine_problems(cfg)
     warning = preflight.free_space_warning(cfg)
     return found + ([warning] if warning else [])
 

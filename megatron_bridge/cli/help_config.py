@@ -79,7 +79,7 @@ def first_line(doc: str) -> str:
 # ---------------------------------------------------------------------- rendering
 def type_name(tp: Any) -> str:
     """`typing.Optional[megatron_bridge.x.TrainingConfig]` -> `Optional[TrainingConfig]`."""
-    from megatron_bridge.config.typecheck import describe
+    from megatron_bridge.config.annotations import describe
 
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", describe(tp))
 
@@ -127,7 +127,7 @@ def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: A
 
 def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
     """Every public field of dataclass `cls` (values from `obj`, if not None)."""
-    from megatron_bridge.config.typecheck import field_types
+    from megatron_bridge.config.annotations import field_types
 
     types = field_types(cls)
     lines: list[str] = []
@@ -143,7 +143,7 @@ def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
 def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
     """(class, instance) of the section a field holds: its value, the config a preset name stands
     for, or, for a null field with one possible class, that class without an instance."""
-    from megatron_bridge.training.utils.override_types import section_classes, section_from_value
+    from megatron_bridge.config.annotations import section_classes, section_from_value
 
     try:
         section = section_from_value(value, declared)
@@ -159,15 +159,15 @@ def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
 
 def _named_choices(declared: Any) -> tuple[str, ...]:
     """Short names of the section classes a field may hold (`lora`, `dora`), if they have them."""
-    from megatron_bridge.training.utils.override_types import section_classes
+    from megatron_bridge.config.annotations import section_classes
 
     return tuple(c.config_name for c in section_classes(declared) if isinstance(getattr(c, "config_name", None), str))
 
 
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
-    from megatron_bridge.config.typecheck import field_types
-    from megatron_bridge.training.utils.override_types import section_classes
+    from megatron_bridge.config.annotations import field_types
+    from megatron_bridge.config.annotations import section_classes
 
     container = type(cfg)
     types = field_types(container)
@@ -206,7 +206,7 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
     'train.train_iters' one field; 'options' the recipe's options (when `options` is given)."""
     if not topic:
         return "\n".join(sections_text(cfg, options, label))
-    from megatron_bridge.config.typecheck import field_types
+    from megatron_bridge.config.annotations import field_types
 
     parts = topic.split(".")
     cls: Optional[type] = type(cfg)

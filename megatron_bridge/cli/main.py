@@ -7,7 +7,6 @@ import importlib
 import os
 import sys
 import traceback
-import warnings
 from types import ModuleType
 from typing import Optional, Sequence
 
@@ -69,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_third_party_warnings() -> None:
-    # torch.cuda warns about the pynvml package on every import; noise on a command line.
-    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+    from megatron_bridge.warning_filters import quiet_known_warnings
+
+    quiet_known_warnings()
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -26,7 +26,7 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
     """The options object of recipe `fn` with its defaults, then `KEY=VALUE` texts applied (each
     value decoded against the option's declared type, with the grammar and checks of config
     overrides), then `values` as given. Fields changed here count as set (`explicit_fields()`)."""
-    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     options_class = getattr(fn, "options_class", None)
     if options_class is None:
@@ -72,7 +72,7 @@ def build_config(
     if config_file is not None:
         check_file(config_file)
     from megatron_bridge.training.config import ConfigContainer
-    from megatron_bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron_bridge.config.overrides import process_config_with_overrides
 
     with config_errors_are_usage_errors():
         if recipe is not None:

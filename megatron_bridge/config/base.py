@@ -8,7 +8,7 @@
 * **Deferred finalize.** Subclasses of megatron-core configs do nothing in `__post_init__`; their
   checks and derived values run in `finalize()`, so recipes and overrides can edit fields first.
 * **Derived values stay fresh.** When `finalize()` fills in a field, the previous
-  value is remembered; the next `finalize()` puts it back before recomputing, so editing
+  value is remembered; the next `finalize()` puts it back before any section code runs, so editing
   `hidden_size` after a finalize does not leave a stale `ffn_hidden_size` behind. A field the user
   sets explicitly is never put back.
 """
@@ -22,9 +22,9 @@ from abc import ABCMeta
 from typing import Any, ClassVar, Iterator
 
 from megatron_bridge.config import ranges
+from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.targets import register_config_class
-from megatron_bridge.config.typecheck import type_problem
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
 # carried by copy.deepcopy and pickle but ignored by dataclasses.fields/asdict/replace.
@@ -96,6 +96,8 @@ class ConfigBase(metaclass=_ConfigMeta):
         if aliased is not None:
             setattr(self, aliased, value)
             return
+        if d.get(_TRACKING) and not name.startswith("_") and not hasattr(type(self), name):
+            raise AttributeError(unknown_field_message(type(self), name))
         object.__setattr__(self, name, value)
 
     def is_explicit(self, name: str) -> bool:
@@ -190,7 +192,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def _finalize(self, problems: Problems) -> None:
         """Checks and derived values of this section; report problems into `problems`.
 
-        Subclasses override this (calling `self._restore_derived()` first if they derive values).
+        Subclasses override this. `finalize_into` has already put back what the previous finalize
+        derived, so a derived value is recomputed from the current fields.
         """
 
     def finalize(self) -> None:
@@ -209,6 +212,18 @@ class ConfigBase(metaclass=_ConfigMeta):
     __hash__ = None  # type: ignore[assignment]
 
 
+def unknown_field_message(cls: type, name: str) -> str:
+    """`cls` has no field `name`: the message names the closest fields (a typo is never silent)."""
+    import difflib
+
+    names = sorted(field_names(cls) | set(cls._field_aliases))
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    initials = "".join(part[:1] for part in name.split("_"))  # learning_rate -> lr
+    close += [n for n in names if n == initials and n not in close]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"{cls.__name__} has no field {name!r}{hint}"
+
+
 def _failing_line(exc: BaseException) -> str:
     """The source line that raised `exc` (megatron-core has bare asserts without a message)."""
     import traceback
@@ -216,28 +231,6 @@ def _failing_line(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     line = frames[-1].line if frames else ""
     return f"{type(exc).__name__} at `{line}`" if line else type(exc).__name__
-
-
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for config values: `functools.partial` compares by function and arguments."""
-    if a is b:
-        return True
-    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return (
-            values_equal(a.func, b.func)
-            and len(a.args) == len(b.args)
-            and all(values_equal(x, y) for x, y in zip(a.args, b.args))
-            and a.keywords.keys() == b.keywords.keys()
-            and all(values_equal(a.keywords[k], b.keywords[k]) for k in a.keywords)
-        )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
@@ -259,8 +252,12 @@ def finalize_into(config: Any, problems: Problems) -> None:
     if isinstance(config, ConfigBase):
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
+        config._restore_derived()
         if ranges.check(config, problems):
             config._finalize(problems)
+        from megatron_bridge.config.status import check_unsupported
+
+        check_unsupported(config, problems)
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):

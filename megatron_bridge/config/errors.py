@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-
 MAX_REPORTED = 100
 """Problems listed in an error message; the rest are counted ("and N more")."""
 

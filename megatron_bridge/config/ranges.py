@@ -179,7 +179,7 @@ def range_of(cls_name: str, name: str, kind: type) -> tuple[Range, str]:
 @functools.lru_cache(maxsize=None)
 def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
     """(name, range) of every numeric field of config class `cls`."""
-    from megatron_bridge.config.typecheck import field_types
+    from megatron_bridge.config.annotations import field_types
 
     out = []
     for name, tp in field_types(cls).items():

@@ -92,7 +92,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             value = getattr(self, name)

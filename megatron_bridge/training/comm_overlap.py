@@ -11,9 +11,10 @@ import logging
 from dataclasses import field
 from typing import Any, Optional, Union
 
-from megatron_bridge.extras import is_installed
-from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
+from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.rules import set_unless_user_set
+from megatron_bridge.extras import is_installed
 
 logger = logging.getLogger(__name__)
 
@@ -136,22 +137,15 @@ class CommOverlapConfig(ConfigBase):
         """Apply `planned()` values to fields the user did not set explicitly on the targets."""
         targets = {"model": model, "ddp": ddp, "optimizer": optimizer}
         changed = []
+
+        def clash(name: str, current: Any, value: Any) -> Optional[tuple[str, str]]:
+            if not self.is_explicit(name):
+                return None  # the plan's own default gives way to the user's value
+            return f"{current!r} contradicts comm_overlap.{name}={value!r}", f"set {name} in one place only"
+
         for section, values in self.planned(model, ddp).items():
             target = targets[section]
-            for name, value in values.items():
-                if not hasattr(target, name):
-                    continue
-                current = getattr(target, name)
-                if target.is_explicit(name):
-                    if self.is_explicit(name) and not values_equal(current, value):
-                        problems.add(
-                            f"{section}.{name}",
-                            f"{current!r} contradicts comm_overlap.{name}={value!r}",
-                            f"set {name} in one place only",
-                        )
-                    continue
-                if not values_equal(current, value):
-                    changed.append(f"{section}.{name}={value!r}")
-                target.apply_default(name, value)
+            values = {k: v for k, v in values.items() if hasattr(target, k)}
+            changed += set_unless_user_set(target, values, problems, section, clash)
         if changed:
             logger.info("comm_overlap (dp=%s) set %s", self.data_parallel_size, ", ".join(changed))

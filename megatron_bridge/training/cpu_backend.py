@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_bridge.config.rules import set_unless_user_set
+
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
@@ -295,20 +297,16 @@ def adapt_config(cfg, problems) -> list[str]:
     """Make `cfg` trainable on CPU: apply `CPU_MODEL_SETTINGS` where the user did not choose
     otherwise, and report choices that cannot work on CPU. Returns what changed."""
     model = cfg.model
-    changed = []
-    for name, value in CPU_MODEL_SETTINGS.items():
-        current = getattr(model, name)
-        if current == value:
-            continue
-        if model.is_explicit(name):
-            problems.add(
-                f"model.{name}",
-                f"{current!r} needs CUDA, but this run trains on CPU",
-                f"set model.{name}={value!r} or train on GPUs (dist.distributed_backend='nccl')",
-            )
-            continue
-        model.apply_default(name, value)
-        changed.append(f"model.{name}={value!r}")
+    changed = set_unless_user_set(
+        model,
+        CPU_MODEL_SETTINGS,
+        problems,
+        "model",
+        lambda name, current, value: (
+            f"{current!r} needs CUDA, but this run trains on CPU",
+            f"set model.{name}={value!r} or train on GPUs (dist.distributed_backend='nccl')",
+        ),
+    )
     if model.sequence_parallel:
         problems.add(
             "model.sequence_parallel",
@@ -324,15 +322,17 @@ def adapt_config(cfg, problems) -> list[str]:
     ckpt = cfg.checkpoint
     if ckpt.async_save and ckpt.use_persistent_ckpt_worker:
         # megatron-core's persistent async-save worker divides by torch.cuda.device_count()
-        if ckpt.is_explicit("use_persistent_ckpt_worker"):
-            problems.add(
-                "checkpoint.use_persistent_ckpt_worker",
+        changed += set_unless_user_set(
+            ckpt,
+            {"use_persistent_ckpt_worker": False},
+            problems,
+            "checkpoint",
+            lambda *_: (
                 "the persistent async checkpoint worker needs CUDA, but this run trains on CPU",
                 "set checkpoint.use_persistent_ckpt_worker=False (a worker per save works on CPU)",
-            )
-        else:
-            ckpt.apply_default("use_persistent_ckpt_worker", False)
-            changed.append("checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)")
+            ),
+            show=lambda value: f"{value!r} (the persistent worker needs CUDA)",
+        )
     if cfg.straggler is not None and cfg.straggler.log_straggler:
         problems.add(
             "straggler.log_straggler",

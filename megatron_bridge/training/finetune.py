@@ -21,6 +21,9 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     resuming loads the pretrained weights first, then the adapters saved by this run.
     """
     from megatron_bridge.training.runner import run_job
+    from megatron_bridge.warning_filters import quiet_known_warnings
+
+    quiet_known_warnings()
 
     problems = Problems()
     check_pretrained_weights(config, problems)

@@ -13,8 +13,9 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names, values_equal
+from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config.rules import set_unless_user_set
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,6 @@ class MixedPrecisionConfig(ConfigBase):
     """Overflows tolerated before the loss scale shrinks (fp16)."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         p.check(not (self.fp16 and self.bf16), "bf16", "fp16 and bf16 are both on", "choose one of them")
         p.check(
@@ -118,19 +118,7 @@ class MixedPrecisionConfig(ConfigBase):
             "fp32 is on together with fp16/bf16",
             "choose one precision",
         )
-        p.check(
-            not (self.fp8 and self.fp4),
-            "fp4",
-            f"fp8={self.fp8!r} and fp4={self.fp4!r} are both set",
-            "train in FP8 or in FP4, not both",
-        )
-        if self.fp8 or self.fp4:
-            p.check(
-                self.bf16 or self.fp16,
-                "fp8" if self.fp8 else "fp4",
-                "FP8/FP4 training needs bf16 or fp16 as the higher precision",
-                "set bf16=True (or fp16=True)",
-            )
+        check_low_precision(self, p, "", "set bf16=True (or fp16=True)")
         if self.fp8_param is None:
             self._derive("fp8_param", self.fp8_param_gather)
         else:
@@ -154,22 +142,14 @@ class MixedPrecisionConfig(ConfigBase):
         for section, target in (("model", model), ("optimizer", optimizer), ("ddp", ddp)):
             if target is None:
                 continue
-            for field_name, value in self._values_for(target).items():
-                current = getattr(target, field_name)
-                if isinstance(target, ConfigBase) and target.is_explicit(field_name):
-                    if not values_equal(current, value):
-                        problems.add(
-                            f"{section}.{field_name}",
-                            f"{current!r} was set explicitly but mixed_precision {name!r} sets {value!r}",
-                            f"remove the explicit {section}.{field_name} or choose another mixed_precision preset",
-                        )
-                    continue
-                if not values_equal(current, value):
-                    changed.append(f"{section}.{field_name}={_short(value)}")
-                if isinstance(target, ConfigBase):
-                    target.apply_default(field_name, value)
-                else:
-                    setattr(target, field_name, value)
+
+            def clash(field_name: str, current: object, value: object, section: str = section) -> tuple[str, str]:
+                return (
+                    f"{current!r} was set explicitly but mixed_precision {name!r} sets {value!r}",
+                    f"remove the explicit {section}.{field_name} or choose another mixed_precision preset",
+                )
+
+            changed += set_unless_user_set(target, self._values_for(target), problems, section, clash, _short)
         if changed:
             logger.info("mixed_precision %r set %s", name, ", ".join(changed))
 
@@ -196,6 +176,24 @@ class MixedPrecisionConfig(ConfigBase):
         if field_name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
             return self.fp16
         return True
+
+
+def check_low_precision(c: object, problems: Problems, prefix: str, fix: str) -> None:
+    """FP8 and FP4 exclude each other and need bf16/fp16 as the higher precision; `c` is a preset
+    or the model (`prefix` "model." names its fields), `fix` says how to add the higher precision."""
+    problems.check(
+        not (c.fp8 and c.fp4),
+        f"{prefix}fp4",
+        f"{prefix}fp8={c.fp8!r} and {prefix}fp4={c.fp4!r} are both set",
+        "train in FP8 or in FP4, not both",
+    )
+    if c.fp8 or c.fp4:
+        problems.check(
+            c.bf16 or c.fp16,
+            f"{prefix}fp8" if c.fp8 else f"{prefix}fp4",
+            "FP8/FP4 training needs bf16 or fp16 as the higher precision",
+            fix,
+        )
 
 
 def _short(value: object) -> str:

@@ -19,5 +19,8 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     is the standard GPT step. Returns the final `GlobalState` (counters, config).
     """
     from megatron_bridge.training.runner import run_job
+    from megatron_bridge.warning_filters import quiet_known_warnings
+
+    quiet_known_warnings()
 
     return run_job(config, forward_step_func, callbacks)

@@ -11,13 +11,14 @@ import numpy as np
 import torch
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config import status as field_status
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.child_processes import die_with_parent
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
-from megatron_bridge.training.forward_step import prepare_forward_step
+from megatron_bridge.training.forward_step_adapter import prepare_forward_step
 from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
@@ -257,6 +258,7 @@ def setup(
     resolve_config(cfg)
     die_with_parent()
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
+    field_status.refuse_on_this_machine(cfg)  # settings that need a GPU or TransformerEngine
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -313,7 +315,7 @@ def setup(
         internal_callbacks.append(state.stragglers)
     internal_callbacks += _data_phase_callbacks(cfg, state)
     callback_list = CallbackList([*internal_callbacks, *(callbacks or [])])
-    run = Run(state=state, model=model, optimizer=optimizer, scheduler=scheduler, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
+    run = Run(state=state, forward_step=prepare_forward_step(forward_step_func, state), callbacks=callback_list)
     manager = make_manager(cfg)
     manager.load(run)  # before the data iterators: they resume at the loaded sample counts
     state.progress = ProgressFile.for_run(state)
@@ -326,4 +328,6 @@ def setup(
     run.train_iterator, run.valid_iterator, run.test_iterator = build_data_iterators(cfg, state, len(model))
     if state.is_logging_rank:
         state.tracker.log_config(cfg.to_dict())
+    if cfg.logger.save_config_filepath and state.rank == 0:
+        cfg.to_yaml(cfg.logger.save_config_filepath)  # resolved: derived values and vocab size filled in
     return run

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.timers import Timers
+    from megatron.core.transformer.module import MegatronModule
+
     from megatron_bridge.training.config import ConfigContainer
+    from megatron_bridge.training.progress import ProgressFile
+    from megatron_bridge.training.signals import ExitSignalHandler
 
 
 @dataclass
@@ -51,10 +58,10 @@ class GlobalState:
 
     cfg: "ConfigContainer"
     train_state: TrainState = field(default_factory=TrainState)
-    timers: Any = None
+    timers: Optional["Timers"] = None
     tokenizer: Any = None
     tracker: Any = None
-    signal_handler: Any = None
+    signal_handler: Optional["ExitSignalHandler"] = None
     start_time: float = field(default_factory=time.time)
     device: str = "cpu"
     rank: int = 0
@@ -66,16 +73,17 @@ class GlobalState:
     """True if `pretrain()` created the process group (and so must destroy it)."""
 
     cpu_backend_activated: bool = False
-    model: Any = None
-    """The model chunks of this rank (megatron DDP-wrapped), once built."""
+    model: Optional[list["MegatronModule"]] = None
+    """The model chunks of this rank (megatron DDP-wrapped), once built. The only reference the
+    run keeps: the loop, checkpoints and forward steps read it here."""
 
-    optimizer: Any = None
+    optimizer: Optional["MegatronOptimizer"] = None
     """The megatron-core optimizer, once built."""
 
-    scheduler: Any = None
+    scheduler: Optional["OptimizerParamScheduler"] = None
     """The `OptimizerParamScheduler`, once built."""
 
-    progress: Any = None
+    progress: Optional["ProgressFile"] = None
     """The `progress.txt` writer (`logger.log_progress`, logging rank only)."""
 
     fault_tolerance: Any = None

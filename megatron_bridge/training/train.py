@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -19,25 +19,26 @@ from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.training.metrics import EnergyMeter, eval_metrics, reduced_metrics, timer_values, train_metrics
 from megatron_bridge.training.state import GlobalState
 
+if TYPE_CHECKING:
+    from megatron_bridge.training.checkpointing import Checkpointer
+
 logger = logging.getLogger("megatron_bridge")
 
 
 @dataclass
 class Run:
-    """Everything the loop works with, as built by `setup()`."""
+    """Everything the loop works with, as built by `setup()`. The model, optimizer and scheduler
+    belong to `state` (forward steps and callbacks see them there)."""
 
     state: GlobalState
-    model: list[Any]
-    optimizer: Any
-    scheduler: Any
     forward_step: Callable
     train_iterator: Any = None
     valid_iterator: Any = None
     test_iterator: Any = None
     callbacks: CallbackList = field(default_factory=CallbackList)
-    checkpointer: Any = None
+    checkpointer: Optional["Checkpointer"] = None
     """Saves checkpoints (`save(run, reason)`); None when checkpoint.save is not set."""
-    energy_meter: Any = None
+    energy_meter: Optional[EnergyMeter] = None
     """Reads GPU energy counters (`logger.log_energy`)."""
 
 
@@ -87,14 +88,14 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
     seq = cfg.model.seq_length
     result = StepResult()
     while rerun.should_run_forward_backward(run.train_iterator):
-        for chunk in run.model:
+        for chunk in run.state.model:
             chunk.zero_grad_buffer()
-        run.optimizer.zero_grad()
+        run.state.optimizer.zero_grad()
         # megatron-core's schedule times itself as "forward-backward" (model config `timers`)
         result.reports = fwd_bwd(
             forward_step_func=run.forward_step,
             data_iterator=run.train_iterator,
-            model=run.model,
+            model=run.state.model,
             num_microbatches=get_num_microbatches(),
             seq_length=seq,
             micro_batch_size=cfg.train.micro_batch_size,
@@ -107,10 +108,10 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
         result.rerun_exit_code = exit_code
         return result
     timers("optimizer", log_level=1).start(barrier=False)
-    update_ok, grad_norm, _ = run.optimizer.step()
+    update_ok, grad_norm, _ = run.state.optimizer.step()
     timers("optimizer").stop()
     if update_ok:
-        run.scheduler.step(increment=get_current_global_batch_size())
+        run.state.scheduler.step(increment=get_current_global_batch_size())
     result.update_ok = bool(update_ok)
     result.grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     return result
@@ -133,7 +134,7 @@ def train(run: Run) -> Stop:
     state, t = run.state, run.state.cfg.train
     # The machine counts steps itself and names them in its reports: align it with ours (1-based).
     get_rerun_state_machine().current_iteration = state.train_state.step
-    for chunk in run.model:
+    for chunk in run.state.model:
         chunk.train()
     run.callbacks.on_train_start(state)
     profiler = profiling.StepProfiler.for_run(state)
@@ -220,7 +221,7 @@ def _loop(run: Run, profiler: Any) -> Stop:
 
 def _step_metrics(run: Run, step: StepResult, elapsed: float) -> dict[str, Any]:
     metrics: dict[str, Any] = {
-        "learning_rate": run.optimizer.param_groups[0]["lr"],
+        "learning_rate": run.state.optimizer.param_groups[0]["lr"],
         "grad_norm": step.grad_norm,
         "skipped": not step.update_ok,
         "iteration_time": elapsed,
@@ -240,10 +241,10 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     losses = interval.losses.average(dp_group) if interval.losses.totals else {}
     # collective: every rank, before the rank check
     timers = timer_values(state, interval.steps)
-    reduced = reduced_metrics(state, run.model, run.energy_meter)
+    reduced = reduced_metrics(state, run.state.model, run.energy_meter)
     if not state.is_logging_rank or cfg.logger.skip_train_metrics_log:
         return
-    values = train_metrics(state, run.optimizer, interval, losses, timers, get_current_global_batch_size())
+    values = train_metrics(state, run.state.optimizer, interval, losses, timers, get_current_global_batch_size())
     values.update(reduced)
     done, remaining = ts.step - start_step, cfg.train.train_iters - ts.step
     eta = (time.perf_counter() - loop_start) / done * remaining if done else float("nan")
@@ -259,7 +260,7 @@ def run_evaluation(run: Run, iterator: Any, num_iters: int, split: str) -> Optio
     run.callbacks.on_eval_start(state)
     if state.cfg.train.manual_gc and state.cfg.train.manual_gc_eval:
         gc.collect()
-    losses = evaluate(state, run.forward_step, iterator, run.model, num_iters)
+    losses = evaluate(state, run.forward_step, iterator, run.state.model, num_iters)
     if losses is not None and state.is_logging_rank:
         logger.info(console.eval_line(state.train_state.step, split, losses))
         with_ppl = state.cfg.logger.log_validation_ppl_to_tensorboard

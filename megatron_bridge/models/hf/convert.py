@@ -105,7 +105,7 @@ def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
     from megatron_bridge.models import GPTModelProvider
     from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-    from megatron_bridge.training.config.serialization import from_dict, load_yaml_file
+    from megatron_bridge.config.serialization import from_dict, load_yaml_file
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
     if not os.path.isfile(path):
@@ -160,12 +160,12 @@ def save_run(run: Any) -> Optional[str]:
     step = run.state.train_state.step
     out_dir = os.path.join(cfg.checkpoint.save, f"hf_iter_{step:07d}")
     if cfg.ddp.use_distributed_optimizer and cfg.ddp.overlap_param_gather:
-        for chunk in run.model:  # the last step's parameters may not be gathered yet
+        for chunk in run.state.model:  # the last step's parameters may not be gathered yet
             chunk.start_param_sync(force_sync=True)
     origin = hf_origin(cfg.checkpoint.pretrained_checkpoint)
     hf, dtype = export_config(cfg.model, origin, cfg.checkpoint.save_hf_dtype)
     tokenizer = origin if has_tokenizer(origin) else None
     if tokenizer is None and cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
         tokenizer = cfg.tokenizer.tokenizer_model
-    write_hf_weights(run.model, out_dir, hf, dtype, tokenizer_source=tokenizer, origin=origin)
+    write_hf_weights(run.state.model, out_dir, hf, dtype, tokenizer_source=tokenizer, origin=origin)
     return out_dir

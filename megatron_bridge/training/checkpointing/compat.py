@@ -37,7 +37,7 @@ class CheckpointMismatchError(ValueError):
 def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     """`model.<field>: checkpoint X, config Y` for each architecture field that differs; empty if
     the checkpoint has no run_config.yaml."""
-    from megatron_bridge.training.config.serialization import to_dict
+    from megatron_bridge.config.serialization import to_dict
 
     path = os.path.join(checkpoint_dir, RUN_CONFIG_FILE)
     if not os.path.isfile(path):

@@ -209,8 +209,8 @@ class DefaultCheckpointManager:
         if not resume:
             from megatron_bridge.peft.apply import base_weights_loaded
 
-            base_weights_loaded(run.model)
-            run.optimizer.reload_model_params()
+            base_weights_loaded(run.state.model)
+            run.state.optimizer.reload_model_params()
             return base_iteration
         directory, iteration = layout.resolve(c.load, c.ckpt_step)
         recorded = dist_checkpointing.load_common_state_dict(directory).get("peft")
@@ -241,16 +241,16 @@ class DefaultCheckpointManager:
             with_rerun=with_rerun, model_part=part,
         )  # fmt: skip
         loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)
-        for key, chunk in zip(state_dict.model_keys(run), run.model):
+        for key, chunk in zip(state_dict.model_keys(run), run.state.model):
             state_dict.load_model_state(chunk, loaded[key], part)
         if with_optimizer:
-            run.optimizer.load_state_dict(loaded["optimizer"])
+            run.state.optimizer.load_state_dict(loaded["optimizer"])
         else:
             # Optimizers that keep their own copy of the weights (fp16/bf16 main params) take
             # the loaded ones; otherwise the first step would bring back the initial weights.
-            run.optimizer.reload_model_params()
+            run.state.optimizer.reload_model_params()
         if resume:
-            _load_scheduler(run.scheduler, common["opt_param_scheduler"])
+            _load_scheduler(run.state.scheduler, common["opt_param_scheduler"])
             run.state.train_state.load_state_dict(common["train_state"])
             if with_rng:
                 state_dict.restore_rng_state(loaded["rng_state"])
@@ -272,8 +272,8 @@ class DefaultCheckpointManager:
         """Weights only, from a Hugging Face directory (checked before the model was built)."""
         from megatron_bridge.models.hf.load import load_hf_weights
 
-        load_hf_weights(run.model, path)
-        run.optimizer.reload_model_params()
+        load_hf_weights(run.state.model, path)
+        run.state.optimizer.reload_model_params()
         _barrier()
         if run.state.is_logging_rank:
             logger.info("loaded weights of the Hugging Face model in %s", path)

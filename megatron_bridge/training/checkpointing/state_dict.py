@@ -110,7 +110,7 @@ def load_model_state(chunk: Any, state: dict[str, Any], part: str = "all") -> No
 
 
 def model_keys(run: "Run") -> list[str]:
-    return ["model"] if len(run.model) == 1 else [f"model{i}" for i in range(len(run.model))]
+    return ["model"] if len(run.state.model) == 1 else [f"model{i}" for i in range(len(run.state.model))]
 
 
 def rerun_machine_active() -> bool:
@@ -142,13 +142,13 @@ def build(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd: dict[str, Any] = {}
-    for key, chunk in zip(model_keys(run), run.model):
+    for key, chunk in zip(model_keys(run), run.state.model):
         sd[key] = model_state(chunk, model_part)
     # Adam's state exists only after the first step: nothing to save before it.
     with_optimizer = with_optimizer and (for_loading or run.state.train_state.step > 0)
     if with_optimizer:
         metadata = {"distrib_optim_sharding_type": OPTIMIZER_SHARDING}
-        sd["optimizer"] = run.optimizer.sharded_state_dict(sd, is_loading=for_loading, metadata=metadata)
+        sd["optimizer"] = run.state.optimizer.sharded_state_dict(sd, is_loading=for_loading, metadata=metadata)
     if with_rng:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
@@ -156,7 +156,7 @@ def build(
         sd["checkpoint_version"] = CHECKPOINT_VERSION
         sd["iteration"] = run.state.train_state.step
         sd["train_state"] = run.state.train_state.state_dict()
-        sd["opt_param_scheduler"] = run.scheduler.state_dict()
+        sd["opt_param_scheduler"] = run.state.scheduler.state_dict()
         sd["layout"] = layout()
         sd["saved_rng"] = with_rng
         sd["saved_optimizer"] = with_optimizer

@@ -11,10 +11,11 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.training.config import run_rules
+from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.mixed_precision import check_low_precision
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -28,6 +29,8 @@ DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
 def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
     """Every check between sections, then the derived values that depend on them."""
     for check in (
+        derive_eval_batch_sizes,
+        derive_vocab_size,
         check_batch_sizes,
         check_pipeline_layout,
         check_mixed_precision_consistency,
@@ -111,10 +114,6 @@ def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
     if train.rampup_batch_size is None:
         _check_divisible(problems, "train", train.global_batch_size, train.micro_batch_size, dp)
     val = cfg.validation
-    if val.eval_micro_batch_size is None:
-        val._derive("eval_micro_batch_size", train.micro_batch_size)
-    if val.eval_global_batch_size is None:
-        val._derive("eval_global_batch_size", train.global_batch_size)
     eval_sizes_given = not {"eval_micro_batch_size", "eval_global_batch_size"} <= val.derived_fields()
     if val.eval_iters and eval_sizes_given:  # derived from train's: already checked above
         _check_divisible(problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_")
@@ -190,19 +189,7 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
             f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
         )
     problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
-    problems.check(
-        not (m.fp8 and m.fp4),
-        "model.fp4",
-        f"model.fp8={m.fp8!r} and model.fp4={m.fp4!r} are both set",
-        "train in FP8 or in FP4, not both",
-    )
-    if m.fp8 or m.fp4:
-        problems.check(
-            m.bf16 or m.fp16,
-            "model.fp8" if m.fp8 else "model.fp4",
-            "FP8/FP4 training needs bf16 or fp16 as the higher precision",
-            "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'",
-        )
+    check_low_precision(m, problems, "model.", "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'")
 
 
 # ---------------------------------------------------------------------- sequence
@@ -312,14 +299,16 @@ def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     hf_checks.check_save_hf(cfg, problems)
 
 
-def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
-    tok, m = cfg.tokenizer, cfg.model
+def _null_tokenizer_vocab(cfg: "ConfigContainer"):
+    tok = cfg.tokenizer
     if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
-        return
-    vocab = tok.vocab_size + tok.vocab_extra_ids
-    if m.vocab_size is None:
-        m._derive("vocab_size", vocab)
-    elif m.is_explicit("vocab_size"):
+        return None
+    return tok.vocab_size + tok.vocab_extra_ids
+
+
+def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
+    m, vocab = cfg.model, _null_tokenizer_vocab(cfg)
+    if vocab is not None and m.is_explicit("vocab_size"):
         problems.check(
             m.vocab_size >= vocab,
             "model.vocab_size",
@@ -341,6 +330,24 @@ def check_logger_outputs(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 # ---------------------------------------------------------------------- derived values
+def derive_eval_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Evaluation batch sizes default to the training ones."""
+    train, val = cfg.train, cfg.validation
+    if cfg.data_parallel_size is None or not train.micro_batch_size or not train.global_batch_size:
+        return
+    if val.eval_micro_batch_size is None:
+        val._derive("eval_micro_batch_size", train.micro_batch_size)
+    if val.eval_global_batch_size is None:
+        val._derive("eval_global_batch_size", train.global_batch_size)
+
+
+def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The model's vocabulary defaults to a NullTokenizer's size (with its extra ids)."""
+    vocab = _null_tokenizer_vocab(cfg)
+    if vocab is not None and cfg.model.vocab_size is None:
+        cfg.model._derive("vocab_size", vocab)
+
+
 def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
     s, wd = cfg.scheduler, cfg.optimizer.weight_decay
     if s.start_weight_decay is None:

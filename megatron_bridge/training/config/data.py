@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Tuple, Union
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
 
-from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import Problems
 
 
@@ -50,7 +50,6 @@ class DataloaderConfig(ConfigBase):
             self._derive("persistent_workers", False)
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         self._finalize_dataloader(problems)
 
 
@@ -169,7 +168,6 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
         return self.sequence_length
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         self._finalize_dataloader(p)
         if p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length"):
@@ -351,7 +349,6 @@ class FinetuningDatasetConfig(DataloaderConfig):
     """Build the test split."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         self._finalize_dataloader(p)
         p.check(self.dataset_root is not None, "dataset_root", "is not set", "set dataset.dataset_root to a directory")
@@ -365,7 +362,7 @@ class FinetuningDatasetConfig(DataloaderConfig):
                 "use a positive count or None",
             )
         if self.packed_sequence_specs is not None:
-            self.packed_sequence_specs._finalize(p.at("packed_sequence_specs"))
+            finalize_into(self.packed_sequence_specs, p.at("packed_sequence_specs"))
         from megatron_bridge.data.sft_records import check_sft_options
 
         check_sft_options(self, p)

@@ -119,7 +119,6 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         problems.check(
             self.bucket_size is None or self.bucket_size > 0,
             "bucket_size",

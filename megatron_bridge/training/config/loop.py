@@ -89,7 +89,6 @@ class TrainingConfig(ConfigBase):
     """Deprecated: use validation.skip_train."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         if p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size"):
             p.check(
@@ -176,7 +175,6 @@ class ValidationConfig(ConfigBase):
     """Batches for the final test evaluation; defaults to eval_iters."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         for name in ("eval_interval", "eval_iters", "eval_global_batch_size", "eval_micro_batch_size", "test_iters"):
             value = getattr(self, name)
             minimum = 1 if name in ("eval_interval", "eval_global_batch_size", "eval_micro_batch_size") else 0

@@ -26,7 +26,6 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         if p.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
             p.check(self.lr > 0, "lr", f"must be positive, got {self.lr}", "use e.g. 3e-4")

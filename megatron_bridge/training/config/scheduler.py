@@ -84,7 +84,6 @@ class SchedulerConfig(ConfigBase):
     """Derived: WSD final-decay length in samples."""
 
     def _finalize(self, problems: Problems) -> None:
-        self._restore_derived()
         p = problems
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             p.add(

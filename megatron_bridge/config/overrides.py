@@ -1,4 +1,6 @@
-"""Parsing of command-line overrides in Hydra's grammar.
+"""Command-line overrides: parsed here (Hydra's grammar), `${...}` interpolations resolved
+(`config.interpolation`), then applied with a YAML file by `config.apply`
+(`process_config_with_overrides`).
 
     key=value      change an existing key
     +key=value     add a key that does not exist yet (inside dict-typed fields)
@@ -15,9 +17,15 @@ Unlike Hydra (where `a=1,2` is a multirun sweep), a bare comma-separated value i
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Iterable, Optional, Union
+
+from megatron_bridge.config.apply import NO_VALUE, Applier, Override
+from megatron_bridge.config.errors import ConfigValidationError, Problems, show
+from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
+from megatron_bridge.config.serialization import load_yaml_file
 
 _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
 _INT = re.compile(r"[-+]?\d(_?\d)*")
@@ -29,10 +37,6 @@ MAX_VALUE_LENGTH = 100_000
 MAX_DEPTH = 64
 """Deepest nesting of lists and dicts in an override value."""
 
-NO_VALUE = object()
-"""The value of a `~key` override given without `=value`."""
-
-
 def _short(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
 
@@ -43,21 +47,6 @@ class OverrideSyntaxError(ValueError):
     def __init__(self, message: str, fix: str):
         super().__init__(message)
         self.fix = fix
-
-
-@dataclasses.dataclass(frozen=True)
-class Override:
-    """One parsed override."""
-
-    op: str
-    """'set' (key=v), 'add' (+key=v), 'force' (++key=v) or 'delete' (~key)."""
-    key: tuple[str, ...]
-    value: Any
-    text: str
-
-    @property
-    def dotted(self) -> str:
-        return ".".join(self.key)
 
 
 def parse_override(text: str) -> Override:
@@ -231,3 +220,49 @@ class _Parser:
                 break
             self.pos += 1
         return self.text[start : self.pos].strip()
+
+
+def process_config_with_overrides(
+    config: Any,
+    config_filepath: Optional[Union[str, os.PathLike]] = None,
+    cli_overrides: Optional[Iterable[str]] = None,
+) -> Any:
+    """Merge `config_filepath` (YAML) into `config`, then apply `cli_overrides` (Hydra grammar,
+    see `config.overrides`); return `config`, updated in place. Does not finalize it."""
+    problems = Problems()
+    data: Any = None
+    if config_filepath is not None:
+        try:
+            data = load_yaml_file(config_filepath)
+        except ConfigValidationError as exc:
+            problems.absorb(exc)
+        if data is not None and not isinstance(data, Mapping):
+            problems.add(
+                "",
+                f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections",
+                "write key: value lines",
+            )
+            data = None
+    overrides: list[Override] = []
+    for text in cli_overrides or ():
+        try:
+            overrides.append(parse_override(text))
+        except OverrideSyntaxError as exc:
+            key = str(text).partition("=")[0].lstrip("+~").strip()
+            where = key if key and all(part.isidentifier() or part.isdigit() for part in key.split(".")) else ""
+            problems.add(where, f"{exc} [override {show(str(text))}]", exc.fix)
+    # Whatever parsed is applied even when something did not, so every problem is reported at once.
+    applier = Applier(config, problems)
+    file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
+    if has_interpolation(data, overrides):
+        try:
+            data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        except RecursionError:  # OmegaConf recurses over nested interpolations
+            problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
+            data, overrides = None, []
+    if data:
+        applier.merge(config, data, "", file_label)
+    for override in overrides:
+        applier.apply(override)
+    problems.raise_if_any()
+    return config

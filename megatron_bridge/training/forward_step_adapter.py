@@ -1,4 +1,5 @@
-"""Adapting user forward-step functions to what megatron-core's schedules call."""
+"""The adapter between user forward-step functions and what megatron-core's schedules call
+(the standard GPT step itself is `gpt_step.forward_step`)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
+from megatron_bridge.config.apply import NO_VALUE, Override
 from megatron_bridge.config.errors import show
-from megatron_bridge.training.config.serialization import ConfigEncoder, class_info
-from megatron_bridge.training.utils.override_parser import NO_VALUE, Override
+from megatron_bridge.config.serialization import ConfigEncoder, class_info
 
 _INTERPOLATION = re.compile(r"\$\{([^{}]*)")
 _UNRESOLVED = object()

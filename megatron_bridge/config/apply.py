@@ -1,0 +1,257 @@
+"""The one way values enter a config: mappings (a YAML file, a merge, a recipe's options, a saved
+config) and parsed command-line overrides are applied here, every value decoded against the
+declared type of its field (`model.params_dtype=bf16` gives a torch dtype,
+`model.activation_func=silu` a function; see `config.annotations`), set through the config's
+type-checked assignment, and counted as set by the user. Problems are collected, each tagged
+with its source (`[file my.yaml]`, `[override 'optimizer.lr=x']`), and raised together as one
+`ConfigValidationError`; on error the config may be partly updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_bridge.config.annotations import (
+    TARGET,
+    DecodeError,
+    container_item_type,
+    section_classes,
+    section_from_value,
+    suggest,
+)
+from megatron_bridge.config.base import ConfigBase
+from megatron_bridge.config.errors import ConfigValidationError, Problems, show
+from megatron_bridge.config.serialization import (
+    ConfigDecoder,
+    class_info,
+    decode_field,
+    merge_dicts,
+    unknown_key,
+)
+
+NO_VALUE = object()
+"""The value of a `~key` override given without `=value`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """One parsed override."""
+
+    op: str
+    """'set' (key=v), 'add' (+key=v), 'force' (++key=v) or 'delete' (~key)."""
+    key: tuple[str, ...]
+    value: Any
+    text: str
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.key)
+
+
+def apply(config: Any, data: Mapping, source: str) -> Any:
+    """Merge mapping `data` into `config` (in place; also returned); problems are raised together
+    as one `ConfigValidationError`, each tagged with `source` (e.g. `file my.yaml`)."""
+    problems = Problems()
+    Applier(config, problems).merge(config, data, "", source)
+    problems.raise_if_any()
+    return config
+
+
+class Applier:
+    """Applies mappings and parsed overrides to a config, collecting problems tagged with their source."""
+
+    def __init__(self, config: Any, problems: Problems):
+        self.config = config
+        self.problems = problems
+        self.loader = ConfigDecoder()
+
+    def error(self, path: str, message: str, fix: str, source: str) -> None:
+        self.problems.add(path, f"{message} [{source}]", fix)
+
+    def config_errors(self, exc: ConfigValidationError, path: str, source: str) -> None:
+        for p in exc.problems:
+            self.error(path, p.message, p.fix, source)
+
+    def decode_errors(self, exc: DecodeError, path: str, source: str) -> None:
+        for sub, message, fix in exc.items:
+            self.error(".".join(p for p in (path, sub) if p), message, fix, source)
+
+    # ------------------------------------------------------------------ mappings
+    def merge(self, obj: Any, data: Mapping, path: str, source: str) -> Any:
+        """Merge mapping `data` (a file, a recipe's options) into dataclass `obj`, reporting
+        problems with their `source`; returns `obj` or, when `data` has a `_target_` naming
+        another class, its replacement."""
+        if not path and TARGET in data:
+            try:
+                cls = self.loader.section_class(data, ())
+            except DecodeError as exc:
+                self.decode_errors(exc, path, source)
+                return obj
+            if cls is not type(obj):
+                self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
+                return obj
+        try:
+            return self.loader.merge(obj, data)
+        except DecodeError as exc:
+            self.decode_errors(exc, path, source)
+            return obj
+
+    def merge_field(self, obj: Any, f: Any, raw: Any, path: str, source: str) -> None:
+        current = getattr(obj, f.name, None)
+        try:
+            value = self.loader.field(f, raw, current)
+        except DecodeError as exc:
+            self.decode_errors(exc, path, source)
+            return
+        if not (value is current and dataclasses.is_dataclass(value)):  # a section merged in place
+            self.assign(obj, f.name, value, path, source)
+
+    def assign(self, obj: Any, name: str, value: Any, path: str, source: str) -> None:
+        try:
+            setattr(obj, name, value)  # type-checked; marks the field as the user's
+        except (TypeError, ValueError) as exc:
+            self.error(path, str(exc), "use a value of the declared type", source)
+
+    def unknown(self, info: Any, key: Any, path: str, source: str) -> None:
+        self.error(path, *unknown_key(info, key), source)
+
+    # ------------------------------------------------------------------ overrides
+    def apply(self, o: Override) -> None:
+        source = f"override {show(o.text)}"
+        obj, i = self.config, 0
+        # Walk down the dataclass sections; the remaining key parts address a field and items in it.
+        while True:
+            info = class_info(type(obj))
+            part = o.key[i]
+            name = info.aliases.get(part, part)
+            f = info.by_name.get(name)
+            where = ".".join(o.key[: i + 1])
+            if f is None:
+                if o.op == "add" and i == len(o.key) - 1:
+                    hint = suggest(part, info.key_names())
+                    self.error(
+                        where,
+                        f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields",
+                        hint or "remove it",
+                        source,
+                    )
+                else:
+                    self.unknown(info, part, where, source)
+                return
+            if i == len(o.key) - 1:
+                return self.apply_to_field(obj, f, o, where, source)
+            current = getattr(obj, name)
+            try:
+                section = section_from_value(current, f.type)
+                if section is None and current is None and len(section_classes(f.type)) == 1 and o.op != "delete":
+                    section = section_classes(f.type)[0]()  # `ft.enable_ft_package=true` while ft is null
+            except ConfigValidationError as exc:
+                self.config_errors(exc, where, source)
+                return
+            except TypeError as exc:  # a section class that cannot be built without arguments
+                self.error(where, f"is null and cannot be created empty: {exc}", f"set {where} as a whole", source)
+                return
+            named = [c.config_name for c in section_classes(f.type) if isinstance(getattr(c, "config_name", None), str)]
+            if section is None and current is None and len(named) > 1 and o.op != "delete":
+                picks = " or ".join(f"{where}={n}" for n in named)
+                self.error(where, f"is null, so it has no key {o.key[i + 1]!r}", f"choose one first: {picks}", source)
+                return
+            if section is not None:
+                if section is not current:
+                    self.assign(obj, name, section, where, source)
+                obj, i = section, i + 1
+                continue
+            try:
+                new = _update_item(self.loader, current, f.type, o, i + 1)
+            except DecodeError as exc:
+                self.decode_errors(exc, ".".join(o.key), source)
+                return
+            return self.assign(obj, name, new, where, source)
+
+    def apply_to_field(self, obj: Any, f: Any, o: Override, path: str, source: str) -> None:
+        if o.op == "add":
+            self.error(path, "already exists, so it cannot be added", f"use {o.text[1:]} or +{o.text}", source)
+        elif o.op == "delete":
+            if f.required:
+                self.error(path, "is required and has no default to reset to", "set a value instead", source)
+                return
+            if o.value is not NO_VALUE and not _matches(self.loader, f, o.value, getattr(obj, f.name)):
+                self.error(path, f"is {show(getattr(obj, f.name))}, not {show(o.value)}", f"use ~{path}", source)
+                return
+            value = f.fresh_default()
+            if isinstance(obj, ConfigBase):
+                obj.apply_default(f.name, value)
+                obj.mark_explicit(f.name, False)
+            else:
+                setattr(obj, f.name, value)
+        else:
+            self.merge_field(obj, f, o.value, path, source)
+
+
+def _matches(loader: Any, f: Any, raw: Any, current: Any) -> bool:
+    from megatron_bridge.config.base import values_equal
+
+    try:
+        return values_equal(decode_field(loader, f, raw), current)
+    except DecodeError:
+        return False
+
+
+def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
+    """A copy of container `node` (a field's dict/list/tuple value) with the override applied at
+    key parts `o.key[i:]`; the caller assigns it back, so the field counts as set by the user."""
+    part = o.key[i]
+    last = i == len(o.key) - 1
+    if node is None and o.op in ("add", "force") and container_item_type(tp, None, dict) is not None:
+        node = {}
+    if isinstance(node, dict):
+        key = part if part in node or not part.lstrip("-").isdigit() or int(part) not in node else int(part)
+        exists = key in node
+        item_tp = container_item_type(tp, key, dict) or Any
+        if last:
+            if o.op == "delete":
+                if not exists:
+                    raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r} to remove", "check the key")
+                return {k: v for k, v in node.items() if k != key}
+            if o.op == "set" and not exists:
+                hint = suggest(part, [str(k) for k in node])
+                raise DecodeError(
+                    f"{'.'.join(o.key[:i])} has no key {part!r}", f"{hint} use +{o.text} to add it".strip()
+                )
+            if o.op == "add" and exists:
+                raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
+            value = loader.value(o.value, item_tp)
+            out = dict(node)
+            out[key] = (
+                merge_dicts(node[key], value) if isinstance(node.get(key), dict) and isinstance(value, dict) else value
+            )
+            return out
+        if not exists and o.op not in ("add", "force"):
+            raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r}", f"use +{o.text} to add it")
+        out = dict(node)
+        out[key] = _update_item(loader, node.get(key), item_tp, o, i + 1)
+        return out
+    if isinstance(node, (list, tuple)):
+        if not part.isdigit():
+            raise DecodeError(f"{'.'.join(o.key[:i])} is a list; {part!r} is not an index", "use a number, e.g. .0")
+        index = int(part)
+        if index >= len(node):
+            raise DecodeError(
+                f"index {index} is out of range for a list of {len(node)}",
+                f"use 0..{len(node) - 1}, or replace the whole list",
+            )
+        if o.op == "add":
+            raise DecodeError("cannot add a list item by index", "replace the whole list: key=[a, b, c]")
+        items = list(node)
+        item_tp = container_item_type(tp, index, type(node)) or Any
+        if last and o.op == "delete":
+            del items[index]
+        elif last:
+            items[index] = loader.value(o.value, item_tp)
+        else:
+            items[index] = _update_item(loader, node[index], item_tp, o, i + 1)
+        return type(node)(items)
+    kind = "null" if node is None else type(node).__name__
+    raise DecodeError(f"{'.'.join(o.key[:i])} is {kind}, so it has no key {part!r}", "set the whole value instead")

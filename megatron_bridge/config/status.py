@@ -1,0 +1,283 @@
+"""What each config field does at run time: **used**, **derived**, or **unsupported** (with why).
+
+* **used**: the runtime reads it (our code, or megatron-core, which receives the fields our
+  classes inherit from its config classes).
+* **derived**: a rule computes it from other fields (`init=False` fields); users do not set it.
+* **unsupported**: accepted for compatibility with configs written for other systems, but not
+  honoured here. Setting it to anything but its default is a `ConfigValidationError` naming the
+  reason. Reasons about the machine ("needs a GPU", "needs TransformerEngine") are not config
+  errors: a dry run plans such a config and reports "would fail on this machine"; the real run
+  refuses it before building the model (`machine_problems`).
+
+The tables are data, keyed by the config class that declares the field (its first class in the
+method resolution order that is one of ours). `docs/unsupported-fields.md` is generated from them
+by `tools/gen_unsupported_fields.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+USED = "used"
+DERIVED = "derived"
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field that is accepted but not honoured; `reason` says why (and what to use instead)."""
+
+    reason: str
+    needs: str | None = None
+    """`"gpu"` or `"transformer_engine"` when only the machine is missing; None otherwise."""
+
+
+Status = str | Unsupported
+
+_NOT_IMPLEMENTED = "not implemented"
+_NON_PERSISTENT = Unsupported(
+    "non-persistent checkpoints are not implemented (megatron-core 0.16.1 has no manager for them); "
+    "use checkpoint.save_interval"
+)
+_FIM = Unsupported("megatron-core 0.16.1 has no fill-in-the-middle dataset; use GPTDatasetConfig")
+_TENSOR_INSPECT = Unsupported(
+    "tensor inspection is not implemented (it needs TransformerEngine's debug API, nvdlfw_inspect)"
+)
+_FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
+NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
+NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
+
+UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
+    "CheckpointConfig": {
+        "load_main_params_from_ckpt": Unsupported(
+            f"{_NOT_IMPLEMENTED}: fp32 main parameters are always re-derived from the model weights"
+        ),
+        "non_persistent_save_interval": _NON_PERSISTENT,
+        "non_persistent_ckpt_type": _NON_PERSISTENT,
+        "non_persistent_global_ckpt_dir": _NON_PERSISTENT,
+        "non_persistent_local_ckpt_dir": _NON_PERSISTENT,
+        "non_persistent_local_ckpt_algo": _NON_PERSISTENT,
+        "ckpt_format": Unsupported(
+            "only torch_dist checkpoints are written: zarr is deprecated in megatron-core, "
+            "fsdp_dtensor needs Megatron FSDP; use torch_dist"
+        ),
+        "async_strategy": Unsupported(f"{_NOT_IMPLEMENTED}: async saves always use megatron-core's writer"),
+        "async_write_results_mp_mode": Unsupported(
+            f"{_NOT_IMPLEMENTED}: megatron-core's async writer chooses its own start method"
+        ),
+        "strict_fsdp_dtensor_load": Unsupported(
+            "fsdp_dtensor checkpoints are not supported; use ckpt_format=torch_dist"
+        ),
+        "save_tokenizer_assets": Unsupported(f"{_NOT_IMPLEMENTED}: checkpoints do not include the tokenizer files"),
+    },
+    "GPTFIMDatasetConfig": {
+        name: _FIM
+        for name in (
+            "fim_rate",
+            "fim_spm_rate",
+            "fim_extra_tokens",
+            "fim_split_sample",
+            "fim_fragment_rate",
+            "fim_no_prefix",
+        )
+    },
+    "DistributedInitConfig": {
+        "distributed_timeout_seconds_after_init": Unsupported(f"{_NOT_IMPLEMENTED}: use distributed_timeout_minutes"),
+        "lazy_mpu_init": Unsupported(f"{_NOT_IMPLEMENTED}: process groups are always created at setup"),
+        "disable_jit_fuser": Unsupported(_NOT_IMPLEMENTED),
+        "enable_megatron_core_experimental": Unsupported(_NOT_IMPLEMENTED),
+        "use_decentralized_pg": Unsupported(f"{_NOT_IMPLEMENTED}: megatron-core's global process groups are used"),
+    },
+    "DistributedDataParallelConfig": {
+        "use_megatron_fsdp": Unsupported(
+            f"{_NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
+        ),
+        **{
+            name: _FSDP_ONLY
+            for name in (
+                "use_custom_fsdp",
+                "data_parallel_sharding_strategy",
+                "gradient_reduce_div_fusion",
+                "suggested_communication_unit_size",
+                "preserve_fp32_weights",
+                "keep_fp8_transpose_cache",
+                "fsdp_double_buffer",
+                "outer_dp_sharding_strategy",
+                "fsdp_manual_registration",
+            )
+        },
+        "param_name_patterns_for_fp32_local_accumulation": Unsupported(
+            f"{_NOT_IMPLEMENTED}: megatron-core 0.16.1 has no such option"
+        ),
+    },
+    "TrainingConfig": {
+        "empty_unused_memory_level": Unsupported(f"{_NOT_IMPLEMENTED}: the CUDA cache is never emptied by the loop"),
+        "check_weight_hash_across_dp_replicas_interval": Unsupported(_NOT_IMPLEMENTED),
+        "train_sync_interval": Unsupported(_NOT_IMPLEMENTED),
+        "exit_signal_handler_for_dataloader": Unsupported(_NOT_IMPLEMENTED),
+        "check_optimizer_step_success": Unsupported(
+            f"{_NOT_IMPLEMENTED}: a failed step is reported by the skipped-iterations count"
+        ),
+        "skip_sync_grad_norm_across_mp": Unsupported(_NOT_IMPLEMENTED),
+    },
+    "TensorInspectConfig": {
+        name: _TENSOR_INSPECT for name in ("enabled", "features", "feature_dirs", "log_dir", "init_training_step")
+    },
+    "GPTModelProvider": {
+        "fp8": NEEDS_TE,
+        "fp4": NEEDS_TE,
+        "enable_cuda_graph": NEEDS_GPU,
+        "cuda_graph_impl": NEEDS_GPU,
+        "external_cuda_graph": NEEDS_GPU,
+    },
+}
+"""Fields accepted but not honoured, by declaring class."""
+
+DERIVED_FIELDS: dict[str, frozenset[str]] = {
+    # megatron-core hooks that the build wires onto the model's copy of the config.
+    "GPTModelProvider": frozenset(
+        {"timers", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"}
+    ),
+    "OptimizerConfig": frozenset({"timers"}),  # set by the optimizer build on its copy
+}
+"""Fields a rule computes although megatron-core lets them be passed, by declaring class."""
+
+UNSUPPORTED_CLASSES: dict[str, Unsupported] = {"GPTFIMDatasetConfig": _FIM}
+"""Config classes that cannot be used at all (the run would silently do something else)."""
+
+GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reach_megatron_core"
+"""The test that shows fields inherited from megatron-core reach the megatron-core object."""
+
+
+# ---------------------------------------------------------------------- lookups
+def _values_equal(a: Any, b: Any) -> bool:
+    from megatron_bridge.config.base import values_equal
+
+    return values_equal(a, b)
+
+
+def _is_ours(cls: type) -> bool:
+    from megatron_bridge.config.base import ConfigBase
+
+    return isinstance(cls, type) and issubclass(cls, ConfigBase)
+
+
+@functools.cache
+def declaring_class(cls: type, name: str) -> type:
+    """The first of our config classes (from the base down) that has field `name`."""
+    for klass in reversed(cls.__mro__):
+        if _is_ours(klass) and name in getattr(klass, "__dataclass_fields__", {}):
+            return klass
+    return cls
+
+
+@functools.cache
+def from_megatron_core(cls: type, name: str) -> bool:
+    """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
+    return any(
+        not _is_ours(k) and k.__module__.startswith("megatron.") and name in getattr(k, "__dataclass_fields__", {})
+        for k in cls.__mro__
+    )
+
+
+@functools.cache
+def status_of(cls: type, name: str) -> Status:
+    """The status of field `name` of config class `cls`."""
+    owner = declaring_class(cls, name)
+    unsupported = UNSUPPORTED.get(owner.__name__, {}).get(name)
+    if unsupported is not None:
+        return unsupported
+    f = cls.__dataclass_fields__[name]
+    if not f.init or name in DERIVED_FIELDS.get(owner.__name__, ()):
+        return DERIVED
+    return USED
+
+
+def default_of(cls: type, name: str) -> Any:
+    f = cls.__dataclass_fields__[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+@functools.cache
+def _unsupported_fields(cls: type) -> tuple[tuple[str, Unsupported], ...]:
+    return tuple((f.name, st) for f in dataclasses.fields(cls) if isinstance(st := status_of(cls, f.name), Unsupported))
+
+
+def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
+    """(field, value, why) for each unsupported field of `config` set to a non-default value,
+    and ("", class name, why) when the class itself is unsupported."""
+    cls = type(config)
+    why = UNSUPPORTED_CLASSES.get(cls.__name__)
+    if why is not None:
+        yield "", cls.__name__, why
+    for name, status in _unsupported_fields(cls):
+        value = getattr(config, name, None)
+        default = default_of(cls, name)
+        if default is dataclasses.MISSING or not _values_equal(value, default):
+            yield name, value, status
+
+
+def check_unsupported(config: Any, problems: Any) -> None:
+    """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
+    cls = type(config)
+    if not _unsupported_fields(cls) and cls.__name__ not in UNSUPPORTED_CLASSES:
+        return
+    for name, value, why in unsupported_settings(config):
+        if why.needs is not None:
+            continue
+        if name:
+            problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
+        else:
+            problems.add("", f"{value} is not supported: {why.reason}", "use another config class")
+
+
+def machine_problems(cfg: Any) -> list[str]:
+    """Settings of `cfg` this machine cannot run (no GPU, no TransformerEngine), as messages."""
+    return [f"{path}: {message} ({fix})" for path, message, fix in _machine_problems(cfg)]
+
+
+def refuse_on_this_machine(cfg: Any) -> None:
+    """Raise `ConfigValidationError` listing the settings this machine cannot run."""
+    from megatron_bridge.config.errors import Problems
+
+    problems = Problems()
+    for path, message, fix in _machine_problems(cfg):
+        problems.add(path, message, fix)
+    problems.raise_if_any()
+
+
+def _machine_problems(cfg: Any) -> list[tuple[str, str, str]]:
+    from megatron_bridge.extras import is_installed
+
+    found = []
+    for section_name, section in sections(cfg):
+        for name, value, why in unsupported_settings(section):
+            path = f"{section_name}.{name}"
+            if why.needs == "transformer_engine" and not is_installed("transformer_engine"):
+                found.append(
+                    (path, f"{name}={value!r} {why.reason}", "pip install transformer-engine, or leave it unset")
+                )
+            elif why.needs == "gpu" and not _has_gpu():
+                found.append((path, f"{name}={value!r} {why.reason}", "run on a machine with a GPU, or leave it unset"))
+    return found
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
+    """(name, section) for each config section of a container (nested config values included)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name, None)
+        if _is_ours(type(value)):
+            yield f.name, value

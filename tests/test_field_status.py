@@ -1,0 +1,413 @@
+"""Every config field is used, derived, or unsupported (with a reason); unsupported settings are
+refused (machine-only reasons at run time, not in a dry run); the unsupported list in the docs is
+current; fields inherited from megatron-core reach the objects megatron-core builds."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import os
+import pathlib
+import re
+
+import pytest
+import yaml
+
+from megatron_bridge.config import status as field_status
+from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.config.field_catalog import config_classes, declared_fields, unsupported_markdown
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Fields marked used that no test names yet (the runtime reads each of them; an effect test is
+# still missing). This list may only shrink: a new used field needs a test that names it.
+UNTESTED_USED = {
+    "CheckpointConfig.save_optim",
+    "CheckpointConfig.save_rng",
+    "CheckpointConfig.load_optim",
+    "CheckpointConfig.load_rng",
+    "CheckpointConfig.exit_on_missing_checkpoint",
+    "CheckpointConfig.fully_parallel_save",
+    "CheckpointConfig.fully_parallel_load",
+    "CheckpointConfig.ckpt_assume_constant_structure",
+    "CheckpointConfig.dist_ckpt_strictness",
+    "CheckpointConfig.storage_writers_per_rank",
+    "GPTModelProvider.fp16_lm_cross_entropy",
+    "GPTModelProvider.parallel_output",
+    "GPTModelProvider.rotary_percent",
+    "GPTModelProvider.seq_len_interpolation_factor",
+    "GPTModelProvider.should_pad_vocab",
+    "GPTModelProvider.transformer_layer_spec",
+    "GPTModelProvider.scatter_embedding_sequence_parallel",
+    "GPTModelProvider.tp_comm_overlap_cfg",
+    "CommOverlapConfig.tp_comm_overlap_cfg",
+    "CommOverlapConfig.tp_comm_bootstrap_backend",
+    "CommOverlapConfig.overlap_param_gather_with_optimizer_step",
+    "CommOverlapConfig.align_param_gather",
+    "CommOverlapConfig.defer_embedding_wgrad_compute",
+    "CommOverlapConfig.wgrad_deferral_limit",
+    "DataloaderConfig.dataloader_type",
+    "DataloaderConfig.pin_memory",
+    "DataloaderConfig.drop_last",
+    "DataloaderConfig.persistent_workers",
+    "FinetuningDatasetConfig.dataset_kwargs",
+    "FinetuningDatasetConfig.do_validation",
+    "FinetuningDatasetConfig.do_test",
+    "DistributedInitConfig.align_grad_reduce",
+    "DistributedInitConfig.local_rank",
+    "DistributedInitConfig.use_torch_fsdp2",
+    "DistributedInitConfig.nccl_communicator_config_path",
+    "DistributedInitConfig.use_tp_pp_dp_mapping",
+    "DistributedInitConfig.use_gloo_process_groups",
+    "DistributedInitConfig.use_sharp",
+    "DistributedInitConfig.high_priority_stream_groups",
+    "DistributedInitConfig.external_gpu_device_mapping",
+    "RNGConfig.te_rng_tracker",
+    "RNGConfig.inference_rng_tracker",
+    "RNGConfig.data_parallel_random_init",
+    "LoggerConfig.timing_log_option",
+    "LoggerConfig.tensorboard_queue_size",
+    "LoggerConfig.log_loss_scale_to_tensorboard",
+    "LoggerConfig.wandb_save_dir",
+    "LoggerConfig.wandb_entity",
+    "LoggerConfig.mlflow_log_checkpoints",
+    "LoggerConfig.comet_workspace",
+    "LoggerConfig.logging_level",
+    "LoggerConfig.filter_warnings",
+    "LoggerConfig.modules_to_filter",
+    "LoggerConfig.set_level_for_all_loggers",
+    "LoggerConfig.skip_train_metrics_log",
+    "TrainingConfig.decrease_batch_size_if_needed",
+    "TrainingConfig.exit_duration_in_mins",
+    "TrainingConfig.manual_gc_interval",
+    "TrainingConfig.manual_gc_eval",
+    "TrainingConfig.iterations_to_skip",
+    "TrainingConfig.skip_train",
+    "ValidationConfig.skip_train",
+    "SchedulerConfig.lr_decay_samples",
+    "SchedulerConfig.lr_wsd_decay_style",
+    "SchedulerConfig.lr_warmup_init",
+    "SchedulerConfig.use_checkpoint_opt_param_scheduler",
+    "ProfilingConfig.record_memory_history",
+    "ProfilingConfig.memory_snapshot_path",
+    "ProfilingConfig.record_shapes",
+    "ProfilingConfig.nvtx_ranges",
+    "RerunStateMachineConfig.check_for_nan_in_loss",
+    "RerunStateMachineConfig.error_injection_rate",
+    "RerunStateMachineConfig.error_injection_type",
+    "FaultToleranceConfig.calc_ft_timeouts",
+    "FaultToleranceConfig.simulate_fault",
+    "FaultToleranceConfig.simulated_fault_type",
+    "FaultToleranceConfig.simulated_fault_rank",
+    "StragglerDetectionConfig.enable_straggler_on_startup",
+    "StragglerDetectionConfig.straggler_ctrlr_port",
+    "StragglerDetectionConfig.straggler_minmax_count",
+    "NVRxStragglerDetectionConfig.calc_relative_gpu_perf",
+    "NVRxStragglerDetectionConfig.calc_individual_gpu_perf",
+    "NVRxStragglerDetectionConfig.num_gpu_perf_scores_to_print",
+    "NVRxStragglerDetectionConfig.gpu_individual_perf_threshold",
+    "NVRxStragglerDetectionConfig.stop_if_detected",
+    "NVRxStragglerDetectionConfig.enable_logging",
+    "NVRxStragglerDetectionConfig.profiling_interval",
+    "NVRxStragglerDetectionConfig.logger_name",
+    "InProcessRestartConfig.max_iterations",
+    "InProcessRestartConfig.monitor_thread_interval",
+    "InProcessRestartConfig.monitor_process_interval",
+    "InProcessRestartConfig.progress_watchdog_interval",
+    "InProcessRestartConfig.soft_timeout",
+    "InProcessRestartConfig.hard_timeout",
+    "InProcessRestartConfig.barrier_timeout",
+    "InProcessRestartConfig.completion_timeout",
+    "InProcessRestartConfig.last_call_wait",
+    "InProcessRestartConfig.termination_grace_time",
+    "InProcessRestartConfig.granularity",
+    "InProcessRestartConfig.active_world_size",
+    "InProcessRestartConfig.empty_cuda_cache",
+    "InProcessRestartConfig.max_rank_faults",
+    "InProcessRestartConfig.monitor_process_logdir",
+    "LoRA.dropout_position",
+    "LoRA.lora_A_init_method",
+    "LoRA.lora_B_init_method",
+    "MixedPrecisionConfig.first_last_layers_bf16",
+    "MixedPrecisionConfig.num_layers_at_start_in_bf16",
+    "MixedPrecisionConfig.num_layers_at_end_in_bf16",
+    "MixedPrecisionConfig.fp8_amax_history_len",
+    "MixedPrecisionConfig.fp8_amax_compute_algo",
+    "MixedPrecisionConfig.fp8_wgrad",
+    "MixedPrecisionConfig.fp8_dot_product_attention",
+    "MixedPrecisionConfig.fp8_multi_head_attention",
+    "MixedPrecisionConfig.fp8_param",
+    "MixedPrecisionConfig.fp4_recipe",
+    "MixedPrecisionConfig.loss_scale",
+    "MixedPrecisionConfig.min_loss_scale",
+    "MixedPrecisionConfig.loss_scale_window",
+    "MixedPrecisionConfig.hysteresis",
+    "TokenizerConfig.vocab_extra_ids",
+    "TokenizerConfig.special_tokens",
+}
+
+
+def _test_sources() -> dict[str, str]:
+    found = {}
+    for path in sorted(glob.glob(os.path.join(REPO, "tests", "test_*.py"))):
+        src = pathlib.Path(path).read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                found[f"tests/{os.path.basename(path)}::{node.name}"] = ast.get_source_segment(src, node) or ""
+    return found
+
+
+def test_every_field_has_exactly_one_status():
+    fields = declared_fields()
+    assert len(fields) > 600  # the container, every section, model providers with megatron-core's fields
+    for (owner, name), (cls, status) in fields.items():
+        assert status in (field_status.USED, field_status.DERIVED) or (
+            isinstance(status, field_status.Unsupported) and status.reason
+        ), f"{owner}.{name}: {status!r}"
+    classes = {c.__name__: c for c in config_classes()}
+    for cls_name in ("ConfigContainer", "GPTModelProvider", "LoRA", "DoRA", "TokenizerConfig", "GPTDatasetConfig"):
+        assert cls_name in classes
+    # No stale entries: every declared unsupported field exists on its class.
+    for cls_name, table in field_status.UNSUPPORTED.items():
+        for name in table:
+            assert name in classes[cls_name].__dataclass_fields__, f"{cls_name}.{name} is not a field"
+
+
+def test_used_fields_are_named_by_a_test():
+    tests = _test_sources()
+    untested = set()
+    for (owner, name), (cls, status) in declared_fields().items():
+        if status != field_status.USED or field_status.from_megatron_core(cls, name):
+            continue  # inherited megatron-core fields: test_megatron_core_fields_reach_megatron_core
+        pattern = re.compile(rf"\b{re.escape(name)}\b")
+        if not any(pattern.search(src) for src in tests.values()):
+            untested.add(f"{owner}.{name}")
+    assert not untested - UNTESTED_USED, f"used fields without a test: {sorted(untested - UNTESTED_USED)}"
+    assert not UNTESTED_USED - untested, f"now tested, drop from UNTESTED_USED: {sorted(UNTESTED_USED - untested)}"
+    assert field_status.GENERIC_MCORE_TEST.split("::")[1] in {
+        n.name
+        for n in ast.walk(ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8")))
+        if isinstance(n, ast.FunctionDef)
+    }
+
+
+def test_unsupported_doc_is_current():
+    with open(os.path.join(REPO, "docs", "unsupported-fields.md"), encoding="utf-8") as fh:
+        assert fh.read() == unsupported_markdown(), "run: python tools/gen_unsupported_fields.py"
+
+
+# ---------------------------------------------------------------------- refusals
+def test_unsupported_settings_are_refused_together():
+    from megatron_bridge.training.config import CheckpointConfig, runtime_config_update
+    from tests.factories import tiny_config
+
+    cfg = tiny_config(checkpoint=CheckpointConfig(ckpt_format="zarr", non_persistent_save_interval=10))
+    cfg.train.train_sync_interval = 5
+    with pytest.raises(ConfigValidationError) as info:
+        runtime_config_update(cfg)
+    text = str(info.value)
+    assert "checkpoint.ckpt_format" in text and "'zarr'" in text and "zarr is deprecated in megatron-core" in text
+    assert (
+        "checkpoint.non_persistent_save_interval" in text and "non-persistent checkpoints are not implemented" in text
+    )
+    assert "train.train_sync_interval" in text and "5" in text
+
+
+def test_defaults_of_unsupported_fields_are_accepted():
+    from megatron_bridge.training.config import CheckpointConfig, runtime_config_update
+    from tests.factories import tiny_config
+
+    runtime_config_update(tiny_config(checkpoint=CheckpointConfig(ckpt_format="torch_dist")))
+
+
+def test_fim_dataset_is_refused():
+    from megatron_bridge.training.config import GPTFIMDatasetConfig, runtime_config_update
+    from tests.factories import tiny_config
+
+    cfg = tiny_config(dataset=GPTFIMDatasetConfig(seq_length=32, fim_rate=0.5, num_workers=0))
+    with pytest.raises(ConfigValidationError) as info:
+        runtime_config_update(cfg)
+    text = str(info.value)
+    assert "GPTFIMDatasetConfig is not supported: megatron-core 0.16.1 has no fill-in-the-middle dataset" in text
+    assert "dataset.fim_rate" in text and "0.5" in text
+
+
+def test_machine_only_reasons_plan_in_dry_run_and_refuse_at_run(capsys, monkeypatch):
+    """model.fp8 needs TransformerEngine: the dry run prints the same YAML with or without it,
+    plus a "would fail on this machine" line; the run refuses it before building anything."""
+    from megatron_bridge import extras
+    from megatron_bridge.cli.main import main
+
+    argv = [
+        "pretrain",
+        "--recipe",
+        "llama3_8b_pretrain",
+        "--dry-run",
+        "--world-size",
+        "8",
+        "mixed_precision=bf16_with_fp8_current_scaling_mixed",
+    ]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "# would fail on this machine: model.fp8: fp8='hybrid' needs TransformerEngine" in out
+    monkeypatch.setattr(extras, "is_installed", lambda name: True)
+    code = main(argv)
+    out_with_te, err = capsys.readouterr()
+    assert code == 0, err
+    assert "would fail on this machine: model.fp8" not in out_with_te
+    assert yaml.safe_load(out) == yaml.safe_load(out_with_te)
+    monkeypatch.undo()
+
+    import recipes
+
+    cfg = recipes.get_recipe("llama3_8b_pretrain")()
+    cfg.model.fp8 = "hybrid"
+    with pytest.raises(ConfigValidationError, match=r"model\.fp8: fp8='hybrid' needs TransformerEngine"):
+        field_status.refuse_on_this_machine(cfg)
+
+
+# ---------------------------------------------------------------------- effects
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step tiny run that also writes its resolved config."""
+    from megatron_bridge.training.config import TrainingConfig
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from tests.factories import tiny_config
+
+    path = tmp_path_factory.mktemp("cfg") / "sub" / "resolved.yaml"
+    cfg = tiny_config(train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=2))
+    cfg.logger.save_config_filepath = str(path)
+    cfg.validation.eval_interval = None
+    from megatron_bridge.training.callbacks import Callback
+
+    class Keep(Callback):
+        """Keeps what megatron-core was built with (the state drops it at shutdown)."""
+
+        def on_train_end(self, state):
+            self.model, self.optimizer = state.model, state.optimizer
+
+    kept = Keep()
+    pretrain(cfg, forward_step, callbacks=[kept])
+    return cfg, kept, path
+
+
+@pytest.mark.timeout(300)
+def test_save_config_filepath_writes_the_resolved_yaml(trained):
+    """`logger.save_config_filepath`: rank 0 writes the resolved config at setup (directories made)."""
+    from megatron_bridge.training.config.serialization import from_yaml
+
+    cfg, _, path = trained
+    assert path.exists()
+    loaded = from_yaml(str(path))
+    assert loaded.data_parallel_size == 1  # derived at setup
+    assert loaded.model.vocab_size == cfg.model.vocab_size == 256  # filled in from the tokenizer
+    assert loaded.train.train_iters == 2
+
+
+@pytest.mark.timeout(300)
+def test_megatron_core_fields_reach_megatron_core(trained):
+    """The model is built with a copy of the provider as its TransformerConfig, megatron-core's
+    DDP with our ddp section, and the optimizer with our optimizer section: every inherited field
+    that is not derived has the value the user set where megatron-core reads it."""
+    cfg, state, _ = trained
+    chunk = state.model[0]  # what the run trained (kept by a callback)
+    module = chunk.module if hasattr(chunk, "module") else chunk
+    while hasattr(module, "module"):
+        module = module.module
+    mcore_objects = [(cfg.model, module.config), (cfg.ddp, chunk.ddp_config), (cfg.optimizer, state.optimizer.config)]
+    for ours, theirs in mcore_objects:
+        names = [
+            f.name
+            for f in dataclasses.fields(ours)
+            if field_status.from_megatron_core(type(ours), f.name)
+            and field_status.status_of(type(ours), f.name) == field_status.USED
+        ]
+        assert len(names) > 10
+        for name in names:
+            assert getattr(theirs, name) is getattr(ours, name) or getattr(theirs, name) == getattr(ours, name), name
+    assert type(module.config) is type(cfg.model)
+
+
+@pytest.mark.timeout(120)
+def test_megatron_core_dataset_fields_reach_the_dataset():
+    """megatron-core's dataset builder gets a copy of our dataset section (plus the tokenizer)."""
+    from megatron_bridge.data.builders import build_datasets
+    from megatron_bridge.training.config import runtime_config_update
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    cfg.dataset.random_seed = 4321
+    runtime_config_update(cfg)
+    train, _, _ = build_datasets(cfg, build_tokenizer(cfg.tokenizer))
+    names = [
+        f.name for f in dataclasses.fields(cfg.dataset) if field_status.from_megatron_core(type(cfg.dataset), f.name)
+    ]
+    assert len(names) > 10 and train.config.random_seed == 4321
+    # skip_getting_attention_mask_from_dataset (on by default) stops the dataset building masks.
+    assert cfg.dataset.skip_getting_attention_mask_from_dataset and cfg.dataset.create_attention_mask
+    assert train.config.create_attention_mask is False
+    # Filled in for the builder: the tokenizer, its token width, and (skip_getting_attention_mask_from_dataset)
+    # whether the dataset builds attention masks.
+    for name in set(names) - {"tokenizer", "token_dtype_code", "create_attention_mask"}:
+        assert getattr(train.config, name) == getattr(cfg.dataset, name), name
+
+
+# ---------------------------------------------------------------------- typos
+def test_assigning_an_unknown_field_names_the_closest():
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    with pytest.raises(AttributeError, match=r"OptimizerConfig has no field 'learning_rate'; did you mean lr\?"):
+        cfg.optimizer.learning_rate = 1e-3
+    with pytest.raises(AttributeError, match=r"TrainingConfig has no field 'train_iter'; did you mean train_iters"):
+        cfg.train.train_iter = 5
+    with pytest.raises(AttributeError, match=r"ConfigContainer has no field 'optimiser'; did you mean optimizer"):
+        cfg.optimiser = None
+    assert cfg.optimizer.lr == 3e-3 and cfg.train.train_iters == 20
+    cfg.train._scratch = 1  # private bookkeeping stays allowed
+    cfg.dataset.seq_length = 32  # an alias of a field still works
+    assert cfg.dataset.sequence_length == 32
+
+
+def test_gpu_only_settings_are_refused_before_the_build_on_a_cpu_machine():
+    import torch
+
+    from tests.factories import tiny_config
+
+    cfg = tiny_config()
+    cfg.model.enable_cuda_graph = True
+    found = field_status.machine_problems(cfg)
+    if torch.cuda.is_available():
+        assert found == []
+    else:
+        assert found == [
+            "model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) (run on a machine with a GPU, or leave it unset)"
+        ]
+
+
+@pytest.mark.timeout(120)
+def test_the_run_refuses_machine_problems_before_building(monkeypatch):
+    import torch
+
+    from megatron_bridge.training import build
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from tests.factories import tiny_config
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(build, "build_model", no_build)
+    cfg = tiny_config()
+    cfg.model.external_cuda_graph = True
+    with pytest.raises(
+        ConfigValidationError, match=r"model\.external_cuda_graph: external_cuda_graph=True needs a GPU"
+    ):
+        pretrain(cfg, forward_step)
