@@ -71,7 +71,10 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
                 opts = options_cls(**{**merged, **kwargs})
             except TypeError as exc:
                 raise TypeError(f"{fn.__name__}(): {exc}") from None
-            return fn(opts)
+            cfg = fn(opts)
+            if cfg.recipe_world_size is None:  # survives to_yaml / --config-file
+                cfg.apply_default("recipe_world_size", world_size)
+            return cfg
 
         build.world_size = world_size
         build.defaults = MappingProxyType(merged)
@@ -107,6 +110,14 @@ def _signature(options_cls: type, defaults: dict[str, Any]) -> inspect.Signature
 
 
 # ---------------------------------------------------------------------- builders
+def _scheduler(opts: RecipeOptions) -> SchedulerConfig:
+    """Cosine decay after a linear warmup. The warmup is a default, not a user setting: a run
+    shorter than it gets a warmup scaled to the run at validation (logged)."""
+    scheduler = SchedulerConfig(lr_decay_style="cosine", lr_decay_iters=opts.lr_decay_iters, lr_warmup_init=0.0)
+    scheduler.apply_default("lr_warmup_iters", opts.lr_warmup_iters)
+    return scheduler
+
+
 def pretrain_config(model: GPTModelProvider, opts: PretrainOptions) -> ConfigContainer:
     """A pretraining container for `model`: mock data unless `opts.data_paths` is given."""
     seq = _seq_length(model, opts)
@@ -191,12 +202,7 @@ def _container(model: GPTModelProvider, dataset: Any, opts: RecipeOptions) -> Co
             adam_eps=1e-8,
             clip_grad=1.0,
         ),
-        scheduler=SchedulerConfig(
-            lr_decay_style="cosine",
-            lr_warmup_iters=opts.lr_warmup_iters,
-            lr_decay_iters=opts.lr_decay_iters,
-            lr_warmup_init=0.0,
-        ),
+        scheduler=_scheduler(opts),
         ddp=DistributedDataParallelConfig(
             use_distributed_optimizer=opts.use_distributed_optimizer,
             check_for_nan_in_grad=True,

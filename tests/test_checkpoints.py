@@ -181,13 +181,23 @@ def test_ckpt_step_and_iteration_directory(tmp_path):
         pretrain(config(load=str(ckpt), iters=6, ckpt_step=3), forward_step)
 
 
-def test_changed_schedule_on_resume_is_a_clear_error(tmp_path):
+def test_extending_a_finished_run_is_decided_at_validation(tmp_path, caplog):
+    from megatron_bridge.training.config import runtime_config_update
+
     ckpt = str(tmp_path / "ckpt")
     run(config(save=ckpt, iters=4))
-    with pytest.raises(ValueError, match="set scheduler.override_opt_param_scheduler=True"):
-        pretrain(config(load=ckpt, iters=8), forward_step)
+    refused = config(load=ckpt, iters=8)
+    refused.scheduler.override_opt_param_scheduler = False  # explicitly: keep the checkpoint's check
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(refused)  # before anything is built
+    (message,) = err.value.errors
+    assert message.startswith("scheduler.override_opt_param_scheduler: False, but the schedule differs")
+    assert "train.train_iters 4 -> 8" in message and "use_checkpoint_opt_param_scheduler=True" in message
     longer = config(load=ckpt, iters=8)
-    longer.scheduler.override_opt_param_scheduler = True
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        runtime_config_update(longer)
+    assert longer.scheduler.override_opt_param_scheduler is True
+    assert "the schedule follows this config" in caplog.text and "train.train_iters 4 -> 8" in caplog.text
     _, state = run(longer)
     assert state.train_state.step == 8
 

@@ -83,9 +83,9 @@ def test_runtime_config_update_is_idempotent():
 def test_train_iters_derived_from_train_samples_stays_idempotent():
     cfg = tiny_config(train=TrainingConfig(train_samples=100, global_batch_size=8, micro_batch_size=2))
     runtime_config_update(cfg)
-    assert cfg.train.train_iters == 13  # ceil(100 / 8)
+    assert cfg.train.train_iters == 12  # 100 // 8, as Megatron-LM counts: whole batches only
     runtime_config_update(cfg)  # the derived train_iters must not count as "both set"
-    assert cfg.train.train_iters == 13
+    assert cfg.train.train_iters == 12
 
 
 def test_explicit_fields_are_tracked_from_constructor_and_assignment():

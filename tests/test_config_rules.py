@@ -121,13 +121,13 @@ def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
         "(set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples))"
     ) in problems_of(tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD")))
     cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=50))
-    assert "the WSD decay phase (400 samples) is longer than the whole decay (160 samples)" in only_problem(cfg)
+    assert "the WSD decay phase (50 iterations) is longer than the whole decay (20 iterations)" in only_problem(cfg)
 
 
 def test_warmup_not_shorter_than_decay_is_an_error():
     cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_iters=20, lr_decay_style="cosine"))
     assert only_problem(cfg) == (
-        "scheduler.lr_warmup_iters: warmup (160 samples) is not shorter than the decay (160 samples) "
+        "scheduler.lr_warmup_iters: warmup (20 iterations) is not shorter than the decay (20 iterations) "
         "(shorten the warmup or lengthen lr_decay_iters / the training run)"
     )
 

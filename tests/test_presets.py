@@ -49,8 +49,8 @@ def test_unknown_preset_lists_the_available_ones():
     [
         ("bf16_with_fp8_delayed_scaling_mixed", dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_param=True)),
         ("bf16_with_fp8_current_scaling_mixed", dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True)),
-        ("bf16_with_mxfp8_mixed", dict(fp8="hybrid", fp8_recipe="mxfp8", fp8_param=False)),
-        ("bf16_with_fp8_subchannel_scaling_mixed", dict(fp8="e4m3", fp8_recipe="blockwise")),
+        ("bf16_with_mxfp8_mixed", dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param=True)),
+        ("bf16_with_fp8_subchannel_scaling_mixed", dict(fp8="hybrid", fp8_recipe="blockwise")),
         ("fp16_with_fp8_delayed_scaling_mixed", dict(fp16=True, fp8="hybrid", fp8_recipe="delayed")),
         ("bf16_with_nvfp4_mixed", dict(fp4="e2m1", fp4_recipe="nvfp4", fp8=None)),
     ],

@@ -6,6 +6,8 @@
    fresh interpreter, alternating (target <= 1.10).
 2. `runtime_config_update` on the Llama 3 8B and Llama 3.1 405B recipes after imports, on fresh
    copies (target < 20 ms; goal <= 0.40 ms).
+0. Wall time of `mbridge --help`, `mbridge recipes` and `mbridge pretrain --help` (fresh
+   processes, median of --rounds; target <= 1 s each), next to `import megatron.core`.
 3. The planner (`megatron_bridge.planning.plan`) on the resolved Llama 3.1 405B recipe (target
    <= 50 ms), and, for scale, on Llama 3 70B squeezed onto 8 GPUs at TP 1, which does not fit and
    so also searches for fixes.
@@ -30,6 +32,12 @@ def import_seconds(module: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def command_seconds(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_bridge", *argv], capture_output=True, check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
@@ -38,6 +46,16 @@ def main() -> None:
     args = p.parse_args()
 
     import_seconds("megatron.core")  # warm the file-system cache for both
+    commands = (["--help"], ["recipes"], ["pretrain", "--help"])
+    command_times: dict[str, list[float]] = {" ".join(c): [] for c in commands}
+    core_import = []
+    for _ in range(args.rounds):
+        core_import.append(import_seconds("megatron.core"))
+        for argv in commands:
+            command_times[" ".join(argv)].append(command_seconds(argv))
+    print(f"import megatron.core (for scale)        median {statistics.median(core_import):.3f} s")
+    for label, times in command_times.items():
+        print(f"mbridge {label:31s} median {statistics.median(times):.3f} s (target <= 1 s; whole process)")
     core, ours = [], []
     for _ in range(args.rounds):
         core.append(import_seconds("megatron.core"))

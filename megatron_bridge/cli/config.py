@@ -37,10 +37,12 @@ def register(subparsers: Any) -> None:
         "diff",
         help="print the fields where two configs differ",
         description="Print each field whose value differs between A and B, one per line as "
-        "`dotted.path: A_value -> B_value` (`<absent>` where a side has no such field).",
+        "`dotted.path: A_value -> B_value` (`<absent>` where a side has no such field). Fields that "
+        "validation derives from others (scheduler steps, data-parallel size, ...) are hidden unless --derived.",
     )
     diff.add_argument("a", metavar="A", help="YAML file or recipe name")
     diff.add_argument("b", metavar="B", help="YAML file or recipe name")
+    diff.add_argument("--derived", action="store_true", help="also show fields derived from other fields")
     diff.set_defaults(handler=run_diff, command="config diff")
     for sub in (show, diff):
         add_debug_flag(sub)
@@ -59,11 +61,36 @@ def run_diff(args: argparse.Namespace) -> int:
     a = load_source(args.a).to_dict()
     b = load_source(args.b).to_dict()
     changes = list(differences(a, b))
+    hidden = 0
+    if not args.derived:
+        derived = derived_paths(a) | derived_paths(b)
+        shown = [c for c in changes if c[0] not in derived and not _resolved_preset(*c)]
+        hidden, changes = len(changes) - len(shown), shown
     for path, old, new in changes:
         print(f"{path}: {render(old)} -> {render(new)}")
     if not changes:
-        print("no differences", file=sys.stderr)
+        print("no differences" + (" but derived ones" if hidden else ""), file=sys.stderr)
+    if hidden:
+        print(f"({hidden} derived field{'s' * (hidden != 1)} hidden; --derived shows them)", file=sys.stderr)
     return 0
+
+
+def derived_paths(tree: Any, path: str = "") -> set[str]:
+    """Dotted paths of the fields no user set: derived from other fields (`_derived_`) or filled
+    in by the framework (`_implicit_`: preset values, a recipe's defaults, sizes)."""
+    found: set[str] = set()
+    if isinstance(tree, dict):
+        for name in [*(tree.get("_derived_") or ()), *(tree.get("_implicit_") or ())]:
+            found.add(f"{path}.{name}" if path else str(name))
+        for key, value in tree.items():
+            if key not in BOOKKEEPING:
+                found |= derived_paths(value, f"{path}.{key}" if path else str(key))
+    return found
+
+
+def _resolved_preset(path: str, a: Any, b: Any) -> bool:
+    """A preset name on one side, the config validation resolved it to on the other."""
+    return path == "mixed_precision" and {type(a), type(b)} == {str, dict}
 
 
 def differences(a: Any, b: Any, path: str = "") -> Iterator[tuple[str, Any, Any]]:

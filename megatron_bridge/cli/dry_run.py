@@ -14,13 +14,24 @@ if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
 
-def resolve(cfg: "ConfigContainer", world_size: int) -> None:
+def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False) -> None:
     """`runtime_config_update` at `world_size`. Unlike a real CPU run, the model is not adapted
-    for CPU: the config is checked as written, for the machines it targets."""
+    for CPU: the config is checked as written, for the machines it targets. With `finetuning`,
+    what `finetune()` requires is reported with the config's problems, in one report."""
+    from megatron_bridge.config.errors import ConfigValidationError, Problems
     from megatron_bridge.training.config import runtime_config_update
 
     with config_errors_are_usage_errors(f"the config does not resolve at world size {world_size}: "):
-        runtime_config_update(cfg, world_size=world_size)
+        problems = Problems()
+        try:
+            runtime_config_update(cfg, world_size=world_size)
+        except ConfigValidationError as err:
+            problems.absorb(err)
+        if finetuning:
+            from megatron_bridge.training.finetune import check_pretrained_weights
+
+            check_pretrained_weights(cfg, problems)
+        problems.raise_if_any()
 
 
 def human(n: float) -> str:
@@ -80,10 +91,10 @@ def make_plan(cfg: "ConfigContainer", label: str, options: PlanOptions) -> Any:
 
 
 def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, label: str,
-                  options: Optional[PlanOptions] = None) -> None:
+                  options: Optional[PlanOptions] = None, finetuning: bool = False) -> None:
     """Resolve `cfg` at `world_size`, print its YAML, then the summary and the plan as YAML
     comments (so the output is still a loadable config)."""
-    resolve(cfg, world_size)
+    resolve(cfg, world_size, finetuning)
     print(cfg.to_yaml(), end="")
     print(f"# ---- dry run of {label} at world size {world_size} ({world_source}) ----")
     rows = summary(cfg, world_size)
@@ -110,9 +121,10 @@ def machine_problems(cfg: "ConfigContainer") -> list[str]:
     return found + ([warning] if warning else [])
 
 
-def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label: str, options: PlanOptions) -> None:
+def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label: str, options: PlanOptions,
+               finetuning: bool = False) -> None:
     """`--plan-only`: resolve `cfg` at `world_size` and print only its plan (text or JSON)."""
-    resolve(cfg, world_size)
+    resolve(cfg, world_size, finetuning)
     result = make_plan(cfg, label, options)
     if result is None:
         raise UsageError(f"{label}: the planner cannot plan this config (see above)")

@@ -18,4 +18,6 @@ def register(subparsers: Any) -> None:
         "Runs as a plain process or under torchrun.",
         tiny="tiny_gpt_finetune_config",
         gpu="llama3_8b_finetune_config",
+        tiny_args=" \\\n      --recipe-arg pretrained_checkpoint=runs/tiny_gpt_pretrain/checkpoints --recipe-arg dataset_root=data/sft",
+        gpu_args=" \\\n      --recipe-arg pretrained=/models/Meta-Llama-3-8B --recipe-arg dataset_root=/data/sft",
     )

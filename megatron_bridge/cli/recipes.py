@@ -11,23 +11,18 @@ def register(subparsers: Any) -> None:
         "recipes",
         help="list the recipes",
         description="List every recipe with its intended world size and what it trains. Use a name with "
-        "`mbridge pretrain --recipe NAME` (the _config suffix may be left out).",
+        "`mbridge pretrain --recipe NAME` (the _config suffix may be left out). Your own recipes are given as "
+        "--recipe my_pkg.recipes:my_config or --recipe path/to/file.py:my_config.",
     )
     p.set_defaults(handler=run)
 
 
 def rows() -> list[tuple[str, int, str]]:
-    """(name, intended world size, first docstring line) of every recipe, sorted by name."""
-    import inspect
+    """(name, intended world size, first docstring line) of every recipe, sorted by name; read
+    from the recipes' source, without importing them (and megatron-core with them)."""
+    from megatron_bridge.cli.recipe_loader import library_rows
 
-    import recipes
-
-    out = []
-    for name in recipes.list_recipes():
-        fn = recipes.get_recipe(name)
-        doc = inspect.getdoc(fn) or ""
-        out.append((name, fn.world_size, doc.splitlines()[0] if doc else ""))
-    return out
+    return library_rows()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,7 +43,12 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("config (as for mbridge pretrain)")
-    src.add_argument("--recipe", metavar="NAME", help="recipe to train (`mbridge recipes` lists them)")
+    src.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="recipe to train: a library name (`mbridge recipes` lists them), module.path:function or "
+        "path/to/file.py:function",
+    )
     src.add_argument("--config-file", metavar="FILE", help="YAML merged over the recipe, or a complete config")
     src.add_argument("--mode", choices=("pretrain", "finetune"), help="default: finetune for *_finetune_config recipes")
     src.add_argument(

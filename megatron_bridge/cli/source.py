@@ -15,11 +15,11 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def get_recipe(name: str) -> Callable[..., "ConfigContainer"]:
-    """The recipe function `name`; an unknown name is a `UsageError` naming the closest ones."""
-    import recipes
+    """The recipe function `name` (a library name, `module.path:function` or
+    `path/to/file.py:function`); an unknown name is a `UsageError` naming the closest ones."""
+    from megatron_bridge.cli import recipe_loader
 
-    with config_errors_are_usage_errors():
-        return recipes.get_recipe(name)
+    return recipe_loader.load(name)
 
 
 def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), values: Optional[dict] = None) -> Any:

@@ -18,9 +18,9 @@ them with the recipe's defaults). They shape the whole recipe, e.g. name sets th
 TensorBoard directories (DIR/NAME/checkpoints, DIR/NAME/tb_logs).
 
 examples:
-  mbridge {cmd} --recipe {tiny} train.train_iters=20 optimizer.lr=1e-3
-  mbridge {cmd} --recipe {tiny} --dir /results --name try1 --recipe-arg global_batch_size=16
-  mbridge {cmd} --recipe {gpu} --dry-run --world-size 16
+  mbridge {cmd} --recipe {tiny}{tiny_args} train.train_iters=20 optimizer.lr=1e-3
+  mbridge {cmd} --recipe {tiny}{tiny_args} --dir /results --name try1 --recipe-arg global_batch_size=16
+  mbridge {cmd} --recipe {gpu}{gpu_args} --dry-run --world-size 16
   mbridge {cmd} --config-file run.yaml train.train_iters=100
   mbridge {cmd} --recipe {gpu} --help-config train
   torchrun --nproc_per_node=8 -m megatron_bridge {cmd} --recipe {gpu} --dir /results
@@ -47,18 +47,24 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: str, gpu: str) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: str, gpu: str,
+               tiny_args: str = "", gpu_args: str = "") -> argparse.ArgumentParser:
     """The parser of training subcommand `cmd` (its handler runs the `cmd` entry point); `tiny`
-    and `gpu` are the recipe arguments its examples use."""
+    and `gpu` are the recipes its examples use, `tiny_args`/`gpu_args` the options they need."""
     p = subparsers.add_parser(
         cmd,
         help=summary,
         description=textwrap.fill(description, 100),
-        epilog=EPILOG.format(cmd=cmd, tiny=tiny, gpu=gpu),
+        epilog=EPILOG.format(cmd=cmd, tiny=tiny, gpu=gpu, tiny_args=tiny_args, gpu_args=gpu_args),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_argument_group("config")
-    src.add_argument("--recipe", metavar="NAME", help="recipe to start from (`mbridge recipes` lists them)")
+    src.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="recipe to start from: a library name (`mbridge recipes` lists them), module.path:function "
+        "or path/to/file.py:function",
+    )
     src.add_argument(
         "--config-file",
         metavar="FILE",
@@ -164,12 +170,14 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         if args.world_size is not None:
             world, why = args.world_size, "--world-size"
         else:
-            world, why = default_world_size(fn.world_size if fn is not None else None)
+            from megatron_bridge.cli.recipe_loader import world_size_of
+
+            world, why = default_world_size(world_size_of(fn, cfg))
         options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json)
         if args.plan_only:
-            print_plan(cfg, world, why, _label(args, fn), options)
+            print_plan(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune")
         else:
-            print_dry_run(cfg, world, why, _label(args, fn), options)
+            print_dry_run(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune")
         return 0
     train(cfg, cmd)
     return 0

@@ -25,6 +25,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -183,6 +184,23 @@ class _YamlDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignor
     pass
 
 
+def _represent_float(dumper: Any, value: float) -> Any:
+    """Floats at their shortest round-trip form (`1e-05`, `0.0003`), not PyYAML's `1.0e-05`; the
+    config loader reads the exponent form back as a float."""
+    if value != value:
+        text = ".nan"
+    elif value in (float("inf"), float("-inf")):
+        text = ".inf" if value > 0 else "-.inf"
+    else:
+        text = repr(value)
+    return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+
+
+_YamlDumper.add_representer(float, _represent_float)
+# ...and so writes them untagged, as it reads them.
+_YamlDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 _YamlDumper.add_representer(
     FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
 )

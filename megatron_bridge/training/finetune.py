@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import has_checkpoint
 from megatron_bridge.training.config import ConfigContainer
@@ -25,13 +25,26 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
 
     quiet_known_warnings()
 
-    ckpt = config.checkpoint
-    if not ckpt.pretrained_checkpoint and not has_checkpoint(ckpt.load):
-        raise ConfigValidationError(
-            ConfigProblem(
-                "checkpoint.pretrained_checkpoint",
-                "finetune() needs pretrained weights, and neither pretrained_checkpoint nor a resumable load is set",
-                "set checkpoint.pretrained_checkpoint to a checkpoint directory (or use pretrain())",
-            )
-        )
+    problems = Problems()
+    check_pretrained_weights(config, problems)
+    if problems:  # reported together with the rest of the config's problems, in one round
+        from megatron_bridge.training.setup import resolve_config
+
+        try:
+            resolve_config(config)
+        except ConfigValidationError as err:
+            problems.absorb(err)
+        problems.raise_if_any()
     return run_job(config, forward_step_func, callbacks)
+
+
+def check_pretrained_weights(config: ConfigContainer, problems: Problems) -> None:
+    """Fine-tuning needs weights to start from: `checkpoint.pretrained_checkpoint`, or a checkpoint
+    of this run in `checkpoint.load` to resume."""
+    ckpt = config.checkpoint
+    problems.check(
+        bool(ckpt.pretrained_checkpoint) or has_checkpoint(ckpt.load),
+        "checkpoint.pretrained_checkpoint",
+        "finetune() needs pretrained weights, and neither pretrained_checkpoint nor a resumable load is set",
+        "set checkpoint.pretrained_checkpoint to a checkpoint directory (or use pretrain())",
+    )

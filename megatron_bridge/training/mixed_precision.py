@@ -80,7 +80,7 @@ class MixedPrecisionConfig(ConfigBase):
     """Run multi-head attention projections in FP8."""
 
     fp8_param: Optional[bool] = None
-    """Keep parameters in FP8 (default: fp8_param_gather)."""
+    """Keep parameters in FP8 (default: fp8_param_gather; must equal it when set)."""
 
     fp8_param_gather: bool = False
     """All-gather parameters in FP8 with the distributed optimizer."""
@@ -121,6 +121,15 @@ class MixedPrecisionConfig(ConfigBase):
         check_low_precision(self, p, "", "set bf16=True (or fp16=True)")
         if self.fp8_param is None:
             self._derive("fp8_param", self.fp8_param_gather)
+        else:
+            # model.fp8_param and ddp.fp8_param_gather are one decision: FP8 parameters that are
+            # gathered in bf16 (or the reverse) is not a layout megatron-core supports.
+            p.check(
+                self.fp8_param == self.fp8_param_gather,
+                "fp8_param",
+                f"fp8_param={self.fp8_param} but fp8_param_gather={self.fp8_param_gather}",
+                "set both to the same value, or set only fp8_param_gather (fp8_param follows it)",
+            )
 
     # ------------------------------------------------------------------ applying
     def apply(self, model: ConfigBase, optimizer: Optional[ConfigBase], ddp: Optional[ConfigBase], problems: Problems, name: str) -> None:
@@ -216,8 +225,10 @@ def _with(base: Callable[[], MixedPrecisionConfig], **fp_fields) -> MixedPrecisi
 
 _DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_param_gather=True)
 _CURRENT = dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1, fp8_param_gather=True)
-_MXFP8 = dict(fp8="hybrid", fp8_recipe="mxfp8", fp8_param_gather=False, reuse_grad_buf_for_mxfp8_param_ag=False)
-_BLOCKWISE = dict(fp8="e4m3", fp8_recipe="blockwise", fp8_param_gather=False)
+# MXFP8 scales each 32-element block, so e4m3 everywhere loses nothing the hybrid format would keep;
+# parameters are gathered in FP8 into the gradient buffer, which is free during the all-gather.
+_MXFP8 = dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+_BLOCKWISE = dict(fp8="hybrid", fp8_recipe="blockwise", fp8_param_gather=False)
 
 
 def bf16_with_fp8_delayed_scaling_mixed() -> MixedPrecisionConfig:
@@ -241,22 +252,24 @@ def fp16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
 
 
 def bf16_with_mxfp8_mixed() -> MixedPrecisionConfig:
-    """bf16 with MXFP8 block-scaled matmuls (Blackwell)."""
+    """bf16 with MXFP8 (e4m3) block-scaled matmuls (Blackwell); parameters gathered in FP8 through
+    the gradient buffer."""
     return _with(bf16_mixed, **_MXFP8)
 
 
 def fp16_with_mxfp8_mixed() -> MixedPrecisionConfig:
-    """fp16 with MXFP8 block-scaled matmuls (Blackwell)."""
+    """fp16 with MXFP8 (e4m3) block-scaled matmuls (Blackwell); parameters gathered in FP8 through
+    the gradient buffer."""
     return _with(fp16_mixed, **_MXFP8)
 
 
 def bf16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
-    """bf16 with FP8 (e4m3) sub-channel (blockwise) scaling."""
+    """bf16 with FP8 (hybrid) sub-channel (blockwise) scaling."""
     return _with(bf16_mixed, **_BLOCKWISE)
 
 
 def fp16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
-    """fp16 with FP8 (e4m3) sub-channel (blockwise) scaling."""
+    """fp16 with FP8 (hybrid) sub-channel (blockwise) scaling."""
     return _with(fp16_mixed, **_BLOCKWISE)
 
 

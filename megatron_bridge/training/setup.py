@@ -54,6 +54,10 @@ class _DropRoutine(logging.Filter):
         return not str(record.msg).startswith(prefixes)
 
 
+CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+"""strftime format of the timestamp that starts every console line."""
+
+
 def configure_logging(state: GlobalState) -> None:
     """Progress lines from the logging rank on stdout (unless the application configured
     logging itself); warnings from every rank."""
@@ -63,7 +67,8 @@ def configure_logging(state: GlobalState) -> None:
     ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
     if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
         handler._mb_console = True  # type: ignore[attr-defined]
         ours.addHandler(handler)
         ours.propagate = False
@@ -90,7 +95,19 @@ def set_seeds(cfg: ConfigContainer) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if cfg.model.deterministic_mode:
+        use_deterministic_algorithms()
     model_parallel_cuda_manual_seed(seed, te_rng_tracker=cfg.rng.te_rng_tracker, inference_rng_tracker=cfg.rng.inference_rng_tracker)
+
+
+def use_deterministic_algorithms() -> None:
+    """What model.deterministic_mode asks of torch (as Megatron-LM does): deterministic kernels
+    only, failing on an op that has none; cuBLAS needs a fixed workspace for that."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    logger.info("deterministic mode: torch.use_deterministic_algorithms(True)")
 
 
 def _rng_snapshot() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.training.config import run_rules
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.mixed_precision import check_low_precision
 
@@ -41,8 +42,13 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
         check_vocab,
         check_logger_outputs,
         check_data_rules,
+        run_rules.check_fp8_param_sync,
+        run_rules.check_context_parallel_finetuning,
+        run_rules.check_schedule_length,
+        run_rules.derive_recipe_warmup,
         derive_weight_decay,
         derive_scheduler_steps,
+        run_rules.derive_resume_schedule,
     ):
         try:
             check(cfg, problems)
@@ -403,18 +409,24 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
+    unit = "samples" if sample_based else "iterations"
     if s.lr_decay_style != "constant":
+        if sample_based:
+            where, unit, told = "scheduler.lr_warmup_samples", "samples", (warmup, decay)
+        else:  # the user gave iterations: report iterations
+            where, unit, told = "scheduler.lr_warmup_iters", "iterations", (warmup // gbs, decay // gbs)
         problems.check(
             warmup < decay,
-            "scheduler.lr_warmup_iters" if not sample_based else "scheduler.lr_warmup_samples",
-            f"warmup ({warmup} samples) is not shorter than the decay ({decay} samples)",
+            where,
+            f"warmup ({told[0]} {unit}) is not shorter than the decay ({told[1]} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
         problems.check(
             wsd <= decay,
-            "scheduler.lr_wsd_decay_iters",
-            f"the WSD decay phase ({wsd} samples) is longer than the whole decay ({decay} samples)",
-            "shorten lr_wsd_decay_iters",
+            "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
+            f"the WSD decay phase ({wsd if sample_based else wsd // gbs} {unit}) is longer than the whole "
+            f"decay ({decay if sample_based else decay // gbs} {unit})",
+            "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
         )
 

@@ -153,6 +153,10 @@ class ConfigContainer(ConfigBase):
     env_vars: dict[str, Any] = field(default_factory=dict)
     """Environment variables set (if not already set) by runtime_config_update."""
 
+    recipe_world_size: Optional[int] = None
+    """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use
+    it when no world size is given."""
+
     data_parallel_size: Optional[int] = field(init=False, default=None)
     """Derived: world size // (TP x PP x CP), set by runtime_config_update."""
 

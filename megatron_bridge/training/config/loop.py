@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import signal
 from dataclasses import field
 from typing import Literal, Optional
@@ -105,6 +104,12 @@ class TrainingConfig(ConfigBase):
                 f"must be positive, got {self.global_batch_size}",
                 "use 1 or more",
             )
+        rampup_ok = self.rampup_batch_size is None or p.check(
+            len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
+            "rampup_batch_size",
+            f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
+            "e.g. [32, 32, 1000000]",
+        )
         if self.train_iters is not None and self.train_samples is not None:
             p.add(
                 "train_iters",
@@ -118,15 +123,17 @@ class TrainingConfig(ConfigBase):
         elif p.check(
             self.train_samples > 0, "train_samples", f"must be positive, got {self.train_samples}", "use 1 or more"
         ) and (self.global_batch_size or 0) > 0:
-            if self.rampup_batch_size is None:
-                self._derive("train_iters", math.ceil(self.train_samples / self.global_batch_size))
-        if self.rampup_batch_size is not None:
-            p.check(
-                len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
-                "rampup_batch_size",
-                f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
-                "e.g. [32, 32, 1000000]",
-            )
+            if rampup_ok:
+                from megatron_bridge.training.config.run_rules import sample_based_train_iters
+
+                iters = sample_based_train_iters(self.train_samples, self.global_batch_size, self.rampup_batch_size)
+                if p.check(
+                    iters > 0,
+                    "train_samples",
+                    f"{self.train_samples} samples make no whole global batch of {self.global_batch_size}",
+                    f"use at least {self.global_batch_size} samples",
+                ):
+                    self._derive("train_iters", iters)
         for name in ("exit_interval", "manual_gc_interval", "check_weight_hash_across_dp_replicas_interval"):
             value = getattr(self, name)
             p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more, or None")

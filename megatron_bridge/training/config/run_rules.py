@@ -1,0 +1,187 @@
+"""Rules between sections that Megatron-LM enforces and a config must follow before a run starts:
+FP8 parameters and their gathering, context-parallel fine-tuning losses, the schedule's length,
+and the number of iterations of sample-based training with a batch-size ramp-up.
+
+The `check_*` functions only report; the values computed here (`rampup_train_iters`) are used by
+the derive steps of the sections.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+from megatron_bridge.config.errors import Problems
+
+if TYPE_CHECKING:
+    from megatron_bridge.training.config.container import ConfigContainer
+
+logger = logging.getLogger(__name__)
+
+
+def sample_based_train_iters(train_samples: int, global_batch_size: int, rampup_batch_size: Optional[list[int]]) -> int:
+    """Iterations of a run given in samples, as Megatron-LM counts them: whole global batches only
+    (a partial last batch is dropped), and with a ramp-up, every ramp-up step at its own batch
+    size, then the full batch size."""
+    if rampup_batch_size is None:
+        return train_samples // global_batch_size
+    start, increment, rampup_samples = rampup_batch_size
+    increments = max((global_batch_size - start) // increment, 1)
+    samples_per_increment = rampup_samples / increments
+    iterations = consumed = 0
+    while consumed <= rampup_samples and consumed <= train_samples:
+        steps = int(consumed / samples_per_increment)
+        consumed += min(start + steps * increment, global_batch_size)
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations
+
+
+def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
+    """model.fp8_param (parameters stored in FP8) and ddp.fp8_param_gather (gathered in FP8) are one
+    decision in Megatron-LM (`--fp8-param-gather` sets both); disagreeing, the gathered buffers
+    and the parameters would have different dtypes."""
+    model_value = bool(getattr(cfg.model, "fp8_param", False))
+    ddp_value = bool(cfg.ddp.fp8_param_gather)
+    problems.check(
+        model_value == ddp_value,
+        "ddp.fp8_param_gather",
+        f"{ddp_value} but model.fp8_param={model_value}",
+        "set both alike (mixed_precision.fp8_param_gather sets both)",
+    )
+
+
+def check_context_parallel_finetuning(cfg: "ConfigContainer", problems: Problems) -> None:
+    """With context parallelism each rank holds part of every sequence. A fine-tuning loss counts
+    only answer tokens, which are spread unevenly over the CP ranks; averaging per rank (or in the
+    collective) weighs the ranks equally and biases the loss. The loss must be summed over tokens
+    and divided by the global token count."""
+    from megatron_bridge.training.config.data import FinetuningDatasetConfig
+
+    if cfg.model.context_parallel_size <= 1 or not isinstance(cfg.dataset, FinetuningDatasetConfig):
+        return
+    cp = cfg.model.context_parallel_size
+    problems.check(
+        bool(cfg.model.calculate_per_token_loss),
+        "model.calculate_per_token_loss",
+        f"fine-tuning with context_parallel_size={cp} needs the per-token loss "
+        "(the answer tokens are spread unevenly over the CP ranks)",
+        "set model.calculate_per_token_loss=True",
+    )
+    problems.check(
+        not cfg.ddp.average_in_collective,
+        "ddp.average_in_collective",
+        f"fine-tuning with context_parallel_size={cp} sums the loss over tokens; averaging in the "
+        "gradient collective would divide it again",
+        "set ddp.average_in_collective=False",
+    )
+
+
+def check_schedule_length(cfg: "ConfigContainer", problems: Problems) -> None:
+    """A schedule shorter than the run would leave the last iterations at the final LR without
+    anyone having asked for it; refused (Megatron-LM only warns) because it is almost always a
+    leftover of a shorter run. A longer schedule (a job doing the first part of a run) is fine."""
+    s, t = cfg.scheduler, cfg.train
+    if s.max_steps is None or t.train_iters is None or t.train_samples is not None:
+        return
+    problems.check(
+        s.max_steps >= t.train_iters,
+        "scheduler.max_steps",
+        f"{s.max_steps} iterations is shorter than train.train_iters={t.train_iters}",
+        f"raise scheduler.max_steps to at least {t.train_iters}, or unset it (it defaults to train_iters)",
+    )
+
+
+def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
+    """A warmup that came as a default (a recipe's, not set by the user) and is not shorter than
+    the decay is scaled down to a tenth of the decay, and the change is logged: a recipe's 2000
+    warmup iterations are meant for its full-length run, not for a 1000-iteration one. A warmup
+    the user set is kept, and the schedule check reports it."""
+    s, t = cfg.scheduler, cfg.train
+    if t.train_samples is not None or not t.train_iters or s.lr_warmup_fraction is not None:
+        return
+    if s.is_explicit("lr_warmup_iters") or s.lr_decay_style == "constant":
+        return
+    decay = s.lr_decay_iters or s.max_steps or t.train_iters
+    if s.lr_warmup_iters < decay:
+        return
+    scaled = decay // 10
+    logger.info(
+        "scheduler.lr_warmup_iters: the recipe's warmup of %d iterations is not shorter than the "
+        "%d-iteration decay; using %d (a tenth of it). Set scheduler.lr_warmup_iters to choose.",
+        s.lr_warmup_iters, decay, scaled,
+    )
+    s._derive("lr_warmup_iters", scaled)
+
+
+SCHEDULE_FIELDS = (
+    ("scheduler", "lr_decay_style"),
+    ("scheduler", "lr_decay_steps"),
+    ("scheduler", "lr_warmup_steps"),
+    ("scheduler", "wd_incr_steps"),
+    ("scheduler", "weight_decay_incr_style"),
+    ("scheduler", "start_weight_decay"),
+    ("scheduler", "end_weight_decay"),
+    ("optimizer", "lr"),
+    ("optimizer", "min_lr"),
+)
+"""What megatron-core's scheduler compares with a checkpoint's when it resumes."""
+
+
+def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Resuming with a schedule other than the checkpoint's (typically: a finished run extended,
+    train_iters 30 -> 40) is decided here, before anything is built. By default the schedule
+    follows this config (scheduler.override_opt_param_scheduler, logged with the differences);
+    `use_checkpoint_opt_param_scheduler=True` continues the checkpoint's instead; an explicit
+    `override_opt_param_scheduler=False` with a different schedule is an error."""
+    c, s = cfg.checkpoint, cfg.scheduler
+    if not c.load or c.finetune or s.use_checkpoint_opt_param_scheduler:
+        return
+    if s.override_opt_param_scheduler and s.is_explicit("override_opt_param_scheduler"):
+        return
+    saved = _saved_run_config(c.load, c.ckpt_step)
+    if saved is None:
+        return
+    differences = []
+    for section, name in SCHEDULE_FIELDS:
+        before = (saved.get(section) or {}).get(name)
+        now = getattr(getattr(cfg, section), name)
+        if before is not None and now is not None and before != now:
+            differences.append(f"{section}.{name} {before!r} -> {now!r}")
+    saved_iters = (saved.get("train") or {}).get("train_iters")
+    if not differences:
+        return
+    why = ", ".join(differences)
+    if saved_iters is not None and saved_iters != cfg.train.train_iters:
+        why = f"train.train_iters {saved_iters} -> {cfg.train.train_iters}: {why}"
+    if s.is_explicit("override_opt_param_scheduler"):
+        problems.add(
+            "scheduler.override_opt_param_scheduler",
+            f"False, but the schedule differs from the checkpoint's in {c.load!r} ({why})",
+            "set scheduler.override_opt_param_scheduler=True to follow this config's schedule, or "
+            "scheduler.use_checkpoint_opt_param_scheduler=True to continue the checkpoint's",
+        )
+        return
+    logger.info(
+        "resuming from %s with a different schedule (%s): the schedule follows this config "
+        "(scheduler.override_opt_param_scheduler=True); set scheduler.use_checkpoint_opt_param_scheduler=True "
+        "to continue the checkpoint's instead",
+        c.load, why,
+    )
+    s._derive("override_opt_param_scheduler", True)
+
+
+def _saved_run_config(load: str, step: Optional[int]) -> Optional[dict]:
+    """The run_config.yaml of the checkpoint a resume would load, or None when there is none."""
+    import os
+
+    from megatron_bridge.config.yaml_input import load_file
+    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE, resolve
+
+    try:
+        directory, _ = resolve(load, step)
+    except FileNotFoundError:
+        return None
+    path = os.path.join(directory, RUN_CONFIG_FILE)
+    return (load_file(path) or None) if os.path.isfile(path) else None

@@ -1,0 +1,172 @@
+"""Rules the reference system's config tests pin down: precision presets, FP8 parameters,
+sample-based iteration counts, context-parallel fine-tuning, deterministic mode, schedule lengths."""
+
+import logging
+
+import pytest
+import torch
+from factories import tiny_config, tiny_model
+
+from megatron_bridge.training.config import (
+    ConfigValidationError,
+    DistributedDataParallelConfig,
+    FinetuningDatasetConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    runtime_config_update,
+)
+from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+
+
+def errors_of(cfg, **kw):
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, **kw)
+    return err.value.errors
+
+
+@pytest.mark.parametrize("name", ["bf16_with_mxfp8_mixed", "fp16_with_mxfp8_mixed"])
+def test_mxfp8_presets_use_e4m3_and_gather_fp8_params_through_the_grad_buffer(name):
+    mp = get_mixed_precision_config(name)
+    assert (mp.fp8, mp.fp8_recipe) == ("e4m3", "mxfp8")
+    assert mp.fp8_param_gather is True and mp.reuse_grad_buf_for_mxfp8_param_ag is True
+    cfg = tiny_config(mixed_precision=name, ddp=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    runtime_config_update(cfg, world_size=1)
+    assert cfg.ddp.fp8_param_gather and cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag
+    assert cfg.model.fp8 == "e4m3" and cfg.model.fp8_param is True
+
+
+@pytest.mark.parametrize("name", ["bf16_with_fp8_subchannel_scaling_mixed", "fp16_with_fp8_subchannel_scaling_mixed"])
+def test_subchannel_presets_use_hybrid_fp8(name):
+    mp = get_mixed_precision_config(name)
+    assert (mp.fp8, mp.fp8_recipe) == ("hybrid", "blockwise")
+
+
+def test_fp8_param_without_fp8_param_gather_is_refused():
+    mp = get_mixed_precision_config("bf16_with_fp8_delayed_scaling_mixed")
+    mp.fp8_param, mp.fp8_param_gather = True, False
+    (message,) = set(errors_of(tiny_config(mixed_precision=mp)))  # finalized at apply and at validate
+    assert message.startswith("mixed_precision.fp8_param: fp8_param=True but fp8_param_gather=False")
+    assert "set both to the same value" in message
+
+
+def test_model_fp8_param_and_ddp_fp8_param_gather_must_agree():
+    cfg = tiny_config(model=tiny_model(fp8_param=True), mixed_precision="bf16_mixed")
+    message = next(e for e in errors_of(cfg) if e.startswith("ddp.fp8_param_gather"))
+    assert "False but model.fp8_param=True" in message and "set both alike" in message
+
+
+def test_sample_based_train_iters_floor_like_megatron_lm():
+    cfg = tiny_config(train=TrainingConfig(train_samples=10000, global_batch_size=32, micro_batch_size=2))
+    runtime_config_update(cfg, world_size=1)
+    assert cfg.train.train_iters == 312
+
+
+def test_fewer_samples_than_one_batch_is_refused():
+    cfg = tiny_config(train=TrainingConfig(train_samples=10, global_batch_size=32, micro_batch_size=2))
+    (message,) = errors_of(cfg, world_size=1)
+    assert message.startswith("train.train_samples: 10 samples make no whole global batch of 32")
+
+
+def test_rampup_with_train_samples_gives_train_iters():
+    # Ramp 8 -> 16 -> 24 -> 32 over 300 samples, then full batches of 32 (Megatron-LM's count).
+    train = TrainingConfig(train_samples=1000, global_batch_size=32, micro_batch_size=8, rampup_batch_size=[8, 8, 300])
+    cfg = tiny_config(train=train)
+    runtime_config_update(cfg, world_size=1)
+    # ramp-up: 100 samples per increment; consumed 0..:8x13 (104) 16x6 (200) 24x5 (320) = 24 steps
+    # then (1000 - 320) // 32 = 21 steps
+    assert cfg.train.train_iters == 45
+
+
+def _finetuning(tmp_path, cp=2, **model):
+    (tmp_path / "training.jsonl").write_text('{"input": "a", "output": "b"}\n')
+    return tiny_config(
+        model=tiny_model(context_parallel_size=cp, **model),
+        dataset=FinetuningDatasetConfig(dataset_root=str(tmp_path), seq_length=32),
+    )
+
+
+def test_context_parallel_finetuning_needs_the_per_token_loss(tmp_path):
+    errors = errors_of(_finetuning(tmp_path), world_size=2)
+    message = next(e for e in errors if e.startswith("model.calculate_per_token_loss"))
+    assert "context_parallel_size=2" in message and "set model.calculate_per_token_loss=True" in message
+
+
+def test_context_parallel_finetuning_refuses_average_in_collective(tmp_path):
+    cfg = _finetuning(tmp_path, calculate_per_token_loss=True)
+    cfg.ddp.average_in_collective = True
+    errors = errors_of(cfg, world_size=2)
+    message = next(e for e in errors if e.startswith("ddp.average_in_collective"))
+    assert "set ddp.average_in_collective=False" in message
+    assert not any(e.startswith("model.calculate_per_token_loss") for e in errors)
+
+
+def test_context_parallel_finetuning_with_per_token_loss_validates(tmp_path):
+    cfg = _finetuning(tmp_path, calculate_per_token_loss=True)
+    runtime_config_update(cfg, world_size=2)
+
+
+def test_scheduler_max_steps_shorter_than_train_iters_is_refused():
+    cfg = tiny_config(scheduler=SchedulerConfig(max_steps=10))
+    (message,) = errors_of(cfg, world_size=1)
+    assert message.startswith("scheduler.max_steps: 10 iterations is shorter than train.train_iters=20")
+    longer = tiny_config(scheduler=SchedulerConfig(max_steps=40))
+    runtime_config_update(longer, world_size=1)  # a job doing the first part of a longer run
+
+
+@pytest.mark.timeout(120)
+def test_deterministic_mode_turns_on_torch_deterministic_algorithms(tmp_path):
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
+    cfg = tiny_config(model=tiny_model(deterministic_mode=True, cross_entropy_loss_fusion=False))
+    cfg.train.train_iters = 2
+    cfg.validation.eval_iters = 0
+    cfg.env_vars = {"NCCL_ALGO": "Ring"}
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        state = pretrain(cfg, forward_step)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert state.train_state.step == 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_warmup_longer_than_the_run_is_reported_in_iterations():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=30))
+    (message,) = errors_of(cfg, world_size=1)
+    assert message.startswith(
+        "scheduler.lr_warmup_iters: warmup (30 iterations) is not shorter than the decay (20 iterations)"
+    )
+
+
+def test_recipe_warmup_scales_down_to_a_short_run(caplog):
+    from recipes import llama3_8b_pretrain_config, tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config(dir="/tmp/unused-run-dir")
+    cfg.train.train_iters = 5
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        runtime_config_update(cfg, world_size=1)
+    assert cfg.scheduler.lr_warmup_iters == 0
+    assert "the recipe's warmup of 10 iterations is not shorter than the 5-iteration decay; using 0" in caplog.text
+    big = llama3_8b_pretrain_config(dir="/tmp/unused-run-dir")
+    big.train.train_iters = 1000
+    runtime_config_update(big, world_size=8)
+    assert big.scheduler.lr_warmup_iters == 100
+    # a warmup the user sets is the user's: reported, not changed
+    big.scheduler.lr_warmup_iters = 2000
+    (message,) = errors_of(big, world_size=8)
+    assert "warmup (2000 iterations) is not shorter than the decay (1000 iterations)" in message
+
+
+def test_yaml_floats_at_their_shortest_round_trip_form(tmp_path):
+    from megatron_bridge.training.config import ConfigContainer
+
+    cfg = tiny_config()
+    cfg.optimizer.adam_eps, cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-8, 3e-4, 1e-16
+    text = cfg.to_yaml()
+    assert "  adam_eps: 1e-08\n" in text and "  lr: 0.0003\n" in text and "  min_lr: 1e-16\n" in text
+    assert "1.0e-" not in text
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    back = ConfigContainer.from_yaml(str(path))
+    assert (back.optimizer.adam_eps, back.optimizer.lr, back.optimizer.min_lr) == (1e-8, 3e-4, 1e-16)
