@@ -183,7 +183,7 @@ def test_full_config_file_without_recipe(tmp_path, capsys, monkeypatch):
     code, out, _ = cli(capsys, "config", "show", "llama3_8b_pretrain_config")
     assert code == 0
     path.write_text(out)
-    monkeypatch.setenv("WORLD_SIZE", "16")  # no recipe: the world size comes from the environment
+    monkeypatch.setenv("WORLD_SIZE", "16")  # a launcher's world size beats the one the file records (8)
     code, out, err = cli(capsys, "pretrain", "--config-file", str(path), "--dry-run", "optimizer.lr=1e-4")
     assert code == 0, err
     assert summary(out)["data-parallel size"].startswith("8 ")

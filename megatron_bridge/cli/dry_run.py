@@ -148,13 +148,13 @@ def check_data_on_this_machine(cfg: "ConfigContainer", width: int) -> None:
 
 
 def default_world_size(recipe_world_size: Optional[int]) -> tuple[int, str]:
-    """The world size to check at, and where it came from: the recipe's intended one, else
-    WORLD_SIZE, else 1."""
-    if recipe_world_size is not None:
-        return recipe_world_size, "the recipe's world size"
+    """The world size to check at, and where it came from: WORLD_SIZE (a launcher's, so the
+    real one), else the recipe's intended one (also when recorded in a config file), else 1."""
     text = os.environ.get("WORLD_SIZE")
     if text is not None:
         if not text.isdigit() or int(text) < 1:
             raise UsageError(f"WORLD_SIZE={text!r} is not a positive integer (or pass --world-size N)")
         return int(text), "WORLD_SIZE"
+    if recipe_world_size is not None:
+        return recipe_world_size, "the recipe's world size"
     return 1, "default"

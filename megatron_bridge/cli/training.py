@@ -98,7 +98,7 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
         "--world-size",
         type=_positive_int,
         metavar="N",
-        help="world size for --dry-run (default: the recipe's intended world size, else WORLD_SIZE, else 1)",
+        help="world size for --dry-run (default: WORLD_SIZE, else the recipe's intended world size, else 1)",
     )
     check.add_argument(
         "--plan-only",
