@@ -160,7 +160,7 @@ def test_packing_settings_are_checked_and_round_trip(tmp_path):
         )
 
     with pytest.raises(ConfigValidationError) as err:
-        runtime_config_update(cfg(context_parallel_size=2, seq_length=32), world_size=2)
+        runtime_config_update(cfg(context_parallel_size=2, seq_length=32, calculate_per_token_loss=True), world_size=2)
     assert err.value.errors == [
         "dataset.packed_sequence_specs.packed_sequence_size: 64 exceeds model.seq_length=32 (pack to at most the model's sequence length)",
         "dataset.packed_sequence_specs: packed sequences are not split over context-parallel ranks (context_parallel_size=2) "
