@@ -50,8 +50,8 @@ _SUFFIXES = {"_pretrain_config": PretrainOptions, "_finetune_config": FinetuneOp
 
 # ---------------------------------------------------------------------- the decorator
 def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..., ConfigContainer]]:
-    """Register a recipe laid out for `world_size` GPUs (or processes), with its own option
-    defaults. The decorated function receives the merged options and returns the container;
+    """Make a recipe laid out for `world_size` GPUs (or processes), with its own option
+    defaults (the library's recipes are also registered by name). The decorated function receives the merged options and returns the container;
     callers call it with keyword arguments only."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"recipe world_size must be a positive int, got {world_size!r}")
@@ -80,7 +80,10 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
         build.defaults = MappingProxyType(merged)
         build.options_class = options_cls
         build.__signature__ = _signature(options_cls, merged)
-        RECIPES[fn.__name__] = build
+        if fn.__module__.split(".")[0] == __name__.split(".")[0]:
+            # The registry (`mbridge recipes`, get_recipe) lists this library's recipes; users'
+            # own are named on the command line as module:function or file.py:function.
+            RECIPES[fn.__name__] = build
         return build
 
     return wrap
