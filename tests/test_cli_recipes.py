@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import recipes
-from megatron_bridge.cli.main import SUBCOMMANDS, main
+from megatron_bridge.cli.main import SUBCOMMANDS
 from megatron_bridge.cli.recipe_loader import library_rows
 
 from test_cli import REPO, assert_usage_error, cli
