@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -26,16 +27,38 @@ def run_example(name: str, *argv: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_custom_dataset_provider(tmp_path):
+def _arguments(key: str, directory) -> tuple[str, ...]:
+    if key == "custom_dataset":
+        text = directory / "corpus.txt"
+        text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+        return ("custom_dataset.py", "--text", str(text), "--dir", str(directory), "--train-iters", "6")
+    iters = {"optimizer_groups": "4", "extra_metric": "5", "callback": "20"}[key]
+    return (f"{key}.py", "--dir", str(directory), "--train-iters", iters)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every example started at once, two at a time (they are independent): key -> (its
+    directory, a future of its output)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    jobs = {}
+    for key in ("custom_dataset", "optimizer_groups", "extra_metric", "callback"):
+        directory = tmp_path_factory.mktemp(key)
+        jobs[key] = (directory, pool.submit(run_example, *_arguments(key, directory)))
+    yield jobs
+    pool.shutdown(wait=True)
+
+
+def test_custom_dataset_provider(runs):
+    tmp_path, job = runs["custom_dataset"]
     text = tmp_path / "corpus.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    out = run_example("custom_dataset.py", "--text", str(text), "--dir", str(tmp_path), "--train-iters", "6")
+    out = job.result()
     assert f"trained 6 iterations on the bytes of {text}" in out
     assert "validation at iteration 6" in out
 
 
-def test_optimizer_override_provider(tmp_path):
-    out = run_example("optimizer_groups.py", "--dir", str(tmp_path), "--train-iters", "4")
+def test_optimizer_override_provider(runs):
+    out = runs["optimizer_groups"][1].result()
     groups = [line for line in out.splitlines() if line.startswith("group: ")]
     # lr 3e-3 in the tiny recipe: decaying and non-decaying groups at 3e-3, the embedding at 3e-4
     assert any("max_lr 3.00e-04, wd_mult 1.0" in g for g in groups), groups
@@ -43,8 +66,9 @@ def test_optimizer_override_provider(tmp_path):
     assert any("max_lr 3.00e-03, wd_mult 1.0" in g for g in groups), groups
 
 
-def test_forward_step_with_extra_metric(tmp_path):
-    out = run_example("extra_metric.py", "--dir", str(tmp_path), "--train-iters", "5")
+def test_forward_step_with_extra_metric(runs):
+    tmp_path, job = runs["extra_metric"]
+    out = job.result()
     validation = [line for line in out.splitlines() if "validation at iteration 5" in line]
     assert validation and "token accuracy" in validation[0] and "lm loss" in validation[0], out[-2000:]
     assert "trained 5 iterations" in out
@@ -61,8 +85,9 @@ def test_forward_step_with_extra_metric(tmp_path):
     assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] \[100%\] iteration 5/5", out, re.M), out[-2000:]
 
 
-def test_callback(tmp_path):
-    out = run_example("callback.py", "--dir", str(tmp_path), "--train-iters", "20")
+def test_callback(runs):
+    tmp_path, job = runs["callback"]
+    out = job.result()
     record = json.loads((tmp_path / "example_callback" / "best.json").read_text())
     assert len(record["train_losses"]) == 20
     assert record["step"] in (10, 20)
