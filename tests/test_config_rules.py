@@ -377,3 +377,29 @@ def test_several_mistakes_are_reported_together():
     ):
         assert any(e.startswith(prefix) for e in errors), (prefix, errors)
     assert len(errors) >= 5
+
+
+def test_range_check_fast_path_agrees_with_the_range_of_every_numeric_field():
+    """`ranges.check` skips the call for plain in-range numbers; on boundaries, infinities, NaN
+    and huge ints it must decide exactly as `Range.problem`."""
+    from megatron_bridge.config import ranges
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.models import Llama3ModelProvider8B
+    from megatron_bridge.training.config import OptimizerConfig, SchedulerConfig, TrainingConfig
+
+    for cls in (Llama3ModelProvider8B, OptimizerConfig, SchedulerConfig, TrainingConfig):
+        for name, rng in ranges.numeric_fields(cls):
+            edges = [0, 1, -1, 0.5, 10**30, -(10**30), float("inf"), float("-inf"), float("nan")]
+            for bound in (rng.low, rng.high):
+                if bound is not None:
+                    edges += [bound, bound - 1, bound + 1, float(bound)]
+            for value in edges:
+                obj = type("Holder", (), {})()
+                obj.__dict__[name] = value
+                problems = Problems()
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(ranges, "numeric_fields", lambda _cls, n=name, r=rng: ((n, r),))
+                    ranges._bounds.cache_clear()
+                    passed = ranges.check(obj, problems)
+                ranges._bounds.cache_clear()
+                assert passed == (rng.problem(value) is None), (cls.__name__, name, rng, value)

@@ -189,15 +189,37 @@ def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _bounds(cls: type) -> tuple[tuple[str, float, float, bool, bool, Range], ...]:
+    """`numeric_fields` with each range as (low, high, low inclusive, high inclusive); a missing
+    bound is an infinity excluded, so infinities and NaN never pass the comparisons."""
+    return tuple(
+        (
+            name,
+            -math.inf if rng.low is None else rng.low,
+            math.inf if rng.high is None else rng.high,
+            rng.low is not None and rng.low_inclusive,
+            rng.high is not None and rng.high_inclusive,
+            rng,
+        )
+        for name, rng in numeric_fields(cls)
+    )
+
+
 def check(obj: Any, problems: Problems) -> bool:
     """Add a problem for each numeric field of config `obj` outside its range; return whether
     all were in range."""
     ok = True
     values = obj.__dict__
-    for name, rng in numeric_fields(type(obj)):
+    for name, low, high, low_in, high_in, rng in _bounds(type(obj)):
         value = values.get(name)
         if value is None:
             continue
+        kind = value.__class__
+        if (kind is int or kind is float) and (
+            (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
+        ):
+            continue  # the common case, without a call: a plain number in range
         for item in value if isinstance(value, (list, tuple)) else (value,):
             why = rng.problem(item)
             if why:
