@@ -155,3 +155,15 @@ def test_first_finetune_help_example_runs(tmp_path, capsys, monkeypatch):
     code, out, err = cli(capsys, *argv[1:], "--dry-run")  # the real run is in tests/test_readme.py
     assert code == 0, err
     assert "dry run of tiny_gpt_finetune_config" in out
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_recorded_world_size_must_be_positive(tmp_path, capsys, monkeypatch, size):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, out, _ = cli(capsys, "config", "show", "tiny_gpt_pretrain_config")
+    path = tmp_path / "run.yaml"
+    path.write_text(out.replace("recipe_world_size: 1", f"recipe_world_size: {size}"))
+    code, out, err = cli(capsys, "pretrain", "--config-file", str(path), "--dry-run")
+    assert code == 2
+    assert f"recipe_world_size: {size} is outside the allowed range [1, 2**31) (choose a value in that range)" in err
+    assert f"data_parallel_size: world size {size} is not a positive number of processes" in err

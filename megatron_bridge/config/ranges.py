@@ -104,7 +104,7 @@ FIELD_RANGES: dict[str, str] = {
     "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
-    "eval_global_batch_size": SIZE, "train_iters": "[1, 2**63)", "train_samples": "[1, 2**63)",
+    "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)", "train_samples": "[1, 2**63)",
     "exit_duration_in_mins": POSITIVE, "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
     "save_interval": "[1, 2**63)", "train_sync_interval": "[1, 2**63)", "tensorboard_log_interval": "[1, 2**63)",
     "profiling_interval": "[1, 2**63)", "non_persistent_save_interval": "[1, 2**63)",

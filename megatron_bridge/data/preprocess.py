@@ -222,7 +222,7 @@ def _init_worker(options: PreprocessOptions, threads: bool) -> None:
     if not threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool stops its workers with SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a plain SIGTERM ends a worker (the main process handles its own)
     from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
 
     _WORKER["tokenizer"] = HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)

@@ -163,6 +163,8 @@ class ConfigContainer(ConfigBase):
     # ------------------------------------------------------------------ derived sizes
     def get_data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for `world_size` ranks (raises ValueError if it does not divide)."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size {world_size!r} is not a positive number of processes")
         m = self.model
         model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
         if model_parallel <= 0 or world_size % model_parallel != 0:
@@ -210,8 +212,10 @@ class ConfigContainer(ConfigBase):
 
     def validate_into(self, problems: Problems) -> None:
         """`validate()`, collecting into `problems` instead of raising."""
+        from megatron_bridge.config import ranges
         from megatron_bridge.training.config import checks
 
+        ranges.check(self, problems)  # the container's own numbers (recipe_world_size)
         if self.data_parallel_size is None and not problems.at("data_parallel_size"):
             self.set_data_parallel_size(problems=problems)
         checks.apply_deprecated_training_fields(self, problems)
