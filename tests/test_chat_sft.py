@@ -101,9 +101,11 @@ def chat_rows(n: int, seed: int) -> list[dict]:
 def test_chat_sft_trains_with_packing(tok_dir, tmp_path):
     from megatron_bridge.training.callbacks import Callback
     from megatron_bridge.training.config import FinetuningDatasetConfig, PackedSequenceSpecs, TrainingConfig, ValidationConfig
+    from megatron_bridge.training.config import runtime_config_update
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
     from megatron_bridge.training.tokenizers.config import TokenizerConfig
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
 
     data = tmp_path / "chat"
     data.mkdir()
@@ -122,7 +124,13 @@ def test_chat_sft_trains_with_packing(tok_dir, tmp_path):
         tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir),
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
     )
+    # The model's vocabulary comes from the tokenizer at validation; after that, the run changes
+    # nothing in the config (runtime hooks go on the model's own copy).
+    runtime_config_update(cfg, device="cpu")
+    assert cfg.model.vocab_size == build_tokenizer(cfg.tokenizer).vocab_size == 300
+    resolved = cfg.to_yaml()
     state = pretrain(cfg, forward_step, callbacks=[Record()])
+    assert cfg.to_yaml() == resolved
     assert state.train_state.step == 30
     print("chat losses", [round(x, 2) for x in losses])
     assert mean(losses[-5:]) < mean(losses[:5]) - 1.0

@@ -1,4 +1,5 @@
-"""`mbridge config show|diff`: print a config as YAML, or the fields where two configs differ.
+"""`mbridge config show|diff|rules`: print a config as YAML, the fields where two configs differ,
+or the rules that resolve a config, in the order they run.
 
 A config is named by a YAML file (an existing path, or any name ending in .yaml/.yml) or a recipe.
 """
@@ -44,7 +45,14 @@ def register(subparsers: Any) -> None:
     diff.add_argument("b", metavar="B", help="YAML file or recipe name")
     diff.add_argument("--derived", action="store_true", help="also show fields derived from other fields")
     diff.set_defaults(handler=run_diff, command="config diff")
-    for sub in (show, diff):
+    rules = actions.add_parser(
+        "rules",
+        help="print the rules that resolve a config, in the order they run",
+        description="Print every rule runtime_config_update takes (presets, device adaptation, aliases, "
+        "derived values, checks), numbered in the order it runs, with what it does.",
+    )
+    rules.set_defaults(handler=run_rules, command="config rules")
+    for sub in (show, diff, rules):
         add_debug_flag(sub)
 
 
@@ -52,6 +60,15 @@ def run_show(args: argparse.Namespace) -> int:
     from megatron_bridge.cli.source import load_source
 
     print(load_source(args.source, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def run_rules(args: argparse.Namespace) -> int:
+    from megatron_bridge.config.rules import KINDS, describe
+    from megatron_bridge.training.config.runtime import RULES
+
+    print(describe(RULES))
+    print("\nKinds: " + "; ".join(f"{kind}: {what}" for kind, what in KINDS.items()) + ".")
     return 0
 
 

@@ -34,6 +34,25 @@ _TRACKING = "_mb_tracking"
 
 _MISSING = object()
 
+_read_only_depth = 0
+"""Above zero while a check runs (`read_only()`): every change to a config object raises."""
+
+
+@contextlib.contextmanager
+def read_only() -> Iterator[None]:
+    """Make every config object read-only for the duration: a check that changes a field (or
+    records a derived value) raises `RuntimeError` naming it."""
+    global _read_only_depth
+    _read_only_depth += 1
+    try:
+        yield
+    finally:
+        _read_only_depth -= 1
+
+
+def _refuse_change(obj: Any, name: str) -> None:
+    raise RuntimeError(f"{type(obj).__name__}.{name} changed while the config is read-only (during a check)")
+
 
 @functools.lru_cache(maxsize=None)
 def init_field_names(cls: type) -> tuple[str, ...]:
@@ -83,6 +102,8 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     # ------------------------------------------------------------------ user-set fields
     def __setattr__(self, name: str, value: Any) -> None:
+        if _read_only_depth:
+            _refuse_change(self, name)
         d = self.__dict__
         if d.get(_TRACKING) and name in field_names(type(self)):
             why = type_problem(type(self), name, value)
@@ -120,6 +141,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
         count as the user's, and finalize keeps it."""
+        if _read_only_depth:
+            _refuse_change(self, name)
         d = self.__dict__
         d.setdefault(_DERIVED, {}).pop(name, None)
         object.__setattr__(self, name, value)
@@ -127,6 +150,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def _derive(self, name: str, value: Any) -> None:
         """Set a value computed by `finalize()` from other fields. The value it replaces is
         remembered and put back by the next finalize, which then recomputes it."""
+        if _read_only_depth:
+            _refuse_change(self, name)
         d = self.__dict__
         derived = d.setdefault(_DERIVED, {})
         if name not in derived:

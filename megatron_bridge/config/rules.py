@@ -1,17 +1,30 @@
-"""How a rule (a preset, the CPU adaptation, a cross-section sync) sets fields of a section.
+"""The rule engine: how a config is resolved, step by step, in one fixed order.
 
-Every rule follows one policy, owned here: a field the user set is never changed (a different
-value is a clash, which the rule reports or, where the rule says so, ignores); any other field
-takes the rule's value as a framework default (`ConfigBase.apply_default`: not the user's, kept by
-`finalize()`, written to YAML as such); each change is returned so the rule can log it.
+A rule is a preset, the device adaptation, a deprecated alias, a sync between sections, a derived
+value, a section's finalize, or a check. The list of rules is declared once
+(`megatron_bridge.training.config.runtime.RULES`) and printed by `mbridge config rules`; this module
+runs it and owns the policies every rule follows:
+
+* **Set unless the user did** (`set_unless_user_set`): a field the user set is never changed (a
+  different value is a clash, which the rule reports or, where the rule says so, ignores); any
+  other field takes the rule's value as a framework default (`ConfigBase.apply_default`: not the
+  user's, kept by `finalize()`, written to YAML as such); each change is returned for the log.
+* **Derived values are remembered** (`ConfigBase._derive`) and put back before the next run, so
+  running the rules again recomputes them from the current fields.
+* **Checks change nothing**: they run with config objects read-only (`run_rules`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import dataclasses
+import logging
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_bridge.config.annotations import values_equal
+from megatron_bridge.config.base import read_only
 from megatron_bridge.config.errors import Problems
+
+logger = logging.getLogger(__name__)
 
 Clash = Callable[[str, Any, Any], Optional[tuple[str, str]]]
 """(field, user's value, rule's value) -> (message, fix) of the problem to report, or None."""
@@ -44,3 +57,82 @@ def set_unless_user_set(
         else:  # a megatron-core config without the user-set record: everything is the framework's
             setattr(target, name, value)
     return changed
+
+
+# ---------------------------------------------------------------------- the engine
+KINDS = {
+    "setup": "prepares the run's environment",
+    "adapt": "adapts the config to the device it trains on",
+    "preset": "sets fields from a preset, unless the user set them",
+    "alias": "moves a deprecated field's value to its new place",
+    "sync": "keeps one setting that lives in two sections in agreement",
+    "derive": "computes fields from other fields",
+    "finalize": "runs each section's own checks and derived values",
+    "check": "reports problems; changes nothing",
+}
+"""What each kind of rule may do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One step of resolving a config: `run(cfg, problems, *inputs)` at a fixed place in the list."""
+
+    name: str
+    kind: str
+    """One of `KINDS`."""
+    run: Callable[..., None]
+    validate: bool = True
+    """Part of `validate()`; False for the steps only `runtime_config_update` takes (presets,
+    environment, device)."""
+    inputs: tuple[str, ...] = ()
+    """Run inputs passed after `problems`, by name (e.g. "world_size"); None when not given."""
+    device: Optional[str] = None
+    """Taken only when the run trains on this device."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"rule {self.name!r}: unknown kind {self.kind!r} (one of {', '.join(KINDS)})")
+
+    @property
+    def doc(self) -> str:
+        """The first sentence of the rule function's docstring, on one line."""
+        text = " ".join((self.run.__doc__ or "").split())
+        end = text.find(". ")
+        return text if end < 0 else text[: end + 1]
+
+
+def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mapping[str, Any]) -> None:
+    """Run `rules` in order on `cfg`, collecting problems; each rule taken is logged (DEBUG).
+
+    A `check` runs with every config object read-only, so a check that changes a field fails
+    loudly instead of deriving a value in the wrong place. A rule that trips over a value an
+    earlier rule already reported (a division by zero from a bad size) stays quiet; the same
+    error with no problem reported is a bug and propagates."""
+    for rule in rules:
+        if rule.device is not None and inputs.get("device") != rule.device:
+            continue
+        logger.debug("rule: %s", rule.name)
+        args = [inputs.get(name) for name in rule.inputs]
+        try:
+            if rule.kind == "check":
+                with read_only():
+                    rule.run(cfg, problems, *args)
+            else:
+                rule.run(cfg, problems, *args)
+        except (ArithmeticError, ValueError, TypeError):
+            if not problems:
+                raise
+
+
+def describe(rules: Sequence[Rule]) -> str:
+    """The rules as a numbered list in the order they run, each with its kind and what it does."""
+    lines = []
+    for i, rule in enumerate(rules, 1):
+        notes = [] if rule.validate else ["runtime_config_update only"]
+        if rule.device:
+            notes.append(f"only on {rule.device}")
+        suffix = f"  [{'; '.join(notes)}]" if notes else ""
+        lines.append(f"{i:2d}. {rule.kind:8s} {rule.name}{suffix}")
+        if rule.doc:
+            lines.append(f"    {'':8s} {rule.doc}")
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Data rules between config sections (no file access): packing against the model, blend
-phases against the training length. Called from `checks.cross_section`."""
+phases against the training length. A validation rule (`mbridge config rules`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 
 def check_data_rules(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Packed fine-tuning sequences fit the layout; blend phases fit the training length."""
     from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 
     if isinstance(cfg.dataset, FinetuningDatasetConfig) and cfg.dataset.packed_sequence_specs is not None:

@@ -49,10 +49,11 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
         from megatron_bridge.peft.apply import check_all_targets_matched
 
         check_all_targets_matched(cfg.peft, adapted)
+    ddp_config = copy.copy(cfg.ddp)  # megatron-core fills in bucket_size on the object it is given
     wrapped = [
         DistributedDataParallel(
             config=model_config,
-            ddp_config=cfg.ddp,
+            ddp_config=ddp_config,
             module=chunk,
             # Later chunks share the first chunk's bucket schedule (megatron-core convention).
             disable_bucketing=(i > 0) or bool(cfg.optimizer.overlap_param_gather_with_optimizer_step),

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config import status as field_status
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.training import cpu_backend
@@ -30,14 +30,7 @@ logger = logging.getLogger("megatron_bridge")
 def resolve_config(cfg: ConfigContainer) -> str:
     """Adapt `cfg` to the device it will train on, then `runtime_config_update`; returns the device."""
     device = "cuda" if resolve_backend(cfg.dist.distributed_backend) == "nccl" else "cpu"
-    problems = Problems()
-    if device == "cpu":
-        cpu_backend.adapt_config(cfg, problems)
-    try:
-        runtime_config_update(cfg)
-    except ConfigValidationError as err:  # reported together with the device's problems
-        problems.absorb(err)
-    problems.raise_if_any()
+    runtime_config_update(cfg, device=device)
     return device
 
 
@@ -278,8 +271,6 @@ def setup(
     init_rerun_state_machine(cfg)
     state.timers = Timers(max(cfg.logger.timing_log_level, 0), cfg.logger.timing_log_option)
     state.tokenizer = build_checked_tokenizer(cfg)
-    if cfg.model.vocab_size is None:
-        cfg.model.apply_default("vocab_size", state.tokenizer.vocab_size)
     check_before_build(cfg, state.tokenizer)  # data files, vocabulary: before anything is allocated
     # Trackers in a helper process start while the model and data are built; logging the config
     # at the end of setup waits for them and raises if one could not start.

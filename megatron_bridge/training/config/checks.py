@@ -1,8 +1,8 @@
-"""Checks that span sections of a `ConfigContainer`, and the derived values that need several.
+"""The rules that span sections of a `ConfigContainer`: aliases, syncs, derived values, checks.
 
-Each check adds problems to a `Problems` collector; `ConfigContainer.validate()` raises them all
-at once. Values derived here (scheduler steps, evaluation batch sizes, default weight decay) are
-computed in `derive_*` functions, in one place.
+Each is a function `(cfg, problems)` declared, in the order it runs, in
+`megatron_bridge.training.config.runtime.RULES`. `check_*` functions only report problems (they run
+with the config read-only); values are computed in `derive_*` functions.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.data.rules import check_data_rules
-from megatron_bridge.training.config import run_rules
 from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.mixed_precision import check_low_precision
 
@@ -24,37 +22,6 @@ logger = logging.getLogger(__name__)
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
-
-
-def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Every check between sections, then the derived values that depend on them."""
-    for check in (
-        derive_eval_batch_sizes,
-        derive_vocab_size,
-        check_batch_sizes,
-        check_pipeline_layout,
-        check_mixed_precision_consistency,
-        check_sequence_lengths,
-        check_context_parallel,
-        check_deterministic_mode,
-        check_peft,
-        check_hugging_face,
-        check_vocab,
-        check_logger_outputs,
-        check_data_rules,
-        run_rules.check_fp8_param_sync,
-        run_rules.check_context_parallel_finetuning,
-        run_rules.check_schedule_length,
-        run_rules.derive_recipe_warmup,
-        derive_weight_decay,
-        derive_scheduler_steps,
-        run_rules.derive_resume_schedule,
-    ):
-        try:
-            check(cfg, problems)
-        except (ArithmeticError, ValueError, TypeError):
-            if not problems:  # not a consequence of a problem already reported: a bug
-                raise
 
 
 # ---------------------------------------------------------------------- before sections finalize
@@ -108,6 +75,7 @@ def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> No
 
 # ---------------------------------------------------------------------- batch sizes
 def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The global batch size is a multiple of micro batch x data-parallel size (evaluation's too)."""
     train, dp = cfg.train, cfg.data_parallel_size
     if dp is None or not train.micro_batch_size or not train.global_batch_size:
         return
@@ -130,6 +98,7 @@ def _check_divisible(problems: Problems, section: str, gbs: int, mbs: int, dp: i
 
 
 def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Layers split evenly over (virtual) pipeline stages; experts over expert-parallel ranks."""
     m = cfg.model
     pp, vp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     uneven = m.num_layers_in_first_pipeline_stage is not None or m.num_layers_in_last_pipeline_stage is not None
@@ -180,6 +149,7 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
 
 # ---------------------------------------------------------------------- precision
 def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Model and optimizer agree on bf16/fp16; fp8/fp4 settings fit together."""
     m, opt = cfg.model, cfg.optimizer
     for name in ("bf16", "fp16"):
         problems.check(
@@ -202,6 +172,7 @@ def dataset_seq_length(dataset: object):
 
 
 def check_sequence_lengths(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The dataset's sequence length matches the model's (fine-tuning: does not exceed it)."""
     data_seq = dataset_seq_length(cfg.dataset)
     if data_seq is None:
         return
@@ -216,6 +187,7 @@ def check_sequence_lengths(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Context parallelism: sequence length divisible by 2 x CP; valid communication kinds."""
     m = cfg.model
     cp = m.context_parallel_size
     if cp > 1:
@@ -264,6 +236,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Deterministic mode: no fused cross entropy, a deterministic NCCL algorithm."""
     m = cfg.model
     if not m.deterministic_mode:
         return
@@ -283,6 +256,7 @@ def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None
 
 
 def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Adapters: target modules exist, fine-tuning starts from a checkpoint, the layout supports them."""
     if cfg.peft is None:
         return
     from megatron_bridge.peft.apply import check_config
@@ -307,6 +281,7 @@ def _null_tokenizer_vocab(cfg: "ConfigContainer"):
 
 
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
+    """A vocabulary size the user set holds the NullTokenizer's tokens."""
     m, vocab = cfg.model, _null_tokenizer_vocab(cfg)
     if vocab is not None and m.is_explicit("vocab_size"):
         problems.check(
@@ -342,13 +317,26 @@ def derive_eval_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
-    """The model's vocabulary defaults to a NullTokenizer's size (with its extra ids)."""
+    """model.vocab_size, when unset, is the tokenizer's: a NullTokenizer's size (with its extra
+    ids), or the size of a Hugging Face tokenizer whose files are on this machine."""
+    if cfg.model.vocab_size is not None or problems.at("tokenizer"):
+        return
     vocab = _null_tokenizer_vocab(cfg)
-    if vocab is not None and cfg.model.vocab_size is None:
+    if vocab is not None:
         cfg.model._derive("vocab_size", vocab)
+        return
+    from megatron_bridge.training.tokenizers.tokenizer import local_vocab_size
+
+    vocab = local_vocab_size(cfg.tokenizer)
+    if vocab is not None:
+        # Kept like a preset's value, not recomputed: a saved config must still build its model
+        # where the tokenizer's files are gone (merging adapters, exporting weights).
+        cfg.model.apply_default("vocab_size", vocab)
 
 
 def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The weight-decay schedule starts and ends at optimizer.weight_decay unless set; a constant
+    schedule needs equal ends."""
     s, wd = cfg.scheduler, cfg.optimizer.weight_decay
     if s.start_weight_decay is None:
         s._derive("start_weight_decay", wd)

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
-from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
+from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
@@ -204,31 +204,17 @@ class ConfigContainer(ConfigBase):
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Finalize every section, run the cross-section checks, compute derived values; raise one
-        `ConfigValidationError` listing every problem found."""
+        """Run the validation rules (`mbridge config rules`): finalize every section, derive values,
+        check across sections; raise one `ConfigValidationError` listing every problem found."""
         problems = Problems()
         self.validate_into(problems)
         problems.raise_if_any()
 
     def validate_into(self, problems: Problems) -> None:
         """`validate()`, collecting into `problems` instead of raising."""
-        from megatron_bridge.config import ranges
-        from megatron_bridge.training.config import checks
+        from megatron_bridge.training.config.runtime import validate_into
 
-        ranges.check(self, problems)  # the container's own numbers (recipe_world_size)
-        if self.data_parallel_size is None and not problems.at("data_parallel_size"):
-            self.set_data_parallel_size(problems=problems)
-        checks.apply_deprecated_training_fields(self, problems)
-        checks.sync_distributed_optimizer(self, problems)
-        checks.apply_pretrained_defaults(self, problems)
-        for name in SECTIONS:
-            section = getattr(self, name)
-            if section is None or isinstance(section, str):
-                continue
-            if name == "comm_overlap" and section.data_parallel_size is None:
-                continue  # reported as data_parallel_size above
-            finalize_into(section, problems.at(name))
-        checks.cross_section(self, problems)
+        validate_into(self, problems)
 
     # ------------------------------------------------------------------ reporting
     def log_non_default_values(self) -> dict[str, dict[str, tuple[Any, Any]]]:

@@ -1,4 +1,11 @@
-"""`runtime_config_update`: resolve everything a run derives, then validate, in a fixed order."""
+"""`runtime_config_update`: every rule that resolves a config, declared once, in the order it runs.
+
+`RULES` is the whole story of how a config becomes runnable: presets, the device adaptation,
+deprecated aliases, syncs between sections, each section's finalize, derived values and checks.
+`mbridge config rules` prints it. `ConfigContainer.validate()` runs the rules marked `validate`;
+`runtime_config_update` runs them all. The engine (`megatron_bridge.config.rules`) owns the
+policies: "set unless the user did", remembered derived values, and read-only checks.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
+from megatron_bridge.config import ranges
 from megatron_bridge.config.base import finalize_into
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.rules import Rule, run_rules
+from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.training.config import checks, run_rules as run_schedule
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -17,29 +28,30 @@ logger = logging.getLogger(__name__)
 _SCALARS = (str, int, float, bool)
 
 
-def runtime_config_update(cfg: "ConfigContainer", world_size: Optional[int] = None) -> None:
-    """Apply runtime updates, then validate; raise one `ConfigValidationError` for everything.
+def runtime_config_update(cfg: "ConfigContainer", world_size: Optional[int] = None, device: Optional[str] = None) -> None:
+    """Resolve `cfg` for a run on `world_size` processes, then validate it; raise one
+    `ConfigValidationError` for everything found. Runs every rule of `RULES` in order.
 
-    1. set `cfg.env_vars` in the environment (existing variables win);
-    2. resolve `cfg.mixed_precision` (a preset name or config) and apply it to model, optimizer
-       and ddp, leaving fields the user set explicitly alone;
-    3. compute `data_parallel_size` for `world_size` (default: the process group's, else
-       WORLD_SIZE, else 1);
-    4. finalize `cfg.comm_overlap` and apply it;
-    5. `cfg.validate()`: finalize every section, cross-section checks, derived values.
-
-    Calling it again gives the same result.
+    `world_size` defaults to the process group's, else WORLD_SIZE, else 1. `device="cpu"` also
+    adapts the config to CPU training (fused CUDA kernels off, ...); any other value (or None)
+    leaves the config as it would run on GPUs. Calling it again gives the same result.
     """
+    from megatron_bridge.training.config.container import current_world_size
+
     problems = Problems()
-    apply_env_vars(cfg, problems)
-    apply_mixed_precision(cfg, problems)
-    cfg.set_data_parallel_size(world_size, problems)
-    apply_comm_overlap(cfg, problems)
-    cfg.validate_into(problems)
+    inputs = {"world_size": current_world_size() if world_size is None else world_size, "device": device}
+    run_rules(RULES, cfg, problems, inputs)
     problems.raise_if_any()
 
 
+def validate_into(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The rules `ConfigContainer.validate()` runs: everything but presets, world size and device."""
+    run_rules([rule for rule in RULES if rule.validate], cfg, problems, {})
+
+
+# ---------------------------------------------------------------------- rules only runtime_config_update takes
 def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Set `env_vars` in the environment; variables the environment already has win."""
     p = problems.at("env_vars")
     if not isinstance(cfg.env_vars, dict):
         p.add("", f"must be a mapping of names to values, got {type(cfg.env_vars).__name__}", "use {NAME: value}")
@@ -57,6 +69,8 @@ def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def apply_mixed_precision(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Resolve `mixed_precision` (a preset name or config) and set its fields on model, optimizer
+    and ddp, leaving the fields the user set alone."""
     from megatron_bridge.training.mixed_precision import get_mixed_precision_config
 
     if cfg.mixed_precision is None:
@@ -76,9 +90,76 @@ def apply_mixed_precision(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def apply_comm_overlap(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Finalize `comm_overlap` for the data-parallel size and set its fields on model, ddp and
+    optimizer, leaving the fields the user set alone."""
     if cfg.comm_overlap is None or cfg.data_parallel_size is None:
         return
     before = len(problems)
     finalize_into(cfg.comm_overlap, problems.at("comm_overlap"))
     if len(problems) == before:
         cfg.comm_overlap.apply(cfg.model, cfg.ddp, cfg.optimizer, problems)
+
+
+def adapt_to_cpu(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Make the config trainable on CPU: fused CUDA kernels off, megatron-core's local layers,
+    CPU initialization (unless the user chose otherwise); refuse GPU-only tools."""
+    from megatron_bridge.training import cpu_backend
+
+    cpu_backend.adapt_config(cfg, problems)
+
+
+def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_size: Optional[int] = None) -> None:
+    """`data_parallel_size` = world size // (TP x PP x CP); `validate()` alone computes it only if
+    unset (for the current world size)."""
+    if world_size is None and cfg.data_parallel_size is not None:
+        return
+    cfg.set_data_parallel_size(world_size, problems)
+
+
+def finalize_sections(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Each section's own checks and derived values (the model first: others read its derived
+    values), and the range of every number in the container itself."""
+    from megatron_bridge.training.config.container import SECTIONS
+
+    ranges.check(cfg, problems)
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        if section is None or isinstance(section, str):
+            continue
+        if name == "comm_overlap" and section.data_parallel_size is None:
+            continue  # reported as data_parallel_size
+        finalize_into(section, problems.at(name))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("environment variables", "setup", apply_env_vars, validate=False),
+    Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
+    Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
+    Rule("data-parallel size", "derive", derive_data_parallel_size, inputs=("world_size",)),
+    Rule("communication overlap", "preset", apply_comm_overlap, validate=False),
+    Rule("deprecated training fields", "alias", checks.apply_deprecated_training_fields),
+    Rule("distributed optimizer", "sync", checks.sync_distributed_optimizer),
+    Rule("pretrained model's tokenizer", "preset", checks.apply_pretrained_defaults),
+    Rule("sections", "finalize", finalize_sections),
+    Rule("evaluation batch sizes", "derive", checks.derive_eval_batch_sizes),
+    Rule("vocabulary size", "derive", checks.derive_vocab_size),
+    Rule("batch sizes", "check", checks.check_batch_sizes),
+    Rule("pipeline layout", "check", checks.check_pipeline_layout),
+    Rule("mixed precision consistency", "check", checks.check_mixed_precision_consistency),
+    Rule("sequence lengths", "check", checks.check_sequence_lengths),
+    Rule("context parallelism", "check", checks.check_context_parallel),
+    Rule("deterministic mode", "check", checks.check_deterministic_mode),
+    Rule("adapters", "check", checks.check_peft),
+    Rule("Hugging Face weights", "check", checks.check_hugging_face),
+    Rule("vocabulary", "check", checks.check_vocab),
+    Rule("logger outputs", "check", checks.check_logger_outputs),
+    Rule("data blends and phases", "check", check_data_rules),
+    Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
+    Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
+    Rule("schedule length", "check", run_schedule.check_schedule_length),
+    Rule("recipe warmup", "derive", run_schedule.derive_recipe_warmup),
+    Rule("weight decay schedule", "derive", checks.derive_weight_decay),
+    Rule("scheduler steps", "derive", checks.derive_scheduler_steps),
+    Rule("resumed schedule", "derive", run_schedule.derive_resume_schedule),
+)
+"""Every rule, in the order it runs."""

@@ -185,12 +185,35 @@ def _template_from_files(directory: Path, settings: dict) -> Optional[str]:
     return template if isinstance(template, str) and template else None
 
 
+_LOADED: "OrderedDict[str, HuggingFaceTokenizer]" = OrderedDict()
+"""The last few Hugging Face tokenizers loaded, by their settings and files' modification time:
+validation reads the vocabulary size, and the run then uses the same tokenizer."""
+
+
 def build_tokenizer(cfg: TokenizerConfig):
     """The tokenizer `cfg` describes (finalized config assumed)."""
     if cfg.tokenizer_type == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size + cfg.vocab_extra_ids)
-    if cfg.tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(
-            cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs
-        )
-    raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")
+    if cfg.tokenizer_type != "HuggingFaceTokenizer":
+        raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")
+    args = (cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs)
+    try:
+        key = repr((args, os.stat(cfg.tokenizer_model).st_mtime_ns))
+    except (OSError, TypeError):
+        return HuggingFaceTokenizer(*args)  # reports the missing files
+    if key not in _LOADED:
+        _LOADED[key] = HuggingFaceTokenizer(*args)
+        while len(_LOADED) > 4:
+            _LOADED.popitem(last=False)
+    return _LOADED[key]
+
+
+def local_vocab_size(cfg: TokenizerConfig) -> Optional[int]:
+    """The vocabulary size of a Hugging Face tokenizer whose files are on this machine; None when
+    they are not (a dry run elsewhere) or do not load (the data checks report why)."""
+    if cfg.tokenizer_type != "HuggingFaceTokenizer" or not cfg.tokenizer_model or not os.path.exists(cfg.tokenizer_model):
+        return None
+    try:
+        return build_tokenizer(cfg).vocab_size
+    except (OSError, ValueError, ImportError):
+        return None
