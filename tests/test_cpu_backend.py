@@ -108,3 +108,15 @@ def test_cpu_threads_honour_omp_num_threads_else_share_the_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert cpu_threads(world_size=1) == (os.cpu_count() or 1)
+
+
+def test_pin_memory_is_turned_off_on_cpu_unless_the_user_asked_for_it():
+    default = tiny_config()
+    assert default.dataset.pin_memory and not default.dataset.is_explicit("pin_memory")
+    changed = cpu_backend.adapt_config(default, Problems())
+    assert "dataset.pin_memory=False" in changed and default.dataset.pin_memory is False
+    chosen = tiny_config()
+    chosen.dataset.pin_memory = True  # torch skips pinning without CUDA (with a warning); the choice is kept
+    problems = Problems()
+    assert "dataset.pin_memory=False" not in cpu_backend.adapt_config(chosen, problems)
+    assert chosen.dataset.pin_memory is True and not problems

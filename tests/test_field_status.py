@@ -48,7 +48,6 @@ UNTESTED_USED = {
     "CommOverlapConfig.defer_embedding_wgrad_compute",
     "CommOverlapConfig.wgrad_deferral_limit",
     "DataloaderConfig.dataloader_type",
-    "DataloaderConfig.pin_memory",
     "DataloaderConfig.drop_last",
     "DataloaderConfig.persistent_workers",
     "FinetuningDatasetConfig.dataset_kwargs",

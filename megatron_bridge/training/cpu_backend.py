@@ -345,10 +345,9 @@ def adapt_config(cfg, problems) -> list[str]:
             "NVRx straggler detection profiles kernels with CUDA/CUPTI, and this run trains on CPU",
             "set nvrx_straggler.enabled=False (or nvrx_straggler=None) on CPU",
         )
-    dataset = cfg.dataset
-    if getattr(dataset, "pin_memory", False):
-        dataset.apply_default("pin_memory", False)
-        changed.append("dataset.pin_memory=False")
+    if getattr(cfg.dataset, "pin_memory", False):
+        # Pinning needs CUDA; a user's explicit True is kept (torch then skips pinning, with a warning).
+        changed += set_unless_user_set(cfg.dataset, {"pin_memory": False}, problems, "dataset", lambda *_: None)
     if cfg.logger.log_energy:
         problems.add(
             "logger.log_energy",
