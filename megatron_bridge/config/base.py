@@ -15,11 +15,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from abc import ABCMeta
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from megatron_bridge.config import ranges
 from megatron_bridge.config.annotations import type_problem, values_equal
@@ -38,15 +37,17 @@ _read_only_depth = 0
 """Above zero while a check runs (`read_only()`): every change to a config object raises."""
 
 
-@contextlib.contextmanager
-def read_only() -> Iterator[None]:
-    """Make every config object read-only for the duration: a check that changes a field (or
-    records a derived value) raises `RuntimeError` naming it."""
-    global _read_only_depth
-    _read_only_depth += 1
-    try:
-        yield
-    finally:
+class read_only:
+    """`with read_only():` makes every config object read-only for the duration: a check that
+    changes a field (or records a derived value) raises `RuntimeError` naming it. (A class, not a
+    generator: it is entered once per check on every validation.)"""
+
+    def __enter__(self) -> None:
+        global _read_only_depth
+        _read_only_depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        global _read_only_depth
         _read_only_depth -= 1
 
 
@@ -161,16 +162,6 @@ class ConfigBase(metaclass=_ConfigMeta):
     def derived_fields(self) -> frozenset[str]:
         return frozenset(self.__dict__.get(_DERIVED, ()))
 
-    @contextlib.contextmanager
-    def _untracked(self) -> Iterator[None]:
-        d = self.__dict__
-        previous = d.get(_TRACKING, False)
-        d[_TRACKING] = False
-        try:
-            yield
-        finally:
-            d[_TRACKING] = previous
-
     def _restore_derived(self) -> None:
         """Put back what finalize/presets replaced, so derived values are recomputed."""
         d = self.__dict__
@@ -192,12 +183,14 @@ class ConfigBase(metaclass=_ConfigMeta):
         """
         d = self.__dict__
         before = dict(d)
+        tracking, d[_TRACKING] = d.get(_TRACKING, False), False
         try:
-            with self._untracked():
-                parent.__post_init__(self)
+            parent.__post_init__(self)
         except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
             message = str(exc).strip() or _failing_line(exc)
             problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
+        finally:
+            d[_TRACKING] = tracking
         derived = d.setdefault(_DERIVED, {})
         names = field_names(type(self))
         for k, value in d.items():

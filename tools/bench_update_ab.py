@@ -1,0 +1,77 @@
+"""`runtime_config_update` of two source trees, side by side in one run.
+
+    python tools/bench_update_ab.py OTHER_TREE [--blocks 10] [--per-block 40]
+
+OTHER_TREE is a checkout of another commit (`git worktree add /tmp/old COMMIT`). One worker
+process per tree imports its own megatron_bridge and recipes; the workers then time blocks of
+updates in turn (A, B, A, B, ...), so both see the same machine load. Printed: the median time
+per update of each tree on the Llama 3 8B and Llama 3.1 405B recipes, and the ratio this tree /
+other tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+WORKER = r"""
+import copy, logging, sys, time
+logging.disable(logging.WARNING)
+from megatron_bridge.training.config import runtime_config_update
+from recipes import get_recipe
+templates = {}
+for name in ("llama3_8b_pretrain_config", "llama31_405b_pretrain_config"):
+    fn = get_recipe(name)
+    templates[name] = (fn(), fn.world_size if hasattr(fn, "world_size") else 8)
+    runtime_config_update(copy.deepcopy(templates[name][0]), world_size=templates[name][1])  # warm caches
+print("ready", flush=True)
+for line in sys.stdin:
+    name, n = line.split()
+    template, world = templates[name]
+    copies = [copy.deepcopy(template) for _ in range(int(n))]
+    times = []
+    for cfg in copies:
+        start = time.perf_counter()
+        runtime_config_update(cfg, world_size=world)
+        times.append(time.perf_counter() - start)
+    print(" ".join(map(str, times)), flush=True)
+"""
+
+
+def start(tree: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=tree)
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", "-c", WORKER], cwd=tree, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the worker for {tree} did not start")
+    return proc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("other", help="source tree of the commit to compare with")
+    p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--per-block", type=int, default=40)
+    args = p.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    workers = {"this": start(here), "other": start(os.path.abspath(args.other))}
+    for name in ("llama3_8b_pretrain_config", "llama31_405b_pretrain_config"):
+        times: dict[str, list[float]] = {k: [] for k in workers}
+        for _ in range(args.blocks):
+            for label, proc in workers.items():
+                proc.stdin.write(f"{name} {args.per_block}\n")
+                proc.stdin.flush()
+                times[label] += [float(t) for t in proc.stdout.readline().split()]
+        this, other = (statistics.median(times[k]) * 1e3 for k in ("this", "other"))
+        print(f"runtime_config_update {name:30s} this {this:.3f} ms, other {other:.3f} ms, "
+              f"ratio {this / other:.2f} ({args.blocks} alternating blocks of {args.per_block})")
+    for proc in workers.values():
+        proc.stdin.close()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()
