@@ -1,6 +1,7 @@
 """The rule engine: `runtime_config_update` and `validate()` take the declared rules in the order
 `mbridge config rules` prints; checks cannot change the config."""
 
+import copy
 import logging
 import re
 
@@ -10,7 +11,7 @@ from factories import tiny_config
 from megatron_bridge.cli.main import main
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.rules import Rule, run_rules
-from megatron_bridge.training.config import runtime_config_update
+from megatron_bridge.training.config import TrainingConfig, runtime_config_update
 from megatron_bridge.training.config.runtime import RULES
 
 
@@ -72,6 +73,12 @@ def test_a_check_that_changes_the_config_fails_loudly():
         with pytest.raises(RuntimeError, match=rf"{where} changed while the config is read-only \(during a check\)"):
             run_rules([Rule("wrong", "check", run)], cfg, Problems(), {})
     assert cfg.train.train_iters != 7 and cfg.validation.eval_iters != 5
+    # A new config object (a check may build one to compare against) stays writable, as do copies.
+    def builds_and_copies(cfg, problems):
+        TrainingConfig(train_iters=3).train_iters = 4
+        copy.copy(cfg.train).train_iters = 9
+
+    run_rules([Rule("fine", "check", builds_and_copies)], cfg, Problems(), {})
     run_rules([Rule("fine", "derive", sets_a_field)], cfg, Problems(), {})  # other kinds may change fields
     assert cfg.train.train_iters == 7
 

@@ -33,22 +33,25 @@ _TRACKING = "_mb_tracking"
 
 _MISSING = object()
 
-_read_only_depth = 0
-"""Above zero while a check runs (`read_only()`): every change to a config object raises."""
+_READ_ONLY = "_mb_read_only"
 
 
 class read_only:
-    """`with read_only():` makes every config object read-only for the duration: a check that
-    changes a field (or records a derived value) raises `RuntimeError` naming it. (A class, not a
-    generator: it is entered once per check on every validation.)"""
+    """`with read_only(cfg):` makes `cfg` and the config objects it holds (its sections)
+    read-only: changing a field, or recording a derived value, raises `RuntimeError` naming it.
+    New config objects (a check may build one to compare against) stay writable."""
 
-    def __enter__(self) -> None:
-        global _read_only_depth
-        _read_only_depth += 1
+    def __init__(self, cfg: Any) -> None:
+        self.objects = [cfg, *(v for v in vars(cfg).values() if isinstance(v, ConfigBase))]
+
+    def __enter__(self) -> "read_only":
+        for obj in self.objects:
+            obj.__dict__[_READ_ONLY] = True
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        global _read_only_depth
-        _read_only_depth -= 1
+        for obj in self.objects:
+            obj.__dict__.pop(_READ_ONLY, None)
 
 
 def _refuse_change(obj: Any, name: str) -> None:
@@ -103,9 +106,9 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     # ------------------------------------------------------------------ user-set fields
     def __setattr__(self, name: str, value: Any) -> None:
-        if _read_only_depth:
-            _refuse_change(self, name)
         d = self.__dict__
+        if _READ_ONLY in d:
+            _refuse_change(self, name)
         if d.get(_TRACKING) and name in field_names(type(self)):
             why = type_problem(type(self), name, value)
             if why:
@@ -142,18 +145,18 @@ class ConfigBase(metaclass=_ConfigMeta):
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
         count as the user's, and finalize keeps it."""
-        if _read_only_depth:
-            _refuse_change(self, name)
         d = self.__dict__
+        if _READ_ONLY in d:
+            _refuse_change(self, name)
         d.setdefault(_DERIVED, {}).pop(name, None)
         object.__setattr__(self, name, value)
 
     def _derive(self, name: str, value: Any) -> None:
         """Set a value computed by `finalize()` from other fields. The value it replaces is
         remembered and put back by the next finalize, which then recomputes it."""
-        if _read_only_depth:
-            _refuse_change(self, name)
         d = self.__dict__
+        if _READ_ONLY in d:
+            _refuse_change(self, name)
         derived = d.setdefault(_DERIVED, {})
         if name not in derived:
             derived[name] = d.get(name, _MISSING)
@@ -201,6 +204,7 @@ class ConfigBase(metaclass=_ConfigMeta):
     def __copy__(self) -> Any:
         clone = object.__new__(type(self))
         d = dict(self.__dict__)
+        d.pop(_READ_ONLY, None)  # a copy is a new object: writable
         d[_EXPLICIT] = set(d.get(_EXPLICIT, ()))
         d[_DERIVED] = dict(d.get(_DERIVED, {}))
         clone.__dict__.update(d)

@@ -11,7 +11,7 @@ runs it and owns the policies every rule follows:
   user's, kept by `finalize()`, written to YAML as such); each change is returned for the log.
 * **Derived values are remembered** (`ConfigBase._derive`) and put back before the next run, so
   running the rules again recomputes them from the current fields.
-* **Checks change nothing**: they run with config objects read-only (`run_rules`).
+* **Checks change nothing**: they run with the config and its sections read-only (`run_rules`).
 """
 
 from __future__ import annotations
@@ -104,24 +104,29 @@ class Rule:
 def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mapping[str, Any]) -> None:
     """Run `rules` in order on `cfg`, collecting problems; each rule taken is logged (DEBUG).
 
-    A `check` runs with every config object read-only, so a check that changes a field fails
+    A `check` runs with `cfg` and its sections read-only, so a check that changes a field fails
     loudly instead of deriving a value in the wrong place. A rule that trips over a value an
     earlier rule already reported (a division by zero from a bad size) stays quiet; the same
     error with no problem reported is a bug and propagates."""
-    for rule in rules:
-        if rule.device is not None and inputs.get("device") != rule.device:
-            continue
-        logger.debug("rule: %s", rule.name)
-        args = [inputs.get(name) for name in rule.inputs]
-        try:
-            if rule.kind == "check":
-                with read_only():
-                    rule.run(cfg, problems, *args)
-            else:
-                rule.run(cfg, problems, *args)
-        except (ArithmeticError, ValueError, TypeError):
-            if not problems:
-                raise
+    guard: Optional[read_only] = None  # consecutive checks share one read-only span
+    try:
+        for rule in rules:
+            if rule.device is not None and inputs.get("device") != rule.device:
+                continue
+            logger.debug("rule: %s", rule.name)
+            if rule.kind == "check" and guard is None:
+                guard = read_only(cfg).__enter__()
+            elif rule.kind != "check" and guard is not None:
+                guard.__exit__()
+                guard = None
+            try:
+                rule.run(cfg, problems, *[inputs.get(name) for name in rule.inputs])
+            except (ArithmeticError, ValueError, TypeError):
+                if not problems:
+                    raise
+    finally:
+        if guard is not None:
+            guard.__exit__()
 
 
 def describe(rules: Sequence[Rule]) -> str:
