@@ -43,6 +43,7 @@ def cross_section(cfg: "ConfigContainer", problems: Problems) -> None:
         check_logger_outputs,
         check_data_rules,
         run_rules.check_fp8_param_sync,
+        run_rules.check_param_gather_with_optimizer_step,
         run_rules.check_context_parallel_finetuning,
         run_rules.check_schedule_length,
         run_rules.derive_recipe_warmup,
