@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
-import socket
 import sys
 import types
 
 import pytest
 import torch
-from factories import tiny_config, tiny_model
+from factories import one_process_group, tiny_config, tiny_model
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
@@ -28,17 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def process_group():
     """A one-process gloo group for the module (runs set up inside it reuse it)."""
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 @contextlib.contextmanager
