@@ -82,3 +82,28 @@ def sequence_parallel_layer_spec(provider, vp_stage=None):
     )
     count = get_num_layers_to_build(provider, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)
+
+
+def one_process_group():
+    """A 1-process gloo group on a free loopback port, unless one exists; a context manager that
+    destroys the group it made."""
+    import contextlib
+    import socket
+
+    import torch.distributed as dist
+
+    @contextlib.contextmanager
+    def group():
+        owned = not dist.is_initialized()
+        if owned:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            if owned:
+                dist.destroy_process_group()
+
+    return group()

@@ -90,6 +90,9 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
         "disable_jit_fuser": Unsupported(_NOT_IMPLEMENTED),
         "enable_megatron_core_experimental": Unsupported(_NOT_IMPLEMENTED),
         "use_decentralized_pg": Unsupported(f"{_NOT_IMPLEMENTED}: megatron-core's global process groups are used"),
+        "use_torch_fsdp2": Unsupported(
+            f"{_NOT_IMPLEMENTED}: models are wrapped with megatron DDP; use ddp.use_distributed_optimizer=True"
+        ),
     },
     "DistributedDataParallelConfig": {
         "use_megatron_fsdp": Unsupported(

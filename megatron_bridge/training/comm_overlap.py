@@ -149,3 +149,44 @@ class CommOverlapConfig(ConfigBase):
             changed += set_unless_user_set(target, values, problems, section, clash)
         if changed:
             logger.info("comm_overlap (dp=%s) set %s", self.data_parallel_size, ", ".join(changed))
+
+
+# ---------------------------------------------------------------------- TransformerEngine userbuffers
+def initialize_tp_communicators(model: Any, micro_batch_size: int) -> bool:
+    """Create TransformerEngine's userbuffers when `model.tp_comm_overlap` is on: TE layers built
+    with overlap exchange activations through them and fail at their first forward without them.
+
+    They are sized for one micro-batch of activations; `model.tp_comm_overlap_cfg` (a dict, or
+    the path of a YAML file) tunes them per GEMM, and TE bootstraps them over
+    `model.tp_comm_bootstrap_backend`. Needs the process group. Returns whether they were made.
+    """
+    if not model.tp_comm_overlap or not model.uses_transformer_engine():
+        return False  # megatron-core's local layers do not overlap
+    from megatron_bridge.extras import require
+
+    te_base = require("transformer_engine.pytorch.module.base", "comm_overlap.tp_comm_overlap")
+    settings = model.tp_comm_overlap_cfg
+    if isinstance(settings, str):
+        import yaml
+
+        with open(settings, encoding="utf-8") as fh:
+            settings = yaml.safe_load(fh)
+    tokens = model.seq_length * micro_batch_size // model.context_parallel_size
+    te_base.initialize_ub(
+        shape=[tokens, model.hidden_size],
+        tp_size=model.tensor_model_parallel_size,
+        use_fp8=model.fp8 is not None,
+        ub_cfgs=settings or {},
+        bootstrap_backend=model.tp_comm_bootstrap_backend,
+    )
+    return True
+
+
+def destroy_tp_communicators() -> None:
+    """Free the userbuffers (a restarted run in the same process makes new ones)."""
+    from megatron_bridge.extras import require
+
+    te_base = require("transformer_engine.pytorch.module.base", "comm_overlap.tp_comm_overlap")
+    destroy = getattr(te_base, "destroy_ub", None)  # older TE releases cannot free them
+    if destroy is not None:
+        destroy()

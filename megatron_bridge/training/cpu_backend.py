@@ -345,6 +345,17 @@ def adapt_config(cfg, problems) -> list[str]:
             "NVRx straggler detection profiles kernels with CUDA/CUPTI, and this run trains on CPU",
             "set nvrx_straggler.enabled=False (or nvrx_straggler=None) on CPU",
         )
+    for name, what in (
+        ("use_sharp", "SHARP in-network reductions"),
+        ("high_priority_stream_groups", "high-priority communicator streams"),
+        ("nccl_communicator_config_path", "per-group NCCL communicator settings"),
+    ):
+        if getattr(cfg.dist, name):  # megatron-core fails on them deep inside its gloo setup
+            problems.add(
+                f"dist.{name}",
+                f"{what} are NCCL settings, and this run trains on CPU with gloo",
+                f"leave dist.{name} unset on CPU",
+            )
     if getattr(cfg.dataset, "pin_memory", False):
         # Pinning needs CUDA; a user's explicit True is kept (torch then skips pinning, with a warning).
         changed += set_unless_user_set(cfg.dataset, {"pin_memory": False}, problems, "dataset", lambda *_: None)

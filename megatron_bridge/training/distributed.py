@@ -46,6 +46,16 @@ def cpu_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
+def cuda_device_index(dist_config) -> int:
+    """The GPU this process trains on: its local rank (`dist.local_rank`, else LOCAL_RANK), or 0
+    when the launcher already gave each process only its own GPU (`external_gpu_device_mapping`)."""
+    if dist_config.external_gpu_device_mapping:
+        return 0
+    if dist_config.local_rank is not None:
+        return dist_config.local_rank
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = None) -> tuple[str, bool]:
     """Join the launcher's process group (torchrun) or create a 1-process one; with `store`
     (in-process restart), rendezvous through it.
@@ -56,8 +66,7 @@ def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = Non
     backend = resolve_backend(cfg.dist.distributed_backend)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
-        local_rank = cfg.dist.local_rank if cfg.dist.local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(0 if cfg.dist.external_gpu_device_mapping else local_rank)
+        torch.cuda.set_device(cuda_device_index(cfg.dist))
     if dist.is_initialized():
         if dist.get_backend() != backend:
             logger.warning("using the existing %s process group (config asks for %s)", dist.get_backend(), backend)

@@ -91,8 +91,9 @@ class MixedPrecisionConfig(ConfigBase):
     fp4: Optional[Literal["e2m1"]] = None
     """FP4 format. None: no FP4."""
 
-    fp4_recipe: Literal["nvfp4"] = "nvfp4"
-    """FP4 scaling recipe."""
+    fp4_recipe: Literal["nvfp4", "custom"] = "nvfp4"
+    """FP4 scaling recipe: NVFP4 block scaling, or `custom` (the quantizers of
+    model.fp4_quantizer_factory)."""
 
     loss_scale: Optional[float] = None
     """Static loss scale (fp16); None: dynamic loss scaling."""

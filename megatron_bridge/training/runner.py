@@ -114,6 +114,11 @@ def _shutdown(state: GlobalState) -> None:
 
         lock.release(state.save_lock)
         state.save_lock = None
+    if state.tp_communicators:
+        from megatron_bridge.training.comm_overlap import destroy_tp_communicators
+
+        destroy_tp_communicators()
+        state.tp_communicators = False
     try:
         teardown(destroy_group=state.created_process_group)
     finally:

@@ -16,6 +16,7 @@ from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.child_processes import die_with_parent
+from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
@@ -82,15 +83,22 @@ def set_seeds(cfg: ConfigContainer) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    seed = cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    if cfg.rng.data_parallel_random_init:
-        seed += 10 * parallel_state.get_data_parallel_rank()
+    seed = rank_seed(cfg.rng, parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank())
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if cfg.model.deterministic_mode:
         use_deterministic_algorithms()
     model_parallel_cuda_manual_seed(seed, te_rng_tracker=cfg.rng.te_rng_tracker, inference_rng_tracker=cfg.rng.inference_rng_tracker)
+
+
+def rank_seed(rng, pipeline_rank: int, data_parallel_rank: int) -> int:
+    """The seed of one rank (Megatron-LM's offsets): each pipeline stage initializes its own
+    layers; data-parallel replicas share weights unless `rng.data_parallel_random_init`."""
+    seed = rng.seed + 100 * pipeline_rank
+    if rng.data_parallel_random_init:
+        seed += 10 * data_parallel_rank
+    return seed
 
 
 def use_deterministic_algorithms() -> None:
@@ -263,6 +271,7 @@ def setup(
         state.cpu_backend_activated = cpu_backend.activate()
         torch.set_num_threads(cpu_threads(state.world_size))
     init_model_parallel(cfg)
+    state.tp_communicators = initialize_tp_communicators(cfg.model, cfg.train.micro_batch_size)
     t = cfg.train
     init_num_microbatches_calculator(
         state.rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, cfg.data_parallel_size, t.decrease_batch_size_if_needed

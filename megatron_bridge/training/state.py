@@ -73,6 +73,9 @@ class GlobalState:
     """True if `pretrain()` created the process group (and so must destroy it)."""
 
     cpu_backend_activated: bool = False
+    tp_communicators: bool = False
+    """True while TransformerEngine's userbuffers for tensor-parallel overlap exist."""
+
     model: Optional[list["MegatronModule"]] = None
     """The model chunks of this rank (megatron DDP-wrapped), once built. The only reference the
     run keeps: the loop, checkpoints and forward steps read it here."""

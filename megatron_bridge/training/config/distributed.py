@@ -76,12 +76,6 @@ class DistributedInitConfig(ConfigBase):
             f"must be positive, got {self.distributed_timeout_minutes}",
             "use e.g. 10",
         )
-        problems.check(
-            not self.use_torch_fsdp2,
-            "use_torch_fsdp2",
-            "PyTorch FSDP2 wrapping is not supported by this framework",
-            "use megatron DDP with ddp.use_distributed_optimizer=True",
-        )
 
 
 @config_dataclass(kw_only=True)

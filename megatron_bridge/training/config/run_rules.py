@@ -52,6 +52,30 @@ def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
     )
 
 
+def check_param_gather_with_optimizer_step(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Starting the parameter all-gather inside the optimizer step (Megatron-LM's rule): the
+    distributed optimizer gathers the parameters, overlapped, and the first model chunk gathers
+    during the step while later chunks gather in their forward, so there must be later chunks
+    (virtual pipelining). megatron-core fails with an IndexError otherwise."""
+    if not cfg.optimizer.overlap_param_gather_with_optimizer_step:
+        return
+    missing = [
+        what
+        for what, ok in (
+            ("ddp.use_distributed_optimizer=True", cfg.ddp.use_distributed_optimizer),
+            ("ddp.overlap_param_gather=True", cfg.ddp.overlap_param_gather),
+            ("model.virtual_pipeline_model_parallel_size > 1", (cfg.model.virtual_pipeline_model_parallel_size or 1) > 1),
+        )
+        if not ok
+    ]
+    problems.check(
+        not missing,
+        "optimizer.overlap_param_gather_with_optimizer_step",
+        "needs " + ", ".join(missing),
+        "set those too, or turn overlap_param_gather_with_optimizer_step off",
+    )
+
+
 def check_context_parallel_finetuning(cfg: "ConfigContainer", problems: Problems) -> None:
     """With context parallelism each rank holds part of every sequence. A fine-tuning loss counts
     only answer tokens, which are spread unevenly over the CP ranks; averaging per rank (or in the

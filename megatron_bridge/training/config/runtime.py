@@ -155,6 +155,7 @@ RULES: tuple[Rule, ...] = (
     Rule("logger outputs", "check", checks.check_logger_outputs),
     Rule("data blends and phases", "check", check_data_rules),
     Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
+    Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
     Rule("recipe warmup", "derive", run_schedule.derive_recipe_warmup),
