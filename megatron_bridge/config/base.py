@@ -30,6 +30,7 @@ from megatron_bridge.config.targets import register_config_class
 _EXPLICIT = "_mb_explicit"
 _DERIVED = "_mb_derived"
 _TRACKING = "_mb_tracking"
+_RECORDING = "_mb_recording"  # while megatron-core's __post_init__ runs: field -> value before it
 
 _MISSING = object()
 
@@ -123,6 +124,9 @@ class ConfigBase(metaclass=_ConfigMeta):
             return
         if d.get(_TRACKING) and not name.startswith("_") and not hasattr(type(self), name):
             raise AttributeError(unknown_field_message(type(self), name))
+        recording = d.get(_RECORDING)
+        if recording is not None and name not in recording:
+            recording[name] = d.get(name, _MISSING)
         object.__setattr__(self, name, value)
 
     def is_explicit(self, name: str) -> bool:
@@ -185,8 +189,8 @@ class ConfigBase(metaclass=_ConfigMeta):
         meets; those become a problem on this section instead of an unstructured crash.
         """
         d = self.__dict__
-        before = dict(d)
-        tracking, d[_TRACKING] = d.get(_TRACKING, False), False
+        before: dict[str, Any] = {}
+        tracking, d[_TRACKING], d[_RECORDING] = d.get(_TRACKING, False), False, before
         try:
             parent.__post_init__(self)
         except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
@@ -194,11 +198,11 @@ class ConfigBase(metaclass=_ConfigMeta):
             problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
         finally:
             d[_TRACKING] = tracking
+            del d[_RECORDING]
         derived = d.setdefault(_DERIVED, {})
         names = field_names(type(self))
-        for k, value in d.items():
-            old = before.get(k, _MISSING)
-            if value is not old and k in names and k not in derived:
+        for k, old in before.items():
+            if k in names and k not in derived and d.get(k, _MISSING) is not old:
                 derived[k] = old
 
     def __copy__(self) -> Any:

@@ -8,6 +8,7 @@ FP16); otherwise the target keeps its own value.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Literal, Optional, Union
 
@@ -156,7 +157,7 @@ class MixedPrecisionConfig(ConfigBase):
 
     def _values_for(self, target: object) -> dict:
         names = field_names(type(target))
-        values = {name: getattr(self, name) for name in field_names(type(self)) if name in names}
+        values = {name: getattr(self, name) for name in _shared_fields(type(self), type(target))}
         if "fp8_param" in names:
             values["fp8_param"] = self.fp8_param if self.fp8_param is not None else self.fp8_param_gather
         for name in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
@@ -177,6 +178,13 @@ class MixedPrecisionConfig(ConfigBase):
         if field_name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
             return self.fp16
         return True
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_fields(preset: type, target: type) -> tuple[str, ...]:
+    """The fields of a precision config that a target section also has."""
+    names = field_names(target)
+    return tuple(name for name in field_names(preset) if name in names)
 
 
 def check_low_precision(c: object, problems: Problems, prefix: str, fix: str) -> None:
