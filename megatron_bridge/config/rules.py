@@ -120,7 +120,10 @@ def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mappi
                 guard.__exit__()
                 guard = None
             try:
-                rule.run(cfg, problems, *[inputs.get(name) for name in rule.inputs])
+                if rule.inputs:
+                    rule.run(cfg, problems, *[inputs.get(name) for name in rule.inputs])
+                else:
+                    rule.run(cfg, problems)
             except (ArithmeticError, ValueError, TypeError):
                 if not problems:
                     raise
