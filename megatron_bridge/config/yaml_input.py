@@ -41,11 +41,15 @@ YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in entries if tag != "tag:yaml.org,2002:timestamp"]
     for first, entries in _Base.yaml_implicit_resolvers.items()
 }
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+
+
+def read_exponent_floats(cls: type) -> None:
+    """Make YAML loader or dumper class `cls` take `1e-4` (no dot) for a float, as YAML 1.2 does."""
+    pattern = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", pattern, list("-+0123456789"))
+
+
+read_exponent_floats(YamlLoader)
 
 
 def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
