@@ -117,16 +117,6 @@ def real_arms(tp: Any) -> tuple:
     return (tp,) if arms is None else tuple(a for a in arms if a is not type(None))
 
 
-def is_any(tp: Any) -> bool:
-    """Whether annotation `tp` says nothing about the value (Any, object, a type variable...)."""
-    return tp is Any or tp is object or isinstance(tp, (typing.TypeVar, str, typing.ForwardRef))
-
-
-def is_callable_type(tp: Any) -> bool:
-    """Whether annotation `tp` is `Callable` (bare or parametrized)."""
-    return tp is typing.Callable or tp is AbcCallable or typing.get_origin(tp) is AbcCallable
-
-
 SEQUENCE_KINDS = {list: list, Sequence: list, tuple: tuple, set: set, frozenset: frozenset}
 """Sequence annotations (bare or parametrized) and the container a decoded value becomes."""
 
@@ -147,8 +137,8 @@ def kind_of(tp: Any) -> str:
     'int', 'float', 'str', 'dtype' (torch), 'sequence', 'mapping', 'callable', 'enum', 'path',
     'section' (a dataclass), 'class' (another class) or 'other'. Checking, decoding and
     encoding each act on these kinds."""
-    if is_any(tp):
-        return "any"
+    if tp is Any or tp is object or isinstance(tp, (typing.TypeVar, str, typing.ForwardRef)):
+        return "any"  # the annotation says nothing about the value
     if tp is None or tp is type(None):
         return "none"
     if union_arms(tp) is not None:
@@ -164,7 +154,7 @@ def kind_of(tp: Any) -> str:
         return "sequence"
     if origin in (dict, Mapping):
         return "mapping"
-    if is_callable_type(tp):
+    if origin is AbcCallable:  # also typing.Callable, bare or parametrized
         return "callable"
     if not isinstance(origin, type):
         return "other"
@@ -173,11 +163,6 @@ def kind_of(tp: Any) -> str:
     if issubclass(origin, pathlib.PurePath):
         return "path"
     return "section" if dataclasses.is_dataclass(origin) else "class"
-
-
-def is_literal_member(value: Any, allowed: tuple) -> bool:
-    """Whether `value` is one of the `Literal` values (`1` is not `True`)."""
-    return any(value == a and type(value) is type(a) for a in allowed)
 
 
 def values_equal(a: Any, b: Any) -> bool:
@@ -248,7 +233,13 @@ def _build_checker(tp: Any) -> Checker:
         arms = [checker_for(a) for a in args]
         return _accepting(lambda v: any(arm(v) is None for arm in arms), name)
     if kind == "literal":
-        return lambda v: None if is_literal_member(v, args) else f"expected one of {list(args)}, got {v!r}"
+
+        def check_literal(v: Any) -> Optional[str]:
+            if any(v == a and type(v) is type(a) for a in args):  # `1` is not `True`
+                return None
+            return f"expected one of {list(args)}, got {v!r}"
+
+        return check_literal
     if tp in _SCALAR_CHECKS:
         return _accepting(_SCALAR_CHECKS[tp], name)
     if kind == "sequence":
@@ -303,19 +294,14 @@ def none_defaults(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
 
 
-def allows_none(tp: Any) -> bool:
-    """Whether annotation `tp` admits None."""
-    arms = union_arms(tp)
-    return type(None) in arms if arms is not None else tp is Any or tp is None or tp is type(None)
-
-
 def type_problem(cls: type, name: str, value: Any) -> Optional[str]:
     """Why `value` does not fit field `name` of `cls`, or None if it fits."""
     tp = field_types(cls).get(name)
     if tp is None:
         return None
     if value is None:
-        if allows_none(tp) or name in none_defaults(cls):
+        arms = union_arms(tp)
+        if (type(None) in arms if arms else tp in (Any, None, type(None))) or name in none_defaults(cls):
             return None
         return f"expected {describe(tp)}, got None"
     return checker_for(tp)(value)

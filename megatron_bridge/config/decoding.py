@@ -4,7 +4,7 @@ Decoding also accepts what people type on a command line: `bf16` for a dtype, an
 name in any case, `silu` for `torch.nn.functional.silu`, numbers in quotes, a number where a
 string is declared. The tagged mappings of `config.annotations` are honoured. Names (`_target_`,
 functions) resolve only through the registry of `config.targets`, and decoding calls nothing but
-config-class constructors. One decoder is built per annotation, when a value for it first comes.
+config-class constructors.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import enum
 import functools
 import pathlib
 import re
+import sys
 import typing
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.annotations import (
     ARGS,
@@ -32,10 +33,9 @@ from megatron_bridge.config.annotations import (
     checker_for,
     describe,
     got,
-    is_callable_type,
     is_number,
-    kind_of,
     is_value_tag,
+    kind_of,
     real_arms,
     sequence_items,
     suggest,
@@ -44,10 +44,6 @@ from megatron_bridge.config.annotations import (
 )
 from megatron_bridge.config import targets
 from megatron_bridge.config.errors import show
-
-# A decoder reads `raw` for one annotation: decode(decoder, raw, lenient) -> value, or DecodeError.
-# `lenient` allows conversions (a number in quotes); a Union tries them after every arm refused.
-Decode = Callable[["Decoder", Any, bool], Any]
 
 _INT_RE = re.compile(r"[-+]?\d+")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
@@ -81,7 +77,59 @@ class Decoder:
 
         Conversions (a number in quotes, a number for a string) are allowed; inside a Union they
         are tried only after every arm has refused the value as it is."""
-        return decoder_for(tp)(self, raw, True)
+        return self.read(raw, tp, True)
+
+    def read(self, raw: Any, tp: Any, lenient: bool) -> Any:  # noqa: C901 - one branch per kind of annotation
+        """`value`, with conversions only if `lenient`."""
+        kind = kind_of(tp)
+        if kind == "any":
+            return self.any(raw)
+        if kind == "union":
+            return self._union(raw, tp, lenient)
+        if kind == "none":
+            if raw is not None:
+                raise DecodeError(f"expected null, {got(raw)}", "remove the key")
+            return None
+        if raw is None:
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+        if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
+            return self._tagged(raw, tp)
+        origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+        if kind in _SCALARS:
+            return _scalar(tp, raw, lenient)
+        if kind == "literal":
+            return _literal(args, raw, lenient)
+        if kind == "dtype":
+            return _dtype(raw)
+        if kind == "enum":
+            return _enum(origin, raw)
+        if kind == "path":
+            if isinstance(raw, origin):
+                return raw
+            if isinstance(raw, str):
+                return origin(raw)
+            raise DecodeError(f"expected a path, {got(raw)}", "use a string")
+        if kind == "sequence":
+            return self._sequence(raw, tp, origin, lenient)
+        if kind == "mapping":
+            if not isinstance(raw, Mapping):
+                raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
+            item = args[1] if len(args) == 2 else Any
+            return each(raw.items(), lambda v: self.read(v, item, lenient), dict)
+        if kind == "callable":
+            return self._function(raw)
+        if kind == "section":
+            if isinstance(raw, origin):
+                return raw
+            if isinstance(raw, Mapping):
+                return self.section(raw, (origin,))
+            if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
+                return origin()  # a section selected by its short name (`peft=lora`), with its defaults
+            raise DecodeError(f"expected a {origin.__name__} mapping, {got(raw)}", "use {field: value, ...}")
+        why = checker_for(tp)(raw)
+        if why:
+            raise DecodeError(why, f"use a value of type {describe(tp)}")
+        return raw
 
     def import_path(self, path: Any) -> Any:
         """The registered object called `path`, as a DecodeError if there is none."""
@@ -139,6 +187,68 @@ class Decoder:
             "refer to it with _call_: false, or bind arguments with _partial_: true",
         )
 
+    def _tagged(self, raw: Mapping, tp: Any) -> Any:
+        """A tagged mapping where a typed value was expected: decode it, then check its type."""
+        value = self.any(raw)
+        if isinstance(value, type) and any(kind_of(a) == "callable" for a in real_arms(tp)):
+            raise DecodeError(f"{raw.get(TARGET)!r} is a class, not a function", "name a function")
+        why = checker_for(tp)(value)
+        if why:
+            raise DecodeError(why, f"use a value of type {describe(tp)}")
+        return value
+
+    def _function(self, raw: Any) -> Any:
+        if isinstance(raw, str):
+            obj = self.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
+            if obj is None:
+                hint = suggest(raw, targets.short_callable_names())
+                where = " or ".join(targets.SHORT_NAME_NAMESPACES)
+                raise DecodeError(f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn")
+            if callable(obj) and not isinstance(obj, type):
+                return obj
+            raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
+        if callable(raw):
+            return raw
+        raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
+
+    def _sequence(self, raw: Any, tp: Any, origin: Any, lenient: bool) -> Any:
+        if not isinstance(raw, (list, tuple)):
+            raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
+        positional, item = sequence_items(tp)
+        if positional is None:
+            return each(enumerate(raw), lambda v: self.read(v, item, lenient), SEQUENCE_KINDS[origin])
+        if len(raw) != len(positional):
+            raise DecodeError(f"expected {len(positional)} items, got {len(raw)}: {show(raw)}", f"use {describe(tp)}")
+        return each(enumerate(zip(positional, raw)), lambda pair: self.read(pair[1], pair[0], lenient), tuple)
+
+    def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
+        arms, fix = real_arms(tp), f"use a value of type {describe(tp)}"
+        if raw is None:
+            if len(arms) < len(union_arms(tp)):  # None is one of the arms
+                return None
+            raise DecodeError(f"expected {describe(tp)}, got null", fix)
+        if len(arms) == 1:
+            return self.read(raw, arms[0], lenient)
+        classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
+        if classes and isinstance(raw, classes):
+            return raw
+        takes_dict = any(kind_of(a) == "mapping" for a in arms)
+        if classes and isinstance(raw, Mapping) and not is_value_tag(raw) and (TARGET in raw or not takes_dict):
+            return self.section(raw, classes)
+        if _is_tagged(raw):
+            return self._tagged(raw, tp)  # decoded once: a _target_ call must not run per arm
+        for mode in (False, True) if lenient else (False,):
+            for arm in arms:
+                try:
+                    return self.read(raw, arm, mode)
+                except DecodeError:
+                    pass
+        named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
+        if named and isinstance(raw, str):
+            expected = f"expected {' or '.join(map(repr, named))} or a mapping, {got(raw)}"
+            raise DecodeError(expected, suggest(raw, named) or f"use one of {named}")
+        raise DecodeError(f"expected {describe(tp)}, {got(raw)}", fix)
+
 
 def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: type) -> Any:
     """`kind` (list, tuple, dict, ...) of the decoded (key, raw) items; the problems of every item
@@ -172,58 +282,22 @@ def _is_tagged(raw: Any) -> bool:
     return isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
 
 
-def _tagged(dc: Decoder, raw: Any, tp: Any) -> Any:
-    """A tagged mapping where a typed value was expected: decode it, then check its type."""
-    value = dc.any(raw)
-    if isinstance(value, type) and any(is_callable_type(a) for a in (union_arms(tp) or (tp,))):
-        raise DecodeError(f"{raw.get(TARGET)!r} is a class, not a function", "name a function")
-    why = checker_for(tp)(value)
-    if why:
-        raise DecodeError(why, f"use a value of type {describe(tp)}")
-    return value
-
-
-@functools.lru_cache(maxsize=None)
-def decoder_for(tp: Any) -> Decode:
-    """The decoder of annotation `tp`, built once."""
-    try:
-        return _build_decoder(tp)
-    except TypeError:  # an exotic annotation: read it untyped
-        return lambda dc, raw, lenient: dc.any(raw)
-
-
-def _build_decoder(tp: Any) -> Decode:
-    kind = kind_of(tp)
-    if kind == "any":
-        return lambda dc, raw, lenient: dc.any(raw)
-    if kind == "none":
-
-        def none(dc: Decoder, raw: Any, lenient: bool) -> None:
-            if raw is not None:
-                raise DecodeError(f"expected null, {got(raw)}", "remove the key")
-
-        return none
-    if kind == "union":
-        return _union_decoder(tp)
-    read, fix = _typed_reader(tp, kind), f"use a value of type {describe(tp)}"
-
-    def decode(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        """None is refused; tagged mappings are decoded, then type-checked."""
-        if raw is None:
-            raise DecodeError(f"expected {describe(tp)}, got null", fix)
-        if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
-            return _tagged(dc, raw, tp)
-        return read(dc, raw, lenient)
-
-    return decode
-
-
-_SCALARS: dict[type, tuple[Callable[[Any], bool], str]] = {  # type -> (accepts a value as it is, fix)
-    bool: (lambda raw: isinstance(raw, bool), "use true or false"),
-    int: (lambda raw: isinstance(raw, int) and not isinstance(raw, bool), "use a whole number, e.g. 8"),
-    float: (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
-    str: (lambda raw: isinstance(raw, str), "quote the value"),
+_SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a value as it is, fix)
+    "bool": (lambda raw: isinstance(raw, bool), "use true or false"),
+    "int": (lambda raw: isinstance(raw, int) and not isinstance(raw, bool), "use a whole number, e.g. 8"),
+    "float": (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
+    "str": (lambda raw: isinstance(raw, str), "quote the value"),
 }
+
+
+def _scalar(tp: type, raw: Any, lenient: bool) -> Any:
+    fits, fix = _SCALARS[tp.__name__]
+    if fits(raw):
+        return raw
+    value = _convert(tp, raw) if lenient else None
+    if value is None:
+        raise DecodeError(f"expected {tp.__name__}, {got(raw)}", fix)
+    return value
 
 
 def _convert(tp: type, raw: Any) -> Any:
@@ -240,193 +314,44 @@ def _convert(tp: type, raw: Any) -> Any:
     return tp(raw) if (_INT_RE if tp is int else _FLOAT_RE).fullmatch(raw.strip()) else None
 
 
-def _scalar_decoder(tp: type) -> Decode:
-    fits, fix = _SCALARS[tp]
-
-    def scalar(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        if fits(raw):
-            return raw
-        value = _convert(tp, raw) if lenient else None
-        if value is None:
-            raise DecodeError(f"expected {tp.__name__}, {got(raw)}", fix)
-        return value
-
-    return scalar
-
-
-def _typed_reader(tp: Any, kind: str) -> Decode:
-    """The decoder of a non-None value for annotation `tp` of `kind` (not a Union)."""
-    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
-    if kind == "literal":
-        return _literal_decoder(args)
-    if kind in ("bool", "int", "float", "str"):
-        return _scalar_decoder(tp)
-    if kind == "dtype":
-        return _dtype
-    if kind == "enum":
-        return _enum_decoder(origin)
-    if kind == "path":
-
-        def path(dc: Decoder, raw: Any, lenient: bool) -> Any:
-            if isinstance(raw, origin):
-                return raw
-            if isinstance(raw, str):
-                return origin(raw)
-            raise DecodeError(f"expected a path, {got(raw)}", "use a string")
-
-        return path
-    if kind == "sequence":
-        return _sequence_decoder(tp, origin)
-    if kind == "mapping":
-        item = decoder_for(args[1] if len(args) == 2 else Any)
-
-        def mapping(dc: Decoder, raw: Any, lenient: bool) -> dict:
-            if not isinstance(raw, Mapping):
-                raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
-            return each(raw.items(), lambda v: item(dc, v, lenient), dict)
-
-        return mapping
-    if kind == "callable":
-        return _function
-    if kind == "section":
-
-        def section(dc: Decoder, raw: Any, lenient: bool) -> Any:
-            if isinstance(raw, origin):
-                return raw
-            if isinstance(raw, Mapping):
-                return dc.section(raw, (origin,))
-            if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
-                return origin()  # a section selected by its short name (`peft=lora`), with its defaults
-            raise DecodeError(f"expected a {origin.__name__} mapping, {got(raw)}", "use {field: value, ...}")
-
-        return section
-    check = checker_for(tp)
-
-    def other(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        why = check(raw)
-        if why:
-            raise DecodeError(why, f"use a value of type {describe(tp)}")
-        return raw
-
-    return other
-
-
-def _literal_decoder(allowed: tuple) -> Decode:
-    def literal(dc: Decoder, raw: Any, lenient: bool) -> Any:
+def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
+    for a in allowed:
+        if raw == a and type(raw) is type(a):
+            return a
+    if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
         for a in allowed:
-            if raw == a and type(raw) is type(a):
+            if str(a) == str(raw):
                 return a
-        if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-            for a in allowed:
-                if str(a) == str(raw):
-                    return a
-        hint = suggest(raw, allowed) if isinstance(raw, str) else ""
-        raise DecodeError(f"expected one of {list(allowed)}, {got(raw)}", hint or f"use one of {list(allowed)}")
-
-    return literal
+    hint = suggest(raw, allowed) if isinstance(raw, str) else ""
+    raise DecodeError(f"expected one of {list(allowed)}, {got(raw)}", hint or f"use one of {list(allowed)}")
 
 
-def _dtype(dc: Decoder, raw: Any, lenient: bool) -> Any:
+def _dtype(raw: Any) -> Any:
     dtype = torch_dtype()
     if isinstance(raw, dtype):
         return raw
     if isinstance(raw, str):
-        import torch
-
         name = raw.strip().lower().removeprefix("torch.")
+        torch = sys.modules["torch"]
         found = dtype_aliases().get(name, getattr(torch, name, None) if name.isidentifier() else None)
         if isinstance(found, dtype):
             return found
     raise DecodeError(f"expected a torch dtype, {got(raw)}", "use e.g. bfloat16, bf16, float16, fp16 or float32")
 
 
-def _function(dc: Decoder, raw: Any, lenient: bool) -> Any:
-    if isinstance(raw, str):
-        obj = dc.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
-        if obj is None:
-            hint = suggest(raw, targets.short_callable_names())
-            where = " or ".join(targets.SHORT_NAME_NAMESPACES)
-            raise DecodeError(f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn")
-        if callable(obj) and not isinstance(obj, type):
-            return obj
-        raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
-    if callable(raw):
+def _enum(cls: Any, raw: Any) -> Any:
+    if isinstance(raw, cls):
         return raw
-    raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
-
-
-def _enum_decoder(cls: type) -> Decode:
+    if isinstance(raw, str):
+        name = raw.strip().rsplit(".", 1)[-1]
+        member = cls.__members__.get(name) or {n.lower(): m for n, m in cls.__members__.items()}.get(name.lower())
+        if member is not None:
+            return member
+    elif not isinstance(raw, bool):
+        try:
+            return cls(raw)
+        except (ValueError, TypeError):
+            pass
     names = list(cls.__members__)
-    folded = {n.lower(): m for n, m in cls.__members__.items()}
-
-    def decode(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        if isinstance(raw, cls):
-            return raw
-        if isinstance(raw, str):
-            name = raw.strip().rsplit(".", 1)[-1]
-            member = cls.__members__.get(name) or folded.get(name.lower())
-            if member is not None:
-                return member
-        elif not isinstance(raw, bool):
-            try:
-                return cls(raw)
-            except (ValueError, TypeError):
-                pass
-        hint = suggest(raw, names) if isinstance(raw, str) else ""
-        raise DecodeError(f"expected {cls.__name__} (one of {names}), {got(raw)}", hint or f"use one of {names}")
-
-    return decode
-
-
-def _sequence_decoder(tp: Any, origin: Any) -> Decode:
-    positional, item_type = sequence_items(tp)
-    per_item = [decoder_for(a) for a in positional] if positional else None
-    item = decoder_for(item_type)
-
-    def decode(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        if not isinstance(raw, (list, tuple)):
-            raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
-        if per_item is None:
-            return each(enumerate(raw), lambda v: item(dc, v, lenient), SEQUENCE_KINDS[origin])
-        if len(raw) != len(per_item):
-            raise DecodeError(f"expected {len(per_item)} items, got {len(raw)}: {show(raw)}", f"use {describe(tp)}")
-        return each(enumerate(zip(per_item, raw)), lambda pair: pair[0](dc, pair[1], lenient), tuple)
-
-    return decode
-
-
-def _union_decoder(tp: Any) -> Decode:
-    none_ok = type(None) in union_arms(tp)
-    real = real_arms(tp)
-    if len(real) == 1:
-        single = decoder_for(real[0])
-        return (lambda dc, raw, lenient: None if raw is None else single(dc, raw, lenient)) if none_ok else single
-    decoders = [decoder_for(a) for a in real]
-    classes = tuple(a for a in real if isinstance(a, type) and dataclasses.is_dataclass(a))
-    takes_dict = any(kind_of(a) == "mapping" for a in real)
-    named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
-    fix = f"use a value of type {describe(tp)}"
-
-    def decode(dc: Decoder, raw: Any, lenient: bool) -> Any:
-        if raw is None:
-            if none_ok:
-                return None
-            raise DecodeError(f"expected {describe(tp)}, got null", fix)
-        if classes and isinstance(raw, classes):
-            return raw
-        if classes and isinstance(raw, Mapping) and not is_value_tag(raw) and (TARGET in raw or not takes_dict):
-            return dc.section(raw, classes)
-        if _is_tagged(raw):
-            return _tagged(dc, raw, tp)  # decoded once: a _target_ call must not run per arm
-        for mode in (False, True) if lenient else (False,):
-            for decoder in decoders:
-                try:
-                    return decoder(dc, raw, mode)
-                except DecodeError:
-                    pass
-        if named and isinstance(raw, str):
-            hint = suggest(raw, named)
-            raise DecodeError(f"expected {' or '.join(map(repr, named))} or a mapping, {got(raw)}", hint or f"use one of {named}")
-        raise DecodeError(f"expected {describe(tp)}, {got(raw)}", fix)
-
-    return decode
+    hint = suggest(raw, names) if isinstance(raw, str) else ""
+    raise DecodeError(f"expected {cls.__name__} (one of {names}), {got(raw)}", hint or f"use one of {names}")

@@ -14,9 +14,9 @@ registered name, and whatever a name leads to is checked against the registered 
 in a config can register anything. Decoding a config calls no registered function either (only
 config-class constructors); functions are kept as references or `functools.partial`s.
 
-The built-in functions of a module are registered once it is imported; it is imported only to
-resolve one of its names: resolving `silu` does not import megatron-core, and nothing here
-imports torch until a name under `torch` is asked for.
+The built-in names of a module are registered when they are first needed; the module is
+imported only to resolve one of them: resolving `silu` does not import megatron-core, and
+nothing here imports torch until a torch name is asked for.
 """
 
 from __future__ import annotations
@@ -95,38 +95,40 @@ def register_config_class(cls: type) -> None:
         register_target(cls, f"{cls.__module__}.{qualname}")
 
 
-def _import_builtin(name: str) -> None:
-    """Import the `_BUILTINS` module that `name` (`module.function`, a torch dtype, an enum member)
-    would come from; no other module is ever imported."""
+def _builtin_module(name: str) -> Optional[str]:
+    """The `_BUILTINS` module that `name` (`module.function`, a torch dtype, an enum member) would
+    come from, or None."""
     for module_name, names in _BUILTINS.items():
         rest = name[len(module_name) + 1 :] if name.startswith(module_name + ".") else ""
-        if rest and module_name not in _loaded and (rest.split(".")[0] in names or module_name == "torch"):
-            try:
-                importlib.import_module(module_name)
-            except ImportError:  # megatron-core missing: its activations are simply not available
-                _loaded.add(module_name)
+        if rest.split(".")[0] in names or (module_name == "torch" and rest.isidentifier()):
+            return module_name
+    return None
 
 
-def _load_builtins() -> None:
-    """Register the built-in names of the `_BUILTINS` modules imported so far (an object from
-    any other cannot exist yet)."""
-    for module_name, names in _BUILTINS.items():
-        module = sys.modules.get(module_name)
-        if module is None or module_name in _loaded:
-            continue
-        _loaded.add(module_name)
-        for name in names:
-            if callable(getattr(module, name, None)):
-                register_target(getattr(module, name), f"{module_name}.{name}")
-        if module_name == "torch":
-            for name in sorted(n for n, v in vars(module).items() if type(v) is module.dtype):
-                register_target(getattr(module, name), f"torch.{name}")
+def _load_builtins(module_name: str, import_it: bool = False) -> None:
+    """Register the built-in names of `_BUILTINS` module `module_name` if it is imported (after
+    importing it, with `import_it`); until then, no object from it can exist."""
+    module = sys.modules.get(module_name)
+    if module_name in _loaded or (module is None and not import_it):
+        return
+    _loaded.add(module_name)
+    try:
+        module = module or importlib.import_module(module_name)
+    except ImportError:  # megatron-core missing: its activations are simply not available
+        return
+    for name in _BUILTINS[module_name]:
+        if callable(getattr(module, name, None)):
+            register_target(getattr(module, name), f"{module_name}.{name}")
+    if module_name == "torch":
+        for name in sorted(n for n, v in vars(module).items() if type(v) is module.dtype):
+            register_target(getattr(module, name), f"torch.{name}")
 
 
 def is_registered(obj: Any) -> bool:
     """Whether `obj` itself is a registered object."""
     if len(_loaded) < len(_BUILTINS):
-        _load_builtins()
+        for module_name in _BUILTINS:
+            _load_builtins(module_name)
     return _OBJECTS.get(id(obj)) is obj
 
 
@@ -136,8 +138,9 @@ def resolve(name: Any) -> Any:
     (`megatron_bridge.training.config.TrainingConfig`) and members of registered enums."""
     if not isinstance(name, str) or not name or not all(p.isidentifier() for p in name.split(".")):
         raise TargetNotAllowedError(f"{str(name)[:80]!r} is not a dotted name", "use e.g. 'torch.nn.init.normal_'")
-    _import_builtin(name)
-    _load_builtins()
+    module_name = _builtin_module(name)
+    if module_name is not None:
+        _load_builtins(module_name, import_it=True)
     obj = _BY_NAME.get(name)
     if obj is None:
         obj = _public_alias(name)
@@ -215,8 +218,8 @@ def resolve_short_callable(name: str) -> Optional[Any]:
     if not name.isidentifier():
         return None
     for namespace in SHORT_NAME_NAMESPACES:
-        _import_builtin(f"{namespace}.{name}")
-        _load_builtins()
+        if name in _BUILTINS[namespace]:
+            _load_builtins(namespace, import_it=True)
         obj = _BY_NAME.get(f"{namespace}.{name}")
         if obj is not None:
             return obj
