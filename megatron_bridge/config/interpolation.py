@@ -27,16 +27,9 @@ MAX_NESTING = 16
 def _nesting(text: str) -> int:
     """How deeply `${` ... `}` pairs nest in `text`."""
     depth = deepest = 0
-    i = 0
-    while i < len(text):
-        if text.startswith("${", i):
-            depth += 1
-            deepest = max(deepest, depth)
-            i += 2
-            continue
-        if text[i] == "}" and depth:
-            depth -= 1
-        i += 1
+    for token in re.findall(r"\$\{|\}", text):
+        depth = depth + 1 if token == "${" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
     return deepest
 
 
