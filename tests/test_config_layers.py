@@ -69,5 +69,5 @@ def test_the_config_machinery_and_the_tokenizer_module_do_not_import_torch():
         + "import megatron_bridge.training.tokenizers.tokenizer\n"
         + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
+    assert run.stdout.strip() == "[]"

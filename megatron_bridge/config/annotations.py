@@ -170,11 +170,7 @@ def values_equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return (
-            values_equal(a.func, b.func)
-            and values_equal(a.args, b.args)
-            and values_equal(a.keywords, b.keywords)
-        )
+        return values_equal(a.func, b.func) and values_equal(a.args, b.args) and values_equal(a.keywords, b.keywords)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):

@@ -75,7 +75,8 @@ class Applier:
         with their `source`."""
         try:
             if TARGET in data and self.loader.section_class(data, ()) is not type(self.config):
-                return self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
+                message = f"_target_ {data[TARGET]!r} does not match the config's class"
+                return self.error("", message, "remove it", source)
             self.loader.merge(self.config, data)
         except DecodeError as exc:
             exc.report(self.problems, "", source)
@@ -111,11 +112,13 @@ class Applier:
                     self.error(where, p.message, p.fix, source)
                 return
             except TypeError as exc:  # a section class that cannot be built without arguments
-                return self.error(where, f"is null and cannot be created empty: {exc}", f"set {where} as a whole", source)
+                message = f"is null and cannot be created empty: {exc}"
+                return self.error(where, message, f"set {where} as a whole", source)
             named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
             if section is None and current is None and len(named) > 1 and o.op != "delete":
                 picks = " or ".join(f"{where}={n}" for n in named)
-                return self.error(where, f"is null, so it has no key {o.key[i + 1]!r}", f"choose one first: {picks}", source)
+                message = f"is null, so it has no key {o.key[i + 1]!r}"
+                return self.error(where, message, f"choose one first: {picks}", source)
             if section is None:
                 try:
                     new = _update_item(self.loader, current, f.type, o, i + 1)

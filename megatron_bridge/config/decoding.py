@@ -10,7 +10,6 @@ config-class constructors.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import pathlib
 import re

@@ -75,7 +75,8 @@ def resolve_interpolations(
 
     def shallow(path: str, value: Any, source: str) -> Any:
         if any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value)):
-            report(path, f"interpolations nest deeper than {MAX_NESTING} levels", "simplify the ${...} expression", source)
+            message = f"interpolations nest deeper than {MAX_NESTING} levels"
+            report(path, message, "simplify the ${...} expression", source)
             return _UNRESOLVED
         return value
 

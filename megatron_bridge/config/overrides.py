@@ -52,7 +52,8 @@ class OverrideSyntaxError(ValueError):
 def parse_override(text: str) -> Override:
     """Parse one override string; raises OverrideSyntaxError."""
     if not isinstance(text, str):
-        raise OverrideSyntaxError(f"override {_short(text)} is not a string", "pass strings like 'train.train_iters=100'")
+        fix = "pass strings like 'train.train_iters=100'"
+        raise OverrideSyntaxError(f"override {_short(text)} is not a string", fix)
     body = text.strip()
     op = "set"
     if body.startswith("++"):
@@ -62,11 +63,11 @@ def parse_override(text: str) -> Override:
     elif body.startswith("~"):
         op, body = "delete", body[1:]
     key_text, eq, value_text = body.partition("=")
+    key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
-        raise OverrideSyntaxError(f"override {_short(text)} has no '='", "write key=value, e.g. train.train_iters=100")
-    key_text = key_text.strip()
+        raise OverrideSyntaxError(f"override {_short(text)} has no '='", fix)
     if not key_text:
-        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", "write key=value, e.g. train.train_iters=100")
+        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
     bad = [p for p in key if not _KEY_PART.fullmatch(p)]
     if bad:

@@ -96,7 +96,8 @@ FIELD_RANGES: dict[str, str] = {
     "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
-    "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)", "train_samples": "[1, 2**63)",
+    "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)",
+    "train_samples": "[1, 2**63)",
     "exit_duration_in_mins": POSITIVE, "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
     "save_interval": "[1, 2**63)", "train_sync_interval": "[1, 2**63)", "tensorboard_log_interval": "[1, 2**63)",
     "profiling_interval": "[1, 2**63)", "non_persistent_save_interval": "[1, 2**63)",
@@ -125,7 +126,8 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     (r"seed$", SEED),
     (r"_size$|_heads$|_dim$|_channels$|_groups$|num_sms$", SIZE),
     (r"^num_|_layers$|_count$|_topk|_len$|_length$|_limit$|_workers$|_freq$", COUNT),
-    (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$", "[0, 2**63)"),
+    (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$",
+     "[0, 2**63)"),
     (r"_timeout$|_interval$|_time$|_wait$", POSITIVE),
     (r"_coeff$|_eps$|_factor$|_alpha$", NON_NEGATIVE),
 )

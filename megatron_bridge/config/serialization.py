@@ -438,7 +438,8 @@ def read_section(
             logger.info("%s.%s: the saved run had a runtime object here; using the default", info.cls.__name__, f.name)
         else:
             try:
-                values[f.name] = loader.field(f, item, _NO_DEFAULT if current is None else getattr(current, f.name, None))
+                merged_into = _NO_DEFAULT if current is None else getattr(current, f.name, None)
+                values[f.name] = loader.field(f, item, merged_into)
             except DecodeError as exc:
                 errors.extend(exc.under(key).items)
     return tags, values, errors

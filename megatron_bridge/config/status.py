@@ -170,7 +170,9 @@ def declaring_class(cls: type, name: str) -> type:
 def from_megatron_core(cls: type, name: str) -> bool:
     """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
     return any(
-        not issubclass(k, ConfigBase) and k.__module__.startswith("megatron.") and name in getattr(k, "__dataclass_fields__", {})
+        not issubclass(k, ConfigBase)
+        and k.__module__.startswith("megatron.")
+        and name in getattr(k, "__dataclass_fields__", {})
         for k in cls.__mro__
     )
 
