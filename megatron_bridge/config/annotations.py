@@ -197,8 +197,12 @@ def _ok(_value: Any) -> None:
     return None
 
 
+def _mismatch(name: str, value: Any) -> str:
+    return f"expected {name}, got {type(value).__name__} {value!r}"
+
+
 def _accepting(fits: Callable[[Any], bool], name: str) -> Checker:
-    return lambda v: None if fits(v) else f"expected {name}, got {type(v).__name__} {v!r}"
+    return lambda v: None if fits(v) else _mismatch(name, v)
 
 
 def is_number(value: Any) -> bool:
@@ -206,11 +210,11 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_SCALAR_CHECKS: dict[Any, Callable[[Any], bool]] = {
-    bool: lambda v: isinstance(v, bool),
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: is_number,
-    str: lambda v: isinstance(v, (str, os.PathLike)),
+_SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
+    bool: lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
+    int: lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
+    float: lambda v: None if is_number(v) else _mismatch("float", v),
+    str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
 
 
@@ -227,17 +231,25 @@ def _build_checker(tp: Any) -> Checker:
     kind, name, args = kind_of(tp), describe(tp), typing.get_args(tp)
     if kind == "union":
         arms = [checker_for(a) for a in args]
-        return _accepting(lambda v: any(arm(v) is None for arm in arms), name)
+
+        def check_union(v: Any) -> Optional[str]:
+            for arm in arms:
+                if arm(v) is None:
+                    return None
+            return _mismatch(name, v)
+
+        return check_union
     if kind == "literal":
 
         def check_literal(v: Any) -> Optional[str]:
-            if any(v == a and type(v) is type(a) for a in args):  # `1` is not `True`
-                return None
+            for a in args:
+                if v == a and type(v) is type(a):  # `1` is not `True`
+                    return None
             return f"expected one of {list(args)}, got {v!r}"
 
         return check_literal
-    if tp in _SCALAR_CHECKS:
-        return _accepting(_SCALAR_CHECKS[tp], name)
+    if tp in _SCALAR_CHECKERS:
+        return _SCALAR_CHECKERS[tp]
     if kind == "sequence":
         return _sequence_checker(tp, name)
     if kind == "mapping":
@@ -258,15 +270,19 @@ def _sequence_checker(tp: Any, name: str) -> Checker:
 
     def check_sequence(value: Any) -> Optional[str]:
         if not isinstance(value, (list, tuple)):
-            return f"expected {name}, got {type(value).__name__} {value!r}"
-        if per_position is not None and len(value) != len(per_position):
-            return f"expected {name} with {len(per_position)} items, got {len(value)}"
-        if per_position is None and item is _ok:
-            return None
-        for check, v in zip(per_position or [item] * len(value), value):
-            why = check(v)
-            if why:
-                return f"item {v!r}: {why}"
+            return _mismatch(name, value)
+        if per_position is not None:
+            if len(value) != len(per_position):
+                return f"expected {name} with {len(per_position)} items, got {len(value)}"
+            for check, v in zip(per_position, value):
+                why = check(v)
+                if why:
+                    return f"item {v!r}: {why}"
+        elif item is not _ok:
+            for v in value:
+                why = item(v)
+                if why:
+                    return f"item {v!r}: {why}"
         return None
 
     return check_sequence

@@ -81,6 +81,9 @@ class Decoder:
     def read(self, raw: Any, tp: Any, lenient: bool) -> Any:  # noqa: C901 - one branch per kind of annotation
         """`value`, with conversions only if `lenient`."""
         kind = kind_of(tp)
+        scalar = _SCALARS.get(kind)
+        if scalar is not None and scalar[0](raw):
+            return raw  # the common case first: a value of the declared scalar type as it is
         if kind == "any":
             return self.any(raw)
         if kind == "union":
@@ -93,9 +96,9 @@ class Decoder:
             raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
-        origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
         if kind in _SCALARS:
             return _scalar(tp, raw, lenient)
+        origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
         if kind == "literal":
             return _literal(args, raw, lenient)
         if kind == "dtype":
@@ -221,17 +224,15 @@ class Decoder:
         return each(enumerate(zip(positional, raw)), lambda pair: self.read(pair[1], pair[0], lenient), tuple)
 
     def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
-        arms, fix = real_arms(tp), f"use a value of type {describe(tp)}"
+        arms, none_ok, classes, takes_dict = _union_plan(tp)
         if raw is None:
-            if len(arms) < len(union_arms(tp)):  # None is one of the arms
+            if none_ok:
                 return None
-            raise DecodeError(f"expected {describe(tp)}, got null", fix)
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if len(arms) == 1:
             return self.read(raw, arms[0], lenient)
-        classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
         if classes and isinstance(raw, classes):
             return raw
-        takes_dict = any(kind_of(a) == "mapping" for a in arms)
         if classes and isinstance(raw, Mapping) and not is_value_tag(raw) and (TARGET in raw or not takes_dict):
             return self.section(raw, classes)
         if _is_tagged(raw):
@@ -246,7 +247,16 @@ class Decoder:
         if named and isinstance(raw, str):
             expected = f"expected {' or '.join(map(repr, named))} or a mapping, {got(raw)}"
             raise DecodeError(expected, suggest(raw, named) or f"use one of {named}")
-        raise DecodeError(f"expected {describe(tp)}, {got(raw)}", fix)
+        raise DecodeError(f"expected {describe(tp)}, {got(raw)}", f"use a value of type {describe(tp)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _union_plan(tp: Any) -> tuple[tuple, bool, tuple[type, ...], bool]:
+    """(the arms other than None, whether None is one, the dataclass arms, whether a dict arm
+    takes mappings) of Union annotation `tp`."""
+    arms = real_arms(tp)
+    classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
+    return arms, len(arms) < len(union_arms(tp)), classes, any(kind_of(a) == "mapping" for a in arms)
 
 
 def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: type) -> Any:
@@ -278,7 +288,7 @@ def _check_plain(value: Any, where: str) -> None:
 
 
 def _is_tagged(raw: Any) -> bool:
-    return isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
+    return type(raw) not in (str, int, float, bool) and isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
 
 
 _SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a value as it is, fix)

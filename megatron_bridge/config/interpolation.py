@@ -56,7 +56,7 @@ def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:
 
 def has_interpolation(data: Any, overrides: list[Override]) -> bool:
     """Whether the file data or an override value contains `${`."""
-    return any("${" in s for s in strings([data, *(o.value for o in overrides)]))
+    return any("${" in s for s in strings(data)) or any("${" in s for o in overrides for s in strings(o.value))
 
 
 def resolve_interpolations(
