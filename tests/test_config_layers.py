@@ -1,10 +1,13 @@
-"""The config layer's structure: no import cycles, and an override goes down the layers only."""
+"""The config layer's structure: no import cycles, no torch, and an override goes down the layers only."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -54,3 +57,17 @@ def test_an_override_from_the_command_line_goes_down_the_layers_only():
     assert "megatron_bridge.config.serialization.field" in callees  # the value is decoded by the schema
     assert ("megatron_bridge.config.apply", "megatron_bridge.config.base.__setattr__") in pairs  # and set on the section
     assert [c for c in calls if c[3]] == []
+
+
+@pytest.mark.timeout(60)
+def test_the_config_machinery_and_the_tokenizer_module_do_not_import_torch():
+    # Spawned data-preprocessing workers import the tokenizer module; torch would cost each ~2 s.
+    modules = ["annotations", "decoding", "serialization", "apply", "overrides", "interpolation", "status"]
+    code = (
+        "import sys\n"
+        + "".join(f"import megatron_bridge.config.{m}\n" for m in modules)
+        + "import megatron_bridge.training.tokenizers.tokenizer\n"
+        + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
+    assert run.stdout.strip() == "[]"

@@ -237,6 +237,14 @@ def test_unresolvable_interpolation_is_an_error():
     assert len(errors) == 1 and errors[0].startswith("train.train_iters: cannot resolve '${nope.value}'")
 
 
+def test_interpolations_in_a_yaml_list_resolve_and_fail_as_the_whole_list(tmp_path):
+    cfg = apply(path=write(tmp_path, "logger:\n  wandb_project: proj\n  comet_tags: [a, '${logger.wandb_project}']\n"))
+    assert cfg.logger.comet_tags == ["a", "proj"]
+    # one problem for the list, as for the same list given as an override (no placeholder left in it)
+    errors = errors_of(path=write(tmp_path, "logger:\n  comet_tags: [a, '${nope.x}']\n"))
+    assert len(errors) == 1 and errors[0].startswith("logger.comet_tags: cannot resolve ['a', '${nope.x}']")
+
+
 def test_yaml_section_with_another_target_replaces_the_section(tmp_path):
     path = write(
         tmp_path,

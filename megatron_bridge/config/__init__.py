@@ -1,5 +1,5 @@
-"""The machinery shared by every config class: user-set tracking, deferred finalize, the field
-annotation interpreter (`annotations`), YAML (`serialization`, `yaml_input`), overrides (`overrides`,
-`interpolation`) and the one way of applying them (`apply`), type checks,
-and the one error type for configuration problems. The configs of a training run live in
-`megatron_bridge.training.config`."""
+"""The machinery shared by every config class: user-set tracking, deferred finalize, field
+annotations (`annotations`: what a type allows; `decoding`: plain data to values), YAML
+(`serialization`, `yaml_input`), overrides (`overrides`, `interpolation`) and the one way of
+applying them (`apply`), and the one error type for configuration problems. The configs of a
+training run live in `megatron_bridge.training.config`."""

@@ -20,16 +20,11 @@ from megatron_bridge.config.annotations import (
     section_classes,
     section_from_value,
     suggest,
+    values_equal,
 )
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.serialization import (
-    ConfigDecoder,
-    class_info,
-    decode_field,
-    merge_dicts,
-    unknown_key,
-)
+from megatron_bridge.config.serialization import ConfigDecoder, class_info, decode_field, merge_dicts, unknown_key
 
 NO_VALUE = object()
 """The value of a `~key` override given without `=value`."""
@@ -49,12 +44,17 @@ class Override:
     def dotted(self) -> str:
         return ".".join(self.key)
 
+    @property
+    def source(self) -> str:
+        """How problems with this override name it: `override 'optimizer.lr=x'`."""
+        return f"override {show(self.text)}"
+
 
 def apply(config: Any, data: Mapping, source: str) -> Any:
     """Merge mapping `data` into `config` (in place; also returned); problems are raised together
     as one `ConfigValidationError`, each tagged with `source` (e.g. `file my.yaml`)."""
     problems = Problems()
-    Applier(config, problems).merge(config, data, "", source)
+    Applier(config, problems).merge(data, source)
     problems.raise_if_any()
     return config
 
@@ -70,43 +70,16 @@ class Applier:
     def error(self, path: str, message: str, fix: str, source: str) -> None:
         self.problems.add(path, f"{message} [{source}]", fix)
 
-    def config_errors(self, exc: ConfigValidationError, path: str, source: str) -> None:
-        for p in exc.problems:
-            self.error(path, p.message, p.fix, source)
-
-    def decode_errors(self, exc: DecodeError, path: str, source: str) -> None:
-        for sub, message, fix in exc.items:
-            self.error(".".join(p for p in (path, sub) if p), message, fix, source)
-
-    # ------------------------------------------------------------------ mappings
-    def merge(self, obj: Any, data: Mapping, path: str, source: str) -> Any:
-        """Merge mapping `data` (a file, a recipe's options) into dataclass `obj`, reporting
-        problems with their `source`; returns `obj` or, when `data` has a `_target_` naming
-        another class, its replacement."""
-        if not path and TARGET in data:
-            try:
-                cls = self.loader.section_class(data, ())
-            except DecodeError as exc:
-                self.decode_errors(exc, path, source)
-                return obj
-            if cls is not type(obj):
-                self.error("", f"_target_ {data[TARGET]!r} does not match the config's class", "remove it", source)
-                return obj
+    def merge(self, data: Mapping, source: str) -> None:
+        """Merge mapping `data` (a file, a recipe's options) into the config, reporting problems
+        with their `source`."""
         try:
-            return self.loader.merge(obj, data)
+            if TARGET in data and self.loader.section_class(data, ()) is not type(self.config):
+                message = f"_target_ {data[TARGET]!r} does not match the config's class"
+                return self.error("", message, "remove it", source)
+            self.loader.merge(self.config, data)
         except DecodeError as exc:
-            self.decode_errors(exc, path, source)
-            return obj
-
-    def merge_field(self, obj: Any, f: Any, raw: Any, path: str, source: str) -> None:
-        current = getattr(obj, f.name, None)
-        try:
-            value = self.loader.field(f, raw, current)
-        except DecodeError as exc:
-            self.decode_errors(exc, path, source)
-            return
-        if not (value is current and dataclasses.is_dataclass(value)):  # a section merged in place
-            self.assign(obj, f.name, value, path, source)
+            exc.report(self.problems, "", source)
 
     def assign(self, obj: Any, name: str, value: Any, path: str, source: str) -> None:
         try:
@@ -114,85 +87,71 @@ class Applier:
         except (TypeError, ValueError) as exc:
             self.error(path, str(exc), "use a value of the declared type", source)
 
-    def unknown(self, info: Any, key: Any, path: str, source: str) -> None:
-        self.error(path, *unknown_key(info, key), source)
-
-    # ------------------------------------------------------------------ overrides
     def apply(self, o: Override) -> None:
-        source = f"override {show(o.text)}"
-        obj, i = self.config, 0
-        # Walk down the dataclass sections; the remaining key parts address a field and items in it.
-        while True:
+        """Apply one parsed override: walk down the dataclass sections; the key parts left when
+        a field is not a section address items in its value."""
+        obj, source = self.config, o.source
+        for i, part in enumerate(o.key):
             info = class_info(type(obj))
-            part = o.key[i]
-            name = info.aliases.get(part, part)
-            f = info.by_name.get(name)
+            f = info.field(part)
             where = ".".join(o.key[: i + 1])
             if f is None:
                 if o.op == "add" and i == len(o.key) - 1:
-                    hint = suggest(part, info.key_names())
-                    self.error(
-                        where,
-                        f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields",
-                        hint or "remove it",
-                        source,
-                    )
-                else:
-                    self.unknown(info, part, where, source)
-                return
+                    message = f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields"
+                    return self.error(where, message, suggest(part, info.key_names()) or "remove it", source)
+                return self.error(where, *unknown_key(info, part), source)
             if i == len(o.key) - 1:
                 return self.apply_to_field(obj, f, o, where, source)
-            current = getattr(obj, name)
+            current, classes = getattr(obj, f.name), section_classes(f.type)
             try:
                 section = section_from_value(current, f.type)
-                if section is None and current is None and len(section_classes(f.type)) == 1 and o.op != "delete":
-                    section = section_classes(f.type)[0]()  # `ft.enable_ft_package=true` while ft is null
+                if section is None and current is None and len(classes) == 1 and o.op != "delete":
+                    section = classes[0]()  # `ft.enable_ft_package=true` while ft is null
             except ConfigValidationError as exc:
-                self.config_errors(exc, where, source)
+                for p in exc.problems:
+                    self.error(where, p.message, p.fix, source)
                 return
             except TypeError as exc:  # a section class that cannot be built without arguments
-                self.error(where, f"is null and cannot be created empty: {exc}", f"set {where} as a whole", source)
-                return
-            named = [c.config_name for c in section_classes(f.type) if isinstance(getattr(c, "config_name", None), str)]
+                message = f"is null and cannot be created empty: {exc}"
+                return self.error(where, message, f"set {where} as a whole", source)
+            named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
             if section is None and current is None and len(named) > 1 and o.op != "delete":
                 picks = " or ".join(f"{where}={n}" for n in named)
-                self.error(where, f"is null, so it has no key {o.key[i + 1]!r}", f"choose one first: {picks}", source)
-                return
-            if section is not None:
-                if section is not current:
-                    self.assign(obj, name, section, where, source)
-                obj, i = section, i + 1
-                continue
-            try:
-                new = _update_item(self.loader, current, f.type, o, i + 1)
-            except DecodeError as exc:
-                self.decode_errors(exc, ".".join(o.key), source)
-                return
-            return self.assign(obj, name, new, where, source)
+                message = f"is null, so it has no key {o.key[i + 1]!r}"
+                return self.error(where, message, f"choose one first: {picks}", source)
+            if section is None:
+                try:
+                    new = _update_item(self.loader, current, f.type, o, i + 1)
+                except DecodeError as exc:
+                    return exc.report(self.problems, o.dotted, source)
+                return self.assign(obj, f.name, new, where, source)
+            if section is not current:
+                self.assign(obj, f.name, section, where, source)
+            obj = section
 
     def apply_to_field(self, obj: Any, f: Any, o: Override, path: str, source: str) -> None:
+        current = getattr(obj, f.name, None)
         if o.op == "add":
             self.error(path, "already exists, so it cannot be added", f"use {o.text[1:]} or +{o.text}", source)
-        elif o.op == "delete":
-            if f.required:
-                self.error(path, "is required and has no default to reset to", "set a value instead", source)
-                return
-            if o.value is not NO_VALUE and not _matches(self.loader, f, o.value, getattr(obj, f.name)):
-                self.error(path, f"is {show(getattr(obj, f.name))}, not {show(o.value)}", f"use ~{path}", source)
-                return
-            value = f.fresh_default()
-            if isinstance(obj, ConfigBase):
-                obj.apply_default(f.name, value)
-                obj.mark_explicit(f.name, False)
-            else:
-                setattr(obj, f.name, value)
+        elif o.op != "delete":
+            try:
+                value = self.loader.field(f, o.value, current)
+            except DecodeError as exc:
+                return exc.report(self.problems, path, source)
+            if not (value is current and dataclasses.is_dataclass(value)):  # a section merged in place
+                self.assign(obj, f.name, value, path, source)
+        elif f.required:
+            self.error(path, "is required and has no default to reset to", "set a value instead", source)
+        elif o.value is not NO_VALUE and not _decodes_to(self.loader, f, o.value, current):
+            self.error(path, f"is {show(current)}, not {show(o.value)}", f"use ~{path}", source)
+        elif isinstance(obj, ConfigBase):
+            obj.apply_default(f.name, f.fresh_default())
+            obj.mark_explicit(f.name, False)
         else:
-            self.merge_field(obj, f, o.value, path, source)
+            setattr(obj, f.name, f.fresh_default())
 
 
-def _matches(loader: Any, f: Any, raw: Any, current: Any) -> bool:
-    from megatron_bridge.config.base import values_equal
-
+def _decodes_to(loader: Any, f: Any, raw: Any, current: Any) -> bool:
     try:
         return values_equal(decode_field(loader, f, raw), current)
     except DecodeError:
@@ -202,40 +161,30 @@ def _matches(loader: Any, f: Any, raw: Any, current: Any) -> bool:
 def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
     """A copy of container `node` (a field's dict/list/tuple value) with the override applied at
     key parts `o.key[i:]`; the caller assigns it back, so the field counts as set by the user."""
-    part = o.key[i]
-    last = i == len(o.key) - 1
+    part, last, here = o.key[i], i == len(o.key) - 1, ".".join(o.key[:i])
     if node is None and o.op in ("add", "force") and container_item_type(tp, None, dict) is not None:
         node = {}
     if isinstance(node, dict):
         key = part if part in node or not part.lstrip("-").isdigit() or int(part) not in node else int(part)
-        exists = key in node
-        item_tp = container_item_type(tp, key, dict) or Any
-        if last:
-            if o.op == "delete":
-                if not exists:
-                    raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r} to remove", "check the key")
-                return {k: v for k, v in node.items() if k != key}
-            if o.op == "set" and not exists:
-                hint = suggest(part, [str(k) for k in node])
-                raise DecodeError(
-                    f"{'.'.join(o.key[:i])} has no key {part!r}", f"{hint} use +{o.text} to add it".strip()
-                )
-            if o.op == "add" and exists:
-                raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
-            value = loader.value(o.value, item_tp)
-            out = dict(node)
-            out[key] = (
-                merge_dicts(node[key], value) if isinstance(node.get(key), dict) and isinstance(value, dict) else value
-            )
-            return out
-        if not exists and o.op not in ("add", "force"):
-            raise DecodeError(f"{'.'.join(o.key[:i])} has no key {part!r}", f"use +{o.text} to add it")
-        out = dict(node)
-        out[key] = _update_item(loader, node.get(key), item_tp, o, i + 1)
-        return out
+        exists, item_tp = key in node, container_item_type(tp, key, dict) or Any
+        if not last:
+            if not exists and o.op not in ("add", "force"):
+                raise DecodeError(f"{here} has no key {part!r}", f"use +{o.text} to add it")
+            return {**node, key: _update_item(loader, node.get(key), item_tp, o, i + 1)}
+        if o.op == "delete":
+            if not exists:
+                raise DecodeError(f"{here} has no key {part!r} to remove", "check the key")
+            return {k: v for k, v in node.items() if k != key}
+        if o.op == "set" and not exists:
+            hint = suggest(part, [str(k) for k in node])
+            raise DecodeError(f"{here} has no key {part!r}", f"{hint} use +{o.text} to add it".strip())
+        if o.op == "add" and exists:
+            raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
+        value, old = loader.value(o.value, item_tp), node.get(key)
+        return {**node, key: merge_dicts(old, value) if isinstance(old, dict) and isinstance(value, dict) else value}
     if isinstance(node, (list, tuple)):
         if not part.isdigit():
-            raise DecodeError(f"{'.'.join(o.key[:i])} is a list; {part!r} is not an index", "use a number, e.g. .0")
+            raise DecodeError(f"{here} is a list; {part!r} is not an index", "use a number, e.g. .0")
         index = int(part)
         if index >= len(node):
             raise DecodeError(
@@ -254,4 +203,4 @@ def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
             items[index] = _update_item(loader, node[index], item_tp, o, i + 1)
         return type(node)(items)
     kind = "null" if node is None else type(node).__name__
-    raise DecodeError(f"{'.'.join(o.key[:i])} is {kind}, so it has no key {part!r}", "set the whole value instead")
+    raise DecodeError(f"{here} is {kind}, so it has no key {part!r}", "set the whole value instead")

@@ -89,19 +89,17 @@ class Problems:
             return self.prefix
         return f"{self.prefix}.{name}" if self.prefix else name
 
-    def add(self, path: str, message: str, fix: str = "") -> None:
-        self.items.append(ConfigProblem(self._join(path), message, fix))
+    def add(self, path: str, message: str, fix: str = "", missing_module: str = "") -> None:
+        self.items.append(ConfigProblem(self._join(path), message, fix, missing_module))
 
     def require_package(self, module: str, path: str, why: str) -> bool:
         """Add a problem if optional package `module` is not installed; return whether it is."""
         from megatron_bridge.extras import install_hint, is_installed
 
-        if is_installed(module):
-            return True
-        self.items.append(
-            ConfigProblem(self._join(path), f"{why} needs the '{module}' package", install_hint(module), module)
-        )
-        return False
+        installed = is_installed(module)
+        if not installed:
+            self.add(path, f"{why} needs the '{module}' package", install_hint(module), module)
+        return installed
 
     def check(self, ok: bool, path: str, message: str, fix: str = "") -> bool:
         """Add a problem unless `ok`; return `ok` so callers can skip dependent checks."""
@@ -112,7 +110,7 @@ class Problems:
     def absorb(self, error: ConfigValidationError) -> None:
         """Re-home the problems of an error raised by a nested finalize under this prefix."""
         for p in error.problems:
-            self.items.append(ConfigProblem(self._join(p.path), p.message, p.fix, p.missing_module))
+            self.add(p.path, p.message, p.fix, p.missing_module)
 
     def _owns(self, problem: ConfigProblem) -> bool:
         return not self.prefix or problem.path == self.prefix or problem.path.startswith(self.prefix + ".")

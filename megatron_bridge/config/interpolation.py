@@ -24,46 +24,12 @@ MAX_NESTING = 16
 """Deepest nesting of `${...}` inside one another that is resolved."""
 
 
-def _too_deep(value: Any) -> bool:
-    return any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value))
-
-
-def _drop_deep(data: Any, overrides: list[Override], report: Callable, file_label: str) -> tuple[Any, list[Override]]:
-    """Values whose interpolations nest too deeply to resolve (OmegaConf recurses over them),
-    reported and left out."""
-    problem = f"interpolations nest deeper than {MAX_NESTING} levels"
-    kept = []
-    for o in overrides:
-        if o.value is not NO_VALUE and _too_deep(o.value):
-            report(o.dotted, problem, "simplify the ${...} expression", f"override {show(o.text)}")
-        else:
-            kept.append(o)
-
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, Mapping):
-            items = ((k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
-            return {k: v for k, v in items if v is not _UNRESOLVED}
-        if _too_deep(value):
-            report(path, problem, "simplify the ${...} expression", file_label)
-            return _UNRESOLVED
-        return value
-
-    return (walk(data, "") if data else data), kept
-
-
 def _nesting(text: str) -> int:
     """How deeply `${` ... `}` pairs nest in `text`."""
     depth = deepest = 0
-    i = 0
-    while i < len(text):
-        if text.startswith("${", i):
-            depth += 1
-            deepest = max(deepest, depth)
-            i += 2
-            continue
-        if text[i] == "}" and depth:
-            depth -= 1
-        i += 1
+    for token in re.findall(r"\$\{|\}", text):
+        depth = depth + 1 if token == "${" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
     return deepest
 
 
@@ -79,11 +45,18 @@ def strings(value: Any) -> Iterable[str]:
             yield from strings(v)
 
 
+def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:
+    """`value` with `leaf(path, v)` in place of each value below it that is not a mapping (a list
+    is one value); keys whose new value is `_UNRESOLVED` are left out."""
+    if not isinstance(value, Mapping):
+        return leaf(path, value)
+    items = ((k, _walk(v, f"{path}.{k}" if path else str(k), leaf)) for k, v in value.items())
+    return {k: v for k, v in items if v is not _UNRESOLVED}
+
+
 def has_interpolation(data: Any, overrides: list[Override]) -> bool:
     """Whether the file data or an override value contains `${`."""
-    return any("${" in s for s in strings(data)) or any(
-        "${" in s for o in overrides if o.value is not NO_VALUE for s in strings(o.value)
-    )
+    return any("${" in s for s in strings(data)) or any("${" in s for o in overrides for s in strings(o.value))
 
 
 def resolve_interpolations(
@@ -96,15 +69,21 @@ def resolve_interpolations(
     """The file data and overrides with `${...}` resolved by OmegaConf against the config
     sections they refer to, the file and the overrides (so a later override of a referenced key
     is seen, as with Hydra). An unresolvable value is reported as (path, message, fix, source)
-    and dropped."""
+    and dropped; so is one whose interpolations nest too deeply (OmegaConf recurses over them)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    data, overrides = _drop_deep(data, overrides, report, file_label)
-    texts = [s for s in strings(data) if "${" in s]
-    texts += [s for o in overrides if o.value is not NO_VALUE for s in strings(o.value) if "${" in s]
+    def shallow(path: str, value: Any, source: str) -> Any:
+        if any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value)):
+            message = f"interpolations nest deeper than {MAX_NESTING} levels"
+            report(path, message, "simplify the ${...} expression", source)
+            return _UNRESOLVED
+        return value
+
+    data = _walk(data, "", lambda path, v: shallow(path, v, file_label)) if data else data
+    overrides = [o for o in overrides if o.value is NO_VALUE or shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
     refs = []
-    for text in texts:
+    for text in strings([data, *(o.value for o in overrides)]):
         for ref in _INTERPOLATION.findall(text):
             ref = ref.split(":", 1)[1] if ":" in ref else ref  # `oc.select:model.x,1`: look at the arguments
             refs += [part.strip() for part in ref.split(",")]
@@ -129,19 +108,11 @@ def resolve_interpolations(
             report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, Mapping):
-            items = ((k, walk(v, f"{path}.{k}" if path else str(k))) for k, v in value.items())
-            return {k: v for k, v in items if v is not _UNRESOLVED}
-        if isinstance(value, list):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
-        return resolved(path, value, file_label)
-
-    data = walk(data, "") if data else data
+    data = _walk(data, "", lambda path, v: resolved(path, v, file_label)) if data else data
     out = []
     for o in overrides:
         if o.value is not NO_VALUE and o.op != "delete":
-            o = dataclasses.replace(o, value=resolved(o.dotted, o.value, f"override {show(o.text)}"))
+            o = dataclasses.replace(o, value=resolved(o.dotted, o.value, o.source))
         if o.value is not _UNRESOLVED:
             out.append(o)
     return data, out
@@ -152,40 +123,22 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     tree of their dotted paths. A relative reference (`${.x}`) may name anything: then every
     section is included."""
     encoder = ConfigEncoder()
-    info = class_info(type(config))
     if any(ref.startswith(".") for ref in refs):
-        return {f.name: _plain(encoder.value(getattr(config, f.name), f.type)) for f in info.fields}
+        return {f.name: _plain(encoder.value(getattr(config, f.name), f.type)) for f in class_info(type(config)).fields}
     tree: dict = {}
+    whole: set[tuple[str, ...]] = set()  # the paths included with their whole value
     for ref in sorted(set(refs), key=len):  # a shorter path may already hold a longer one
-        obj, node, parts = config, tree, ref.split(".")
+        obj, node, parts = config, tree, tuple(ref.split("."))
         for i, part in enumerate(parts):
-            if isinstance(node.get(part), _Whole):
-                break
-            here = class_info(type(obj))
-            f = here.by_name.get(here.aliases.get(part, part))
-            if f is None:
-                break  # not in the config: the file may define it, or OmegaConf reports it
+            f = class_info(type(obj)).field(part)
+            if parts[: i + 1] in whole or f is None:
+                break  # included already; or not in the config: the file may define it, or OmegaConf reports it
             value = getattr(obj, f.name)
             if i == len(parts) - 1 or not dataclasses.is_dataclass(value) or isinstance(value, type):
-                node[part] = _Whole(_plain(encoder.value(value, f.type)))
+                node[part] = _plain(encoder.value(value, f.type))
+                whole.add(parts[: i + 1])
                 break
-            node = node.setdefault(part, {})
-            obj = value
-    return _unwrap(tree)
-
-
-class _Whole:
-    """Marks a field included whole in the reference tree."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-def _unwrap(tree: Any) -> Any:
-    if isinstance(tree, _Whole):
-        return tree.value
-    if isinstance(tree, dict):
-        return {k: _unwrap(v) for k, v in tree.items()}
+            node, obj = node.setdefault(part, {}), value
     return tree
 
 

@@ -52,7 +52,8 @@ class OverrideSyntaxError(ValueError):
 def parse_override(text: str) -> Override:
     """Parse one override string; raises OverrideSyntaxError."""
     if not isinstance(text, str):
-        raise OverrideSyntaxError(f"override {_short(text)} is not a string", "pass strings like 'train.train_iters=100'")
+        fix = "pass strings like 'train.train_iters=100'"
+        raise OverrideSyntaxError(f"override {_short(text)} is not a string", fix)
     body = text.strip()
     op = "set"
     if body.startswith("++"):
@@ -62,11 +63,11 @@ def parse_override(text: str) -> Override:
     elif body.startswith("~"):
         op, body = "delete", body[1:]
     key_text, eq, value_text = body.partition("=")
+    key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
-        raise OverrideSyntaxError(f"override {_short(text)} has no '='", "write key=value, e.g. train.train_iters=100")
-    key_text = key_text.strip()
+        raise OverrideSyntaxError(f"override {_short(text)} has no '='", fix)
     if not key_text:
-        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", "write key=value, e.g. train.train_iters=100")
+        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
     bad = [p for p in key if not _KEY_PART.fullmatch(p)]
     if bad:
@@ -147,7 +148,8 @@ class _Parser:
             self.depth += 1
             if self.depth > MAX_DEPTH:
                 raise OverrideSyntaxError(f"value nests deeper than {MAX_DEPTH} levels", "flatten the value")
-            value = self.sequence() if ch == "[" else self.mapping()
+            self.pos += 1
+            value = self.collection("]" if ch == "[" else "}")
             self.depth -= 1
             return value
         if ch and ch in "'\"":
@@ -156,34 +158,26 @@ class _Parser:
             raise OverrideSyntaxError(f"{_short(self.text)} ends where a value should be", "complete the value")
         return primitive(self.bare())
 
-    def sequence(self) -> list:
-        self.expect("[")
+    def collection(self, close: str) -> Any:
+        """The list (`close` is `]`) or mapping (`}`) whose opening bracket was just read."""
         items: list = []
         self.skip_ws()
-        if self.peek() == "]":
+        if self.peek() == close:
             self.pos += 1
-            return items
+            return {} if close == "}" else items
         while True:
-            items.append(self.element())
-            if self.expect(",]") == "]":
-                return items
+            items.append(self.entry() if close == "}" else self.element())
+            if self.expect("," + close) == close:
+                return dict(items) if close == "}" else items
 
-    def mapping(self) -> dict:
-        self.expect("{")
-        out: dict = {}
+    def entry(self) -> tuple[str, Any]:
+        """`key: value` in a mapping."""
         self.skip_ws()
-        if self.peek() == "}":
-            self.pos += 1
-            return out
-        while True:
-            self.skip_ws()
-            key = self.quoted() if self.peek() and self.peek() in "'\"" else self.bare(stop=":,}")
-            if not key:
-                raise OverrideSyntaxError(f"empty key in {_short(self.text)}", "write {name: value}")
-            self.expect(":")
-            out[key] = self.element()
-            if self.expect(",}") == "}":
-                return out
+        key = self.quoted() if self.peek() and self.peek() in "'\"" else self.bare(stop=":,}")
+        if not key:
+            raise OverrideSyntaxError(f"empty key in {_short(self.text)}", "write {name: value}")
+        self.expect(":")
+        return key, self.element()
 
     def quoted(self) -> str:
         quote = self.text[self.pos]
@@ -261,7 +255,7 @@ def process_config_with_overrides(
             problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
             data, overrides = None, []
     if data:
-        applier.merge(config, data, "", file_label)
+        applier.merge(data, file_label)
     for override in overrides:
         applier.apply(override)
     problems.raise_if_any()

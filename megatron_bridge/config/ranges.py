@@ -11,17 +11,12 @@ from __future__ import annotations
 import functools
 import math
 import re
-import sys
-import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+from megatron_bridge.config.annotations import field_types, real_arms
 from megatron_bridge.config.errors import Problems, show
-
-INT_MAX = 2**63
-SIZE_MAX = 2**31
-"""Model sizes and counts beyond this are not real configurations (and overflow int32 kernels)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +32,9 @@ class Range:
     def __str__(self) -> str:
         lo = "-inf" if self.low is None else _num(self.low)
         hi = "inf" if self.high is None else _num(self.high)
-        return f"{'[' if self.low_inclusive and self.low is not None else '('}{lo}, {hi}{']' if self.high_inclusive and self.high is not None else ')'}"
+        opening = "[" if self.low_inclusive and self.low is not None else "("
+        closing = "]" if self.high_inclusive and self.high is not None else ")"
+        return f"{opening}{lo}, {hi}{closing}"
 
     def problem(self, value: Any) -> Optional[str]:
         """Why `value` is outside this range, or None."""
@@ -53,12 +50,9 @@ class Range:
 
 
 def _num(x: float) -> str:
-    if x == INT_MAX:
-        return "2**63"
-    if x == SIZE_MAX:
-        return "2**31"
-    if x == 2**32:
-        return "2**32"
+    for power in (63, 31, 32):
+        if x == 2**power:
+            return f"2**{power}"
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
@@ -72,18 +66,16 @@ def parse(spec: str) -> Range:
         if text in ("inf", "-inf"):
             return None
         base, _, exp = text.partition("**")
-        return float(base) ** int(exp) if exp else float(text)
+        value = float(base) ** int(exp) if exp else float(text)
+        return int(value) if value.is_integer() else value
 
-    lo, hi = bound(m.group(2)), bound(m.group(3))
-    lo = int(lo) if lo is not None and lo.is_integer() else lo
-    hi = int(hi) if hi is not None and float(hi).is_integer() else hi
-    return Range(lo, hi, m.group(1) == "[", m.group(4) == "]")
+    return Range(bound(m.group(2)), bound(m.group(3)), m.group(1) == "[", m.group(4) == "]")
 
 
 PROBABILITY = "[0, 1]"
 POSITIVE = "(0, inf)"
 NON_NEGATIVE = "[0, inf)"
-SIZE = "[1, 2**31)"
+SIZE = "[1, 2**31)"  # larger model sizes and counts are not real configurations (and overflow int32 kernels)
 COUNT = "[0, 2**31)"
 SEED = "[0, 2**32)"
 ANY = "(-inf, inf)"
@@ -104,7 +96,8 @@ FIELD_RANGES: dict[str, str] = {
     "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
-    "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)", "train_samples": "[1, 2**63)",
+    "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)",
+    "train_samples": "[1, 2**63)",
     "exit_duration_in_mins": POSITIVE, "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
     "save_interval": "[1, 2**63)", "train_sync_interval": "[1, 2**63)", "tensorboard_log_interval": "[1, 2**63)",
     "profiling_interval": "[1, 2**63)", "non_persistent_save_interval": "[1, 2**63)",
@@ -133,60 +126,36 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     (r"seed$", SEED),
     (r"_size$|_heads$|_dim$|_channels$|_groups$|num_sms$", SIZE),
     (r"^num_|_layers$|_count$|_topk|_len$|_length$|_limit$|_workers$|_freq$", COUNT),
-    (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$", "[0, 2**63)"),
+    (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$",
+     "[0, 2**63)"),
     (r"_timeout$|_interval$|_time$|_wait$", POSITIVE),
     (r"_coeff$|_eps$|_factor$|_alpha$", NON_NEGATIVE),
 )
 
 
-def _arms(tp: Any) -> tuple:
-    origin = typing.get_origin(tp)
-    if origin is Union or (sys.version_info >= (3, 10) and origin is types.UnionType):
-        return tuple(a for a in typing.get_args(tp) if a is not type(None))
-    if origin in (list, tuple):
-        return tuple(a for a in typing.get_args(tp) if a is not Ellipsis)
-    return (tp,)
-
-
 def numeric_kind(tp: Any) -> Optional[type]:
     """`int` or `float` if a field declared as `tp` holds numbers (or lists of them), else None."""
-    kinds = set()
-    for arm in _arms(tp):
-        if arm in (int, float):
-            kinds.add(arm)
-        elif typing.get_origin(arm) in (list, tuple):
-            inner = numeric_kind(arm)
-            if inner:
-                kinds.add(inner)
-    if not kinds:
-        return None
-    return float if float in kinds else int
+    if typing.get_origin(tp) in (list, tuple):
+        arms = tuple(a for a in typing.get_args(tp) if a is not Ellipsis)
+    else:
+        arms = real_arms(tp)
+    kinds = {numeric_kind(a) if typing.get_origin(a) in (list, tuple) else a for a in arms}
+    return float if float in kinds else int if int in kinds else None
 
 
 @functools.lru_cache(maxsize=None)
-def range_of(cls_name: str, name: str, kind: type) -> tuple[Range, str]:
-    """The range of numeric field `name` of class `cls_name`, and where it comes from
-    ('declared', 'rule' or 'type')."""
+def range_of(cls_name: str, name: str, kind: type) -> Range:
+    """The range of numeric field `name` of class `cls_name`: declared, by naming rule, or by type."""
     spec = FIELD_RANGES.get(f"{cls_name}.{name}") or FIELD_RANGES.get(name)
-    if spec:
-        return parse(spec), "declared"
-    for pattern, rule in NAME_RULES:
-        if re.search(pattern, name):
-            return parse(rule), "rule"
-    return (parse(ANY) if kind is float else parse("[0, 2**63)")), "type"
+    rule = next((rule for pattern, rule in NAME_RULES if re.search(pattern, name)), None)
+    return parse(spec or rule or (ANY if kind is float else "[0, 2**63)"))
 
 
 @functools.lru_cache(maxsize=None)
 def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
     """(name, range) of every numeric field of config class `cls`."""
-    from megatron_bridge.config.annotations import field_types
-
-    out = []
-    for name, tp in field_types(cls).items():
-        kind = numeric_kind(tp)
-        if kind is not None:
-            out.append((name, range_of(cls.__name__, name, kind)[0]))
-    return tuple(out)
+    kinds = {name: numeric_kind(tp) for name, tp in field_types(cls).items()}
+    return tuple((name, range_of(cls.__name__, name, kind)) for name, kind in kinds.items() if kind is not None)
 
 
 @functools.lru_cache(maxsize=None)

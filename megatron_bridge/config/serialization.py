@@ -18,46 +18,55 @@ hand-written section without `_target_`: every key present is the user's. Missin
 class default; unknown keys are errors.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import logging
+import numbers
 import os
-import re
-from collections.abc import Mapping
+import pathlib
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterable, Optional, Union
 
 import yaml
 
 from megatron_bridge.config.annotations import (
+    ARGS,
+    CALL,
+    PARTIAL,
+    PATH,
     TARGET,
+    TUPLE,
     UNSERIALIZABLE,
-    VALUE_TAGS,
     DecodeError,
-    Decoder,
-    Encoder,
     FlowList,
+    checker_for,
     field_types,
     is_placeholder,
+    kind_of,
+    is_value_tag,
+    real_arms,
+    same_value,
     section_classes,
     section_from_value,
+    sequence_items,
     suggest,
+    torch_dtype,
 )
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
+from megatron_bridge.config.decoding import Decoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
+from megatron_bridge.config.yaml_input import load_file as load_yaml_file
+from megatron_bridge.config.yaml_input import read_exponent_floats
 
-__all__ = [
-    "from_dict",
-    "from_yaml",
-    "register_target",
-    "resolve",
-    "to_dict",
-    "to_yaml",
-]
+__all__ = ["from_dict", "from_yaml", "register_target", "resolve", "to_dict", "to_yaml"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,7 @@ EXPLICIT, IMPLICIT, DERIVED = "_explicit_", "_implicit_", "_derived_"
 SECTION_TAGS = frozenset({TARGET, EXPLICIT, IMPLICIT, DERIVED})
 
 _NO_DEFAULT = object()
+_PLAIN = (str, int, float, bool, type(None))
 
 
 # ====================================================================== class metadata
@@ -78,6 +88,15 @@ class FieldInfo:
     default: Any  # _NO_DEFAULT when the field is required
     factory: Optional[Callable[[], Any]]
 
+    @classmethod
+    def of(cls, f: dataclasses.Field, tp: Any) -> "FieldInfo":
+        factory = None if f.default_factory is dataclasses.MISSING else f.default_factory  # type: ignore[misc]
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:  # a factory's value is kept for comparisons only; never handed out
+            default = _NO_DEFAULT if factory is None else factory()
+        return cls(f.name, f.init, tp, default, factory)
+
     @property
     def required(self) -> bool:
         """The field has no default (the constructor needs it)."""
@@ -88,15 +107,16 @@ class FieldInfo:
         return self.factory() if self.factory is not None else self.default
 
 
-@dataclasses.dataclass(frozen=True)
 class ClassInfo:
-    """Fields, aliases and import path of a dataclass, computed once per class."""
+    """Fields, aliases and import path of a dataclass. A field's `FieldInfo` is made when first
+    asked for: an override touches a few of the hundreds of fields a model config has."""
 
-    cls: type
-    fields: tuple[FieldInfo, ...]
-    by_name: dict[str, FieldInfo]
-    aliases: dict[str, str]
-    tracked: bool
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.tracked = issubclass(cls, ConfigBase)
+        self.aliases: dict[str, str] = dict(getattr(cls, "_field_aliases", None) or {})
+        self._declared = {f.name: f for f in dataclasses.fields(cls)}
+        self._made: dict[str, FieldInfo] = {}
 
     @property
     def path(self) -> Optional[str]:
@@ -105,30 +125,26 @@ class ClassInfo:
 
     def key_names(self) -> list[str]:
         """Every accepted key: field names and aliases."""
-        return [*self.by_name, *self.aliases]
+        return [*self._declared, *self.aliases]
+
+    def field(self, key: Any) -> Optional[FieldInfo]:
+        """The field that `key` (a field name or an alias) names, or None."""
+        name = self.aliases.get(key, key)
+        made = self._made.get(name)
+        if made is None and name in self._declared:
+            made = self._made[name] = FieldInfo.of(self._declared[name], field_types(self.cls)[name])
+        return made
+
+    @functools.cached_property
+    def fields(self) -> tuple[FieldInfo, ...]:
+        """Every field, in declaration order."""
+        return tuple(self.field(name) for name in self._declared)  # type: ignore[misc]
 
 
 @functools.lru_cache(maxsize=None)
 def class_info(cls: type) -> ClassInfo:
     """Cached `ClassInfo` of dataclass `cls`."""
-    types = field_types(cls)
-    fields = []
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            default, factory = f.default, None
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            factory = f.default_factory  # type: ignore[misc]
-            default = factory()  # kept for comparisons only; never handed out
-        else:
-            default, factory = _NO_DEFAULT, None
-        fields.append(FieldInfo(f.name, f.init, types[f.name], default, factory))
-    return ClassInfo(
-        cls=cls,
-        fields=tuple(fields),
-        by_name={f.name: f for f in fields},
-        aliases=dict(getattr(cls, "_field_aliases", {}) or {}),
-        tracked=issubclass(cls, ConfigBase),
-    )
+    return ClassInfo(cls)
 
 
 def is_default(f: FieldInfo, value: Any) -> bool:
@@ -137,17 +153,89 @@ def is_default(f: FieldInfo, value: Any) -> bool:
 
 
 # ====================================================================== writing
-class ConfigEncoder(Encoder):
-    """`Encoder` that writes dataclass sections with `_target_` and the explicit-field tags."""
+def _self_describing(value: Any) -> bool:
+    """Whether the plain form of `value` does not depend on the declared type: a number, a
+    dataclass section, a partial."""
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, (enum.Enum, bool))
+    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+class ConfigEncoder:
+    """Turns configs into plain data (dicts, lists, scalars) for YAML: sections with `_target_`
+    and the explicit-field tags, values in the forms described in `config.annotations`."""
+
+    def value(self, value: Any, tp: Any = Any) -> Any:
+        """Plain form of `value` for a field declared as `tp`."""
+        if type(value) in _PLAIN or _self_describing(value):
+            return self.any(value)
+        kind, arms = kind_of(tp), real_arms(tp)
+        if kind == "union":
+            return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
+        origin = typing.get_origin(tp) or tp
+        if kind == "enum" and isinstance(value, enum.Enum):
+            return value.name
+        if kind == "dtype" and isinstance(value, origin):
+            return str(value).replace("torch.", "")
+        if kind == "path" and isinstance(value, pathlib.PurePath):
+            return str(value)
+        if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
+            positional, item = sequence_items(tp)
+            if positional and len(positional) == len(value):
+                return self._list(self.value(v, a) for v, a in zip(value, positional))
+            return self._list(self.value(v, item) for v in value)
+        if kind == "mapping" and isinstance(value, dict):
+            args = typing.get_args(tp)
+            return {k: self.value(v, args[1] if len(args) == 2 else Any) for k, v in value.items()}
+        if kind == "callable" or origin is type:
+            path = object_path(value)
+            if path is not None:
+                return path
+        return self.any(value)
+
+    def any(self, value: Any) -> Any:
+        """Plain form of a value whose type the declaration does not give (tags where needed)."""
+        if type(value) in _PLAIN:
+            return value
+        if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
+            return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.section(value)
+        if isinstance(value, functools.partial):
+            return self.partial(value)
+        if type(value) is list:
+            return self._list(self.any(v) for v in value)
+        if type(value) is tuple:
+            return {TUPLE: self._list(self.any(v) for v in value)}
+        if type(value) is dict:
+            return {k: self.any(v) for k, v in value.items()}
+        if isinstance(value, pathlib.PurePath):
+            return {PATH: str(value)}
+        dtype = torch_dtype()
+        if dtype is not None and isinstance(value, dtype):
+            return {TARGET: str(value), CALL: False}
+        path = object_path(value) if isinstance(value, enum.Enum) or callable(value) else None
+        return {UNSERIALIZABLE: show(value)} if path is None else {TARGET: path, CALL: False}
+
+    def partial(self, value: functools.partial) -> Any:
+        """`{_target_: func, _partial_: true, _args_: [...], **keywords}`."""
+        path = object_path(value.func)
+        if path is None:
+            return {UNSERIALIZABLE: show(value)}
+        out: dict[str, Any] = {TARGET: path, PARTIAL: True}
+        if value.args:
+            out[ARGS] = self._list(self.any(a) for a in value.args)
+        out.update((k, self.any(v)) for k, v in value.keywords.items())
+        return out
 
     def section(self, obj: Any) -> dict:
+        """A dataclass section: `_target_`, the bookkeeping tags, then every field."""
         info = class_info(type(obj))
         if info.path is None:
             return {UNSERIALIZABLE: show(obj)}
         tracked = isinstance(obj, ConfigBase)
-        d = obj.__dict__
-        explicit = d.get(_EXPLICIT, ()) if tracked else ()
-        derived = d.get(_DERIVED, {}) if tracked else {}
+        explicit = obj.__dict__.get(_EXPLICIT, ()) if tracked else ()
+        derived = obj.__dict__.get(_DERIVED, {}) if tracked else {}
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
         for f in info.fields:
@@ -167,11 +255,31 @@ class ConfigEncoder(Encoder):
                 recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
                 tags[DERIVED if recomputable else IMPLICIT].append(f.name)
         out: dict[str, Any] = {TARGET: info.path}
-        for tag, names in tags.items():
-            if names:
-                out[tag] = FlowList(sorted(names))
+        out.update((tag, FlowList(sorted(names))) for tag, names in tags.items() if names)
         out.update(fields)
         return out
+
+    def _union(self, value: Any, tp: Any, arms: tuple) -> Any:
+        """The plain form for the first arm `value` fits, if it reads back as the same value;
+        else the tagged form, which says what the value is."""
+        arm = next((a for a in arms if checker_for(a)(value) is None), None)
+        if arm is not None:
+            plain = self.value(value, arm)
+            try:
+                if same_value(_TRIAL_DECODER.value(plain, tp), value):
+                    return plain
+            except DecodeError:
+                pass
+        return self.any(value)
+
+    @staticmethod
+    def _list(items: Iterable[Any]) -> list:
+        out = list(items)
+        return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
+
+
+_TRIAL_DECODER = Decoder()
+"""Reads an encoding back to check it (builds no sections)."""
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -197,10 +305,7 @@ def _represent_float(dumper: Any, value: float) -> Any:
 
 
 _YamlDumper.add_representer(float, _represent_float)
-# ...and so writes them untagged, as it reads them.
-_YamlDumper.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
+read_exponent_floats(_YamlDumper)  # ...and so writes them untagged, as it reads them
 _YamlDumper.add_representer(
     FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
 )
@@ -224,13 +329,12 @@ class ConfigDecoder(Decoder):
     ones (`merge`): the one reader of config mappings, whatever their source."""
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
-        cls = self.section_class(raw, declared)
-        return build_section(self, cls, raw)
+        return build_section(self, self.section_class(raw, declared), raw)
 
     def field(self, f: FieldInfo, raw: Any, current: Any = _NO_DEFAULT) -> Any:
         """The new value of field `f` from plain data. Given the `current` value, a plain mapping
         merges into it (a section, or a dict) instead of replacing it."""
-        if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not (len(raw) == 1 and next(iter(raw)) in VALUE_TAGS):
+        if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not is_value_tag(raw):
             classes = section_classes(f.type)
             if classes:
                 try:
@@ -252,7 +356,6 @@ class ConfigDecoder(Decoder):
                 return self.section(raw, (cls,))
         info = class_info(type(obj))
         tags, values, errors = read_section(self, info, raw, obj)
-        from_dump, tracked = TARGET in raw, isinstance(obj, ConfigBase)
         for name, value in values.items():
             try:
                 if not (value is getattr(obj, name, None) and dataclasses.is_dataclass(value)):  # merged in place
@@ -260,9 +363,9 @@ class ConfigDecoder(Decoder):
             except (TypeError, ValueError) as exc:
                 errors.append((name, str(exc), "use a value of the declared type"))
                 continue
-            if from_dump and tracked:  # a saved section: whether the user set it follows the file
-                f = info.by_name[name]
-                obj.mark_explicit(name, name in tags[EXPLICIT] or (name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value)))
+            if TARGET in raw and info.tracked:  # a saved section: whether the user set it follows the file
+                f = info.field(name)
+                obj.mark_explicit(name, _users(tags, f, value))
                 if name in tags[DERIVED]:
                     remember_derived(obj, name, f.fresh_default())
         if errors:
@@ -287,35 +390,16 @@ class ConfigDecoder(Decoder):
             raise DecodeError("no _target_ says which config class this is", "add _target_ or pass cls=")
         # The concrete class that knows the most keys; build_section reports the keys it does not.
         keys = [k for k in raw if k not in SECTION_TAGS]
-        best, best_unknown = None, None
-        for cls in declared:
-            if inspect.isabstract(cls):
-                continue
-            info = class_info(cls)
-            unknown = sum(1 for k in keys if k not in info.by_name and k not in info.aliases)
-            if best_unknown is None or unknown < best_unknown:
-                best, best_unknown = cls, unknown
-        if best is None:
+        candidates = [c for c in declared if not inspect.isabstract(c)]
+        if not candidates:
             raise DecodeError(f"cannot tell which {names} this is", "add _target_ with the class's import path")
-        return best
+        return min(candidates, key=lambda c: sum(1 for k in keys if class_info(c).field(k) is None))
 
 
-def tag_names(info: ClassInfo, raw: Mapping, tag: str) -> tuple[set[str], list[tuple[str, str, str]]]:
-    """Field names listed under `tag` in a section mapping, and problems with the list."""
-    names = raw.get(tag)
-    if names is None:
-        return set(), []
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return set(), [(tag, f"must be a list of field names, got {show(names)}", "e.g. [num_layers]")]
-    out, errors = set(), []
-    for n in names:
-        name = info.aliases.get(n, n)
-        if name in info.by_name:
-            out.add(name)
-        else:
-            hint = suggest(n, info.key_names())
-            errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", hint or "remove it"))
-    return out, errors
+def _users(tags: dict[str, set[str]], f: FieldInfo, value: Any) -> bool:
+    """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
+    `_explicit_`, or not the default and not listed as the framework's."""
+    return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value))
 
 
 def read_section(
@@ -327,31 +411,37 @@ def read_section(
     A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
     e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
     the framework installs it again; a user's value without a YAML form is an error."""
-    tags: dict[str, set[str]] = {}
+    tags: dict[str, set[str]] = {EXPLICIT: set(), IMPLICIT: set(), DERIVED: set()}
     errors: list[tuple[str, str, str]] = []
-    for tag in (EXPLICIT, IMPLICIT, DERIVED):
-        tags[tag], tag_errors = tag_names(info, raw, tag)
-        errors.extend(tag_errors)
-    not_users = tags[IMPLICIT] | tags[DERIVED]
+    for tag, names in tags.items():  # the field names each bookkeeping tag lists
+        listed = raw.get(tag)
+        if listed is not None and (not isinstance(listed, list) or not all(isinstance(n, str) for n in listed)):
+            errors.append((tag, f"must be a list of field names, got {show(listed)}", "e.g. [num_layers]"))
+            continue
+        for n in listed or ():
+            f = info.field(n)
+            if f is not None:
+                names.add(f.name)
+            else:
+                hint = suggest(n, info.key_names())
+                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", hint or "remove it"))
     values: dict[str, Any] = {}
     for key, item in raw.items():
         if key in SECTION_TAGS:
             continue
-        name = info.aliases.get(key, key) if isinstance(key, str) else key
-        f = info.by_name.get(name)
+        f = info.field(key)
         if f is None:
             errors.append((str(key), *unknown_key(info, key)))
-            continue
-        if name in values:
-            errors.append((str(key), f"{name!r} is given twice (once through an alias)", "keep one"))
-            continue
-        if name in not_users and is_placeholder(item):
-            logger.info("%s.%s: the saved run had a runtime object here; using the default", info.cls.__name__, name)
-            continue
-        try:
-            values[name] = loader.field(f, item, _NO_DEFAULT if current is None else getattr(current, name, None))
-        except DecodeError as exc:
-            errors.extend(exc.under(key).items)
+        elif f.name in values:
+            errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
+        elif f.name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(item):
+            logger.info("%s.%s: the saved run had a runtime object here; using the default", info.cls.__name__, f.name)
+        else:
+            try:
+                merged_into = _NO_DEFAULT if current is None else getattr(current, f.name, None)
+                values[f.name] = loader.field(f, item, merged_into)
+            except DecodeError as exc:
+                errors.extend(exc.under(key).items)
     return tags, values, errors
 
 
@@ -387,46 +477,27 @@ def build_section(loader: Decoder, cls: type, raw: Mapping) -> Any:
     if errors:
         raise DecodeError(items=errors)
     try:
-        obj = cls(**{n: v for n, v in values.items() if info.by_name[n].init})
+        obj = cls(**{n: v for n, v in values.items() if info.field(n).init})
     except (TypeError, ValueError, AssertionError) as exc:
         raise DecodeError(f"cannot build {cls.__name__}: {exc}", "fix the fields it names") from None
     for name, value in values.items():
-        if not info.by_name[name].init:
+        if not info.field(name).init:
             object.__setattr__(obj, name, value)
-    if info.tracked:
-        restore_tracking(obj, info, present, tags, from_dump=TARGET in raw)
+    if info.tracked:  # which fields are the user's: the module docstring's rule
+        if TARGET in raw:
+            explicit = {f.name for f in info.fields if _users(tags, f, getattr(obj, f.name, None))}
+        else:
+            explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT] - tags[DERIVED]
+        obj.__dict__[_EXPLICIT] = explicit
+        for name in tags[DERIVED]:
+            remember_derived(obj, name, info.field(name).fresh_default())
     return obj
-
-
-def restore_tracking(obj: Any, info: ClassInfo, present: Iterable[str], tags: dict, from_dump: bool) -> None:
-    """Set which fields of a freshly loaded `obj` count as the user's (module docstring rule),
-    and remember the `_derived_` ones for the next finalize."""
-    not_users = tags.get(IMPLICIT, set()) | tags.get(DERIVED, set())
-    if from_dump:
-        explicit = set(tags.get(EXPLICIT, ()))
-        for f in info.fields:
-            if f.name not in explicit and f.name not in not_users and not is_default(f, getattr(obj, f.name, None)):
-                explicit.add(f.name)
-    else:
-        explicit = (set(present) | tags.get(EXPLICIT, set())) - not_users
-    obj.__dict__[_EXPLICIT] = explicit
-    for name in tags.get(DERIVED, ()):
-        remember_derived(obj, name, info.by_name[name].fresh_default())
 
 
 def remember_derived(obj: ConfigBase, name: str, before: Any) -> None:
     """Record that finalize computed `name` from `before`, so the next finalize puts `before`
     back and recomputes it (as `ConfigBase._derive` does)."""
     obj.__dict__.setdefault(_DERIVED, {})[name] = before
-
-
-def raise_decode_error(exc: DecodeError, source: str = "") -> None:
-    """Raise a `DecodeError` as one `ConfigValidationError` with dotted paths, each message
-    tagged with `source` (as `config.apply` tags them)."""
-    problems = Problems()
-    for path, message, fix in exc.items:
-        problems.add(path, f"{message} [{source}]" if source else message, fix)
-    problems.raise_if_any()
 
 
 def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> Any:
@@ -438,19 +509,12 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
     """
     if not isinstance(data, Mapping):
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
-    loader = ConfigDecoder()
     try:
-        return loader.section(data, (cls,) if cls is not None else ())
+        return ConfigDecoder().section(data, (cls,) if cls is not None else ())
     except DecodeError as exc:
-        raise_decode_error(exc, source)
-
-
-def load_yaml_file(path: Union[str, os.PathLike]) -> Any:
-    """Parse a config file (bounded; see `config.yaml_input`); a missing file is
-    FileNotFoundError, anything else wrong a ConfigValidationError naming the file."""
-    from megatron_bridge.config.yaml_input import load_file
-
-    return load_file(path)
+        problems = Problems()
+        exc.report(problems, source=source)
+        problems.raise_if_any()
 
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:

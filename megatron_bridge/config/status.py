@@ -22,6 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_bridge.config.annotations import values_equal
+from megatron_bridge.config.base import ConfigBase
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+
 USED = "used"
 DERIVED = "derived"
 
@@ -156,23 +160,11 @@ GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reac
 
 
 # ---------------------------------------------------------------------- lookups
-def _values_equal(a: Any, b: Any) -> bool:
-    from megatron_bridge.config.base import values_equal
-
-    return values_equal(a, b)
-
-
-def _is_ours(cls: type) -> bool:
-    from megatron_bridge.config.base import ConfigBase
-
-    return isinstance(cls, type) and issubclass(cls, ConfigBase)
-
-
 @functools.cache
 def declaring_class(cls: type, name: str) -> type:
     """The first of our config classes (from the base down) that has field `name`."""
     for klass in reversed(cls.__mro__):
-        if _is_ours(klass) and name in getattr(klass, "__dataclass_fields__", {}):
+        if issubclass(klass, ConfigBase) and name in getattr(klass, "__dataclass_fields__", {}):
             return klass
     return cls
 
@@ -181,7 +173,9 @@ def declaring_class(cls: type, name: str) -> type:
 def from_megatron_core(cls: type, name: str) -> bool:
     """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
     return any(
-        not _is_ours(k) and k.__module__.startswith("megatron.") and name in getattr(k, "__dataclass_fields__", {})
+        not issubclass(k, ConfigBase)
+        and k.__module__.startswith("megatron.")
+        and name in getattr(k, "__dataclass_fields__", {})
         for k in cls.__mro__
     )
 
@@ -199,18 +193,9 @@ def status_of(cls: type, name: str) -> Status:
     return USED
 
 
-def default_of(cls: type, name: str) -> Any:
-    f = cls.__dataclass_fields__[name]
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
 @functools.cache
-def _unsupported_fields(cls: type) -> tuple[tuple[str, Unsupported], ...]:
-    return tuple((f.name, st) for f in dataclasses.fields(cls) if isinstance(st := status_of(cls, f.name), Unsupported))
+def _unsupported_fields(cls: type) -> tuple[tuple[dataclasses.Field, Unsupported], ...]:
+    return tuple((f, st) for f in dataclasses.fields(cls) if isinstance(st := status_of(cls, f.name), Unsupported))
 
 
 def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
@@ -220,14 +205,14 @@ def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
     why = UNSUPPORTED_CLASSES.get(cls.__name__)
     if why is not None:
         yield "", cls.__name__, why
-    for name, status in _unsupported_fields(cls):
-        value = getattr(config, name, None)
-        default = default_of(cls, name)
-        if default is dataclasses.MISSING or not _values_equal(value, default):
-            yield name, value, status
+    for f, status in _unsupported_fields(cls):
+        value = getattr(config, f.name, None)
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if default is dataclasses.MISSING or not values_equal(value, default):
+            yield f.name, value, status
 
 
-def check_unsupported(config: Any, problems: Any) -> None:
+def check_unsupported(config: Any, problems: Problems) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
     cls = type(config)
     if not _unsupported_fields(cls) and cls.__name__ not in UNSUPPORTED_CLASSES:
@@ -243,32 +228,29 @@ def check_unsupported(config: Any, problems: Any) -> None:
 
 def machine_problems(cfg: Any) -> list[str]:
     """Settings of `cfg` this machine cannot run (no GPU, no TransformerEngine), as messages."""
-    return [f"{path}: {message} ({fix})" for path, message, fix in _machine_problems(cfg)]
+    return [str(p) for p in _machine_problems(cfg)]
 
 
 def refuse_on_this_machine(cfg: Any) -> None:
     """Raise `ConfigValidationError` listing the settings this machine cannot run."""
-    from megatron_bridge.config.errors import Problems
-
-    problems = Problems()
-    for path, message, fix in _machine_problems(cfg):
-        problems.add(path, message, fix)
-    problems.raise_if_any()
+    found = _machine_problems(cfg)
+    if found:
+        raise ConfigValidationError(found)
 
 
-def _machine_problems(cfg: Any) -> list[tuple[str, str, str]]:
+def _machine_problems(cfg: Any) -> list[ConfigProblem]:
     from megatron_bridge.extras import is_installed
 
     found = []
     for section_name, section in sections(cfg):
         for name, value, why in unsupported_settings(section):
-            path = f"{section_name}.{name}"
             if why.needs == "transformer_engine" and not is_installed("transformer_engine"):
-                found.append(
-                    (path, f"{name}={value!r} {why.reason}", "pip install transformer-engine, or leave it unset")
-                )
+                fix = "pip install transformer-engine, or leave it unset"
             elif why.needs == "gpu" and not _has_gpu():
-                found.append((path, f"{name}={value!r} {why.reason}", "run on a machine with a GPU, or leave it unset"))
+                fix = "run on a machine with a GPU, or leave it unset"
+            else:
+                continue
+            found.append(ConfigProblem(f"{section_name}.{name}", f"{name}={value!r} {why.reason}", fix))
     return found
 
 
@@ -282,5 +264,5 @@ def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
     """(name, section) for each config section of a container (nested config values included)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name, None)
-        if _is_ours(type(value)):
+        if isinstance(value, ConfigBase):
             yield f.name, value

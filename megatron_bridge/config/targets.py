@@ -13,6 +13,10 @@ There is no import of arbitrary modules and no attribute traversal: `torch.os.sy
 registered name, and whatever a name leads to is checked against the registered objects. Nothing
 in a config can register anything. Decoding a config calls no registered function either (only
 config-class constructors); functions are kept as references or `functools.partial`s.
+
+The built-in names of a module are registered when they are first needed; the module is
+imported only to resolve one of them: resolving `silu` does not import megatron-core, and
+nothing here imports torch until a torch name is asked for.
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ import difflib
 import enum
 import importlib
 import sys
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import Any, Optional
 
 _BY_NAME: dict[str, Any] = {}
 """Registered name -> object."""
@@ -34,9 +36,8 @@ _NAME_OF: dict[int, str] = {}
 _OBJECTS: dict[int, Any] = {}
 """id(object) -> object: keeps registered objects alive, so their ids stay theirs."""
 
-# Functions configs use, by module. These modules are imported with torch/megatron-core; the
-# names are looked up once, on first use.
-_FUNCTIONS: dict[str, tuple[str, ...]] = {
+# Functions configs use, by module; `torch` also gives every torch dtype.
+_BUILTINS: dict[str, tuple[str, ...]] = {
     "torch.nn.functional": (
         "gelu", "silu", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "softplus", "sigmoid",
         "tanh", "mish", "hardswish", "hardsigmoid", "hardtanh", "softsign", "logsigmoid", "glu",
@@ -47,7 +48,10 @@ _FUNCTIONS: dict[str, tuple[str, ...]] = {
         "kaiming_normal_", "zeros_", "ones_", "constant_", "orthogonal_",
     ),
     "megatron.core.activations": ("squared_relu", "quick_gelu", "fast_gelu"),
+    "signal": ("Signals",),
 }  # fmt: skip
+_loaded: set[str] = set()
+"""Modules of `_BUILTINS` whose names are registered."""
 
 SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
 """Where a function named without its module (`silu`) is looked up, in order."""
@@ -56,8 +60,6 @@ SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
 # use); resolving a name may ask for these. Nothing else is ever imported to resolve a name.
 _LAZY_EXPORTS = {"megatron_bridge": ("ConfigContainer",)}
 _LAZY_PACKAGES = ("megatron_bridge.",)
-
-_builtins_loaded = False
 
 
 class TargetNotAllowedError(ImportError):
@@ -93,31 +95,40 @@ def register_config_class(cls: type) -> None:
         register_target(cls, f"{cls.__module__}.{qualname}")
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for module_name, names in _FUNCTIONS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # megatron-core missing: its activations are simply not available
-            continue
-        for name in names:
-            obj = getattr(module, name, None)
-            if callable(obj):
-                register_target(obj, f"{module_name}.{name}")
-    for name in dir(torch):
-        if isinstance(getattr(torch, name, None), torch.dtype):
-            register_target(getattr(torch, name), f"torch.{name}")
-    import signal
+def _builtin_module(name: str) -> Optional[str]:
+    """The `_BUILTINS` module that `name` (`module.function`, a torch dtype, an enum member) would
+    come from, or None."""
+    for module_name, names in _BUILTINS.items():
+        rest = name[len(module_name) + 1 :] if name.startswith(module_name + ".") else ""
+        if rest.split(".")[0] in names or (module_name == "torch" and rest.isidentifier()):
+            return module_name
+    return None
 
-    register_target(signal.Signals, "signal.Signals")
+
+def _load_builtins(module_name: str, import_it: bool = False) -> None:
+    """Register the built-in names of `_BUILTINS` module `module_name` if it is imported (after
+    importing it, with `import_it`); until then, no object from it can exist."""
+    module = sys.modules.get(module_name)
+    if module_name in _loaded or (module is None and not import_it):
+        return
+    _loaded.add(module_name)
+    try:
+        module = module or importlib.import_module(module_name)
+    except ImportError:  # megatron-core missing: its activations are simply not available
+        return
+    for name in _BUILTINS[module_name]:
+        if callable(getattr(module, name, None)):
+            register_target(getattr(module, name), f"{module_name}.{name}")
+    if module_name == "torch":
+        for name in sorted(n for n, v in vars(module).items() if type(v) is module.dtype):
+            register_target(getattr(module, name), f"torch.{name}")
 
 
 def is_registered(obj: Any) -> bool:
     """Whether `obj` itself is a registered object."""
-    _load_builtins()
+    if len(_loaded) < len(_BUILTINS):
+        for module_name in _BUILTINS:
+            _load_builtins(module_name)
     return _OBJECTS.get(id(obj)) is obj
 
 
@@ -127,12 +138,15 @@ def resolve(name: Any) -> Any:
     (`megatron_bridge.training.config.TrainingConfig`) and members of registered enums."""
     if not isinstance(name, str) or not name or not all(p.isidentifier() for p in name.split(".")):
         raise TargetNotAllowedError(f"{str(name)[:80]!r} is not a dotted name", "use e.g. 'torch.nn.init.normal_'")
-    _load_builtins()
+    module_name = _builtin_module(name)
+    if module_name is not None:
+        _load_builtins(module_name, import_it=True)
     obj = _BY_NAME.get(name)
     if obj is None:
         obj = _public_alias(name)
     if obj is None:
-        public = {name_of(o) for o in _OBJECTS.values() if not isinstance(o, torch.dtype)}
+        dtype = sys.modules["torch"].dtype if "torch" in sys.modules else ()
+        public = {name_of(o) for o in _OBJECTS.values() if not isinstance(o, dtype)} | set(_builtin_names())
         hint = difflib.get_close_matches(name, sorted(n for n in public if n), n=3, cutoff=0.6)
         closest = f" (closest: {', '.join(hint)})" if hint else ""
         raise TargetNotAllowedError(
@@ -141,6 +155,18 @@ def resolve(name: Any) -> Any:
             "megatron_bridge.config.targets.register_target(obj)",
         )
     return obj
+
+
+def _exported(module_name: str, attr: str) -> Any:
+    """Attribute `attr` of module `module_name` if that module is imported (a lazily exported
+    project class is imported by its package), else None."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    found = module.__dict__.get(attr)
+    if found is None and attr in _LAZY_EXPORTS.get(module_name, ()):
+        found = getattr(module, attr, None)
+    return found
 
 
 def _public_alias(name: str) -> Any:
@@ -160,12 +186,7 @@ def _public_alias(name: str) -> Any:
             getattr(models, attr)  # imports the family module, which registers its classes
             if name in _BY_NAME:
                 return _BY_NAME[name]
-    module = sys.modules.get(module_name)
-    if module is None:
-        return None
-    candidate = module.__dict__.get(attr)
-    if candidate is None and attr in _LAZY_EXPORTS.get(module_name, ()):
-        candidate = getattr(module, attr, None)  # a lazily exported project class
+    candidate = _exported(module_name, attr)
     return candidate if candidate is not None and is_registered(candidate) else None
 
 
@@ -173,7 +194,6 @@ def name_of(obj: Any) -> Optional[str]:
     """The name under which `obj` can be written into a config (and resolved back), or None if it
     is not registered. Classes get their shortest public path (`megatron_bridge.models.X` rather
     than the defining module), so internal moves do not break saved files."""
-    _load_builtins()
     if isinstance(obj, enum.Enum):
         owner = name_of(type(obj))
         if owner is None:
@@ -186,16 +206,8 @@ def name_of(obj: Any) -> Optional[str]:
     if isinstance(obj, type) and name.startswith(_LAZY_PACKAGES):
         parts = name.split(".")
         for cut in range(1, len(parts) - 1):
-            shorter = ".".join(parts[:cut]) + "." + parts[-1]
-            module_name = ".".join(parts[:cut])
-            module = sys.modules.get(module_name)
-            if module is None:
-                continue
-            found = module.__dict__.get(parts[-1])
-            if found is None and parts[-1] in _LAZY_EXPORTS.get(module_name, ()):
-                found = getattr(module, parts[-1], None)
-            if found is obj:
-                _NAME_OF[id(obj)] = shorter
+            if _exported(".".join(parts[:cut]), parts[-1]) is obj:
+                _NAME_OF[id(obj)] = shorter = ".".join(parts[:cut]) + "." + parts[-1]
                 return shorter
     return name
 
@@ -205,8 +217,9 @@ def resolve_short_callable(name: str) -> Optional[Any]:
     SHORT_NAME_NAMESPACES; None if there is none."""
     if not name.isidentifier():
         return None
-    _load_builtins()
     for namespace in SHORT_NAME_NAMESPACES:
+        if name in _BUILTINS[namespace]:
+            _load_builtins(namespace, import_it=True)
         obj = _BY_NAME.get(f"{namespace}.{name}")
         if obj is not None:
             return obj
@@ -215,23 +228,10 @@ def resolve_short_callable(name: str) -> Optional[Any]:
 
 def short_callable_names() -> tuple[str, ...]:
     """Every name `resolve_short_callable` knows (for 'did you mean' hints)."""
-    _load_builtins()
     prefixes = tuple(ns + "." for ns in SHORT_NAME_NAMESPACES)
-    return tuple(sorted({n.rsplit(".", 1)[1] for n in _BY_NAME if n.startswith(prefixes)}))
+    return tuple(sorted({n.rsplit(".", 1)[1] for n in [*_BY_NAME, *_builtin_names()] if n.startswith(prefixes)}))
 
 
-def registered_names(prefix: str = "") -> list[str]:
-    """Registered names starting with `prefix`, sorted (for docs and error hints)."""
-    _load_builtins()
-    return sorted(n for n in _BY_NAME if n.startswith(prefix))
-
-
-def check_names(names: Iterable[str]) -> list[str]:
-    """The names among `names` that do not resolve (for validation of string fields)."""
-    bad = []
-    for name in names:
-        try:
-            resolve(name)
-        except TargetNotAllowedError:
-            bad.append(name)
-    return bad
+def _builtin_names() -> list[str]:
+    """The names of `_BUILTINS` functions, known without importing their modules (for hints)."""
+    return [f"{module_name}.{name}" for module_name, names in _BUILTINS.items() for name in names]

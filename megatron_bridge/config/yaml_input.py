@@ -41,11 +41,15 @@ YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in entries if tag != "tag:yaml.org,2002:timestamp"]
     for first, entries in _Base.yaml_implicit_resolvers.items()
 }
-YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+
+
+def read_exponent_floats(cls: type) -> None:
+    """Make YAML loader or dumper class `cls` take `1e-4` (no dot) for a float, as YAML 1.2 does."""
+    pattern = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", pattern, list("-+0123456789"))
+
+
+read_exponent_floats(YamlLoader)
 
 
 def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
@@ -78,7 +82,10 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise _error(
-            name, f"is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})", "save the file as UTF-8", line
+            name,
+            f"is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start})",
+            "save the file as UTF-8",
+            line,
         ) from None
 
 
@@ -108,18 +115,18 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
 
 def _check_structure(text: str, source: str) -> None:
     """One pass over the parser events (iterative: no recursion, whatever the input)."""
-    depth = 0
     nodes = 0
     open_anchors: dict[str, int] = {}  # anchor -> node count when it opened
     sizes: dict[str, int] = {}  # anchor -> expanded size of its node
-    stack: list[Union[str, None]] = []  # the anchor of each open collection
+    stack: list[Union[str, None]] = []  # the anchor of each open collection, innermost last
     try:
         for event in yaml.parse(text, Loader=YamlLoader):
             line = event.start_mark.line + 1 if event.start_mark is not None else None
             if isinstance(event, yaml.AliasEvent):
                 anchor = event.anchor
                 if anchor in open_anchors:
-                    raise _error(source, f"alias *{anchor} refers to a node that contains it", "remove the recursion", line)
+                    message = f"alias *{anchor} refers to a node that contains it"
+                    raise _error(source, message, "remove the recursion", line)
                 nodes += sizes.get(anchor, 1)
             elif isinstance(event, yaml.ScalarEvent):
                 nodes += 1
@@ -127,14 +134,12 @@ def _check_structure(text: str, source: str) -> None:
                     sizes[event.anchor] = 1
             elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
                 nodes += 1
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", line)
                 stack.append(event.anchor)
+                if len(stack) > MAX_DEPTH:
+                    raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", line)
                 if event.anchor:
                     open_anchors[event.anchor] = nodes - 1
             elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-                depth -= 1
                 anchor = stack.pop()
                 if anchor:
                     sizes[anchor] = nodes - open_anchors.pop(anchor)

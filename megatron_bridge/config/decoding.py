@@ -1,0 +1,366 @@
+"""Plain data (from YAML, an override, a recipe keyword) to the value a field declares.
+
+Decoding also accepts what people type on a command line: `bf16` for a dtype, an enum member
+name in any case, `silu` for `torch.nn.functional.silu`, numbers in quotes, a number where a
+string is declared. The tagged mappings of `config.annotations` are honoured. Names (`_target_`,
+functions) resolve only through the registry of `config.targets`, and decoding calls nothing but
+config-class constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+import sys
+import typing
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
+
+from megatron_bridge.config.annotations import (
+    ARGS,
+    CALL,
+    PARTIAL,
+    PATH,
+    SEQUENCE_KINDS,
+    TARGET,
+    TUPLE,
+    UNSERIALIZABLE,
+    VALUE_TAGS,
+    DecodeError,
+    checker_for,
+    describe,
+    got,
+    is_number,
+    is_value_tag,
+    kind_of,
+    real_arms,
+    sequence_items,
+    suggest,
+    torch_dtype,
+    union_arms,
+)
+from megatron_bridge.config import targets
+from megatron_bridge.config.errors import show
+
+_INT_RE = re.compile(r"[-+]?\d+")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_aliases() -> dict[str, Any]:
+    """Short dtype spellings (`bf16`, `fp32`, ...); only asked for once torch is imported."""
+    import torch
+
+    aliases = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
+    aliases.update(float=torch.float32, fp64=torch.float64, double=torch.float64)
+    if hasattr(torch, "float8_e4m3fn"):
+        aliases["fp8"] = torch.float8_e4m3fn
+    return aliases
+
+
+class Decoder:
+    """Turns plain data (from YAML or an override) into the value a field declares.
+
+    Names (`_target_`, functions) resolve only through the registry of `config.targets`, and
+    decoding calls nothing but config-class constructors.
+    """
+
+    def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
+        """Decode a dataclass mapping; overridden by the serializer."""
+        raise DecodeError("cannot build dataclasses here")
+
+    def value(self, raw: Any, tp: Any = Any) -> Any:
+        """The value for a field declared as `tp`; raises DecodeError explaining a mismatch.
+
+        Conversions (a number in quotes, a number for a string) are allowed; inside a Union they
+        are tried only after every arm has refused the value as it is."""
+        return self.read(raw, tp, True)
+
+    def read(self, raw: Any, tp: Any, lenient: bool) -> Any:  # noqa: C901 - one branch per kind of annotation
+        """`value`, with conversions only if `lenient`."""
+        kind = kind_of(tp)
+        scalar = _SCALARS.get(kind)
+        if scalar is not None and scalar[0](raw):
+            return raw  # the common case first: a value of the declared scalar type as it is
+        if kind == "any":
+            return self.any(raw)
+        if kind == "union":
+            return self._union(raw, tp, lenient)
+        if kind == "none":
+            if raw is not None:
+                raise DecodeError(f"expected null, {got(raw)}", "remove the key")
+            return None
+        if raw is None:
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+        if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
+            return self._tagged(raw, tp)
+        if kind in _SCALARS:
+            return _scalar(tp, raw, lenient)
+        origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+        if kind == "literal":
+            return _literal(args, raw, lenient)
+        if kind == "dtype":
+            return _dtype(raw)
+        if kind == "enum":
+            return _enum(origin, raw)
+        if kind == "path":
+            if isinstance(raw, origin):
+                return raw
+            if isinstance(raw, str):
+                return origin(raw)
+            raise DecodeError(f"expected a path, {got(raw)}", "use a string")
+        if kind == "sequence":
+            return self._sequence(raw, tp, origin, lenient)
+        if kind == "mapping":
+            if not isinstance(raw, Mapping):
+                raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
+            item = args[1] if len(args) == 2 else Any
+            return each(raw.items(), lambda v: self.read(v, item, lenient), dict)
+        if kind == "callable":
+            return self._function(raw)
+        if kind == "section":
+            if isinstance(raw, origin):
+                return raw
+            if isinstance(raw, Mapping):
+                return self.section(raw, (origin,))
+            if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
+                return origin()  # a section selected by its short name (`peft=lora`), with its defaults
+            raise DecodeError(f"expected a {origin.__name__} mapping, {got(raw)}", "use {field: value, ...}")
+        why = checker_for(tp)(raw)
+        if why:
+            raise DecodeError(why, f"use a value of type {describe(tp)}")
+        return raw
+
+    def import_path(self, path: Any) -> Any:
+        """The registered object called `path`, as a DecodeError if there is none."""
+        if not isinstance(path, str):
+            raise DecodeError(f"_target_ must be a name string, {got(path)}", "e.g. 'torch.nn.init.normal_'")
+        try:
+            return targets.resolve(path)
+        except targets.TargetNotAllowedError as exc:
+            raise DecodeError(exc.message, exc.fix) from None
+
+    def any(self, raw: Any) -> Any:
+        """Decode data whose type the declaration does not give (honours the tags)."""
+        if isinstance(raw, list):
+            return each(enumerate(raw), self.any, list)
+        if not isinstance(raw, Mapping):
+            return raw
+        if TARGET in raw:
+            return self.instantiate(raw)
+        tag, inner = next(iter(raw.items())) if is_value_tag(raw) else (None, None)
+        if tag == TUPLE and isinstance(inner, list):
+            return each(enumerate(inner), self.any, tuple)
+        if tag == PATH and isinstance(inner, str):
+            return pathlib.Path(inner)
+        if tag == UNSERIALIZABLE:
+            raise DecodeError(
+                f"the saved value {inner} had no YAML form (a runtime object)",
+                "delete this key to use the default, or set the value in Python after loading",
+            )
+        return each(raw.items(), self.any, dict)
+
+    def instantiate(self, raw: Mapping) -> Any:
+        """The object a `_target_` mapping describes: the object itself (`_call_: false`), a
+        `functools.partial` of a function (`_partial_: true`, arguments as plain data), or a config
+        class built from the remaining keys. Nothing else is called."""
+        obj = self.import_path(raw[TARGET])
+        if raw.get(CALL) is False:
+            extra = [k for k in raw if k not in (TARGET, CALL)]
+            if extra:
+                raise DecodeError(f"keys {extra} make no sense with _call_: false", "remove them")
+            return obj
+        if raw.get(PARTIAL):
+            if not callable(obj) or isinstance(obj, type):
+                raise DecodeError(f"{raw[TARGET]!r} is not a function", "_partial_ needs a function")
+            args = raw.get(ARGS, [])
+            if not isinstance(args, list):
+                raise DecodeError(f"_args_ must be a list, {got(args)}", "e.g. _args_: [1, 2]")
+            kwargs = {k: v for k, v in raw.items() if k not in (TARGET, PARTIAL, ARGS, CALL)}
+            _check_plain(args, ARGS)
+            _check_plain(kwargs, "arguments")
+            return functools.partial(obj, *args, **kwargs)
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            return self.section(raw, (obj,))
+        raise DecodeError(
+            f"{raw[TARGET]!r} is not a config class, and configs do not call functions",
+            "refer to it with _call_: false, or bind arguments with _partial_: true",
+        )
+
+    def _tagged(self, raw: Mapping, tp: Any) -> Any:
+        """A tagged mapping where a typed value was expected: decode it, then check its type."""
+        value = self.any(raw)
+        if isinstance(value, type) and any(kind_of(a) == "callable" for a in real_arms(tp)):
+            raise DecodeError(f"{raw.get(TARGET)!r} is a class, not a function", "name a function")
+        why = checker_for(tp)(value)
+        if why:
+            raise DecodeError(why, f"use a value of type {describe(tp)}")
+        return value
+
+    def _function(self, raw: Any) -> Any:
+        if isinstance(raw, str):
+            obj = self.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
+            if obj is None:
+                hint = suggest(raw, targets.short_callable_names())
+                where = " or ".join(targets.SHORT_NAME_NAMESPACES)
+                raise DecodeError(f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn")
+            if callable(obj) and not isinstance(obj, type):
+                return obj
+            raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
+        if callable(raw):
+            return raw
+        raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
+
+    def _sequence(self, raw: Any, tp: Any, origin: Any, lenient: bool) -> Any:
+        if not isinstance(raw, (list, tuple)):
+            raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
+        positional, item = sequence_items(tp)
+        if positional is None:
+            return each(enumerate(raw), lambda v: self.read(v, item, lenient), SEQUENCE_KINDS[origin])
+        if len(raw) != len(positional):
+            raise DecodeError(f"expected {len(positional)} items, got {len(raw)}: {show(raw)}", f"use {describe(tp)}")
+        return each(enumerate(zip(positional, raw)), lambda pair: self.read(pair[1], pair[0], lenient), tuple)
+
+    def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
+        arms, none_ok, classes, takes_dict = _union_plan(tp)
+        if raw is None:
+            if none_ok:
+                return None
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+        if len(arms) == 1:
+            return self.read(raw, arms[0], lenient)
+        if classes and isinstance(raw, classes):
+            return raw
+        if classes and isinstance(raw, Mapping) and not is_value_tag(raw) and (TARGET in raw or not takes_dict):
+            return self.section(raw, classes)
+        if _is_tagged(raw):
+            return self._tagged(raw, tp)  # decoded once: a _target_ call must not run per arm
+        for mode in (False, True) if lenient else (False,):
+            for arm in arms:
+                try:
+                    return self.read(raw, arm, mode)
+                except DecodeError:
+                    pass
+        named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
+        if named and isinstance(raw, str):
+            expected = f"expected {' or '.join(map(repr, named))} or a mapping, {got(raw)}"
+            raise DecodeError(expected, suggest(raw, named) or f"use one of {named}")
+        raise DecodeError(f"expected {describe(tp)}, {got(raw)}", f"use a value of type {describe(tp)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _union_plan(tp: Any) -> tuple[tuple, bool, tuple[type, ...], bool]:
+    """(the arms other than None, whether None is one, the dataclass arms, whether a dict arm
+    takes mappings) of Union annotation `tp`."""
+    arms = real_arms(tp)
+    classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
+    return arms, len(arms) < len(union_arms(tp)), classes, any(kind_of(a) == "mapping" for a in arms)
+
+
+def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: type) -> Any:
+    """`kind` (list, tuple, dict, ...) of the decoded (key, raw) items; the problems of every item
+    are raised together, each under its key."""
+    out, errors = [], []
+    for key, raw in items:
+        try:
+            out.append((key, decode(raw)))
+        except DecodeError as exc:
+            errors.extend(exc.under(key).items)
+    if errors:
+        raise DecodeError(items=errors)
+    return dict(out) if kind is dict else kind(v for _, v in out)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Arguments bound from a config are plain data: scalars, lists and mappings of them."""
+    if isinstance(value, Mapping):
+        if TARGET in value or any(k in VALUE_TAGS for k in value):
+            raise DecodeError(f"{where} hold a tagged value {show(value)}", "function arguments must be plain data")
+        for v in value.values():
+            _check_plain(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _check_plain(v, where)
+    elif not (value is None or type(value) in (str, int, float, bool)):
+        raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
+
+
+def _is_tagged(raw: Any) -> bool:
+    return type(raw) not in (str, int, float, bool) and isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
+
+
+_SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a value as it is, fix)
+    "bool": (lambda raw: isinstance(raw, bool), "use true or false"),
+    "int": (lambda raw: isinstance(raw, int) and not isinstance(raw, bool), "use a whole number, e.g. 8"),
+    "float": (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
+    "str": (lambda raw: isinstance(raw, str), "quote the value"),
+}
+
+
+def _scalar(tp: type, raw: Any, lenient: bool) -> Any:
+    fits, fix = _SCALARS[tp.__name__]
+    if fits(raw):
+        return raw
+    value = _convert(tp, raw) if lenient else None
+    if value is None:
+        raise DecodeError(f"expected {tp.__name__}, {got(raw)}", fix)
+    return value
+
+
+def _convert(tp: type, raw: Any) -> Any:
+    """`raw` read as scalar type `tp` the way a command line spells it (`"8"`, `"1e-4"`, `"true"`,
+    a number for a string), or None."""
+    if tp is str:
+        return str(raw) if is_number(raw) else None
+    if tp is int and isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    if not isinstance(raw, str):
+        return None
+    if tp is bool:
+        return raw.lower() == "true" if raw.lower() in ("true", "false") else None
+    return tp(raw) if (_INT_RE if tp is int else _FLOAT_RE).fullmatch(raw.strip()) else None
+
+
+def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
+    for a in allowed:
+        if raw == a and type(raw) is type(a):
+            return a
+    if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+        for a in allowed:
+            if str(a) == str(raw):
+                return a
+    hint = suggest(raw, allowed) if isinstance(raw, str) else ""
+    raise DecodeError(f"expected one of {list(allowed)}, {got(raw)}", hint or f"use one of {list(allowed)}")
+
+
+def _dtype(raw: Any) -> Any:
+    dtype = torch_dtype()
+    if isinstance(raw, dtype):
+        return raw
+    if isinstance(raw, str):
+        name = raw.strip().lower().removeprefix("torch.")
+        torch = sys.modules["torch"]
+        found = dtype_aliases().get(name, getattr(torch, name, None) if name.isidentifier() else None)
+        if isinstance(found, dtype):
+            return found
+    raise DecodeError(f"expected a torch dtype, {got(raw)}", "use e.g. bfloat16, bf16, float16, fp16 or float32")
+
+
+def _enum(cls: Any, raw: Any) -> Any:
+    if isinstance(raw, cls):
+        return raw
+    if isinstance(raw, str):
+        name = raw.strip().rsplit(".", 1)[-1]
+        member = cls.__members__.get(name) or {n.lower(): m for n, m in cls.__members__.items()}.get(name.lower())
+        if member is not None:
+            return member
+    elif not isinstance(raw, bool):
+        try:
+            return cls(raw)
+        except (ValueError, TypeError):
+            pass
+    names = list(cls.__members__)
+    hint = suggest(raw, names) if isinstance(raw, str) else ""
+    raise DecodeError(f"expected {cls.__name__} (one of {names}), {got(raw)}", hint or f"use one of {names}")
