@@ -131,6 +131,11 @@ def slurm_env(tmp_path, job_id, restart=0):
     )
 
 
+def shard_sizes(run_dir, iteration):
+    """Bytes of each rank's checkpoint file(s) of one iteration."""
+    return {p.name: p.stat().st_size for p in (run_dir / "checkpoints" / f"iter_{iteration:07d}").glob("*.distcp")}
+
+
 def losses(run_dir):
     from megatron_bridge.training.loggers.readback import read_tensorboard
 
@@ -151,9 +156,13 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
     assert not (tmp_path / "requeues").exists()
     straight = losses(tmp_path / "runs" / "straight")
     assert sorted(straight) == list(range(1, 17))
+    # fully_parallel_save (the default): the replicated weights are written half by each rank
+    written = shard_sizes(tmp_path / "runs" / "straight", 16)
+    assert sorted(written) == ["__0_0.distcp", "__1_0.distcp"] and written["__1_0.distcp"] > written["__0_0.distcp"] / 2
 
-    # preempted: SIGTERM to the batch shell, as Slurm does, once training is under way
-    script = write_script(tmp_path, "preempted")
+    # preempted: SIGTERM to the batch shell, as Slurm does, once training is under way; this job
+    # writes its checkpoints from one rank and spreads their reading over both
+    script = write_script(tmp_path, "preempted", "checkpoint.fully_parallel_save=False", "checkpoint.fully_parallel_load=True")
     log = tmp_path / "preempted.log"
     with open(log, "w") as out:
         job = subprocess.Popen(
@@ -174,6 +183,9 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
     assert (tmp_path / "requeues").read_text() == "requeue 102\n"
     stopped = int(first.split("training stopped at iteration ")[1].split(":")[0])
     assert 3 <= stopped < 16
+    # fully_parallel_save=False: rank 0 writes the replicated weights; rank 1 only its RNG state
+    written = shard_sizes(tmp_path / "runs" / "preempted", stopped)
+    assert written["__1_0.distcp"] < written["__0_0.distcp"] / 20
 
     # the requeued job: same script, same job id, next restart count
     again = subprocess.run(
@@ -181,6 +193,7 @@ def test_slurm_script_trains_and_a_preempted_job_requeues_and_resumes_exactly(tm
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from iteration {stopped}" in again.stdout
+    assert "(reading spread over 2 ranks)" in again.stdout  # fully_parallel_load
     assert "training stopped at iteration 16: completed" in again.stdout
     assert losses(tmp_path / "runs" / "preempted") == straight  # bit for bit
 

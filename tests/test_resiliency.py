@@ -93,15 +93,16 @@ def test_inprocess_restart_timeouts_must_be_ordered():
     ) in err.value.errors
 
 
-def validate_config(save, injection, iters=8):
+def validate_config(save, iters=8, **rerun):
+    """Result validation on; `rerun` sets fields of the rerun_state_machine section."""
     cfg = tiny_config(
         train=TrainingConfig(train_iters=iters, global_batch_size=8, micro_batch_size=2),
         validation=ValidationConfig(eval_interval=None, eval_iters=1),
         checkpoint=CheckpointConfig(save=save, load=save),
     )
     cfg.rerun_state_machine.rerun_mode = "validate_results"
-    cfg.rerun_state_machine.error_injection_rate = 1
-    cfg.rerun_state_machine.error_injection_type = injection
+    for name, value in rerun.items():
+        setattr(cfg.rerun_state_machine, name, value)
     return cfg
 
 
@@ -110,7 +111,8 @@ def test_validate_results_classifies_a_transient_error(tmp_path, caplog):
     from megatron_bridge.training.runner import RerunExit
 
     with caplog.at_level(logging.WARNING), pytest.raises(RerunExit) as exit_info:
-        pretrain(validate_config(str(tmp_path / "ckpt"), "transient_error"), forward_step)
+        # error_injection_rate=1: a fault in every validated result (0, the default, injects none)
+        pretrain(validate_config(str(tmp_path / "ckpt"), error_injection_rate=1, error_injection_type="transient_error"), forward_step)
     assert exit_info.value.code == 17  # megatron-core's "failed on result validation"
     assert "unexpected result is not reproducible" in caplog.text and "Possible transient error" in caplog.text
     assert read_tracker(str(tmp_path / "ckpt")) == 1  # saved before the suspicious step's update
@@ -123,7 +125,7 @@ def test_validate_results_asks_to_rerun_a_reproducible_error_elsewhere(tmp_path,
 
     ckpt = str(tmp_path / "ckpt")
     with caplog.at_level(logging.WARNING), pytest.raises(RerunExit) as exit_info:
-        pretrain(validate_config(ckpt, "persistent_error"), forward_step)
+        pretrain(validate_config(ckpt, error_injection_rate=1, error_injection_type="persistent_error"), forward_step)
     assert exit_info.value.code == 16  # resume to disambiguate on another device
     assert "unexpected result is reproducible within the tolerance" in caplog.text
     assert "Need to rerun on a different GPU" in caplog.text
@@ -131,7 +133,7 @@ def test_validate_results_asks_to_rerun_a_reproducible_error_elsewhere(tmp_path,
     # resuming re-runs the suspicious step from the checkpoint (here on the same device again)
     caplog.clear()
     with caplog.at_level(logging.WARNING), pytest.raises(RerunExit) as again:
-        pretrain(validate_config(ckpt, "persistent_error"), forward_step)
+        pretrain(validate_config(ckpt, error_injection_rate=1, error_injection_type="persistent_error"), forward_step)
     assert again.value.code == 16 and "Got rescheduled on the same GPU" in caplog.text
 
 

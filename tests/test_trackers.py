@@ -17,7 +17,7 @@ import zipfile
 import pytest
 from factories import tiny_config
 
-from megatron_bridge.training.config import LoggerConfig, TrainingConfig, ValidationConfig
+from megatron_bridge.training.config import CheckpointConfig, LoggerConfig, TrainingConfig, ValidationConfig
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.loggers.base import Record
 from megatron_bridge.training.loggers.factory import TrackerSpec
@@ -87,8 +87,8 @@ def read_mlflow(uri, experiment):
 
 
 def read_wandb(save_dir):
-    """History rows and config of the one offline run under `save_dir`, parsed from its `.wandb`
-    record file (W&B 0.31 has no public reader): a LevelDB-style log of protobuf records."""
+    """History rows, config and entity of the one offline run under `save_dir`, parsed from its
+    `.wandb` record file (W&B 0.31 has no public reader): a LevelDB-style log of protobuf records."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(os.path.join(save_dir, "wandb", "offline-run-*", "*.wandb"))
@@ -111,7 +111,7 @@ def read_wandb(save_dir):
             pending += chunk
         elif kind == 4:
             raw.append(pending + chunk)
-    history, config = {}, {}
+    history, config, entity = {}, {}, None
     for item in raw:
         record = pb.Record()
         record.ParseFromString(item)
@@ -125,12 +125,16 @@ def read_wandb(save_dir):
         elif kind in ("config", "run"):
             updates = record.config.update if kind == "config" else record.run.config.update
             config.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates})
-    return history, config
+            entity = record.run.entity if kind == "run" else entity
+    return history, config, entity
 
 
 def read_comet(directory):
+    """Metrics, parameters, other values and the experiment's description (workspace, project)
+    of the one offline experiment in `directory`."""
     (path,) = glob.glob(os.path.join(directory, "*.zip"))
-    lines = zipfile.ZipFile(path).read("messages.json").decode().splitlines()
+    archive = zipfile.ZipFile(path)
+    lines = archive.read("messages.json").decode().splitlines()
     metrics, params, others = {}, {}, {}
     for line in lines:
         message = json.loads(line)
@@ -142,7 +146,7 @@ def read_comet(directory):
             params[payload["param"]["paramName"]] = payload["param"]["paramValue"]
         elif message["type"] == "log_other":
             others[payload["key"]] = payload["value"]
-    return metrics, params, others
+    return metrics, params, others, json.loads(archive.read("experiment.json"))
 
 
 def console_losses(text):
@@ -156,6 +160,7 @@ def test_all_four_trackers_record_the_same_metrics(offline, caplog):
     cfg = tiny_config(
         train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2),
         validation=ValidationConfig(eval_interval=3, eval_iters=1),
+        checkpoint=CheckpointConfig(save=str(tmp / "ckpt")),
         logger=all_trackers(
             tmp,
             log_throughput=True,
@@ -164,6 +169,9 @@ def test_all_four_trackers_record_the_same_metrics(offline, caplog):
             timing_log_level=1,
             log_world_size_to_tensorboard=True,
             log_validation_ppl_to_tensorboard=True,
+            wandb_entity="bridge-team",  # recorded offline; online, the W&B team the run goes to
+            comet_workspace="bridge-workspace",
+            mlflow_log_checkpoints=True,
         ),
     )
     with caplog.at_level("INFO", logger="megatron_bridge"):
@@ -192,14 +200,20 @@ def test_all_four_trackers_record_the_same_metrics(offline, caplog):
     params = run.data.params
     assert params["train.train_iters"] == "6" and params["logger.mlflow_run_name"] == "run-a"
     assert len(params) > 300  # the whole config, over several 100-param batches
+    # mlflow_log_checkpoints: the checkpoint directory is copied into the run's artifacts at its end
+    from mlflow import MlflowClient
 
-    history, config = read_wandb(tmp / "wandb")
+    artifacts = {f.path for f in MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db").list_artifacts(run.info.run_id, "checkpoints")}
+    assert artifacts == {"checkpoints/iter_0000006", "checkpoints/latest_checkpointed_iteration.txt"}
+
+    history, config, entity = read_wandb(cfg.logger.wandb_save_dir)  # the run went where wandb_save_dir says
     assert set(history) == expected
     assert [s for s, _ in history["lm loss"]] == [2, 4, 6]
     assert math.isclose(history["lm loss"][-1][1], console[6], rel_tol=1e-4)
-    assert config["train"]["train_iters"] == 6
+    assert config["train"]["train_iters"] == 6 and entity == "bridge-team"
 
-    metrics, params, others = read_comet(tmp / "comet")
+    metrics, params, others, experiment = read_comet(tmp / "comet")
+    assert experiment["workspace"] == "bridge-workspace" and experiment["project_name"] == "tiny"
     ours = {k: v for k, v in metrics.items() if not k.startswith("sys.") and k != "process duration"}
     assert set(ours) == expected
     assert [s for s, _ in ours["lm loss"]] == [2, 4, 6]

@@ -129,6 +129,17 @@ UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
             f"{_NOT_IMPLEMENTED}: a failed step is reported by the skipped-iterations count"
         ),
         "skip_sync_grad_norm_across_mp": Unsupported(_NOT_IMPLEMENTED),
+        "decrease_batch_size_if_needed": Unsupported(
+            "the global batch size is used as given: sample counters, the learning-rate schedule and the "
+            "samplers count train.global_batch_size, so a batch that megatron-core rounded down would be "
+            "counted wrongly; make global_batch_size a multiple of micro_batch_size x data-parallel size"
+        ),
+    },
+    "LoggerConfig": {
+        "timing_log_option": Unsupported(
+            f"{_NOT_IMPLEMENTED}: timers are reported as their maximum over ranks (`<name>-time`); "
+            "megatron-core's timer report, which this option formats, is not produced"
+        ),
     },
     "TensorInspectConfig": {
         name: _TENSOR_INSPECT for name in ("enabled", "features", "feature_dirs", "log_dir", "init_training_step")

@@ -48,6 +48,28 @@ class _DropRoutine(logging.Filter):
         return not str(record.msg).startswith(prefixes)
 
 
+_LEVEL_BEFORE_FILTERING: dict[str, int] = {}
+
+
+def _filter_megatron_warnings(on: bool) -> None:
+    """megatron-core below WARNING and its routine warnings dropped (`logger.filter_warnings`), or,
+    for a later job of this process that turns it off, both undone."""
+    core = logging.getLogger("megatron.core")
+    if on:
+        _LEVEL_BEFORE_FILTERING.setdefault(core.name, core.level)
+        core.setLevel(logging.WARNING)
+    elif core.name in _LEVEL_BEFORE_FILTERING:
+        core.setLevel(_LEVEL_BEFORE_FILTERING.pop(core.name))
+    for name in _ROUTINE_MESSAGES:
+        source = logging.getLogger(name)
+        installed = [f for f in source.filters if isinstance(f, _DropRoutine)]
+        if on and not installed:
+            source.addFilter(_DropRoutine())
+        elif not on:
+            for f in installed:
+                source.removeFilter(f)
+
+
 CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 """strftime format of the timestamp that starts every console line."""
 
@@ -66,12 +88,7 @@ def configure_logging(state: GlobalState) -> None:
         handler._mb_console = True  # type: ignore[attr-defined]
         ours.addHandler(handler)
         ours.propagate = False
-    if cfg.filter_warnings:
-        logging.getLogger("megatron.core").setLevel(logging.WARNING)
-        for name in _ROUTINE_MESSAGES:
-            source = logging.getLogger(name)
-            if not any(isinstance(f, _DropRoutine) for f in source.filters):
-                source.addFilter(_DropRoutine())
+    _filter_megatron_warnings(cfg.filter_warnings)
     for name in cfg.modules_to_filter or []:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
     if cfg.set_level_for_all_loggers and cfg.logging_level is not None:

@@ -240,7 +240,8 @@ class DefaultCheckpointManager:
             run, for_loading=True, with_optimizer=with_optimizer, with_rng=with_rng, with_common=False,
             with_rerun=with_rerun, model_part=part,
         )  # fmt: skip
-        loaded = dist_checkpointing.load(template, directory, self._load_strategy(directory), strict=self.ckpt.dist_ckpt_strictness)
+        strategy = self._load_strategy(directory)
+        loaded = dist_checkpointing.load(template, directory, strategy, strict=self.ckpt.dist_ckpt_strictness)
         for key, chunk in zip(state_dict.model_keys(run), run.state.model):
             state_dict.load_model_state(chunk, loaded[key], part)
         if with_optimizer:
@@ -266,7 +267,7 @@ class DefaultCheckpointManager:
         if run.state.is_logging_rank:
             what = {"all": "", "base": "base weights of ", "adapters": "adapters of "}[part]
             kind = f"resumed from {what}" if resume else f"loaded {what or 'weights of '}"
-            logger.info("%siteration %d in %s", kind, iteration, directory)
+            logger.info("%siteration %d in %s%s", kind, iteration, directory, _spread_note(strategy))
 
     def _load_hf(self, run: "Run", path: str) -> int:
         """Weights only, from a Hugging Face directory (checked before the model was built)."""
@@ -288,6 +289,15 @@ class DefaultCheckpointManager:
         if self.ckpt.fully_parallel_load and parallel_state.get_data_parallel_world_size() > 1:
             strategy = FullyParallelLoadStrategyWrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return strategy
+
+
+def _spread_note(load_strategy: Any) -> str:
+    """How the reading of a checkpoint was shared out (`checkpoint.fully_parallel_load`)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    if not isinstance(load_strategy, FullyParallelLoadStrategyWrapper):
+        return ""
+    return f" (reading spread over {torch.distributed.get_world_size(load_strategy.parallelization_group)} ranks)"
 
 
 @contextlib.contextmanager

@@ -65,10 +65,10 @@ class TrainingConfig(ConfigBase):
     all ranks pause together instead of at random times."""
 
     manual_gc_interval: int = 0
-    """Iterations between manual garbage collections (0: only at checkpoint/eval boundaries)."""
+    """Iterations between manual garbage collections (0: only before evaluations, see manual_gc_eval)."""
 
     manual_gc_eval: bool = True
-    """With manual_gc, also collect garbage before and after each evaluation."""
+    """With manual_gc, also collect garbage before each evaluation."""
 
     iterations_to_skip: list[int] = field(default_factory=list)
     """Iterations whose batch is consumed but whose optimizer step is skipped."""

@@ -72,9 +72,21 @@ class MlflowTracker(Tracker):
     def close(self, failed: bool = False) -> None:
         try:
             if self.checkpoint_dir and os.path.isdir(self.checkpoint_dir):
-                self.client.log_artifacts(self.run_id, self.checkpoint_dir, artifact_path="checkpoints")
+                self._log_checkpoints()
         finally:
             self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+    def _log_checkpoints(self) -> None:
+        """The checkpoints and their tracker file, without hidden files (the running job's lock on
+        the directory is still there while trackers close)."""
+        for name in sorted(os.listdir(self.checkpoint_dir)):
+            if name.startswith("."):
+                continue
+            path = os.path.join(self.checkpoint_dir, name)
+            if os.path.isdir(path):
+                self.client.log_artifacts(self.run_id, path, artifact_path=f"checkpoints/{name}")
+            else:
+                self.client.log_artifact(self.run_id, path, artifact_path="checkpoints")
 
 
 def _experiment_id(client: Any, name: str) -> str:
