@@ -96,8 +96,11 @@ class Decoder:
             raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
-        if kind in _SCALARS:
-            return _scalar(tp, raw, lenient)
+        if scalar is not None:  # not of the type as it is: read it as a command line spells it
+            value = _convert(tp, raw) if lenient else None
+            if value is None:
+                raise DecodeError(f"expected {kind}, {got(raw)}", scalar[1])
+            return value
         origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
         if kind == "literal":
             return _literal(args, raw, lenient)
@@ -297,16 +300,6 @@ _SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a
     "float": (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
     "str": (lambda raw: isinstance(raw, str), "quote the value"),
 }
-
-
-def _scalar(tp: type, raw: Any, lenient: bool) -> Any:
-    fits, fix = _SCALARS[tp.__name__]
-    if fits(raw):
-        return raw
-    value = _convert(tp, raw) if lenient else None
-    if value is None:
-        raise DecodeError(f"expected {tp.__name__}, {got(raw)}", fix)
-    return value
 
 
 def _convert(tp: type, raw: Any) -> Any:
