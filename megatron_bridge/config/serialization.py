@@ -111,6 +111,10 @@ class ClassInfo:
         """Every accepted key: field names and aliases."""
         return [*self._declared, *self.aliases]
 
+    def closest(self, key: Any) -> str:
+        """The fix for a key that names no field: the closest keys, or removing it."""
+        return suggest(key, self.key_names()) or "remove it"
+
     def field(self, key: Any) -> Optional[FieldInfo]:
         """The field that `key` (a field name or an alias) names, or None."""
         name = self.aliases.get(key, key)
@@ -313,8 +317,7 @@ def read_section(
             if f is not None:
                 names.add(f.name)
             else:
-                hint = suggest(n, info.key_names())
-                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", hint or "remove it"))
+                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", info.closest(n)))
     values: dict[str, Any] = {}
     for key, item in raw.items():
         if key in SECTION_TAGS:
@@ -337,7 +340,7 @@ def read_section(
 
 def unknown_key(info: ClassInfo, key: Any) -> tuple[str, str]:
     """(message, fix) for a key that is not a field of the section."""
-    return f"unknown key: {info.cls.__name__} has no field {key!r}", suggest(key, info.key_names()) or "remove it"
+    return f"unknown key: {info.cls.__name__} has no field {key!r}", info.closest(key)
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:
