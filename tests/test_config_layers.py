@@ -62,7 +62,7 @@ def test_an_override_from_the_command_line_goes_down_the_layers_only():
 @pytest.mark.timeout(60)
 def test_the_config_machinery_and_the_tokenizer_module_do_not_import_torch():
     # Spawned data-preprocessing workers import the tokenizer module; torch would cost each ~2 s.
-    modules = ["annotations", "decoding", "serialization", "apply", "overrides", "interpolation", "status"]
+    modules = ["annotations", "codec", "serialization", "apply", "overrides", "interpolation", "status"]
     code = (
         "import sys\n"
         + "".join(f"import megatron_bridge.config.{m}\n" for m in modules)

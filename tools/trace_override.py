@@ -6,7 +6,7 @@ Builds the tiny recipe's config as `mbridge` does and records every call between
 megatron_bridge from the CLI's call into the config layer until it returns; prints each distinct
 (caller -> callee) pair with the layer of both, and flags a call from a lower layer up to a higher
 one. The layers, top to bottom: the CLI, the override parser, interpolation, the one apply, the
-field schema and section reader, the sections, the value decoders and annotations, errors and names.
+field schema and section reader, the sections, the value codec and annotations, errors and names.
 """
 import sys
 
@@ -18,7 +18,7 @@ LAYER = {  # the design's order, top to bottom
     "megatron_bridge.config.serialization": 4,  # the compiled field schema (ClassInfo) and section reader
     "megatron_bridge.config.base": 5,  # the section (ConfigBase)
     "megatron_bridge.training.config": 5,
-    "megatron_bridge.config.decoding": 6,  # plain data to field values
+    "megatron_bridge.config.codec": 6,  # field values to plain data and back
     "megatron_bridge.config.annotations": 6,  # what a field annotation allows
     "megatron_bridge.config.errors": 7,
     "megatron_bridge.config.targets": 7,

@@ -5,8 +5,8 @@ A field's declared type says
 * whether a value fits it (`type_problem`, `checker_for`): a string where an int is declared is
   refused when the user sets it. What typing cannot express simply (type variables, protocols,
   forward references that do not resolve) is accepted;
-* how plain data (from YAML, an override, a recipe keyword) becomes a value (`config.decoding`)
-  and how a value is written as plain YAML data (`config.serialization`);
+* how plain data (from YAML, an override, a recipe keyword) becomes a value, and how a value is
+  written as plain YAML data (`config.codec`);
 * what a key path below the field addresses (`section_classes`, `container_item_type`).
 
 Where the declared type says what a value is, the YAML holds the plain, readable form

@@ -98,7 +98,7 @@ class Applier:
             if f is None:
                 if o.op == "add" and i == len(o.key) - 1:
                     message = f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields"
-                    return self.error(where, message, suggest(part, info.key_names()) or "remove it", source)
+                    return self.error(where, message, info.closest(part), source)
                 return self.error(where, *unknown_key(info, part), source)
             if i == len(o.key) - 1:
                 return self.apply_to_field(obj, f, o, where, source)

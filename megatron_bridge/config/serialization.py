@@ -22,44 +22,29 @@ class default; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import inspect
 import logging
-import numbers
 import os
-import pathlib
-import typing
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
 
 import yaml
 
 from megatron_bridge.config.annotations import (
-    ARGS,
-    CALL,
-    PARTIAL,
-    PATH,
     TARGET,
-    TUPLE,
     UNSERIALIZABLE,
     DecodeError,
     FlowList,
-    checker_for,
     field_types,
     is_placeholder,
-    kind_of,
     is_value_tag,
-    real_arms,
-    same_value,
     section_classes,
     section_from_value,
-    sequence_items,
     suggest,
-    torch_dtype,
 )
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
-from megatron_bridge.config.decoding import Decoder
+from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
@@ -74,7 +59,6 @@ EXPLICIT, IMPLICIT, DERIVED = "_explicit_", "_implicit_", "_derived_"
 SECTION_TAGS = frozenset({TARGET, EXPLICIT, IMPLICIT, DERIVED})
 
 _NO_DEFAULT = object()
-_PLAIN = (str, int, float, bool, type(None))
 
 
 # ====================================================================== class metadata
@@ -127,6 +111,10 @@ class ClassInfo:
         """Every accepted key: field names and aliases."""
         return [*self._declared, *self.aliases]
 
+    def closest(self, key: Any) -> str:
+        """The fix for a key that names no field: the closest keys, or removing it."""
+        return suggest(key, self.key_names()) or "remove it"
+
     def field(self, key: Any) -> Optional[FieldInfo]:
         """The field that `key` (a field name or an alias) names, or None."""
         name = self.aliases.get(key, key)
@@ -153,80 +141,8 @@ def is_default(f: FieldInfo, value: Any) -> bool:
 
 
 # ====================================================================== writing
-def _self_describing(value: Any) -> bool:
-    """Whether the plain form of `value` does not depend on the declared type: a number, a
-    dataclass section, a partial."""
-    if isinstance(value, numbers.Real):
-        return not isinstance(value, (enum.Enum, bool))
-    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
-
-
-class ConfigEncoder:
-    """Turns configs into plain data (dicts, lists, scalars) for YAML: sections with `_target_`
-    and the explicit-field tags, values in the forms described in `config.annotations`."""
-
-    def value(self, value: Any, tp: Any = Any) -> Any:
-        """Plain form of `value` for a field declared as `tp`."""
-        if type(value) in _PLAIN or _self_describing(value):
-            return self.any(value)
-        kind, arms = kind_of(tp), real_arms(tp)
-        if kind == "union":
-            return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
-        origin = typing.get_origin(tp) or tp
-        if kind == "enum" and isinstance(value, enum.Enum):
-            return value.name
-        if kind == "dtype" and isinstance(value, origin):
-            return str(value).replace("torch.", "")
-        if kind == "path" and isinstance(value, pathlib.PurePath):
-            return str(value)
-        if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
-            positional, item = sequence_items(tp)
-            if positional and len(positional) == len(value):
-                return self._list(self.value(v, a) for v, a in zip(value, positional))
-            return self._list(self.value(v, item) for v in value)
-        if kind == "mapping" and isinstance(value, dict):
-            args = typing.get_args(tp)
-            return {k: self.value(v, args[1] if len(args) == 2 else Any) for k, v in value.items()}
-        if kind == "callable" or origin is type:
-            path = object_path(value)
-            if path is not None:
-                return path
-        return self.any(value)
-
-    def any(self, value: Any) -> Any:
-        """Plain form of a value whose type the declaration does not give (tags where needed)."""
-        if type(value) in _PLAIN:
-            return value
-        if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
-            return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return self.section(value)
-        if isinstance(value, functools.partial):
-            return self.partial(value)
-        if type(value) is list:
-            return self._list(self.any(v) for v in value)
-        if type(value) is tuple:
-            return {TUPLE: self._list(self.any(v) for v in value)}
-        if type(value) is dict:
-            return {k: self.any(v) for k, v in value.items()}
-        if isinstance(value, pathlib.PurePath):
-            return {PATH: str(value)}
-        dtype = torch_dtype()
-        if dtype is not None and isinstance(value, dtype):
-            return {TARGET: str(value), CALL: False}
-        path = object_path(value) if isinstance(value, enum.Enum) or callable(value) else None
-        return {UNSERIALIZABLE: show(value)} if path is None else {TARGET: path, CALL: False}
-
-    def partial(self, value: functools.partial) -> Any:
-        """`{_target_: func, _partial_: true, _args_: [...], **keywords}`."""
-        path = object_path(value.func)
-        if path is None:
-            return {UNSERIALIZABLE: show(value)}
-        out: dict[str, Any] = {TARGET: path, PARTIAL: True}
-        if value.args:
-            out[ARGS] = self._list(self.any(a) for a in value.args)
-        out.update((k, self.any(v)) for k, v in value.keywords.items())
-        return out
+class ConfigEncoder(Encoder):
+    """`Encoder` that writes dataclass sections with `_target_` and the explicit-field tags."""
 
     def section(self, obj: Any) -> dict:
         """A dataclass section: `_target_`, the bookkeeping tags, then every field."""
@@ -258,28 +174,6 @@ class ConfigEncoder:
         out.update((tag, FlowList(sorted(names))) for tag, names in tags.items() if names)
         out.update(fields)
         return out
-
-    def _union(self, value: Any, tp: Any, arms: tuple) -> Any:
-        """The plain form for the first arm `value` fits, if it reads back as the same value;
-        else the tagged form, which says what the value is."""
-        arm = next((a for a in arms if checker_for(a)(value) is None), None)
-        if arm is not None:
-            plain = self.value(value, arm)
-            try:
-                if same_value(_TRIAL_DECODER.value(plain, tp), value):
-                    return plain
-            except DecodeError:
-                pass
-        return self.any(value)
-
-    @staticmethod
-    def _list(items: Iterable[Any]) -> list:
-        out = list(items)
-        return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
-
-
-_TRIAL_DECODER = Decoder()
-"""Reads an encoding back to check it (builds no sections)."""
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
@@ -423,8 +317,7 @@ def read_section(
             if f is not None:
                 names.add(f.name)
             else:
-                hint = suggest(n, info.key_names())
-                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", hint or "remove it"))
+                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", info.closest(n)))
     values: dict[str, Any] = {}
     for key, item in raw.items():
         if key in SECTION_TAGS:
@@ -447,7 +340,7 @@ def read_section(
 
 def unknown_key(info: ClassInfo, key: Any) -> tuple[str, str]:
     """(message, fix) for a key that is not a field of the section."""
-    return f"unknown key: {info.cls.__name__} has no field {key!r}", suggest(key, info.key_names()) or "remove it"
+    return f"unknown key: {info.cls.__name__} has no field {key!r}", info.closest(key)
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:

@@ -1,4 +1,6 @@
-"""Plain data (from YAML, an override, a recipe keyword) to the value a field declares.
+"""The plain forms of field values: plain data (from YAML, an override, a recipe keyword) to the
+value a field declares (`Decoder`), and a value to plain data for YAML (`Encoder`). The forms are
+described in `config.annotations`.
 
 Decoding also accepts what people type on a command line: `bf16` for a dtype, an enum member
 name in any case, `silu` for `torch.nn.functional.silu`, numbers in quotes, a number where a
@@ -10,12 +12,14 @@ config-class constructors.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import numbers
 import pathlib
 import re
 import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.annotations import (
@@ -29,6 +33,7 @@ from megatron_bridge.config.annotations import (
     UNSERIALIZABLE,
     VALUE_TAGS,
     DecodeError,
+    FlowList,
     checker_for,
     describe,
     got,
@@ -36,6 +41,7 @@ from megatron_bridge.config.annotations import (
     is_value_tag,
     kind_of,
     real_arms,
+    same_value,
     sequence_items,
     suggest,
     torch_dtype,
@@ -44,6 +50,9 @@ from megatron_bridge.config.annotations import (
 from megatron_bridge.config import targets
 from megatron_bridge.config.errors import show
 
+_PLAIN = (str, int, float, bool, type(None))
+
+# ====================================================================== decoding
 _INT_RE = re.compile(r"[-+]?\d+")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
 
@@ -96,8 +105,11 @@ class Decoder:
             raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
-        if kind in _SCALARS:
-            return _scalar(tp, raw, lenient)
+        if scalar is not None:  # not of the type as it is: read it as a command line spells it
+            value = _convert(tp, raw) if lenient else None
+            if value is None:
+                raise DecodeError(f"expected {kind}, {got(raw)}", scalar[1])
+            return value
         origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
         if kind == "literal":
             return _literal(args, raw, lenient)
@@ -283,12 +295,14 @@ def _check_plain(value: Any, where: str) -> None:
     elif isinstance(value, list):
         for v in value:
             _check_plain(v, where)
-    elif not (value is None or type(value) in (str, int, float, bool)):
+    elif type(value) not in _PLAIN:
         raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
 
 
 def _is_tagged(raw: Any) -> bool:
-    return type(raw) not in (str, int, float, bool) and isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
+    if type(raw) in _PLAIN:  # the common case, without the Mapping check
+        return False
+    return isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
 
 
 _SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a value as it is, fix)
@@ -297,16 +311,6 @@ _SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a
     "float": (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
     "str": (lambda raw: isinstance(raw, str), "quote the value"),
 }
-
-
-def _scalar(tp: type, raw: Any, lenient: bool) -> Any:
-    fits, fix = _SCALARS[tp.__name__]
-    if fits(raw):
-        return raw
-    value = _convert(tp, raw) if lenient else None
-    if value is None:
-        raise DecodeError(f"expected {tp.__name__}, {got(raw)}", fix)
-    return value
 
 
 def _convert(tp: type, raw: Any) -> Any:
@@ -364,3 +368,108 @@ def _enum(cls: Any, raw: Any) -> Any:
     names = list(cls.__members__)
     hint = suggest(raw, names) if isinstance(raw, str) else ""
     raise DecodeError(f"expected {cls.__name__} (one of {names}), {got(raw)}", hint or f"use one of {names}")
+
+
+# ====================================================================== encoding
+
+
+def _self_describing(value: Any) -> bool:
+    """Whether the plain form of `value` does not depend on the declared type: a number, a
+    dataclass section, a partial."""
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, (enum.Enum, bool))
+    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+class Encoder:
+    """Turns config values into plain data (dicts, lists, scalars) for YAML."""
+
+    def section(self, obj: Any) -> dict:
+        """Encode a dataclass instance; overridden by the serializer (explicit-field tracking)."""
+        raise NotImplementedError
+
+    def value(self, value: Any, tp: Any = Any) -> Any:
+        """Plain form of `value` for a field declared as `tp`."""
+        if type(value) in _PLAIN or _self_describing(value):
+            return self.any(value)
+        kind, arms = kind_of(tp), real_arms(tp)
+        if kind == "union":
+            return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
+        origin = typing.get_origin(tp) or tp
+        if kind == "enum" and isinstance(value, enum.Enum):
+            return value.name
+        if kind == "dtype" and isinstance(value, origin):
+            return str(value).replace("torch.", "")
+        if kind == "path" and isinstance(value, pathlib.PurePath):
+            return str(value)
+        if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
+            positional, item = sequence_items(tp)
+            if positional and len(positional) == len(value):
+                return self._list(self.value(v, a) for v, a in zip(value, positional))
+            return self._list(self.value(v, item) for v in value)
+        if kind == "mapping" and isinstance(value, dict):
+            args = typing.get_args(tp)
+            return {k: self.value(v, args[1] if len(args) == 2 else Any) for k, v in value.items()}
+        if kind == "callable" or origin is type:
+            path = targets.name_of(value)
+            if path is not None:
+                return path
+        return self.any(value)
+
+    def any(self, value: Any) -> Any:
+        """Plain form of a value whose type the declaration does not give (tags where needed)."""
+        if type(value) in _PLAIN:
+            return value
+        if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
+            return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.section(value)
+        if isinstance(value, functools.partial):
+            return self.partial(value)
+        if type(value) is list:
+            return self._list(self.any(v) for v in value)
+        if type(value) is tuple:
+            return {TUPLE: self._list(self.any(v) for v in value)}
+        if type(value) is dict:
+            return {k: self.any(v) for k, v in value.items()}
+        if isinstance(value, pathlib.PurePath):
+            return {PATH: str(value)}
+        dtype = torch_dtype()
+        if dtype is not None and isinstance(value, dtype):
+            return {TARGET: str(value), CALL: False}
+        path = targets.name_of(value) if isinstance(value, enum.Enum) or callable(value) else None
+        return {UNSERIALIZABLE: show(value)} if path is None else {TARGET: path, CALL: False}
+
+    def partial(self, value: functools.partial) -> Any:
+        """`{_target_: func, _partial_: true, _args_: [...], **keywords}`."""
+        path = targets.name_of(value.func)
+        if path is None:
+            return {UNSERIALIZABLE: show(value)}
+        out: dict[str, Any] = {TARGET: path, PARTIAL: True}
+        if value.args:
+            out[ARGS] = self._list(self.any(a) for a in value.args)
+        out.update((k, self.any(v)) for k, v in value.keywords.items())
+        return out
+
+    def _union(self, value: Any, tp: Any, arms: tuple) -> Any:
+        """The plain form for the first arm `value` fits, if it reads back as the same value;
+        else the tagged form, which says what the value is."""
+        arm = next((a for a in arms if checker_for(a)(value) is None), None)
+        if arm is not None:
+            plain = self.value(value, arm)
+            try:
+                if same_value(_TRIAL_DECODER.value(plain, tp), value):
+                    return plain
+            except DecodeError:
+                pass
+        return self.any(value)
+
+    @staticmethod
+    def _list(items: Iterable[Any]) -> list:
+        out = list(items)
+        return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
+
+
+
+_TRIAL_DECODER = Decoder()
+"""Reads an encoding back to check it (builds no sections)."""
