@@ -52,8 +52,8 @@ _LEVEL_BEFORE_FILTERING: dict[str, int] = {}
 
 
 def _filter_megatron_warnings(on: bool) -> None:
-    """megatron-core below WARNING and its routine warnings dropped (`logger.filter_warnings`), or,
-    for a later job of this process that turns it off, both undone."""
+    """Drop megatron-core's messages below WARNING and its routine warnings
+    (`logger.filter_warnings`), or undo that for a later job of this process that turns it off."""
     core = logging.getLogger("megatron.core")
     if on:
         _LEVEL_BEFORE_FILTERING.setdefault(core.name, core.level)
