@@ -371,8 +371,6 @@ def _enum(cls: Any, raw: Any) -> Any:
 
 
 # ====================================================================== encoding
-
-
 def _self_describing(value: Any) -> bool:
     """Whether the plain form of `value` does not depend on the declared type: a number, a
     dataclass section, a partial."""
@@ -468,7 +466,6 @@ class Encoder:
     def _list(items: Iterable[Any]) -> list:
         out = list(items)
         return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
-
 
 
 _TRIAL_DECODER = Decoder()
