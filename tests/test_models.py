@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import ast
 import inspect
-import socket
 
 import pytest
 import torch
+
+from factories import one_process_group
 
 from megatron_bridge import models as M
 from megatron_bridge.models import count_parameters
@@ -125,20 +126,12 @@ def test_user_values_override_family_defaults():
 @pytest.fixture(scope="module")
 def model_parallel():
     """A one-process gloo group with megatron-core model-parallel state (torn down afterwards)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    owned = not dist.is_initialized()
-    if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    if owned:
-        dist.destroy_process_group()
+    with one_process_group():
+        parallel_state.initialize_model_parallel()
+        yield
+        parallel_state.destroy_model_parallel()
 
 
 SMALL = dict(

@@ -1,13 +1,12 @@
 """Sequence packing: per-sample losses equal to unpacked ones, far fewer sequences, a cache that
 is reused only for the same data and settings."""
 
-import socket
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from factories import tiny_model
+from factories import one_process_group, tiny_model
 from text_data import documents, train_tokenizer
 
 from megatron_bridge.data.packing import PackedSamples, PackedSFTDataset, block_causal_mask, pack, packed_dataset
@@ -65,23 +64,14 @@ def test_block_causal_mask_keeps_attention_inside_each_sample():
 
 @pytest.fixture(scope="module")
 def model_parallel():
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    owned = not dist.is_initialized()
-    if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    with cpu_backend.active():
+    with one_process_group(), cpu_backend.active():
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(7)
         yield
         parallel_state.destroy_model_parallel()
-    if owned:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("positions", ["rope", "learned_absolute"])

@@ -140,10 +140,7 @@ class Decoder:
             if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
                 return origin()  # a section selected by its short name (`peft=lora`), with its defaults
             raise DecodeError(f"expected a {origin.__name__} mapping, {got(raw)}", "use {field: value, ...}")
-        why = checker_for(tp)(raw)
-        if why:
-            raise DecodeError(why, f"use a value of type {describe(tp)}")
-        return raw
+        return _checked(raw, tp)
 
     def import_path(self, path: Any) -> Any:
         """The registered object called `path`, as a DecodeError if there is none."""
@@ -206,10 +203,7 @@ class Decoder:
         value = self.any(raw)
         if isinstance(value, type) and any(kind_of(a) == "callable" for a in real_arms(tp)):
             raise DecodeError(f"{raw.get(TARGET)!r} is a class, not a function", "name a function")
-        why = checker_for(tp)(value)
-        if why:
-            raise DecodeError(why, f"use a value of type {describe(tp)}")
-        return value
+        return _checked(value, tp)
 
     def _function(self, raw: Any) -> Any:
         if isinstance(raw, str):
@@ -470,3 +464,11 @@ class Encoder:
 
 _TRIAL_DECODER = Decoder()
 """Reads an encoding back to check it (builds no sections)."""
+
+
+def _checked(value: Any, tp: Any) -> Any:
+    """`value` if it fits annotation `tp`, else a DecodeError saying why."""
+    why = checker_for(tp)(value)
+    if why:
+        raise DecodeError(why, f"use a value of type {describe(tp)}")
+    return value
