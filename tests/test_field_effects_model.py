@@ -17,6 +17,7 @@ import torch
 from factories import one_process_group, tiny_config, tiny_model
 
 from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.config.targets import register_target
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.training.config import runtime_config_update
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
@@ -174,12 +175,28 @@ def test_fp8_and_fp4_preset_fields_reach_the_model_config():
     runtime_config_update(without_fp8, world_size=1)
     assert {name: getattr(without_fp8.model, name) for name in fp8_fields} != fp8_fields
 
-    # fp4_recipe='custom': the model's fp4_quantizer_factory supplies the quantizers.
-    model = tiny_model(fp4_quantizer_factory="my_quantizers.factory")
+    # fp4_recipe='custom': the model's fp4_quantizer_factory supplies the quantizers. megatron-core
+    # imports that path and calls it, so only a factory registered from code may be named.
+    register_target(custom_quantizers)
+    model = tiny_model(fp4_quantizer_factory=f"{__name__}.custom_quantizers")
     cfg = tiny_config(model=model, mixed_precision=MixedPrecisionConfig(bf16=True, fp4="e2m1", fp4_recipe="custom"))
     runtime_config_update(cfg, world_size=1)
     assert (cfg.model.fp4, cfg.model.fp4_recipe) == ("e2m1", "custom")
     assert tiny_model().fp4_recipe == "nvfp4"
+    for name in ("fp4_quantizer_factory", "fp8_quantizer_factory"):
+        cfg = tiny_config(model=tiny_model(**{name: "os.system"}))
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(cfg, world_size=1)
+        assert err.value.errors == [
+            f"model.{name}: 'os.system' is not a name configs may use (megatron-core would import and call it) "
+            "(configs may only name registered classes and functions; register yours in code with "
+            "megatron_bridge.config.targets.register_target(obj))"
+        ]
+
+
+def custom_quantizers(*args):
+    """A custom-recipe quantizer factory (never called here: FP4 needs TransformerEngine)."""
+    return None
 
 
 # ---------------------------------------------------------------------- TransformerEngine userbuffers

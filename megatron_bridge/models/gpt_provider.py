@@ -91,8 +91,23 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     def __post_init__(self) -> None:
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
+    def _check_quantizer_factories(self, p: Problems) -> None:
+        """megatron-core imports a custom FP8/FP4 recipe's quantizer factory by its path and calls
+        it, so a config may only name one registered from code, as any `_target_`."""
+        from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+
+        for name in ("fp8_quantizer_factory", "fp4_quantizer_factory"):
+            path = getattr(self, name, None)
+            if path is None:
+                continue
+            try:
+                resolve(path)
+            except TargetNotAllowedError as exc:
+                p.add(name, f"{exc.message} (megatron-core would import and call it)", exc.fix)
+
     def _finalize(self, problems: Problems) -> None:
         p = problems
+        self._check_quantizer_factories(p)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             value = getattr(self, name)
             p.check(value is not None and value > 0, name, f"must be positive, got {value}", f"set model.{name}")
