@@ -394,7 +394,7 @@ def test_range_check_fast_path_agrees_with_the_range_of_every_numeric_field():
                 if bound is not None:
                     edges += [bound, bound - 1, bound + 1, float(bound)]
             for value in edges:
-                obj = type("Holder", (), {})()
+                obj = object.__new__(cls)
                 obj.__dict__[name] = value
                 problems = Problems()
                 with pytest.MonkeyPatch.context() as mp:
@@ -403,3 +403,20 @@ def test_range_check_fast_path_agrees_with_the_range_of_every_numeric_field():
                     passed = ranges.check(obj, problems)
                 ranges._bounds.cache_clear()
                 assert passed == (rng.problem(value) is None), (cls.__name__, name, rng, value)
+
+
+def test_out_of_range_defaults_are_still_reported():
+    """`ranges.check` skips a field still holding its class default only when that default is
+    in range: megatron-core's num_layers=0 must still be reported when the user leaves it."""
+    from megatron_bridge.config import ranges
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.models import GPTModelProvider
+
+    provider = GPTModelProvider(hidden_size=64, num_attention_heads=4)
+    problems = Problems()
+    assert ranges.check(provider, problems) is False
+    assert [str(p) for p in problems.items] == [
+        "num_layers: 0 is outside the allowed range [1, 2**31) (choose a value in that range)"
+    ]
+    provider.num_layers = 2
+    assert ranges.check(provider, Problems()) is True

@@ -43,16 +43,21 @@ class read_only:
     New config objects (a check may build one to compare against) stay writable."""
 
     def __init__(self, cfg: Any) -> None:
-        self.objects = [cfg, *(v for v in vars(cfg).values() if isinstance(v, ConfigBase))]
+        self.dicts = [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if isinstance(type(v), _ConfigMeta))]
 
     def __enter__(self) -> "read_only":
-        for obj in self.objects:
-            obj.__dict__[_READ_ONLY] = True
+        for d in self.dicts:
+            d[_READ_ONLY] = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for obj in self.objects:
-            obj.__dict__.pop(_READ_ONLY, None)
+        for d in self.dicts:
+            d.pop(_READ_ONLY, None)
+
+
+def is_config(value: Any) -> bool:
+    """`isinstance(value, ConfigBase)`, without ABCMeta's slower instance check (hot paths)."""
+    return isinstance(type(value), _ConfigMeta)
 
 
 def _refuse_change(obj: Any, name: str) -> None:
@@ -275,15 +280,13 @@ def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:
 
 def finalize_into(config: Any, problems: Problems) -> None:
     """Finalize `config` (ours, or any object with `finalize()`), collecting its problems."""
-    if isinstance(config, ConfigBase):
+    if is_config(config):
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
         config._restore_derived()
         if ranges.check(config, problems):
             config._finalize(problems)
-        from megatron_bridge.config.status import check_unsupported
-
-        check_unsupported(config, problems)
+        status.check_unsupported(config, problems)
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):
@@ -293,3 +296,7 @@ def finalize_into(config: Any, problems: Problems) -> None:
             problems.absorb(exc)
         except (ValueError, AssertionError, TypeError) as exc:
             problems.add("", str(exc), "fix the fields it names")
+
+
+# status reads ConfigBase, defined above; imported last so either module can be imported first.
+from megatron_bridge.config import status  # noqa: E402

@@ -8,6 +8,7 @@ range. Lists of numbers (e.g. `moe_aux_loss_coeff` per layer) are checked item b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -159,12 +160,15 @@ def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _bounds(cls: type) -> tuple[tuple[str, float, float, bool, bool, Range], ...]:
-    """`numeric_fields` with each range as (low, high, low inclusive, high inclusive); a missing
-    bound is an infinity excluded, so infinities and NaN never pass the comparisons."""
+def _bounds(cls: type) -> tuple[tuple[str, Any, float, float, bool, bool, Range], ...]:
+    """`numeric_fields` with each field's in-range default and its range as (low, high, low
+    inclusive, high inclusive); a missing bound is an infinity excluded, so infinities and NaN
+    never pass the comparisons."""
+    fields = cls.__dataclass_fields__
     return tuple(
         (
             name,
+            _in_range_default(fields[name].default, rng),
             -math.inf if rng.low is None else rng.low,
             math.inf if rng.high is None else rng.high,
             rng.low is not None and rng.low_inclusive,
@@ -175,14 +179,28 @@ def _bounds(cls: type) -> tuple[tuple[str, float, float, bool, bool, Range], ...
     )
 
 
+def _in_range_default(default: Any, rng: Range) -> Any:
+    """`default` if it is in `rng` (a value identical to it needs no check), else a marker no
+    value is identical to (some megatron-core defaults, like num_layers=0, must be set)."""
+    if default is None:
+        return None
+    items = default if isinstance(default, (list, tuple)) else (default,)
+    if default is dataclasses.MISSING or any(rng.problem(item) for item in items):
+        return _NO_DEFAULT
+    return default
+
+
+_NO_DEFAULT = object()
+
+
 def check(obj: Any, problems: Problems) -> bool:
     """Add a problem for each numeric field of config `obj` outside its range; return whether
-    all were in range."""
+    all were in range. A field still holding its in-range class default is not checked again."""
     ok = True
     values = obj.__dict__
-    for name, low, high, low_in, high_in, rng in _bounds(type(obj)):
+    for name, default, low, high, low_in, high_in, rng in _bounds(type(obj)):
         value = values.get(name)
-        if value is None:
+        if value is default or value is None:
             continue
         kind = value.__class__
         if (kind is int or kind is float) and (

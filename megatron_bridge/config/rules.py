@@ -109,11 +109,13 @@ def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mappi
     earlier rule already reported (a division by zero from a bad size) stays quiet; the same
     error with no problem reported is a bug and propagates."""
     guard: Optional[read_only] = None  # consecutive checks share one read-only span
+    log = logger.isEnabledFor(logging.DEBUG)  # asked once: this runs on every config update
     try:
         for rule in rules:
             if rule.device is not None and inputs.get("device") != rule.device:
                 continue
-            logger.debug("rule: %s", rule.name)
+            if log:
+                logger.debug("rule: %s", rule.name)
             if rule.kind == "check" and guard is None:
                 guard = read_only(cfg).__enter__()
             elif rule.kind != "check" and guard is not None:

@@ -205,8 +205,30 @@ def status_of(cls: type, name: str) -> Status:
 
 
 @functools.cache
-def _unsupported_fields(cls: type) -> tuple[tuple[dataclasses.Field, Unsupported], ...]:
-    return tuple((f, st) for f in dataclasses.fields(cls) if isinstance(st := status_of(cls, f.name), Unsupported))
+def _unsupported_fields(cls: type) -> tuple[tuple[str, Any, Unsupported], ...]:
+    """(name, default, why) of each unsupported field of `cls`; the default is computed once
+    (dataclasses.MISSING when the field has none)."""
+    found = []
+    for f in dataclasses.fields(cls):
+        status = status_of(cls, f.name)
+        if isinstance(status, Unsupported):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            found.append((f.name, default, status))
+    return tuple(found)
+
+
+@functools.cache
+def _refused_fields(cls: type) -> tuple[tuple[str, Any, Unsupported], ...]:
+    """`_unsupported_fields` whose reason is not the machine: a config error anywhere."""
+    return tuple(entry for entry in _unsupported_fields(cls) if entry[2].needs is None)
+
+
+def _changed(config: Any, fields: tuple[tuple[str, Any, Unsupported], ...]) -> Iterator[tuple[str, Any, Unsupported]]:
+    values = config.__dict__
+    for name, default, why in fields:
+        value = values.get(name, default)
+        if value is not default and (default is dataclasses.MISSING or not values_equal(value, default)):
+            yield name, value, why
 
 
 def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
@@ -216,25 +238,17 @@ def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
     why = UNSUPPORTED_CLASSES.get(cls.__name__)
     if why is not None:
         yield "", cls.__name__, why
-    for f, status in _unsupported_fields(cls):
-        value = getattr(config, f.name, None)
-        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        if default is dataclasses.MISSING or not values_equal(value, default):
-            yield f.name, value, status
+    yield from _changed(config, _unsupported_fields(cls))
 
 
 def check_unsupported(config: Any, problems: Problems) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
     cls = type(config)
-    if not _unsupported_fields(cls) and cls.__name__ not in UNSUPPORTED_CLASSES:
-        return
-    for name, value, why in unsupported_settings(config):
-        if why.needs is not None:
-            continue
-        if name:
-            problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
-        else:
-            problems.add("", f"{value} is not supported: {why.reason}", "use another config class")
+    why = UNSUPPORTED_CLASSES.get(cls.__name__)
+    if why is not None and why.needs is None:
+        problems.add("", f"{cls.__name__} is not supported: {why.reason}", "use another config class")
+    for name, value, why in _changed(config, _refused_fields(cls)):
+        problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
 
 
 def machine_problems(cfg: Any) -> list[str]:

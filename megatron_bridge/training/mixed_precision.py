@@ -8,6 +8,7 @@ FP16); otherwise the target keeps its own value.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Callable, Literal, Optional, Union
@@ -141,6 +142,7 @@ class MixedPrecisionConfig(ConfigBase):
         identifies the preset in messages.
         """
         changed: list[str] = []
+        preset = self._preset_values()
         for section, target in (("model", model), ("optimizer", optimizer), ("ddp", ddp)):
             if target is None:
                 continue
@@ -151,19 +153,25 @@ class MixedPrecisionConfig(ConfigBase):
                     f"remove the explicit {section}.{field_name} or choose another mixed_precision preset",
                 )
 
-            changed += set_unless_user_set(target, self._values_for(target), problems, section, clash, _short)
+            values = {k: preset[k] for k in _shared_fields(type(self), type(target)) if k in preset}
+            changed += set_unless_user_set(target, values, problems, section, clash, _short)
         if changed:
             logger.info("mixed_precision %r set %s", name, ", ".join(changed))
 
-    def _values_for(self, target: object) -> dict:
-        names = field_names(type(target))
-        values = {name: getattr(self, name) for name in _shared_fields(type(self), type(target))}
-        if "fp8_param" in names:
-            values["fp8_param"] = self.fp8_param if self.fp8_param is not None else self.fp8_param_gather
-        for name in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
-            if values.get(name, 0) is None:  # None means "keep the target's own default"
-                values.pop(name)
-        return {k: v for k, v in values.items() if self._matters(k)}
+    def _preset_values(self) -> dict:
+        """The fields this preset sets, by name: FP8/FP4 details only with FP8/FP4 on, loss
+        scaling only with fp16, and a dtype of None keeps the target's own default."""
+        values = {}
+        for name in field_names(type(self)):
+            if not self._matters(name):
+                continue
+            value = getattr(self, name)
+            if name == "fp8_param" and value is None:
+                value = self.fp8_param_gather
+            if value is None and name in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
+                continue
+            values[name] = value
+        return values
 
     def _matters(self, field_name: str) -> bool:
         if field_name.startswith("fp8_") or field_name in (
@@ -329,4 +337,13 @@ def get_mixed_precision_config(name_or_config: Union[str, MixedPrecisionConfig])
                 "use one of: " + ", ".join(sorted(PRESETS)),
             )
         )
-    return PRESETS[key]()
+    factory = PRESETS[key]
+    cached = _PROTOTYPES.get(key)
+    if cached is None or cached[0] is not factory:
+        cached = _PROTOTYPES[key] = (factory, factory())
+    # Every field is a scalar or dtype, so a shallow copy is independent of the prototype.
+    return copy.copy(cached[1])
+
+
+_PROTOTYPES: dict[str, tuple[Callable[[], MixedPrecisionConfig], MixedPrecisionConfig]] = {}
+"""name -> (factory, what it returned): each preset is built once; configs get copies."""
