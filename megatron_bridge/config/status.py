@@ -244,11 +244,13 @@ def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
 def check_unsupported(config: Any, problems: Problems) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
     cls = type(config)
+    refused = _refused_fields(cls)
     why = UNSUPPORTED_CLASSES.get(cls.__name__)
     if why is not None and why.needs is None:
         problems.add("", f"{cls.__name__} is not supported: {why.reason}", "use another config class")
-    for name, value, why in _changed(config, _refused_fields(cls)):
-        problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
+    if refused:  # most classes have none: no generator for them (this runs for every section)
+        for name, value, why in _changed(config, refused):
+            problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
 
 
 def machine_problems(cfg: Any) -> list[str]:
