@@ -42,13 +42,10 @@ class DataloaderConfig(ConfigBase):
     trust_remote_code: Optional[bool] = None
     """Whether remote code execution should be trusted for a given HF path."""
 
-    def _finalize_dataloader(self, problems: Problems) -> None:
+    def _finalize(self, problems: Problems) -> None:
         problems.at_least("num_workers", self.num_workers, 0)
         if self.num_workers == 0 and self.persistent_workers:
             self._derive("persistent_workers", False)
-
-    def _finalize(self, problems: Problems) -> None:
-        self._finalize_dataloader(problems)
 
 
 @dataclass
@@ -167,7 +164,7 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        self._finalize_dataloader(p)
+        super()._finalize(p)  # the dataloader settings
         if p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length"):
             p.positive("sequence_length", self.sequence_length, "use e.g. 4096")
         if self.data_path is not None:
@@ -343,7 +340,7 @@ class FinetuningDatasetConfig(DataloaderConfig):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        self._finalize_dataloader(p)
+        super()._finalize(p)  # the dataloader settings
         p.check(self.dataset_root is not None, "dataset_root", "is not set", "set dataset.dataset_root to a directory")
         if p.check(self.seq_length is not None, "seq_length", "is not set", "set dataset.seq_length"):
             p.check(self.seq_length > 1, "seq_length", f"must be > 1, got {self.seq_length}", "use e.g. 2048")
