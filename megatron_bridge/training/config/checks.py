@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.config.data import FinetuningDatasetConfig
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 
@@ -165,17 +165,9 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
 
 
 # ---------------------------------------------------------------------- sequence
-def dataset_seq_length(dataset: object):
-    if isinstance(dataset, GPTDatasetConfig):
-        return dataset.sequence_length
-    if isinstance(dataset, FinetuningDatasetConfig):
-        return dataset.seq_length
-    return getattr(dataset, "seq_length", None)
-
-
 def check_sequence_lengths(cfg: "ConfigContainer", problems: Problems) -> None:
     """The dataset's sequence length matches the model's (fine-tuning: does not exceed it)."""
-    data_seq = dataset_seq_length(cfg.dataset)
+    data_seq = getattr(cfg.dataset, "seq_length", None)  # GPTDatasetConfig: its sequence_length; providers may lack one
     if data_seq is None:
         return
     model_seq = cfg.model.seq_length
