@@ -9,6 +9,7 @@ the derive steps of the sections.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import Problems
@@ -198,8 +199,6 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
 
 def _saved_run_config(load: str, step: Optional[int]) -> Optional[dict]:
     """The run_config.yaml of the checkpoint a resume would load, or None when there is none."""
-    import os
-
     from megatron_bridge.config.yaml_input import load_file
     from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE, resolve
 
