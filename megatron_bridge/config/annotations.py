@@ -32,6 +32,7 @@ import difflib
 import enum
 import functools
 import inspect
+import itertools
 import os
 import pathlib
 import sys
@@ -271,18 +272,14 @@ def _sequence_checker(tp: Any, name: str) -> Checker:
     def check_sequence(value: Any) -> Optional[str]:
         if not isinstance(value, (list, tuple)):
             return _mismatch(name, value)
-        if per_position is not None:
-            if len(value) != len(per_position):
-                return f"expected {name} with {len(per_position)} items, got {len(value)}"
-            for check, v in zip(per_position, value):
-                why = check(v)
-                if why:
-                    return f"item {v!r}: {why}"
-        elif item is not _ok:
-            for v in value:
-                why = item(v)
-                if why:
-                    return f"item {v!r}: {why}"
+        if per_position is not None and len(value) != len(per_position):
+            return f"expected {name} with {len(per_position)} items, got {len(value)}"
+        if per_position is None and item is _ok:
+            return None
+        for check, v in zip(per_position or itertools.repeat(item), value):
+            why = check(v)
+            if why:
+                return f"item {v!r}: {why}"
         return None
 
     return check_sequence

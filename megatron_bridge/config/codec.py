@@ -281,13 +281,10 @@ def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: t
 
 def _check_plain(value: Any, where: str) -> None:
     """Arguments bound from a config are plain data: scalars, lists and mappings of them."""
-    if isinstance(value, Mapping):
-        if TARGET in value or any(k in VALUE_TAGS for k in value):
-            raise DecodeError(f"{where} hold a tagged value {show(value)}", "function arguments must be plain data")
-        for v in value.values():
-            _check_plain(v, where)
-    elif isinstance(value, list):
-        for v in value:
+    if isinstance(value, Mapping) and (TARGET in value or any(k in VALUE_TAGS for k in value)):
+        raise DecodeError(f"{where} hold a tagged value {show(value)}", "function arguments must be plain data")
+    if isinstance(value, (Mapping, list)):
+        for v in value.values() if isinstance(value, Mapping) else value:
             _check_plain(v, where)
     elif type(value) not in _PLAIN:
         raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")

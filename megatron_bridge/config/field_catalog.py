@@ -35,8 +35,7 @@ def declared_fields() -> dict[tuple[str, str], tuple[type, field_status.Status]]
     out: dict[tuple[str, str], tuple[type, field_status.Status]] = {}
     for cls in config_classes():
         for f in dataclasses.fields(cls):
-            owner = field_status.declaring_class(cls, f.name).__name__
-            key = (owner, f.name)
+            key = (field_status.declaring_class(cls, f.name).__name__, f.name)
             if key not in out:
                 out[key] = (cls, field_status.status_of(cls, f.name))
     return out

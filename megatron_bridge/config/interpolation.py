@@ -37,11 +37,8 @@ def strings(value: Any) -> Iterable[str]:
     """Every string inside nested dicts and lists."""
     if isinstance(value, str):
         yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from strings(v)
-    elif isinstance(value, list):
-        for v in value:
+    elif isinstance(value, (Mapping, list)):
+        for v in value.values() if isinstance(value, Mapping) else value:
             yield from strings(v)
 
 

@@ -18,13 +18,13 @@ hand-written section without `_target_`: every key present is the user's. Missin
 class default; unknown keys are errors.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
@@ -107,13 +107,9 @@ class ClassInfo:
         """Import path of the class (None if it has none, e.g. a class defined in a function)."""
         return object_path(self.cls)
 
-    def key_names(self) -> list[str]:
-        """Every accepted key: field names and aliases."""
-        return [*self._declared, *self.aliases]
-
     def closest(self, key: Any) -> str:
-        """The fix for a key that names no field: the closest keys, or removing it."""
-        return suggest(key, self.key_names()) or "remove it"
+        """The fix for a key that names no field: the closest field names or aliases, or removing it."""
+        return suggest(key, [*self._declared, *self.aliases]) or "remove it"
 
     def field(self, key: Any) -> Optional[FieldInfo]:
         """The field that `key` (a field name or an alias) names, or None."""
@@ -188,13 +184,8 @@ class _YamlDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignor
 
 def _represent_float(dumper: Any, value: float) -> Any:
     """Floats at their shortest round-trip form (`1e-05`, `0.0003`), not PyYAML's `1.0e-05`; the
-    config loader reads the exponent form back as a float."""
-    if value != value:
-        text = ".nan"
-    elif value in (float("inf"), float("-inf")):
-        text = ".inf" if value > 0 else "-.inf"
-    else:
-        text = repr(value)
+    config loader reads the exponent form back as a float. `nan`, `inf`, `-inf` become `.nan`, `.inf`, `-.inf`."""
+    text = repr(value) if math.isfinite(value) else repr(value).replace("inf", ".inf").replace("nan", ".nan")
     return dumper.represent_scalar("tag:yaml.org,2002:float", text)
 
 

@@ -154,7 +154,7 @@ class CheckpointConfig(ConfigBase):
                 f"ckpt_step={self.ckpt_step} is set but there is nothing to load",
                 "set checkpoint.load (or pretrained_checkpoint), or remove ckpt_step",
             )
-            p.check(self.ckpt_step >= 0, "ckpt_step", f"must be >= 0, got {self.ckpt_step}", "use an iteration number")
+            p.at_least("ckpt_step", self.ckpt_step, 0, "use an iteration number")
         if self.pretrained_checkpoint is not None:
             p.check(
                 os.path.isdir(self.pretrained_checkpoint),
@@ -169,10 +169,7 @@ class CheckpointConfig(ConfigBase):
                 "the Hugging Face directory is written next to the final checkpoint, and checkpoint.save is not set",
                 "set checkpoint.save (or save_hf=False)",
             )
-        if self.save_interval is not None:
-            p.check(
-                self.save_interval > 0, "save_interval", f"must be positive, got {self.save_interval}", "use 1 or more"
-            )
+        p.positive("save_interval", self.save_interval)
         if self.most_recent_k is not None:
             p.check(
                 self.most_recent_k == -1 or self.most_recent_k >= 1,
@@ -180,12 +177,7 @@ class CheckpointConfig(ConfigBase):
                 f"must be -1 (keep all) or >= 1, got {self.most_recent_k}",
                 "use -1 or a positive count",
             )
-        p.check(
-            self.storage_writers_per_rank >= 1,
-            "storage_writers_per_rank",
-            f"must be >= 1, got {self.storage_writers_per_rank}",
-            "use 1 or more",
-        )
+        p.at_least("storage_writers_per_rank", self.storage_writers_per_rank, 1)
         if self.custom_manager_class is not None:
             from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 

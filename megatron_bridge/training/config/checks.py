@@ -8,11 +8,13 @@ with the config read-only); values are computed in `derive_*` functions.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.training.config.data import FinetuningDatasetConfig
+from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 
 if TYPE_CHECKING:
@@ -163,17 +165,9 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
 
 
 # ---------------------------------------------------------------------- sequence
-def dataset_seq_length(dataset: object):
-    if isinstance(dataset, GPTDatasetConfig):
-        return dataset.sequence_length
-    if isinstance(dataset, FinetuningDatasetConfig):
-        return dataset.seq_length
-    return getattr(dataset, "seq_length", None)
-
-
 def check_sequence_lengths(cfg: "ConfigContainer", problems: Problems) -> None:
     """The dataset's sequence length matches the model's (fine-tuning: does not exceed it)."""
-    data_seq = dataset_seq_length(cfg.dataset)
+    data_seq = getattr(cfg.dataset, "seq_length", None)  # GPTDatasetConfig: its sequence_length; providers may lack one
     if data_seq is None:
         return
     model_seq = cfg.model.seq_length
@@ -218,9 +212,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
             "cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes",
             "set it, e.g. [2, 4] for context_parallel_size=8",
         ):
-            product = 1
-            for size in hierarchical:
-                product *= size
+            product = math.prod(hierarchical)
             problems.check(
                 product == cp,
                 "model.hierarchical_context_parallel_sizes",
@@ -366,7 +358,7 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         return
     sample_based = t.train_samples is not None
     if sample_based:
-        iteration_fields = [n for n in ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters", "max_steps") if getattr(s, n)]
+        iteration_fields = [n for n in ITERATION_FIELDS if getattr(s, n)]
         problems.check(
             not iteration_fields,
             f"scheduler.{iteration_fields[0]}" if iteration_fields else "scheduler",
@@ -375,10 +367,10 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         )
         total = t.train_samples
         decay = s.lr_decay_samples or total
-        warmup = int(s.lr_warmup_fraction * decay) if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+        warmup = s.lr_warmup_samples
         wsd = s.lr_wsd_decay_samples
     else:
-        sample_fields = [n for n in ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples") if getattr(s, n)]
+        sample_fields = [n for n in SAMPLE_FIELDS if getattr(s, n)]
         problems.check(
             not sample_fields,
             f"scheduler.{sample_fields[0]}" if sample_fields else "scheduler",
@@ -388,33 +380,26 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         length = s.max_steps or t.train_iters
         total = length * gbs
         decay = (s.lr_decay_iters or length) * gbs
-        if s.lr_warmup_fraction is not None:
-            warmup = int(s.lr_warmup_fraction * decay)
-        else:
-            warmup = s.lr_warmup_iters * gbs
+        warmup = s.lr_warmup_iters * gbs
         wsd = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+    if s.lr_warmup_fraction is not None:
+        warmup = int(s.lr_warmup_fraction * decay)
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
-    unit = "samples" if sample_based else "iterations"
+    unit, per = ("samples", 1) if sample_based else ("iterations", gbs)  # lengths reported as the user gave them
     if s.lr_decay_style != "constant":
-        if sample_based:
-            where, unit, told = "scheduler.lr_warmup_samples", "samples", (warmup, decay)
-        else:  # the user gave iterations: report iterations
-            where, unit, told = "scheduler.lr_warmup_iters", "iterations", (warmup // gbs, decay // gbs)
         problems.check(
             warmup < decay,
-            where,
-            f"warmup ({told[0]} {unit}) is not shorter than the decay ({told[1]} {unit})",
+            "scheduler.lr_warmup_samples" if sample_based else "scheduler.lr_warmup_iters",
+            f"warmup ({warmup // per} {unit}) is not shorter than the decay ({decay // per} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
         problems.check(
             wsd <= decay,
             "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
-            f"the WSD decay phase ({wsd if sample_based else wsd // gbs} {unit}) is longer than the whole "
-            f"decay ({decay if sample_based else decay // gbs} {unit})",
+            f"the WSD decay phase ({wsd // per} {unit}) is longer than the whole decay ({decay // per} {unit})",
             "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
         )
-

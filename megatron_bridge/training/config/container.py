@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
-from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
@@ -265,32 +265,23 @@ class ConfigContainer(ConfigBase):
         print(self.to_yaml(), end="")
 
 
-def _mcore_parent(obj: Any) -> Optional[type]:
-    for klass in type(obj).__mro__[1:]:
-        if klass.__module__.startswith("megatron.core") and dataclasses.is_dataclass(klass):
-            return klass
-    return None
-
-
 def non_default_values(obj: Any) -> dict[str, tuple[Any, Any]]:
-    """Fields of `obj` that differ from the default, as name -> (value, default)."""
-    from megatron_bridge.config.base import values_equal
-
-    parent = _mcore_parent(obj)
+    """Fields of `obj` that differ from the default, as name -> (value, default); the default of a
+    field megatron-core defines is megatron-core's. Values finalize derived are left out."""
+    mro = type(obj).__mro__[1:]
+    parent = next((k for k in mro if k.__module__.startswith("megatron.core") and dataclasses.is_dataclass(k)), None)
     parent_fields = {f.name: f for f in dataclasses.fields(parent)} if parent else {}
-    defaults = {}
+    derived = obj.derived_fields() if isinstance(obj, ConfigBase) else frozenset()
+    diff = {}
     for own in dataclasses.fields(obj):
         f = parent_fields.get(own.name, own)
         if f.default is not dataclasses.MISSING:
-            defaults[f.name] = f.default
+            default = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            defaults[f.name] = f.default_factory()  # type: ignore[misc]
-    derived = obj.derived_fields() if isinstance(obj, ConfigBase) else frozenset()
-    diff = {}
-    for name, default in defaults.items():
-        value = getattr(obj, name, default)
-        if name in derived:  # computed by finalize from other fields: not a choice
+            default = f.default_factory()  # type: ignore[misc]
+        else:
             continue
-        if not values_equal(value, default):
-            diff[name] = (value, default)
+        value = getattr(obj, f.name, default)
+        if f.name not in derived and not values_equal(value, default):
+            diff[f.name] = (value, default)
     return diff

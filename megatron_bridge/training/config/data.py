@@ -42,15 +42,10 @@ class DataloaderConfig(ConfigBase):
     trust_remote_code: Optional[bool] = None
     """Whether remote code execution should be trusted for a given HF path."""
 
-    def _finalize_dataloader(self, problems: Problems) -> None:
-        problems.check(
-            self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}", "use 0 or more"
-        )
+    def _finalize(self, problems: Problems) -> None:
+        problems.at_least("num_workers", self.num_workers, 0)
         if self.num_workers == 0 and self.persistent_workers:
             self._derive("persistent_workers", False)
-
-    def _finalize(self, problems: Problems) -> None:
-        self._finalize_dataloader(problems)
 
 
 @dataclass
@@ -169,14 +164,9 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        self._finalize_dataloader(p)
+        super()._finalize(p)  # the dataloader settings
         if p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length"):
-            p.check(
-                self.sequence_length > 0,
-                "sequence_length",
-                f"must be positive, got {self.sequence_length}",
-                "use e.g. 4096",
-            )
+            p.positive("sequence_length", self.sequence_length, "use e.g. 4096")
         if self.data_path is not None:
             if self.blend is not None or self.blend_per_split is not None:
                 p.add("data_path", "data_path and blend/blend_per_split are both set", "give the data one way")
@@ -350,17 +340,11 @@ class FinetuningDatasetConfig(DataloaderConfig):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        self._finalize_dataloader(p)
+        super()._finalize(p)  # the dataloader settings
         p.check(self.dataset_root is not None, "dataset_root", "is not set", "set dataset.dataset_root to a directory")
         if p.check(self.seq_length is not None, "seq_length", "is not set", "set dataset.seq_length"):
             p.check(self.seq_length > 1, "seq_length", f"must be > 1, got {self.seq_length}", "use e.g. 2048")
-        if self.max_train_samples is not None:
-            p.check(
-                self.max_train_samples > 0,
-                "max_train_samples",
-                f"must be positive, got {self.max_train_samples}",
-                "use a positive count or None",
-            )
+        p.positive("max_train_samples", self.max_train_samples, "use a positive count or None")
         if self.packed_sequence_specs is not None:
             finalize_into(self.packed_sequence_specs, p.at("packed_sequence_specs"))
         from megatron_bridge.data.sft_records import check_sft_options

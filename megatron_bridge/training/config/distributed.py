@@ -70,12 +70,7 @@ class DistributedInitConfig(ConfigBase):
         return self.lazy_mpu_init
 
     def _finalize(self, problems: Problems) -> None:
-        problems.check(
-            self.distributed_timeout_minutes > 0,
-            "distributed_timeout_minutes",
-            f"must be positive, got {self.distributed_timeout_minutes}",
-            "use e.g. 10",
-        )
+        problems.positive("distributed_timeout_minutes", self.distributed_timeout_minutes, "use e.g. 10")
 
 
 @config_dataclass(kw_only=True)
@@ -95,7 +90,7 @@ class RNGConfig(ConfigBase):
     """Initialize data-parallel replicas with different weights (normally they start identical)."""
 
     def _finalize(self, problems: Problems) -> None:
-        problems.check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}", "use a non-negative int")
+        problems.at_least("seed", self.seed, 0, "use a non-negative int")
 
 
 @config_dataclass(kw_only=True)
@@ -113,12 +108,7 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        problems.check(
-            self.bucket_size is None or self.bucket_size > 0,
-            "bucket_size",
-            f"must be positive, got {self.bucket_size}",
-            "use a positive number of parameters or None",
-        )
+        problems.positive("bucket_size", self.bucket_size, "use a positive number of parameters or None")
         problems.check(
             not self.reuse_grad_buf_for_mxfp8_param_ag or self.fp8_param_gather,
             "reuse_grad_buf_for_mxfp8_param_ag",
@@ -126,4 +116,3 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
             "set ddp.fp8_param_gather=True or turn reuse_grad_buf_for_mxfp8_param_ag off",
         )
         self._run_parent_post_init(MCoreDistributedDataParallelConfig, problems)
-

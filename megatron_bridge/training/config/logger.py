@@ -138,13 +138,8 @@ class LoggerConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        p.check(self.log_interval > 0, "log_interval", f"must be positive, got {self.log_interval}", "use 1 or more")
-        p.check(
-            self.tensorboard_log_interval > 0,
-            "tensorboard_log_interval",
-            f"must be positive, got {self.tensorboard_log_interval}",
-            "use 1 or more",
-        )
+        p.positive("log_interval", self.log_interval)
+        p.positive("tensorboard_log_interval", self.tensorboard_log_interval)
         if self.tensorboard_dir is not None:
             p.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
         if self.wandb_project is not None:
@@ -165,10 +160,6 @@ class LoggerConfig(ConfigBase):
                 "set logger.comet_experiment_name",
             )
             p.require_package("comet_ml", "comet_project", "Comet logging")
-        if self.peak_tflops_per_device is not None:
-            p.check(
-                self.peak_tflops_per_device > 0,
-                "peak_tflops_per_device",
-                f"must be positive, got {self.peak_tflops_per_device}",
-                "use the device's dense peak, e.g. 989 for H100 bf16",
-            )
+        p.positive(
+            "peak_tflops_per_device", self.peak_tflops_per_device, "use the device's dense peak, e.g. 989 for H100 bf16"
+        )

@@ -91,19 +91,9 @@ class TrainingConfig(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         p = problems
         if p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size"):
-            p.check(
-                self.micro_batch_size > 0,
-                "micro_batch_size",
-                f"must be positive, got {self.micro_batch_size}",
-                "use 1 or more",
-            )
+            p.positive("micro_batch_size", self.micro_batch_size)
         if p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size"):
-            p.check(
-                self.global_batch_size > 0,
-                "global_batch_size",
-                f"must be positive, got {self.global_batch_size}",
-                "use 1 or more",
-            )
+            p.positive("global_batch_size", self.global_batch_size)
         rampup_ok = self.rampup_batch_size is None or p.check(
             len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
             "rampup_batch_size",
@@ -119,10 +109,8 @@ class TrainingConfig(ConfigBase):
         elif self.train_iters is None and self.train_samples is None:
             p.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
         elif self.train_iters is not None:
-            p.check(self.train_iters > 0, "train_iters", f"must be positive, got {self.train_iters}", "use 1 or more")
-        elif p.check(
-            self.train_samples > 0, "train_samples", f"must be positive, got {self.train_samples}", "use 1 or more"
-        ) and (self.global_batch_size or 0) > 0:
+            p.positive("train_iters", self.train_iters)
+        elif p.positive("train_samples", self.train_samples) and (self.global_batch_size or 0) > 0:
             if rampup_ok:
                 from megatron_bridge.training.config.run_rules import sample_based_train_iters
 
@@ -135,21 +123,14 @@ class TrainingConfig(ConfigBase):
                 ):
                     self._derive("train_iters", iters)
         for name in ("exit_interval", "manual_gc_interval", "check_weight_hash_across_dp_replicas_interval"):
-            value = getattr(self, name)
-            p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more, or None")
+            p.at_least(name, getattr(self, name), 0, "use 0 or more, or None")
         p.check(
             self.exit_signal not in UNCATCHABLE_SIGNALS,
             "exit_signal",
             f"{self.exit_signal.name} cannot be caught, so no checkpoint could be saved on it",
             "use a signal a process can handle, e.g. SIGTERM or SIGUSR1",
         )
-        if self.exit_duration_in_mins is not None:
-            p.check(
-                self.exit_duration_in_mins > 0,
-                "exit_duration_in_mins",
-                f"must be positive, got {self.exit_duration_in_mins}",
-                "use a positive number of minutes or None",
-            )
+        p.positive("exit_duration_in_mins", self.exit_duration_in_mins, "use a positive number of minutes or None")
 
 
 @config_dataclass(kw_only=True)
@@ -176,11 +157,5 @@ class ValidationConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         for name in ("eval_interval", "eval_iters", "eval_global_batch_size", "eval_micro_batch_size", "test_iters"):
-            value = getattr(self, name)
             minimum = 1 if name in ("eval_interval", "eval_global_batch_size", "eval_micro_batch_size") else 0
-            problems.check(
-                value is None or value >= minimum,
-                name,
-                f"must be >= {minimum}, got {value}",
-                f"use {minimum} or more, or None",
-            )
+            problems.at_least(name, getattr(self, name), minimum, f"use {minimum} or more, or None")

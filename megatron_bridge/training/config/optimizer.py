@@ -28,7 +28,7 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         p = problems
         if p.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
-            p.check(self.lr > 0, "lr", f"must be positive, got {self.lr}", "use e.g. 3e-4")
+            p.positive("lr", self.lr, "use e.g. 3e-4")
             if self.min_lr is None:
                 # megatron-core copies min_lr into every param group; its scheduler fails on None
                 self._derive("min_lr", 0.0)
@@ -39,12 +39,7 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
                     f"min_lr ({self.min_lr}) must be within [0, lr={self.lr}]",
                     "lower optimizer.min_lr",
                 )
-        p.check(
-            self.weight_decay >= 0.0,
-            "weight_decay",
-            f"must be >= 0, got {self.weight_decay}",
-            "use e.g. 0.1 (0.0 turns weight decay off)",
-        )
+        p.at_least("weight_decay", self.weight_decay, 0, "use e.g. 0.1 (0.0 turns weight decay off)")
         p.check(
             self.optimizer in SUPPORTED_OPTIMIZERS,
             "optimizer",
@@ -54,8 +49,8 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             p.check(0.0 <= value < 1.0, name, f"must be within [0, 1), got {value}", "use e.g. 0.9 / 0.95")
-        p.check(self.adam_eps > 0, "adam_eps", f"must be positive, got {self.adam_eps}", "use e.g. 1e-8")
-        p.check(self.clip_grad >= 0, "clip_grad", f"must be >= 0, got {self.clip_grad}", "use 0.0 to disable")
+        p.positive("adam_eps", self.adam_eps, "use e.g. 1e-8")
+        p.at_least("clip_grad", self.clip_grad, 0, "use 0.0 to disable")
         if self.use_precision_aware_optimizer:
             p.check(
                 self.optimizer == "adam",

@@ -53,12 +53,7 @@ class ProfilingConfig(ConfigBase):
             "enable one profiler at a time",
         )
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
-            if p.check(
-                self.profile_step_start >= 0,
-                "profile_step_start",
-                f"must be >= 0, got {self.profile_step_start}",
-                "use an iteration number",
-            ):
+            if p.at_least("profile_step_start", self.profile_step_start, 0, "use an iteration number"):
                 p.check(
                     self.profile_step_end > self.profile_step_start,
                     "profile_step_end",

@@ -39,12 +39,7 @@ class RerunStateMachineConfig(ConfigBase):
             f"must be > 1, got {self.spiky_loss_factor}",
             "use e.g. 10.0",
         )
-        problems.check(
-            self.error_injection_rate >= 0,
-            "error_injection_rate",
-            f"must be >= 0, got {self.error_injection_rate}",
-            "use 0 to disable",
-        )
+        problems.at_least("error_injection_rate", self.error_injection_rate, 0, "use 0 to disable")
 
 
 @config_dataclass(kw_only=True)
@@ -73,19 +68,8 @@ class FaultToleranceConfig(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         if self.enable_ft_package:
             problems.require_package("nvidia_resiliency_ext", "enable_ft_package", "fault tolerance")
-        problems.check(
-            self.simulated_fault_base_delay >= 0,
-            "simulated_fault_base_delay",
-            f"must be >= 0, got {self.simulated_fault_base_delay}",
-            "use seconds >= 0",
-        )
-        if self.simulated_fault_rank is not None:
-            problems.check(
-                self.simulated_fault_rank >= 0,
-                "simulated_fault_rank",
-                f"must be >= 0, got {self.simulated_fault_rank}",
-                "use a global rank",
-            )
+        problems.at_least("simulated_fault_base_delay", self.simulated_fault_base_delay, 0, "use seconds >= 0")
+        problems.at_least("simulated_fault_rank", self.simulated_fault_rank, 0, "use a global rank")
 
 
 @config_dataclass(kw_only=True)
@@ -111,12 +95,7 @@ class StragglerDetectionConfig(ConfigBase):
             f"must be a TCP port, got {self.straggler_ctrlr_port}",
             "use 1..65535",
         )
-        problems.check(
-            self.straggler_minmax_count >= 1,
-            "straggler_minmax_count",
-            f"must be >= 1, got {self.straggler_minmax_count}",
-            "use 1 or more",
-        )
+        problems.at_least("straggler_minmax_count", self.straggler_minmax_count, 1)
 
 
 @config_dataclass(kw_only=True)
@@ -159,27 +138,12 @@ class NVRxStragglerDetectionConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        p.check(
-            self.report_time_interval > 0,
-            "report_time_interval",
-            f"must be positive, got {self.report_time_interval}",
-            "use seconds, e.g. 300",
-        )
+        p.positive("report_time_interval", self.report_time_interval, "use seconds, e.g. 300")
         for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
             value = getattr(self, name)
             p.check(0.0 <= value <= 1.0, name, f"must be within [0, 1], got {value}", "use e.g. 0.7")
-        p.check(
-            self.num_gpu_perf_scores_to_print >= 0,
-            "num_gpu_perf_scores_to_print",
-            f"must be >= 0, got {self.num_gpu_perf_scores_to_print}",
-            "use 0 or more",
-        )
-        p.check(
-            self.profiling_interval >= 1,
-            "profiling_interval",
-            f"must be >= 1, got {self.profiling_interval}",
-            "use 1 or more",
-        )
+        p.at_least("num_gpu_perf_scores_to_print", self.num_gpu_perf_scores_to_print, 0)
+        p.at_least("profiling_interval", self.profiling_interval, 1)
         if self.enabled:
             p.require_package("nvidia_resiliency_ext", "enabled", "NVRx straggler detection")
 
@@ -249,8 +213,7 @@ class InProcessRestartConfig(ConfigBase):
             return
         p.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
         for name in ("monitor_thread_interval", "monitor_process_interval", "heartbeat_interval", "barrier_timeout"):
-            value = getattr(self, name)
-            p.check(value > 0, name, f"must be positive, got {value}", "use seconds > 0")
+            p.positive(name, getattr(self, name), "use seconds > 0")
         # the orderings nvidia-resiliency-ext requires of its intervals and timeouts
         for shorter, longer in (
             ("soft_timeout", "hard_timeout"),
@@ -269,10 +232,4 @@ class InProcessRestartConfig(ConfigBase):
                 f"{shorter} ({a}) must be shorter than {longer} ({b})",
                 f"lower inprocess_restart.{shorter} or raise inprocess_restart.{longer}",
             )
-        if self.max_iterations is not None:
-            p.check(
-                self.max_iterations >= 1,
-                "max_iterations",
-                f"must be >= 1, got {self.max_iterations}",
-                "use 1 or more, or None for no limit",
-            )
+        p.at_least("max_iterations", self.max_iterations, 1, "use 1 or more, or None for no limit")

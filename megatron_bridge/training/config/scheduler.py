@@ -113,11 +113,9 @@ class SchedulerConfig(ConfigBase):
                     "set only one way of giving the warmup length",
                 )
         for name in (*ITERATION_FIELDS, *SAMPLE_FIELDS):
-            value = getattr(self, name)
-            p.check(value is None or value >= 0, name, f"must be >= 0, got {value}", "use 0 or more")
+            p.at_least(name, getattr(self, name), 0)
         for name in ("start_weight_decay", "end_weight_decay"):
-            value = getattr(self, name)
-            p.check(value is None or value >= 0.0, name, f"must be >= 0, got {value}", "use 0.0 or more")
+            p.at_least(name, getattr(self, name), 0, "use 0.0 or more")
         if self.lr_decay_style == "WSD":
             p.check(
                 bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
