@@ -308,6 +308,22 @@ def test_dry_run_of_the_8b_finetune_from_config_json_and_index_alone(tmp_path, c
     assert "tokenizer_type: NullTokenizer" in out and "vocab_size: 128256" in out  # no tokenizer in the directory
 
 
+def test_vocab_size_of_the_weights_when_the_tokenizer_is_missing(tmp_path):
+    """An unset model.vocab_size is the Hugging Face weights' even when the tokenizer the config
+    names is not on this machine (it is derived before the checks, which change nothing)."""
+    from recipes import llama3_8b_finetune_config
+
+    from megatron_bridge.training.config import runtime_config_update
+
+    directory = write_config(tmp_path / "Meta-Llama-3-8B", LLAMA3_8B)
+    cfg = llama3_8b_finetune_config(pretrained=directory, dataset_root=str(tmp_path))
+    cfg.model.vocab_size = None
+    cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+    cfg.tokenizer.tokenizer_model = str(tmp_path / "missing-tokenizer")
+    runtime_config_update(cfg, world_size=8)
+    assert cfg.model.vocab_size == 128256
+
+
 def test_hf_command_usage_errors(tmp_path, capsys, monkeypatch):
     from megatron_bridge.cli.main import main
 

@@ -2,6 +2,7 @@
 
 * `apply_pretrained_defaults` (before the sections finalize): a run starting from a Hugging Face
   directory (or a checkpoint imported from one) uses its tokenizer unless the config names one.
+* `pretrained_vocab_size`: the model's vocabulary size when the config leaves it unset.
 * `check_pretrained` (with the cross-section checks): the directory's config.json converts, its
   index lists the tensors config.json implies, and the model config has its architecture. Only
   config.json and the index are read, so a dry run works without the weights.
@@ -12,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
@@ -54,14 +55,23 @@ def check_pretrained(cfg: "ConfigContainer", problems: Problems) -> None:
     reference = check_hf_directory(directory, problems.at(PATH), weights=False)
     if reference is None:
         return
-    if cfg.model.vocab_size is None:  # the weights decide, not the tokenizer
-        cfg.model._derive("vocab_size", reference.vocab_size)
     for name, mine, theirs in architecture_differences(cfg.model, reference):
         problems.add(
             f"model.{name}",
             f"{show(mine)}, but the Hugging Face model in {directory} has {show(theirs)}",
             f"build the model with GPTModelProvider.from_hf({directory!r}) (or set model.{name}={theirs!r})",
         )
+
+
+def pretrained_vocab_size(cfg: "ConfigContainer") -> Optional[int]:
+    """The vocabulary size of the Hugging Face weights the run starts from, or None (no such
+    directory, or one `check_pretrained` will report)."""
+    if not _starts_from_hf(cfg):
+        return None
+    from megatron_bridge.models.hf.load import check_hf_directory
+
+    reference = check_hf_directory(cfg.checkpoint.pretrained_checkpoint, Problems(), weights=False)
+    return None if reference is None else reference.vocab_size
 
 
 def check_save_hf(cfg: "ConfigContainer", problems: Problems) -> None:

@@ -309,9 +309,18 @@ def derive_eval_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
-    """model.vocab_size, when unset, is the tokenizer's: a NullTokenizer's size (with its extra
-    ids), or the size of a Hugging Face tokenizer whose files are on this machine."""
-    if cfg.model.vocab_size is not None or problems.at("tokenizer"):
+    """model.vocab_size, when unset, is that of the Hugging Face weights the run starts from;
+    else the tokenizer's: a NullTokenizer's size (with its extra ids), or the size of a Hugging
+    Face tokenizer whose files are on this machine."""
+    if cfg.model.vocab_size is not None:
+        return
+    from megatron_bridge.models.hf.checks import pretrained_vocab_size
+
+    vocab = pretrained_vocab_size(cfg)
+    if vocab is not None:  # the weights decide, not the tokenizer
+        cfg.model._derive("vocab_size", vocab)
+        return
+    if problems.at("tokenizer"):
         return
     vocab = _null_tokenizer_vocab(cfg)
     if vocab is not None:
