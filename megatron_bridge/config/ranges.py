@@ -160,23 +160,24 @@ def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _bounds(cls: type) -> tuple[tuple[str, Any, float, float, bool, bool, Range], ...]:
-    """`numeric_fields` with each field's in-range default and its range as (low, high, low
-    inclusive, high inclusive); a missing bound is an infinity excluded, so infinities and NaN
-    never pass the comparisons."""
+def _bounds(cls: type) -> tuple[tuple[tuple[str, Any], ...], dict[str, tuple[float, float, bool, bool, Range]]]:
+    """For `check`: (name, in-range default) of each numeric field, and by name its range as
+    (low, high, low inclusive, high inclusive, range). A missing bound is an infinity excluded,
+    so infinities and NaN never pass the comparisons."""
     fields = cls.__dataclass_fields__
-    return tuple(
-        (
-            name,
-            _in_range_default(fields[name].default, rng),
+    table = numeric_fields(cls)
+    defaults = tuple((name, _in_range_default(fields[name].default, rng)) for name, rng in table)
+    bounds = {
+        name: (
             -math.inf if rng.low is None else rng.low,
             math.inf if rng.high is None else rng.high,
             rng.low is not None and rng.low_inclusive,
             rng.high is not None and rng.high_inclusive,
             rng,
         )
-        for name, rng in numeric_fields(cls)
-    )
+        for name, rng in table
+    }
+    return defaults, bounds
 
 
 def _in_range_default(default: Any, rng: Range) -> Any:
@@ -198,10 +199,12 @@ def check(obj: Any, problems: Problems) -> bool:
     all were in range. A field still holding its in-range class default is not checked again."""
     ok = True
     values = obj.__dict__
-    for name, default, low, high, low_in, high_in, rng in _bounds(type(obj)):
+    defaults, bounds = _bounds(type(obj))
+    for name, default in defaults:  # kept lean: it runs for every numeric field of every section
         value = values.get(name)
         if value is default or value is None:
             continue
+        low, high, low_in, high_in, rng = bounds[name]
         kind = value.__class__
         if (kind is int or kind is float) and (
             (low <= value if low_in else low < value) and (value <= high if high_in else value < high)

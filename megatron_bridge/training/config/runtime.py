@@ -39,7 +39,11 @@ def runtime_config_update(cfg: "ConfigContainer", world_size: Optional[int] = No
     from megatron_bridge.training.config.container import current_world_size
 
     problems = Problems()
-    inputs = {"world_size": current_world_size() if world_size is None else world_size, "device": device}
+    inputs = {
+        "world_size": current_world_size() if world_size is None else world_size,
+        "device": device,
+        "presets": True,  # the preset rules run (and finalize mixed_precision and comm_overlap)
+    }
     run_rules(RULES, cfg, problems, inputs)
     problems.raise_if_any()
 
@@ -116,13 +120,15 @@ def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_
     cfg.set_data_parallel_size(world_size, problems)
 
 
-def finalize_sections(cfg: "ConfigContainer", problems: Problems) -> None:
+def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optional[bool] = None) -> None:
     """Each section's own checks and derived values (the model first: others read its derived
     values), and the range of every number in the container itself."""
     from megatron_bridge.training.config.container import SECTIONS
 
     ranges.check(cfg, problems)
     for name in SECTIONS:
+        if presets and name in _PRESET_SECTIONS:
+            continue  # their preset rules just finalized them
         section = getattr(cfg, name)
         if section is None or isinstance(section, str):
             continue
@@ -130,6 +136,8 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems) -> None:
             continue  # reported as data_parallel_size
         finalize_into(section, problems.at(name))
 
+
+_PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 
 RULES: tuple[Rule, ...] = (
     Rule("environment variables", "setup", apply_env_vars, validate=False),
@@ -140,7 +148,7 @@ RULES: tuple[Rule, ...] = (
     Rule("deprecated training fields", "alias", checks.apply_deprecated_training_fields),
     Rule("distributed optimizer", "sync", checks.sync_distributed_optimizer),
     Rule("pretrained model's tokenizer", "preset", checks.apply_pretrained_defaults),
-    Rule("sections", "finalize", finalize_sections),
+    Rule("sections", "finalize", finalize_sections, inputs=("presets",)),
     Rule("evaluation batch sizes", "derive", checks.derive_eval_batch_sizes),
     Rule("vocabulary size", "derive", checks.derive_vocab_size),
     Rule("batch sizes", "check", checks.check_batch_sizes),
