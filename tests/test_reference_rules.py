@@ -44,7 +44,7 @@ def test_subchannel_presets_use_hybrid_fp8(name):
 def test_fp8_param_without_fp8_param_gather_is_refused():
     mp = get_mixed_precision_config("bf16_with_fp8_delayed_scaling_mixed")
     mp.fp8_param, mp.fp8_param_gather = True, False
-    (message,) = set(errors_of(tiny_config(mixed_precision=mp)))  # finalized at apply and at validate
+    (message,) = errors_of(tiny_config(mixed_precision=mp))  # reported once: finalized by its preset rule only
     assert message.startswith("mixed_precision.fp8_param: fp8_param=True but fp8_param_gather=False")
     assert "set both to the same value" in message
 
@@ -75,6 +75,45 @@ def test_rampup_with_train_samples_gives_train_iters():
     # ramp-up: 100 samples per increment; consumed 0..:8x13 (104) 16x6 (200) 24x5 (320) = 24 steps
     # then (1000 - 320) // 32 = 21 steps
     assert cfg.train.train_iters == 45
+
+
+@pytest.mark.parametrize(
+    "rampup, message",
+    [
+        ([32, 8, 300], "train.rampup_batch_size: a ramp from 32 in steps of 8 does not end at global_batch_size=32"),
+        ([8, 10, 300], "train.rampup_batch_size: a ramp from 8 in steps of 10 does not end at global_batch_size=32"),
+        ([40, 8, 300], "train.rampup_batch_size: a ramp from 40 in steps of 8 does not end at global_batch_size=32"),
+        (
+            [4, 4, 300],
+            "train.rampup_batch_size: the ramp's batch sizes 4, 8, ... are not all divisible by "
+            "micro_batch_size x data_parallel_size = 8 x 1 = 8 (use a start and an increment that are multiples of 8)",
+        ),
+    ],
+)
+def test_rampups_megatron_core_would_stop_on_are_refused(rampup, message):
+    train = TrainingConfig(train_iters=10, global_batch_size=32, micro_batch_size=8, rampup_batch_size=rampup)
+    (error,) = errors_of(tiny_config(train=train), world_size=1)
+    assert error.startswith(message)
+
+
+def test_an_accepted_rampup_runs_through_megatron_cores_calculator():
+    """What the checks accept, megatron-core's calculator takes from start to end with its
+    consistency checks on; the refused [4, 4, 300] (micro batch 8) stops it at the first step."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    def run(rampup):
+        calc = RampupBatchsizeNumMicroBatchesCalculator(32, 8, 1, False, 0, *rampup)
+        sizes = []
+        for consumed in range(0, 400, 4):
+            calc.update(consumed, consistency_check=True)
+            sizes.append(calc.get_current_global_batch_size())
+        return sizes
+
+    train = TrainingConfig(train_iters=10, global_batch_size=32, micro_batch_size=8, rampup_batch_size=[8, 8, 300])
+    runtime_config_update(tiny_config(train=train), world_size=1)
+    assert sorted(set(run([8, 8, 300]))) == [8, 16, 24, 32]
+    with pytest.raises(AssertionError, match="not divisible"):
+        run([4, 4, 300])
 
 
 def _finetuning(tmp_path, cp=2, **model):

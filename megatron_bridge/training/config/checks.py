@@ -77,12 +77,24 @@ def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> No
 
 # ---------------------------------------------------------------------- batch sizes
 def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
-    """The global batch size is a multiple of micro batch x data-parallel size (evaluation's too)."""
+    """The global batch size is a multiple of micro batch x data-parallel size (evaluation's too,
+    and every batch size of a ramp-up)."""
     train, dp = cfg.train, cfg.data_parallel_size
     if dp is None or not train.micro_batch_size or not train.global_batch_size:
         return
     if train.rampup_batch_size is None:
         _check_divisible(problems, "train", train.global_batch_size, train.micro_batch_size, dp)
+    elif not problems.at("train.rampup_batch_size"):
+        # megatron-core asserts each batch size of the ramp divisible, mid-run, as it reaches it
+        start, increment, _ = train.rampup_batch_size
+        unit = train.micro_batch_size * dp
+        problems.check(
+            start % unit == 0 and increment % unit == 0,
+            "train.rampup_batch_size",
+            f"the ramp's batch sizes {start}, {start + increment}, ... are not all divisible by "
+            f"micro_batch_size x data_parallel_size = {train.micro_batch_size} x {dp} = {unit}",
+            f"use a start and an increment that are multiples of {unit}",
+        )
     val = cfg.validation
     eval_sizes_given = not {"eval_micro_batch_size", "eval_global_batch_size"} <= val.derived_fields()
     if val.eval_iters and eval_sizes_given:  # derived from train's: already checked above

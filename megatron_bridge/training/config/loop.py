@@ -88,17 +88,34 @@ class TrainingConfig(ConfigBase):
     skip_train: Optional[bool] = None
     """Deprecated: use validation.skip_train."""
 
+    def _check_rampup_reaches_global(self, p: Problems) -> bool:
+        """megatron-core ramps start, start + increment, ... up to exactly global_batch_size, and
+        needs at least one step (its samples per step divide by the number of steps)."""
+        start, increment, _ = self.rampup_batch_size
+        gbs = self.global_batch_size
+        if not gbs or gbs <= 0:
+            return False  # reported as global_batch_size
+        return p.check(
+            start < gbs and (gbs - start) % increment == 0,
+            "rampup_batch_size",
+            f"a ramp from {start} in steps of {increment} does not end at global_batch_size={gbs}",
+            f"choose a start below {gbs} that differs from it by a multiple of the increment",
+        )
+
     def _finalize(self, problems: Problems) -> None:
         p = problems
         if p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size"):
             p.positive("micro_batch_size", self.micro_batch_size)
         if p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size"):
             p.positive("global_batch_size", self.global_batch_size)
-        rampup_ok = self.rampup_batch_size is None or p.check(
-            len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
-            "rampup_batch_size",
-            f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
-            "e.g. [32, 32, 1000000]",
+        rampup_ok = self.rampup_batch_size is None or (
+            p.check(
+                len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
+                "rampup_batch_size",
+                f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
+                "e.g. [32, 32, 1000000]",
+            )
+            and self._check_rampup_reaches_global(p)
         )
         if self.train_iters is not None and self.train_samples is not None:
             p.add(
