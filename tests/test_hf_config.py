@@ -311,9 +311,8 @@ def test_dry_run_of_the_8b_finetune_from_config_json_and_index_alone(tmp_path, c
 def test_vocab_size_of_the_weights_when_the_tokenizer_is_missing(tmp_path):
     """An unset model.vocab_size is the Hugging Face weights' even when the tokenizer the config
     names is not on this machine (it is derived before the checks, which change nothing)."""
-    from recipes import llama3_8b_finetune_config
-
     from megatron_bridge.training.config import runtime_config_update
+    from recipes import llama3_8b_finetune_config
 
     directory = write_config(tmp_path / "Meta-Llama-3-8B", LLAMA3_8B)
     cfg = llama3_8b_finetune_config(pretrained=directory, dataset_root=str(tmp_path))

@@ -85,8 +85,10 @@ def test_rampup_with_train_samples_gives_train_iters():
         ([40, 8, 300], "train.rampup_batch_size: a ramp from 40 in steps of 8 does not end at global_batch_size=32"),
         (
             [4, 4, 300],
-            "train.rampup_batch_size: the ramp's batch sizes 4, 8, ... are not all divisible by "
-            "micro_batch_size x data_parallel_size = 8 x 1 = 8 (use a start and an increment that are multiples of 8)",
+            (
+                "train.rampup_batch_size: the ramp's batch sizes 4, 8, ... are not all divisible by "
+                "micro_batch_size x data_parallel_size = 8 x 1 = 8 (use a start and an increment that are multiples of 8)"
+            ),
         ),
     ],
 )

@@ -299,4 +299,4 @@ def finalize_into(config: Any, problems: Problems) -> None:
 
 
 # status reads ConfigBase, defined above; imported last so either module can be imported first.
-from megatron_bridge.config import status  # noqa: E402
+from megatron_bridge.config import status
