@@ -109,13 +109,10 @@ class Problems:
 
     def positive(self, path: str, value: Any, fix: str = "use 1 or more") -> bool:
         """`check` that `value` is > 0 ("must be positive"); None (unset) passes."""
-        return self.check(value is None or value > 0, path, f"must be positive, got {value}", fix)
-
-    def at_least(self, path: str, value: Any, minimum: int, fix: str = "") -> bool:
-        """`check` that `value` is >= `minimum`; None (unset) passes. The fix defaults to
-        "use <minimum> or more"."""
-        ok = value is None or value >= minimum
-        return self.check(ok, path, f"must be >= {minimum}, got {value}", fix or f"use {minimum} or more")
+        if value is None or value > 0:  # the message is built only when needed: this runs on every update
+            return True
+        self.add(path, f"must be positive, got {value}", fix)
+        return False
 
     def absorb(self, error: ConfigValidationError) -> None:
         """Re-home the problems of an error raised by a nested finalize under this prefix."""

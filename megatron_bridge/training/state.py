@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -12,9 +12,14 @@ if TYPE_CHECKING:
     from megatron.core.timers import Timers
     from megatron.core.transformer.module import MegatronModule
 
+    from megatron_bridge.data.phases import PhaseAnnouncer
     from megatron_bridge.training.config import ConfigContainer
+    from megatron_bridge.training.loggers.base import Tracker
     from megatron_bridge.training.progress import ProgressFile
+    from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance
+    from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
     from megatron_bridge.training.signals import ExitSignalHandler
+    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer, NullTokenizer
 
 
 @dataclass
@@ -59,8 +64,8 @@ class GlobalState:
     cfg: "ConfigContainer"
     train_state: TrainState = field(default_factory=TrainState)
     timers: Optional["Timers"] = None
-    tokenizer: Any = None
-    tracker: Any = None
+    tokenizer: Union["NullTokenizer", "HuggingFaceTokenizer", None] = None
+    tracker: Optional["Tracker"] = None
     signal_handler: Optional["ExitSignalHandler"] = None
     start_time: float = field(default_factory=time.time)
     device: str = "cpu"
@@ -89,15 +94,15 @@ class GlobalState:
     progress: Optional["ProgressFile"] = None
     """The `progress.txt` writer (`logger.log_progress`, logging rank only)."""
 
-    fault_tolerance: Any = None
+    fault_tolerance: Optional["FaultTolerance"] = None
     """Progress reports to nvidia-resiliency-ext's ft_launcher (when `ft.enable_ft_package`)."""
 
-    stragglers: Any = None
+    stragglers: Optional["StragglerMonitor"] = None
     """Straggler detection (when `straggler.log_straggler` or `nvrx_straggler.enabled`)."""
 
-    save_lock: Any = None
+    save_lock: Optional[str] = None
     """Path of the save directory's lock while this job holds it (rank 0)."""
-    data_phases: Any = None
+    data_phases: Optional["PhaseAnnouncer"] = None
     """The blend-phase schedule (`dataset.blend_phases`): `label(iteration)` names the active phase."""
 
     exit_code: int = 0

@@ -154,7 +154,6 @@ class CheckpointConfig(ConfigBase):
                 f"ckpt_step={self.ckpt_step} is set but there is nothing to load",
                 "set checkpoint.load (or pretrained_checkpoint), or remove ckpt_step",
             )
-            p.at_least("ckpt_step", self.ckpt_step, 0, "use an iteration number")
         if self.pretrained_checkpoint is not None:
             p.check(
                 os.path.isdir(self.pretrained_checkpoint),
@@ -169,7 +168,6 @@ class CheckpointConfig(ConfigBase):
                 "the Hugging Face directory is written next to the final checkpoint, and checkpoint.save is not set",
                 "set checkpoint.save (or save_hf=False)",
             )
-        p.positive("save_interval", self.save_interval)
         if self.most_recent_k is not None:
             p.check(
                 self.most_recent_k == -1 or self.most_recent_k >= 1,
@@ -177,7 +175,6 @@ class CheckpointConfig(ConfigBase):
                 f"must be -1 (keep all) or >= 1, got {self.most_recent_k}",
                 "use -1 or a positive count",
             )
-        p.at_least("storage_writers_per_rank", self.storage_writers_per_rank, 1)
         if self.custom_manager_class is not None:
             from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 

@@ -43,7 +43,6 @@ class DataloaderConfig(ConfigBase):
     """Whether remote code execution should be trusted for a given HF path."""
 
     def _finalize(self, problems: Problems) -> None:
-        problems.at_least("num_workers", self.num_workers, 0)
         if self.num_workers == 0 and self.persistent_workers:
             self._derive("persistent_workers", False)
 
@@ -196,7 +195,12 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
             from megatron_bridge.data.phase_schedule import check_phases
 
             blend = self.blend
-            if p.check(blend is not None, "blend_phases", "phases change the weights of a blend, and no data_path/blend is set", "set dataset.data_path with several prefixes"):
+            if p.check(
+                blend is not None,
+                "blend_phases",
+                "phases change the weights of a blend, and no data_path/blend is set",
+                "set dataset.data_path with several prefixes",
+            ):
                 check_phases(self.blend_phases, len(blend[0]), p)
         if not p:
             self._run_parent_post_init(BlendedMegatronDatasetConfig, p)

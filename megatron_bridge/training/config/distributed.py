@@ -69,9 +69,6 @@ class DistributedInitConfig(ConfigBase):
     def lazy_init(self) -> bool:
         return self.lazy_mpu_init
 
-    def _finalize(self, problems: Problems) -> None:
-        problems.positive("distributed_timeout_minutes", self.distributed_timeout_minutes, "use e.g. 10")
-
 
 @config_dataclass(kw_only=True)
 class RNGConfig(ConfigBase):
@@ -89,9 +86,6 @@ class RNGConfig(ConfigBase):
     data_parallel_random_init: bool = False
     """Initialize data-parallel replicas with different weights (normally they start identical)."""
 
-    def _finalize(self, problems: Problems) -> None:
-        problems.at_least("seed", self.seed, 0, "use a non-negative int")
-
 
 @config_dataclass(kw_only=True)
 class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBase):
@@ -108,7 +102,6 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        problems.positive("bucket_size", self.bucket_size, "use a positive number of parameters or None")
         problems.check(
             not self.reuse_grad_buf_for_mxfp8_param_ag or self.fp8_param_gather,
             "reuse_grad_buf_for_mxfp8_param_ag",

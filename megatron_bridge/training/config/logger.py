@@ -138,8 +138,6 @@ class LoggerConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        p.positive("log_interval", self.log_interval)
-        p.positive("tensorboard_log_interval", self.tensorboard_log_interval)
         if self.tensorboard_dir is not None:
             p.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
         if self.wandb_project is not None:
@@ -160,6 +158,3 @@ class LoggerConfig(ConfigBase):
                 "set logger.comet_experiment_name",
             )
             p.require_package("comet_ml", "comet_project", "Comet logging")
-        p.positive(
-            "peak_tflops_per_device", self.peak_tflops_per_device, "use the device's dense peak, e.g. 989 for H100 bf16"
-        )

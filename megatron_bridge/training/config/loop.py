@@ -93,7 +93,7 @@ class TrainingConfig(ConfigBase):
         needs at least one step (its samples per step divide by the number of steps)."""
         start, increment, _ = self.rampup_batch_size
         gbs = self.global_batch_size
-        if not gbs or gbs <= 0:
+        if gbs is None:
             return False  # reported as global_batch_size
         return p.check(
             start < gbs and (gbs - start) % increment == 0,
@@ -104,10 +104,9 @@ class TrainingConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        if p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size"):
-            p.positive("micro_batch_size", self.micro_batch_size)
-        if p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size"):
-            p.positive("global_batch_size", self.global_batch_size)
+        # Numbers out of their range (ranges.py: sizes >= 1, intervals >= 0, ...) never get here.
+        p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size")
+        p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size")
         rampup_ok = self.rampup_batch_size is None or (
             p.check(
                 len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
@@ -125,9 +124,7 @@ class TrainingConfig(ConfigBase):
             )
         elif self.train_iters is None and self.train_samples is None:
             p.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
-        elif self.train_iters is not None:
-            p.positive("train_iters", self.train_iters)
-        elif p.positive("train_samples", self.train_samples) and (self.global_batch_size or 0) > 0:
+        elif self.train_iters is None and self.global_batch_size is not None:
             if rampup_ok:
                 from megatron_bridge.training.config.run_rules import sample_based_train_iters
 
@@ -139,15 +136,12 @@ class TrainingConfig(ConfigBase):
                     f"use at least {self.global_batch_size} samples",
                 ):
                     self._derive("train_iters", iters)
-        for name in ("exit_interval", "manual_gc_interval", "check_weight_hash_across_dp_replicas_interval"):
-            p.at_least(name, getattr(self, name), 0, "use 0 or more, or None")
         p.check(
             self.exit_signal not in UNCATCHABLE_SIGNALS,
             "exit_signal",
             f"{self.exit_signal.name} cannot be caught, so no checkpoint could be saved on it",
             "use a signal a process can handle, e.g. SIGTERM or SIGUSR1",
         )
-        p.positive("exit_duration_in_mins", self.exit_duration_in_mins, "use a positive number of minutes or None")
 
 
 @config_dataclass(kw_only=True)
@@ -171,8 +165,3 @@ class ValidationConfig(ConfigBase):
 
     test_iters: Optional[int] = None
     """Batches for the final test evaluation; defaults to eval_iters."""
-
-    def _finalize(self, problems: Problems) -> None:
-        for name in ("eval_interval", "eval_iters", "eval_global_batch_size", "eval_micro_batch_size", "test_iters"):
-            minimum = 1 if name in ("eval_interval", "eval_global_batch_size", "eval_micro_batch_size") else 0
-            problems.at_least(name, getattr(self, name), minimum, f"use {minimum} or more, or None")

@@ -39,18 +39,12 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
                     f"min_lr ({self.min_lr}) must be within [0, lr={self.lr}]",
                     "lower optimizer.min_lr",
                 )
-        p.at_least("weight_decay", self.weight_decay, 0, "use e.g. 0.1 (0.0 turns weight decay off)")
         p.check(
             self.optimizer in SUPPORTED_OPTIMIZERS,
             "optimizer",
             f"unknown optimizer {self.optimizer!r}",
             f"use one of {list(SUPPORTED_OPTIMIZERS)}",
         )
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            p.check(0.0 <= value < 1.0, name, f"must be within [0, 1), got {value}", "use e.g. 0.9 / 0.95")
-        p.positive("adam_eps", self.adam_eps, "use e.g. 1e-8")
-        p.at_least("clip_grad", self.clip_grad, 0, "use 0.0 to disable")
         if self.use_precision_aware_optimizer:
             p.check(
                 self.optimizer == "adam",

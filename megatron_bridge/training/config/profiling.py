@@ -53,19 +53,13 @@ class ProfilingConfig(ConfigBase):
             "enable one profiler at a time",
         )
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
-            if p.at_least("profile_step_start", self.profile_step_start, 0, "use an iteration number"):
-                p.check(
-                    self.profile_step_end > self.profile_step_start,
-                    "profile_step_end",
-                    f"profile_step_end ({self.profile_step_end}) must be greater than "
-                    f"profile_step_start ({self.profile_step_start})",
-                    "set profiling.profile_step_end above profile_step_start",
-                )
+            # profile_step_start and profile_ranks are >= 0 by their ranges (ranges.py)
             p.check(
-                all(r >= 0 for r in self.profile_ranks),
-                "profile_ranks",
-                f"ranks must be >= 0, got {self.profile_ranks}",
-                "list global ranks, e.g. [0]",
+                self.profile_step_end > self.profile_step_start,
+                "profile_step_end",
+                f"profile_step_end ({self.profile_step_end}) must be greater than "
+                f"profile_step_start ({self.profile_step_start})",
+                "set profiling.profile_step_end above profile_step_start",
             )
 
 

@@ -112,10 +112,6 @@ class SchedulerConfig(ConfigBase):
                     "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
                     "set only one way of giving the warmup length",
                 )
-        for name in (*ITERATION_FIELDS, *SAMPLE_FIELDS):
-            p.at_least(name, getattr(self, name), 0)
-        for name in ("start_weight_decay", "end_weight_decay"):
-            p.at_least(name, getattr(self, name), 0, "use 0.0 or more")
         if self.lr_decay_style == "WSD":
             p.check(
                 bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
