@@ -94,12 +94,12 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     def _check_quantizer_factories(self, p: Problems) -> None:
         """megatron-core imports a custom FP8/FP4 recipe's quantizer factory by its path and calls
         it, so a config may only name one registered from code, as any `_target_`."""
-        from megatron_bridge.config.targets import TargetNotAllowedError, resolve
-
         for name in ("fp8_quantizer_factory", "fp4_quantizer_factory"):
             path = getattr(self, name, None)
             if path is None:
                 continue
+            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+
             try:
                 resolve(path)
             except TargetNotAllowedError as exc:
@@ -109,8 +109,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         p = problems
         self._check_quantizer_factories(p)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            value = getattr(self, name)
-            p.check(value is not None and value > 0, name, f"must be positive, got {value}", f"set model.{name}")
+            value = getattr(self, name)  # >= 1 by its range when set (ranges.py)
+            p.check(value is not None, name, f"must be positive, got {value}", f"set model.{name}")
         if p:
             return
         tp = self.tensor_model_parallel_size
@@ -154,8 +154,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
-        if self.vocab_size is not None:
-            p.check(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}", "use e.g. 32000")
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self._derive("pipeline_dtype", self.params_dtype)
         if not p:
