@@ -161,9 +161,10 @@ class MixedPrecisionConfig(ConfigBase):
     def _preset_values(self) -> dict:
         """The fields this preset sets, by name: FP8/FP4 details only with FP8/FP4 on, loss
         scaling only with fp16, and a dtype of None keeps the target's own default."""
+        on = {None: True, "fp8": self.fp8 is not None, "fp4": self.fp4 is not None, "fp16": self.fp16}
         values = {}
-        for name in field_names(type(self)):
-            if not self._matters(name):
+        for name, needs in _field_conditions(type(self)):
+            if not on[needs]:
                 continue
             value = getattr(self, name)
             if name == "fp8_param" and value is None:
@@ -173,19 +174,28 @@ class MixedPrecisionConfig(ConfigBase):
             values[name] = value
         return values
 
-    def _matters(self, field_name: str) -> bool:
-        if field_name.startswith("fp8_") or field_name in (
-            "first_last_layers_bf16",
-            "num_layers_at_start_in_bf16",
-            "num_layers_at_end_in_bf16",
-            "reuse_grad_buf_for_mxfp8_param_ag",
-        ):
-            return self.fp8 is not None
-        if field_name == "fp4_recipe":
-            return self.fp4 is not None
-        if field_name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-            return self.fp16
-        return True
+
+_FP8_DETAILS = (
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
+    "reuse_grad_buf_for_mxfp8_param_ag",
+)
+_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_conditions(preset: type) -> tuple[tuple[str, Optional[str]], ...]:
+    """(field, the switch it depends on: "fp8", "fp4", "fp16" or None) for a precision config."""
+
+    def needs(name: str) -> Optional[str]:
+        if name.startswith("fp8_") or name in _FP8_DETAILS:
+            return "fp8"
+        if name == "fp4_recipe":
+            return "fp4"
+        return "fp16" if name in _LOSS_SCALING else None
+
+    return tuple((name, needs(name)) for name in field_names(preset))
 
 
 @functools.lru_cache(maxsize=None)
