@@ -4,9 +4,11 @@
 
 OTHER_TREE is a checkout of another commit (`git worktree add /tmp/old COMMIT`). One worker
 process per tree imports its own megatron_bridge and recipes; the workers then time blocks of
-updates in turn (A, B, A, B, ...), so both see the same machine load. Printed: the median time
-per update of each tree on the Llama 3 8B and Llama 3.1 405B recipes, and the ratio this tree /
-other tree.
+updates in turn (A, B, A, B, ...), so both see the same machine load. The garbage collector is
+off while a block runs (it would otherwise collect the block's 40 live copies at random points).
+Printed: the median time per update of each tree on the Llama 3 8B and Llama 3.1 405B recipes,
+their ratio (this tree / other tree), and the median of the ratios of neighbouring blocks (less
+sensitive to the machine's speed drifting during the run).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import sys
 
 WORKER = r"""
-import copy, logging, sys, time
+import copy, gc, logging, sys, time
 logging.disable(logging.WARNING)
 from megatron_bridge.training.config import runtime_config_update
 from recipes import get_recipe
@@ -33,10 +35,13 @@ for line in sys.stdin:
     template, world = templates[name]
     copies = [copy.deepcopy(template) for _ in range(int(n))]
     times = []
+    gc.collect()
+    gc.disable()  # collections of the block's own copies would land in random updates
     for cfg in copies:
         start = time.perf_counter()
         runtime_config_update(cfg, world_size=world)
         times.append(time.perf_counter() - start)
+    gc.enable()
     print(" ".join(map(str, times)), flush=True)
 """
 
@@ -60,14 +65,19 @@ def main() -> None:
     workers = {"this": start(here), "other": start(os.path.abspath(args.other))}
     for name in ("llama3_8b_pretrain_config", "llama31_405b_pretrain_config"):
         times: dict[str, list[float]] = {k: [] for k in workers}
-        for _ in range(args.blocks):
-            for label, proc in workers.items():
+        pair_ratios = []
+        for i in range(args.blocks):
+            block = {}
+            for label, proc in sorted(workers.items(), reverse=i % 2 == 1):  # who goes first alternates
                 proc.stdin.write(f"{name} {args.per_block}\n")
                 proc.stdin.flush()
-                times[label] += [float(t) for t in proc.stdout.readline().split()]
+                block[label] = [float(t) for t in proc.stdout.readline().split()]
+                times[label] += block[label]
+            pair_ratios.append(statistics.median(block["this"]) / statistics.median(block["other"]))
         this, other = (statistics.median(times[k]) * 1e3 for k in ("this", "other"))
         print(f"runtime_config_update {name:30s} this {this:.3f} ms, other {other:.3f} ms, "
-              f"ratio {this / other:.2f} ({args.blocks} alternating blocks of {args.per_block})")
+              f"ratio {this / other:.2f}; median of block ratios {statistics.median(pair_ratios):.2f} "
+              f"({args.blocks} alternating blocks of {args.per_block})")
     for proc in workers.values():
         proc.stdin.close()
         proc.wait()
