@@ -75,8 +75,6 @@ class CommOverlapConfig(ConfigBase):
                 "is unknown: comm_overlap is finalized by runtime_config_update",
                 "call runtime_config_update(cfg) instead of finalizing comm_overlap directly",
             )
-        if self.bucket_size is not None:
-            problems.check(self.bucket_size > 0, "bucket_size", f"must be positive, got {self.bucket_size}", "use e.g. 134217728")
 
     # ------------------------------------------------------------------ applying
     def planned(self, model: Any, ddp: Any) -> dict[str, dict[str, Any]]:

@@ -229,12 +229,7 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
     """Do not apply FIM to fragments that start with this prefix."""
 
     def _finalize(self, problems: Problems) -> None:
-        super()._finalize(problems)
-        for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
-            value = getattr(self, name)
-            problems.check(
-                value is None or 0.0 <= value <= 1.0, name, f"must be within [0, 1], got {value}", "use a probability"
-            )
+        super()._finalize(problems)  # the rates are in [0, 1] by their ranges (ranges.py)
         if self.fim_rate:
             problems.check(
                 bool(self.fim_extra_tokens),

@@ -99,13 +99,7 @@ class SchedulerConfig(ConfigBase):
                 f"iteration-based fields {iteration_set} are mixed with sample-based fields {sample_set}",
                 "give schedule lengths either all in iterations or all in samples",
             )
-        if self.lr_warmup_fraction is not None:
-            p.check(
-                0.0 <= self.lr_warmup_fraction <= 1.0,
-                "lr_warmup_fraction",
-                f"must be within [0, 1], got {self.lr_warmup_fraction}",
-                "use e.g. 0.01",
-            )
+        if self.lr_warmup_fraction is not None:  # in [0, 1] by its range (ranges.py)
             if self.lr_warmup_iters or self.lr_warmup_samples:
                 p.add(
                     "lr_warmup_fraction",
