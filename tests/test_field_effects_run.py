@@ -389,6 +389,21 @@ def test_persistent_workers_outlive_a_pass_only_when_set():
     assert workers_after_a_pass(persistent_workers=False) == [False]
 
 
+@pytest.mark.timeout(120)
+def test_worker_start_method_spawns_workers_that_draw_the_same_batches():
+    from megatron_bridge.training.config import MockGPTDatasetConfig
+
+    cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=32, num_workers=1, worker_start_method="spawn"))
+    drawn, iterator = batches_of(cfg)
+    assert drawn == [[0, 1], [2, 3], [4, 5]]
+    assert [type(w).__name__ for w in iterator._workers] == ["SpawnProcess"]
+    iterator._shutdown_workers()
+    cfg.dataset.worker_start_method = "fork"
+    drawn, iterator = batches_of(cfg, take=1)
+    assert drawn == [[0, 1]] and [type(w).__name__ for w in iterator._workers] == ["ForkProcess"]
+    iterator._shutdown_workers()
+
+
 def test_finetuning_dataset_settings(tmp_path):
     from megatron_bridge.data.builders import SampleCounts
     from megatron_bridge.data.finetuning import build_finetuning_datasets

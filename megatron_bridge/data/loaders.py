@@ -84,6 +84,7 @@ def build_iterator(
         num_workers=workers,
         pin_memory=pin_memory and data.pin_memory,
         persistent_workers=data.persistent_workers and workers > 0,
+        multiprocessing_context=data.worker_start_method if workers > 0 else None,
         collate_fn=collate_fn if collate_fn is not None else getattr(dataset, "collate_fn", None),
         generator=generator,
     )

@@ -39,6 +39,10 @@ class DataloaderConfig(ConfigBase):
     persistent_workers: bool = True
     """Keep dataloader workers alive across epochs. Turned off when num_workers is 0."""
 
+    worker_start_method: Optional[Literal["fork", "spawn", "forkserver"]] = None
+    """How dataloader workers start; None: torch's default (fork on Linux). 'spawn' or
+    'forkserver' when the training process holds libraries that are unsafe to fork."""
+
     trust_remote_code: Optional[bool] = None
     """Whether remote code execution should be trusted for a given HF path."""
 
