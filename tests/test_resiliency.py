@@ -182,12 +182,12 @@ def test_ft_launcher_restarts_after_a_simulated_rank_kill_and_the_job_completes(
     script = Path(__file__).parent / "scripts" / "train_tiny.py"
     launcher = os.path.join(os.path.dirname(sys.executable), "ft_launcher")
     ckpt, out = tmp_path / "ckpt", tmp_path / "o"
-    # The fault clock starts at setup (5-14 s here): 18 s lands after the first checkpoint
-    # (iteration 5) and well before the 60 slowed-down iterations finish.
+    # The fault clock starts at setup (5-14 s here, more on a loaded machine): 18 s lands after
+    # the first checkpoint (iteration 2) and well before the 60 slowed-down iterations finish.
     cmd = [
         launcher, "--nproc-per-node=2", "--max-restarts=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script),
-        "--iters", "60", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5", "--step-sleep", "0.3",
+        "--iters", "60", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--step-sleep", "0.3",
         "--fault-tolerance", "--simulate-fault", "rank_killed", "--fault-rank", "1", "--fault-delay", "18",
         "--out", str(out),
     ]  # fmt: skip
