@@ -454,6 +454,25 @@ def test_tokenizer_special_tokens_and_extra_ids(tmp_path):
     assert null.vocab_size == 259 and null.eod == 258
 
 
+def test_a_tokenizer_rewritten_in_place_is_loaded_again(tmp_path):
+    """Loaded tokenizers are reused while their files are unchanged; rewriting tokenizer.json in
+    the same directory (the directory's own time does not move) loads the new one."""
+    import os
+
+    from text_data import train_tokenizer
+
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+
+    cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=train_tokenizer(tmp_path, vocab_size=300))
+    first = build_tokenizer(cfg)
+    assert build_tokenizer(cfg) is first
+    directory_time = os.stat(tmp_path).st_mtime_ns
+    train_tokenizer(tmp_path, vocab_size=280)
+    os.utime(tmp_path, ns=(directory_time, directory_time))
+    assert build_tokenizer(cfg).vocab_size == 280
+
+
 # ---------------------------------------------------------------------- adapters
 def test_lora_initialization_and_dropout_position():
     from megatron_bridge.peft import LoRA

@@ -43,7 +43,7 @@ class read_only:
     New config objects (a check may build one to compare against) stay writable."""
 
     def __init__(self, cfg: Any) -> None:
-        self.dicts = [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if isinstance(type(v), _ConfigMeta))]
+        self.dicts = [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if is_config(v))]
 
     def __enter__(self) -> "read_only":
         for d in self.dicts:

@@ -100,7 +100,8 @@ def set_seeds(cfg: ConfigContainer) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    seed = rank_seed(cfg.rng, parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank())
+    pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    seed = rank_seed(cfg.rng, pp_rank, dp_rank)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

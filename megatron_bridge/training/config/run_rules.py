@@ -60,12 +60,13 @@ def check_param_gather_with_optimizer_step(cfg: "ConfigContainer", problems: Pro
     (virtual pipelining). megatron-core fails with an IndexError otherwise."""
     if not cfg.optimizer.overlap_param_gather_with_optimizer_step:
         return
+    vp = cfg.model.virtual_pipeline_model_parallel_size or 1
     missing = [
         what
         for what, ok in (
             ("ddp.use_distributed_optimizer=True", cfg.ddp.use_distributed_optimizer),
             ("ddp.overlap_param_gather=True", cfg.ddp.overlap_param_gather),
-            ("model.virtual_pipeline_model_parallel_size > 1", (cfg.model.virtual_pipeline_model_parallel_size or 1) > 1),
+            ("model.virtual_pipeline_model_parallel_size > 1", vp > 1),
         )
         if not ok
     ]

@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 _SCALARS = (str, int, float, bool)
 
 
-def runtime_config_update(cfg: "ConfigContainer", world_size: Optional[int] = None, device: Optional[str] = None) -> None:
+def runtime_config_update(
+    cfg: "ConfigContainer", world_size: Optional[int] = None, device: Optional[str] = None
+) -> None:
     """Resolve `cfg` for a run on `world_size` processes, then validate it; raise one
     `ConfigValidationError` for everything found. Runs every rule of `RULES` in order.
 

@@ -198,7 +198,7 @@ def build_tokenizer(cfg: TokenizerConfig):
         raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")
     args = (cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs)
     try:
-        key = repr((args, os.stat(cfg.tokenizer_model).st_mtime_ns))
+        key = repr((args, _files_changed_at(cfg.tokenizer_model)))
     except (OSError, TypeError):
         return HuggingFaceTokenizer(*args)  # reports the missing files
     if key not in _LOADED:
@@ -208,10 +208,20 @@ def build_tokenizer(cfg: TokenizerConfig):
     return _LOADED[key]
 
 
+def _files_changed_at(path: str) -> int:
+    """When the tokenizer's files last changed: a directory's own time does not move when a file
+    in it is rewritten, so the newest of its files counts."""
+    times = [os.stat(path).st_mtime_ns]
+    if os.path.isdir(path):
+        times += [entry.stat().st_mtime_ns for entry in os.scandir(path) if entry.is_file()]
+    return max(times)
+
+
 def local_vocab_size(cfg: TokenizerConfig) -> Optional[int]:
     """The vocabulary size of a Hugging Face tokenizer whose files are on this machine; None when
     they are not (a dry run elsewhere) or do not load (the data checks report why)."""
-    if cfg.tokenizer_type != "HuggingFaceTokenizer" or not cfg.tokenizer_model or not os.path.exists(cfg.tokenizer_model):
+    model = cfg.tokenizer_model
+    if cfg.tokenizer_type != "HuggingFaceTokenizer" or not model or not os.path.exists(model):
         return None
     try:
         return build_tokenizer(cfg).vocab_size
