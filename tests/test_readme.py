@@ -74,6 +74,8 @@ SIDE_LANE = (
     "mbridge slurm",
     "from megatron_bridge.models import Llama3ModelProvider8B",
     "from megatron_bridge.models import GPTModelProvider",
+    "# my_data.py",
+    "# groups.py",
 )
 
 
