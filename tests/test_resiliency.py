@@ -182,13 +182,14 @@ def test_ft_launcher_restarts_after_a_simulated_rank_kill_and_the_job_completes(
     script = Path(__file__).parent / "scripts" / "train_tiny.py"
     launcher = os.path.join(os.path.dirname(sys.executable), "ft_launcher")
     ckpt, out = tmp_path / "ckpt", tmp_path / "o"
-    # The fault clock starts at setup (5-14 s here, more on a loaded machine): 18 s lands after
-    # the first checkpoint (iteration 2) and well before the 60 slowed-down iterations finish.
+    # The fault clock starts at setup (5-14 s here, more on a loaded machine): 30 s lands after
+    # the first checkpoint (iteration 2) and well before the 120 slowed-down iterations finish.
+    # The restarted workers do not sleep, so the rest of the run is quick.
     cmd = [
         launcher, "--nproc-per-node=2", "--max-restarts=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script),
-        "--iters", "60", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--step-sleep", "0.3",
-        "--fault-tolerance", "--simulate-fault", "rank_killed", "--fault-rank", "1", "--fault-delay", "18",
+        "--iters", "120", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--step-sleep", "0.3",
+        "--fault-tolerance", "--simulate-fault", "rank_killed", "--fault-rank", "1", "--fault-delay", "30",
         "--out", str(out),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -204,5 +205,5 @@ def test_ft_launcher_restarts_after_a_simulated_rank_kill_and_the_job_completes(
     assert "simulated fault on rank 1" in output and "rank_killed" in output
     assert "Worker group UNHEALTHY" in output  # the launcher saw the kill and restarted the workers
     assert "resumed from iteration" in output  # ... which continued from the last checkpoint
-    assert "training stopped at iteration 60: completed" in output
-    assert json.loads(Path(f"{out}.rank0").read_text())["step"] == 60
+    assert "training stopped at iteration 120: completed" in output
+    assert json.loads(Path(f"{out}.rank0").read_text())["step"] == 120

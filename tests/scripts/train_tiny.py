@@ -75,7 +75,10 @@ def main():
     p.add_argument("--fault-rank", type=int, default=0)
     p.add_argument("--fault-delay", type=int, default=3)
     p.add_argument("--exit-signal-handler", action="store_true")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0,
+        help="seconds to sleep after each step (on the first attempt only: a restarted job runs at full speed)",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = tiny_config(
@@ -111,7 +114,8 @@ def main():
             simulated_fault_rank=args.fault_rank,
             simulated_fault_base_delay=args.fault_delay,
         )
-    recorder = RecordLosses(args.step_sleep)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    recorder = RecordLosses(0.0 if restarted else args.step_sleep)
     step = forward_step
     if args.fail_at is not None:
         step = failing_forward_step(args.fail_at, args.fail_rank)
