@@ -331,6 +331,16 @@ def test_nvrx_straggler_thresholds_and_interval():
     assert "nvrx_straggler.report_time_interval: 0 is outside the allowed range (0, inf) (choose a value in that range)" in errors
 
 
+def test_inprocess_restart_needs_at_least_one_iteration():
+    from megatron_bridge.training.config import InProcessRestartConfig
+
+    cfg = tiny_config(inprocess_restart=InProcessRestartConfig(max_iterations=0))
+    assert (
+        "inprocess_restart.max_iterations: 0 is outside the allowed range [1, 2**63) (choose a value in that range)"
+        in problems_of(cfg)
+    )
+
+
 def test_peft_needs_a_pretrained_checkpoint():
     from megatron_bridge.peft import LoRA
 

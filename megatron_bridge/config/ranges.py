@@ -119,7 +119,7 @@ FIELD_RANGES: dict[str, str] = {
     "token_dtype_code": "[1, 16]", "simulated_fault_base_delay": NON_NEGATIVE,
     "sequence_parallel_size": COUNT, "window_size": "[-1, 2**31)", "min_offloaded_tensor_size": "[0, 2**63)",
     "error_injection_rate": COUNT, "monitor_thread_interval": POSITIVE, "monitor_process_interval": POSITIVE,
-    "progress_watchdog_interval": POSITIVE, "heartbeat_interval": POSITIVE,
+    "progress_watchdog_interval": POSITIVE, "heartbeat_interval": POSITIVE, "max_iterations": "[1, 2**63)",
 }  # fmt: skip
 
 NAME_RULES: tuple[tuple[str, str], ...] = (

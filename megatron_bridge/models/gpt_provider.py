@@ -109,8 +109,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         p = problems
         self._check_quantizer_factories(p)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            value = getattr(self, name)  # >= 1 by its range when set (ranges.py)
-            p.check(value is not None, name, f"must be positive, got {value}", f"set model.{name}")
+            # >= 1 by its range when set (ranges.py)
+            p.check(getattr(self, name) is not None, name, "is not set", f"set model.{name}")
         if p:
             return
         tp = self.tensor_model_parallel_size

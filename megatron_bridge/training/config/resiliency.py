@@ -203,10 +203,3 @@ class InProcessRestartConfig(ConfigBase):
                 f"{shorter} ({a}) must be shorter than {longer} ({b})",
                 f"lower inprocess_restart.{shorter} or raise inprocess_restart.{longer}",
             )
-        if self.max_iterations is not None:
-            p.check(
-                self.max_iterations >= 1,
-                "max_iterations",
-                f"must be >= 1, got {self.max_iterations}",
-                "use 1 or more, or None for no limit",
-            )
