@@ -32,15 +32,16 @@ pytestmark = pytest.mark.timeout(120)
 # ---------------------------------------------------------------------- fault tolerance
 @contextlib.contextmanager
 def rank_monitor(tmp_path, monkeypatch):
-    """nvidia-resiliency-ext's rank monitor server (ft_launcher starts one per rank), forked from
-    this process, timing the sections setup, step and checkpointing."""
+    """nvidia-resiliency-ext's rank monitor server (ft_launcher starts one per rank), started in a
+    fresh interpreter (a fork of this threaded process can crash in the child), timing the
+    sections setup, step and checkpointing."""
     from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig as MonitorConfig
     from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
     from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonitorServer
 
     socket_path = str(tmp_path / "rank_monitor.socket")
     config = MonitorConfig(rank_section_timeouts={"setup": 600, "step": 180, "checkpointing": 420})
-    server = RankMonitorServer.run_in_subprocess(config, socket_path, mp_ctx=multiprocessing.get_context("fork"))
+    server = RankMonitorServer.run_in_subprocess(config, socket_path, mp_ctx=multiprocessing.get_context("spawn"))
     monkeypatch.setenv(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, socket_path)
     try:
         yield
