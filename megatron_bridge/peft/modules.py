@@ -189,12 +189,20 @@ class AdaptedLinear(torch.nn.Module):
         without the adapter path)."""
         if self.merged:
             return
+        self.base_layer.weight.copy_(self.merged_weight())
+        self.merged = True
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's part of the folded weight, W + scale * B @ A (DoRA: each row rescaled to
+        its magnitude), computed in fp32 and returned in W's dtype; the layer is unchanged."""
         weight = self.base_layer.weight
+        if self.merged:
+            return weight.detach()
         merged = weight.float() + self.delta_weight().float()
         if self.dora:
             merged = merged * (self.lora_magnitude.float() / self.weight_norm().float()).unsqueeze(1)
-        weight.copy_(merged.to(weight.dtype))
-        self.merged = True
+        return merged.to(weight.dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
