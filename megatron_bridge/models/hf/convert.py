@@ -111,7 +111,11 @@ def checkpoint_provider(directory: str) -> Any:
     if not os.path.isfile(path):
         raise ConfigValidationError(_no_config(directory))
     data = load_yaml_file(path) or {}
-    return from_dict(data.get("model") or {}, GPTModelProvider)
+    provider = from_dict(data.get("model") or {}, GPTModelProvider)
+    if provider.vocab_size is not None and "vocab_size" in provider.derived_fields():
+        # derived from the run's tokenizer, which is not loaded here: the weights have this size
+        provider.apply_default("vocab_size", provider.vocab_size)
+    return provider
 
 
 def _no_config(directory: str):
