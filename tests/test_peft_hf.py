@@ -125,7 +125,8 @@ def test_peft_export_loads_onto_the_hf_model_with_our_logits(lora_run, source, t
 
     expected = ours(lora_run, source)
     out = str(tmp_path / "adapter")
-    assert mbridge(["peft", "export", lora_run, out]) == 0
+    proc = fresh_process("peft", "export", lora_run, out)
+    assert proc.returncode == 0, proc.stderr
     adapter_config = json.loads(open(os.path.join(out, "adapter_config.json")).read())
     assert adapter_config["base_model_name_or_path"] == os.path.abspath(source)
     loaded = peft.PeftModel.from_pretrained(hf_model(source), out).eval()

@@ -87,6 +87,7 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     import`, weights only), or for a PEFT checkpoint, that of its frozen base. None when there is
     none (a model trained or merged here has no Hugging Face counterpart)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
     from megatron_bridge.training.checkpointing import layout
@@ -98,7 +99,7 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     try:
         directory, _ = layout.resolve(path)
         common = dist_checkpointing.load_common_state_dict(directory)
-    except (OSError, ValueError, RuntimeError):
+    except (OSError, ValueError, CheckpointingException):
         return None
     record = common.get("peft")
     if record:  # the adapters' base is recorded with an absolute path

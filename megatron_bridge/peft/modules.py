@@ -193,16 +193,17 @@ class AdaptedLinear(torch.nn.Module):
         self.merged = True
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
+    def merged_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """This rank's part of the folded weight, W + scale * B @ A (DoRA: each row rescaled to
-        its magnitude), computed in fp32 and returned in W's dtype; the layer is unchanged."""
+        its magnitude), computed in fp32 and returned in `dtype` (default: W's); the layer is
+        unchanged."""
         weight = self.base_layer.weight
         if self.merged:
-            return weight.detach()
+            return weight.detach().to(dtype or weight.dtype)
         merged = weight.float() + self.delta_weight().float()
         if self.dora:
             merged = merged * (self.lora_magnitude.float() / self.weight_norm().float()).unsqueeze(1)
-        return merged.to(weight.dtype)
+        return merged.to(dtype or weight.dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

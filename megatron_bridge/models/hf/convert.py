@@ -155,11 +155,11 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
 def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str]]:
     """(PEFT config, base weights) of a LoRA/DoRA checkpoint iteration `directory`; (None, None)
     for a checkpoint that holds whole weights."""
-    from megatron.core import dist_checkpointing
-
-    if not dist_checkpointing.load_common_state_dict(directory).get("peft"):
-        return None, None
+    from megatron_bridge.peft.apply import saved_with_peft
     from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
+
+    if not saved_with_peft(directory):
+        return None, None
 
     _, _, cfg, common = read_adapter_checkpoint(directory)
     return cfg.peft, base_of(cfg, common, base)

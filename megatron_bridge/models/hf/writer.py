@@ -159,9 +159,9 @@ def _gather(item: _Item) -> Optional[list[Any]]:
     import torch
     import torch.distributed as dist
 
-    # An adapted weight is folded in here, one layer at a time (DoRA's row norms of a
-    # row-parallel layer are summed over its tensor-parallel group, which gathers it next).
-    local = item.adapter.merged_weight() if item.adapter is not None else item.param.detach()
+    # An adapted weight is folded in here, one layer at a time, in fp32 (rounded once, to the
+    # output dtype); DoRA's row norms of a row-parallel layer are summed over its group first.
+    local = item.adapter.merged_weight(torch.float32) if item.adapter is not None else item.param.detach()
     if item.group is None:
         return [local.cpu()] if item.writer else None
     parts = [torch.empty_like(local) for _ in range(item.part.size)] if item.writer else None
