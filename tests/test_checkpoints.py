@@ -167,8 +167,8 @@ def test_loading_a_different_architecture_lists_the_differences(tmp_path):
     assert err.value.errors == [
         f"checkpoint.load: {ckpt!r} holds a GPTModelProvider (2 layers, hidden size 64, 4 attention heads), but the "
         "config's model is a GPTModelProvider (2 layers, hidden size 96, 4 attention heads) (hidden_size: checkpoint "
-        "64, config 96; kv_channels: checkpoint 16, config 24; ffn_hidden_size: checkpoint 256, config 128) (point it at a checkpoint of this architecture, "
-        "or use the checkpoint's model (e.g. the matching recipe))"
+        "64, config 96; kv_channels: checkpoint 16, config 24; ffn_hidden_size: checkpoint 256, config 128) (point it "
+        "at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe))"
     ]
     assert not torch.distributed.is_initialized()
     # loading checks again, with the values derived since (the vocabulary size from the tokenizer)

@@ -124,8 +124,9 @@ def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = N
     directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
     state = to_peft_state(read_adapter_tensors(directory), cfg.model)
     modules = sorted({k[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for k in state})
-    base = base_model if base_model is not None else hf_base_model(directory) or common["peft"].get("pretrained_checkpoint")
-    config = peft_config(cfg.peft, modules, cfg.model.num_layers, base)
+    if base_model is None:
+        base_model = hf_base_model(directory) or common["peft"].get("pretrained_checkpoint")
+    config = peft_config(cfg.peft, modules, cfg.model.num_layers, base_model)
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS_FILE)
     safetensors_torch.save_file(state, weights, metadata={"format": "pt"})

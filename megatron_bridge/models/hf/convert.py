@@ -160,7 +160,6 @@ def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str
 
     if not saved_with_peft(directory):
         return None, None
-
     _, _, cfg, common = read_adapter_checkpoint(directory)
     return cfg.peft, base_of(cfg, common, base)
 

@@ -65,8 +65,9 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
 
     c = cfg.checkpoint
     resume = bool(c.load) and has_checkpoint(c.load)
+    loads_base = cfg.peft is not None or not resume
     found = []
-    if c.pretrained_checkpoint and not is_hf_directory(c.pretrained_checkpoint) and (cfg.peft is not None or not resume):
+    if c.pretrained_checkpoint and not is_hf_directory(c.pretrained_checkpoint) and loads_base:
         found.append(("checkpoint.pretrained_checkpoint", c.pretrained_checkpoint, None if resume else c.ckpt_step))
     if resume:
         found.append(("checkpoint.load", c.load, c.ckpt_step))
