@@ -119,18 +119,20 @@ def stored_dtype(provider: Any) -> Any:
     return provider.params_dtype
 
 
-def load_checkpoint_weights(chunks: list[Any], directory: str) -> None:
-    """Fill `chunks` from the model weights of our checkpoint iteration directory `directory`
-    (resharded to this layout by dist_checkpointing)."""
+def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all") -> None:
+    """Fill `chunks` (or `part` of their weights, see `state_dict.MODEL_PARTS`) from our checkpoint
+    iteration directory `directory` (resharded to this layout by dist_checkpointing)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
+    from megatron_bridge.training.checkpointing.state_dict import load_model_state, model_state
+
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    template = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
+    template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
     loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),
                                      strict="assume_ok_unexpected")  # fmt: skip
     for key, chunk in zip(keys, chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
+        load_model_state(chunk, loaded[key], part)
 
 
 def _own_storage(sd: dict, chunks: list[Any]) -> None:

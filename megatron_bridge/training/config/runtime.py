@@ -161,6 +161,7 @@ RULES: tuple[Rule, ...] = (
     Rule("deterministic mode", "check", checks.check_deterministic_mode),
     Rule("adapters", "check", checks.check_peft),
     Rule("Hugging Face weights", "check", checks.check_hugging_face),
+    Rule("checkpoint architecture", "check", checks.check_checkpoint_architecture),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
     Rule("data blends and phases", "check", check_data_rules),
