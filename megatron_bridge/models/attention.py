@@ -1,0 +1,129 @@
+"""Which core attention a GPT model's layers run, and why.
+
+The core attention is the part of a self-attention layer between the projections: scores, mask,
+softmax, dropout, and the weighted sum of the values. Three implementations are built:
+
+* **te**: TransformerEngine's `DotProductAttention` (flash, fused or unfused kernels, picked by
+  `model.attention_backend`), in TransformerEngine layers.
+* **sdpa**: `SDPAttention`, which calls `torch.nn.functional.scaled_dot_product_attention`
+  (flash or memory-efficient kernels on GPUs, a fused kernel or the math path on CPUs), in
+  megatron-core's local layers. It keeps no score matrix.
+* **unfused**: megatron-core's local `DotProductAttention`, which materializes the scores
+  (b x heads x s x s) and runs softmax over them.
+
+`model.attention_backend` chooses among them with megatron-core's names: `auto` (the default)
+takes SDPA for local layers wherever it serves the config and the unfused path otherwise;
+`unfused` and `local` keep the unfused path; `flash` and `fused` name TransformerEngine
+kernels, so on local layers they mean the fused kernels local layers have, SDPA's.
+
+`core_attention_choice` is a pure function of the model config and of what is installed: no
+process group, no model. The layer spec (`GPTModelProvider.layer_spec`), the data pipeline
+(packed sequences as boundaries or as a mask) and the planner all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+from megatron_bridge.config.errors import Problems
+
+CoreAttentionKind = Literal["te", "sdpa", "unfused"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreAttentionChoice:
+    """The core attention `provide()` builds for every self-attention layer, and why."""
+
+    kind: CoreAttentionKind
+    """te: TransformerEngine's; sdpa: PyTorch scaled_dot_product_attention; unfused:
+    megatron-core's local DotProductAttention (full score matrices)."""
+
+    reason: str
+    """One line for the log: why this kind."""
+
+    def __str__(self) -> str:
+        return f"core attention: {self.kind} ({self.reason})"
+
+
+def backend_name(config: Any) -> str:
+    """`model.attention_backend` as its megatron-core name (flash, fused, unfused, local, auto)."""
+    value = config.attention_backend
+    return str(getattr(value, "name", value))
+
+
+def te_layers(config: Any) -> bool:
+    """True if the model is built from TransformerEngine layers: asked for by `transformer_impl`
+    and installed (a default ask falls back to local layers where TE is missing)."""
+    if config.transformer_impl != "transformer_engine":
+        return False
+    from megatron_bridge.extras import is_installed
+
+    return is_installed("transformer_engine")
+
+
+def sdpa_unsupported(config: Any) -> Optional[str]:
+    """What in `config` the SDPA core attention cannot serve (a short phrase), or None."""
+    import torch
+
+    if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        return f"torch {torch.__version__} has no scaled_dot_product_attention"
+    if config.context_parallel_size > 1:
+        return f"context parallelism (context_parallel_size={config.context_parallel_size})"
+    if config.softmax_type != "vanilla":
+        return f"softmax_type={config.softmax_type!r} (attention sinks need the score matrix)"
+    if config.multi_latent_attention:
+        return "multi-latent attention (multi_latent_attention=True)"
+    if getattr(config, "experimental_attention_variant", None) is not None:
+        return f"experimental_attention_variant={config.experimental_attention_variant!r}"
+    if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+        return "qk_clip / log_max_attention_logit (they read the largest attention logit)"
+    return None
+
+
+def core_attention_choice(config: Any) -> CoreAttentionChoice:
+    """The core attention `config.provide()` builds, with the reason; see the module docstring."""
+    backend = backend_name(config)
+    if config.transformer_layer_spec is not None:
+        kind: CoreAttentionKind = "te" if te_layers(config) else "unfused"
+        return CoreAttentionChoice(
+            kind, "model.transformer_layer_spec builds the layers as given, with its own core attention"
+        )
+    if config.transformer_impl == "transformer_engine":
+        if te_layers(config):
+            return CoreAttentionChoice("te", f"TransformerEngine layers, attention_backend={backend}")
+        if _explicit(config, "transformer_impl"):
+            return CoreAttentionChoice(
+                "te", "model.transformer_impl='transformer_engine' is set, but TransformerEngine is not installed here"
+            )
+        layers = "TransformerEngine not installed, so local layers"
+    else:
+        layers = f"local layers (transformer_impl={config.transformer_impl!r})"
+    if backend in ("unfused", "local"):
+        return CoreAttentionChoice("unfused", f"{layers}; model.attention_backend={backend} keeps megatron-core's DotProductAttention")
+    why_not = sdpa_unsupported(config)
+    if why_not is None:
+        return CoreAttentionChoice("sdpa", f"{layers}; PyTorch SDPA serves this config (attention_backend={backend})")
+    return CoreAttentionChoice("unfused", f"{layers}; SDPA cannot serve {why_not}, so megatron-core's DotProductAttention")
+
+
+def _explicit(config: Any, name: str) -> bool:
+    is_explicit = getattr(config, "is_explicit", None)
+    return bool(is_explicit and is_explicit(name))
+
+
+def check_attention_backend(config: Any, problems: Problems) -> None:
+    """Refuse `flash`/`fused` on layers that are local by the config (transformer_impl='local')
+    when SDPA cannot serve the config: the unfused path is the opposite of what they ask."""
+    backend = backend_name(config)
+    if backend not in ("flash", "fused") or config.transformer_impl == "transformer_engine":
+        return
+    if config.transformer_layer_spec is not None:
+        return
+    why_not = sdpa_unsupported(config)
+    problems.check(
+        why_not is None,
+        "attention_backend",
+        f"{backend!r} asks for a fused attention kernel; local layers have SDPA's, which cannot serve {why_not}",
+        "set model.attention_backend='unfused' (or 'auto'), or use TransformerEngine layers",
+    )
