@@ -107,14 +107,27 @@ def core_attention_choice(config: Any) -> CoreAttentionChoice:
     return CoreAttentionChoice("unfused", f"{layers}; SDPA cannot serve {why_not}, so megatron-core's DotProductAttention")
 
 
-def _explicit(config: Any, name: str) -> bool:
-    is_explicit = getattr(config, "is_explicit", None)
-    return bool(is_explicit and is_explicit(name))
-
-
-def check_attention_backend(config: Any, problems: Problems) -> None:
-    """Refuse `flash`/`fused` on layers that are local by the config (transformer_impl='local')
-    when SDPA cannot serve the config: the unfused path is the opposite of what they ask."""
+def check_attention(config: Any, problems: Problems) -> None:
+    """Attention settings no core attention serves as asked: a window reaching after the query
+    in a causal model, a window pattern of the wrong length, and `flash`/`fused` on layers that
+    are local by the config (transformer_impl='local') where SDPA cannot serve the config."""
+    window = config.window_size
+    if window is not None:
+        problems.check(
+            len(window) == 2 and int(window[1]) == 0,
+            "window_size",
+            f"{tuple(window)!r}: a GPT layer is causal, so a window cannot reach after the query "
+            "(megatron-core's local attention would show the next tokens, TransformerEngine would ignore it)",
+            f"use ({window[0]}, 0)" if len(window) == 2 else "use (left, 0)",
+        )
+    freq = config.window_attn_skip_freq
+    if isinstance(freq, list) and config.num_layers is not None:
+        problems.check(
+            len(freq) == config.num_layers,
+            "window_attn_skip_freq",
+            f"lists {len(freq)} layers, the model has num_layers={config.num_layers}",
+            "give one 0/1 per layer (1: the layer has the window), or an int N (every Nth layer without it)",
+        )
     backend = backend_name(config)
     if backend not in ("flash", "fused") or config.transformer_impl == "transformer_engine":
         return
@@ -127,3 +140,59 @@ def check_attention_backend(config: Any, problems: Problems) -> None:
         f"{backend!r} asks for a fused attention kernel; local layers have SDPA's, which cannot serve {why_not}",
         "set model.attention_backend='unfused' (or 'auto'), or use TransformerEngine layers",
     )
+
+
+def _explicit(config: Any, name: str) -> bool:
+    is_explicit = getattr(config, "is_explicit", None)
+    return bool(is_explicit and is_explicit(name))
+
+
+def core_attention_module(config: Any, choice: CoreAttentionChoice) -> Optional[type]:
+    """The class that replaces megatron-core's local `DotProductAttention` in the layer spec for
+    `choice`, or None to keep it: `SDPAttention` for sdpa; for unfused layers with a sliding
+    window, the variant that composes the window with the mask it is given (packed samples)."""
+    if choice.kind == "sdpa":
+        from megatron_bridge.models.sdpa_attention import SDPAttention
+
+        return SDPAttention
+    if choice.kind == "unfused" and config.window_size is not None:
+        from megatron_bridge.models.attention_masks import WindowedDotProductAttention
+
+        return WindowedDotProductAttention
+    return None
+
+
+def replace_core_attention(spec: Any, module: type) -> Any:
+    """A copy of `spec` (a block spec, a layer spec or a list of them) in which every
+    megatron-core `DotProductAttention` is `module`; parts shared between layers stay shared."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    memo: dict[int, Any] = {}
+
+    def swap(obj: Any) -> Any:
+        if obj is DotProductAttention:
+            return module
+        if isinstance(obj, type) or obj is None or isinstance(obj, (str, int, float, bool)):
+            return obj
+        key = id(obj)
+        if key in memo:
+            return memo[key]
+        if isinstance(obj, (list, tuple)):
+            new = type(obj)(swap(x) for x in obj)
+            new = obj if all(a is b for a, b in zip(new, obj)) else new
+        elif dataclasses.is_dataclass(obj):
+            changes = {}
+            for f in dataclasses.fields(obj):
+                if not f.init or f.name in ("params", "metainfo"):
+                    continue
+                value = getattr(obj, f.name)
+                swapped = swap(value)
+                if swapped is not value:
+                    changes[f.name] = swapped
+            new = dataclasses.replace(obj, **changes) if changes else obj
+        else:
+            new = obj
+        memo[key] = new
+        return new
+
+    return swap(spec)
