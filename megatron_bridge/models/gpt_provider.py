@@ -156,9 +156,14 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
-        from megatron_bridge.models.attention import check_attention
+        from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
+        derived, note = core_attention_recompute(self)
+        for name, value in derived.items():
+            self._derive(name, value)
+        if note:
+            logger.info(note)
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self._derive("pipeline_dtype", self.params_dtype)
         if not p:
@@ -193,7 +198,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         if te:
             return spec
         choice = core_attention_choice(self)
-        _log_once(str(choice))
+        if not vp_stage:  # one line per model, not per virtual pipeline stage
+            logger.info("%s", choice)
         module = core_attention_module(self, choice)
         return spec if module is None else replace_core_attention(spec, module)
 
@@ -268,16 +274,6 @@ def _te_attention_variables(te: bool) -> Iterator[None]:
         for name in _TE_ATTENTION_VARIABLES:
             os.environ.pop(name, None)
         os.environ.update(saved)
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    """Log `message` once per process (the spec is built per model chunk, the choice is one)."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
 
 
 def _router_gating_without_te() -> None:
