@@ -235,3 +235,70 @@ def test_selective_recompute_of_core_attention_is_dropped_for_sdpa_unless_the_us
     listed = tiny_model(recompute_granularity="selective", recompute_modules=["core_attn"])
     listed.finalize()
     assert core_attention_recompute(listed) == ({}, None)
+
+
+# ---------------------------------------------------------------------- MoE without a grouped GEMM
+def test_grouped_gemm_decision_for_a_gpu_run():
+    from megatron_bridge.models import MixtralModelProvider8x7B
+    from megatron_bridge.models.experts import decide_grouped_gemm
+
+    default = MixtralModelProvider8x7B()  # moe_grouped_gemm=True from the model class
+    explicit = MixtralModelProvider8x7B(moe_grouped_gemm=True)
+    legacy = MixtralModelProvider8x7B(moe_use_legacy_grouped_gemm=True)
+    assert decide_grouped_gemm(default, te_layers=True, grouped_gemm_installed=False).grouped_gemm is True
+    assert decide_grouped_gemm(default, te_layers=False, grouped_gemm_installed=True).grouped_gemm is True
+    assert decide_grouped_gemm(explicit, te_layers=True, grouped_gemm_installed=False).message is None
+    falls_back = decide_grouped_gemm(default, te_layers=False, grouped_gemm_installed=False)
+    assert (falls_back.grouped_gemm, falls_back.refused) == (False, False)
+    assert "the grouped_gemm package is not installed and the layers are not TransformerEngine's" in falls_back.message
+    refused = decide_grouped_gemm(explicit, te_layers=False, grouped_gemm_installed=False)
+    assert refused.refused and refused.message.startswith("moe_grouped_gemm=True needs a grouped GEMM")
+    # TE's grouped linear layers do not serve the legacy GroupedMLP
+    assert decide_grouped_gemm(legacy, te_layers=True, grouped_gemm_installed=False).grouped_gemm is False
+    dense = tiny_model()
+    assert decide_grouped_gemm(dense, te_layers=False, grouped_gemm_installed=False).message is None
+
+
+def moe_config(**model):
+    from megatron_bridge.models import MixtralModelProvider
+
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  moe_ffn_hidden_size=32, num_moe_experts=4, seq_length=32, vocab_size=256)  # fmt: skip
+    fields.update(model)
+    return tiny_config(model=MixtralModelProvider(**fields))
+
+
+def test_a_gpu_run_without_grouped_gemm_takes_sequential_experts_or_refuses(monkeypatch, caplog):
+    from megatron_bridge.cli.dry_run import machine_problems
+    from megatron_bridge.models import experts
+    from megatron_bridge.training.config import runtime_config_update
+
+    monkeypatch.setattr(experts, "grouped_gemm_installed", lambda: False)  # and TE is not installed here
+    cfg = moe_config()
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        runtime_config_update(cfg, device="cuda")
+    assert cfg.model.moe_grouped_gemm is False and not cfg.model.is_explicit("moe_grouped_gemm")
+    assert "model.moe_grouped_gemm=False: the grouped_gemm package is not installed" in caplog.text
+
+    cfg = moe_config(moe_grouped_gemm=True)
+    assert any("model.moe_grouped_gemm: moe_grouped_gemm=True needs a grouped GEMM" in line for line in machine_problems(cfg))
+    with pytest.raises(ConfigValidationError) as info:
+        runtime_config_update(cfg, device="cuda")
+    text = str(info.value)
+    assert "model.moe_grouped_gemm: moe_grouped_gemm=True needs a grouped GEMM, but the grouped_gemm package is not installed" in text
+    assert "pip install git+https://github.com/fanshiqing/grouped_gemm" in text and "model.moe_grouped_gemm=False" in text
+
+    monkeypatch.setattr(experts, "grouped_gemm_installed", lambda: True)
+    cfg = moe_config(moe_grouped_gemm=True)
+    runtime_config_update(cfg, device="cuda")
+    assert cfg.model.moe_grouped_gemm is True and not machine_problems(cfg)
+
+
+def test_weight_conversion_on_a_gpu_without_grouped_gemm_uses_sequential_experts(model_parallel, monkeypatch):
+    from megatron_bridge.models import experts
+    from megatron_bridge.models.hf.runtime import prepare
+
+    monkeypatch.setattr(experts, "grouped_gemm_installed", lambda: False)
+    assert prepare(moe_config().model, "cuda").moe_grouped_gemm is False
+    with pytest.raises(ConfigValidationError, match="model.moe_grouped_gemm: moe_grouped_gemm=True needs a grouped GEMM"):
+        prepare(moe_config(moe_grouped_gemm=True).model, "cuda")

@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
@@ -24,6 +25,12 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     (ffn_hidden_size, kv_channels, init methods, ...). `provide()` builds the `GPTModel` for one
     pipeline stage.
     """
+
+    attention_backend: AttnBackend = AttnBackend.auto
+    """Core attention. auto: TransformerEngine's choice in TE layers; in local layers PyTorch SDPA
+    where it serves the config, else megatron-core's unfused DotProductAttention (logged).
+    unfused/local: DotProductAttention in local layers. flash/fused: those TE kernels in TE layers,
+    SDPA in local layers (refused where SDPA cannot serve the config)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the cross entropy of the output layer in fp16."""
