@@ -302,3 +302,22 @@ def test_weight_conversion_on_a_gpu_without_grouped_gemm_uses_sequential_experts
     assert prepare(moe_config().model, "cuda").moe_grouped_gemm is False
     with pytest.raises(ConfigValidationError, match="model.moe_grouped_gemm: moe_grouped_gemm=True needs a grouped GEMM"):
         prepare(moe_config(moe_grouped_gemm=True).model, "cuda")
+
+
+def test_context_parallelism_on_local_layers_is_refused_before_anything_is_built(monkeypatch):
+    from megatron_bridge import extras
+    from megatron_bridge.cli.dry_run import machine_problems
+    from megatron_bridge.models.attention import layer_problems
+    from megatron_bridge.training.setup import refuse_what_the_layers_cannot_run
+
+    cfg = tiny_config(model=tiny_model(context_parallel_size=2))
+    expected = "model.context_parallel_size: 2 needs TransformerEngine layers; local layers (transformer_impl='local') do not split"
+    with pytest.raises(ConfigValidationError, match=r"set model\.context_parallel_size=1") as info:
+        refuse_what_the_layers_cannot_run(cfg)
+    assert expected in str(info.value)
+    assert any(line.startswith(expected) for line in machine_problems(cfg))  # the dry run's "would fail" lines
+    te_asked = tiny_model(context_parallel_size=2, transformer_impl="transformer_engine")
+    monkeypatch.setattr(extras, "is_installed", lambda module: False)
+    assert "(TransformerEngine is not installed)" in layer_problems(te_asked)[0].message
+    monkeypatch.setattr(extras, "is_installed", lambda module: module == "transformer_engine")
+    assert layer_problems(te_asked) == [] and layer_problems(tiny_model()) == []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
-from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.errors import ConfigProblem, Problems
 
 CoreAttentionKind = Literal["te", "sdpa", "unfused"]
 
@@ -222,3 +222,24 @@ def core_attention_recompute(config: Any) -> tuple[dict[str, Any], Optional[str]
     return {"recompute_granularity": None}, (
         "model.recompute_granularity=None: selective recompute covered only core_attn, and SDPA keeps no score matrix"
     )
+
+
+def layer_problems(config: Any) -> list[ConfigProblem]:
+    """What the layers this machine builds for `config` cannot run, found before they are built:
+    context parallelism on local layers (neither SDPA nor DotProductAttention splits attention
+    over context-parallel ranks; megatron-core would stop with an assertion)."""
+    cp = config.context_parallel_size
+    if cp == 1 or config.transformer_layer_spec is not None or te_layers(config):
+        return []
+    why = (
+        "TransformerEngine is not installed"
+        if config.transformer_impl == "transformer_engine"
+        else f"transformer_impl={config.transformer_impl!r}"
+    )
+    return [
+        ConfigProblem(
+            "model.context_parallel_size",
+            f"{cp} needs TransformerEngine layers; local layers ({why}) do not split attention over context-parallel ranks",
+            "install TransformerEngine (the 'te' extra) and use transformer_impl='transformer_engine', or set model.context_parallel_size=1",
+        )
+    ]
