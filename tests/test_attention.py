@@ -130,6 +130,20 @@ def test_grouped_heads_reach_the_kernel_without_a_copy_and_causal_without_a_mask
     assert seen == [(HEADS, GROUPS, True, True, True)]
 
 
+def test_key_value_heads_are_repeated_where_the_kernel_cannot_take_them_grouped(model_parallel, monkeypatch):
+    """Torch < 2.5 (and a GPU kernel with a mask) gets the key/value heads repeated: same result."""
+    from megatron_bridge.models import sdpa_attention
+
+    config = attention_config(window_size=(3, 0))
+    q, k, v = qkv()
+    mask = block_causal_mask(PACKED_POSITIONS)
+    grouped = run(SDPAttention(config, 1, AttnMaskType.causal, "self"), q, k, v, mask)
+    monkeypatch.setattr(sdpa_attention, "_ENABLE_GQA", False)
+    repeated = run(SDPAttention(config, 1, AttnMaskType.causal, "self"), q, k, v, mask)
+    for a, b in zip(grouped, repeated):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_attention_dropout_applies_in_training_only(model_parallel):
     q, k, v = qkv()
     plain = SDPAttention(attention_config(), 1, AttnMaskType.causal, "self")(q, k, v, None)
