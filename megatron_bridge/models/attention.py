@@ -17,8 +17,8 @@ takes SDPA for local layers wherever it serves the config and the unfused path o
 kernels, so on local layers they mean the fused kernels local layers have, SDPA's.
 
 `core_attention_choice` is a pure function of the model config and of what is installed: no
-process group, no model. The layer spec (`GPTModelProvider.layer_spec`), the data pipeline
-(packed sequences as boundaries or as a mask) and the planner all read it.
+process group, no model. The layer spec (`GPTModelProvider.layer_spec`) and the data pipeline
+(packed sequences as boundaries or as a mask) read it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def sdpa_unsupported(config: Any) -> Optional[str]:
     if config.context_parallel_size > 1:
         return f"context parallelism (context_parallel_size={config.context_parallel_size})"
     if config.softmax_type != "vanilla":
-        return f"softmax_type={config.softmax_type!r} (attention sinks need the score matrix)"
+        return f"softmax_type={config.softmax_type!r} (an offset in the softmax denominator, which SDPA has not)"
     if config.multi_latent_attention:
         return "multi-latent attention (multi_latent_attention=True)"
     if getattr(config, "experimental_attention_variant", None) is not None:
