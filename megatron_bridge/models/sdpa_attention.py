@@ -101,7 +101,7 @@ class SDPAttention(MegatronModule):
             segments = segment_blocked(cu, sq)
             blocked = segments if blocked is None else blocked | segments
         is_causal = False
-        if blocked is None and not restricts(window, sq, sk) and window is not None:
+        if window is not None and blocked is None and not restricts(window, sq, sk):
             is_causal = True  # plain causal: no mask tensor, so flash kernels qualify
         elif window is not None:
             outside = blocked_outside_window(sq, sk, *window, q.device)
