@@ -118,6 +118,48 @@ def test_an_accepted_rampup_runs_through_megatron_cores_calculator():
         run([4, 4, 300])
 
 
+def _consumed_by_calculator(iterations, gbs, rampup):
+    """Samples consumed after each iteration, megatron-core's calculator stepped as the loop steps it."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    calc = RampupBatchsizeNumMicroBatchesCalculator(gbs, 1, 1, False, 0, *rampup)
+    consumed = [0]
+    for _ in range(iterations):
+        calc.update(consumed[-1], consistency_check=False)
+        consumed.append(consumed[-1] + calc.get_current_global_batch_size())
+    return consumed
+
+
+@pytest.mark.parametrize(
+    "gbs, rampup",
+    [(32, [16, 8, 5000]), (8, [4, 2, 40]), (48, [3, 3, 1000]), (40, [8, 16, 777]), (10, [1, 1, 7])],
+)
+def test_samples_after_iterations_match_megatron_cores_calculator(gbs, rampup):
+    from megatron_bridge.training.config.run_rules import samples_after
+
+    consumed = _consumed_by_calculator(1200, gbs, rampup)
+    assert [samples_after(n, gbs, rampup) for n in range(1201)] == consumed
+
+
+def test_iteration_based_schedule_with_rampup_covers_the_samples_consumed():
+    """1000 iterations of the ramp 16 -> 32 in steps of 8 over 5000 samples consume 28,656
+    samples, not 1000 x 32 = 32,000: the decay, the weight-decay ramp, the warmup (its first 50
+    iterations) and WSD's final phase (the last 100 iterations of the decay) are sized in those."""
+    consumed = _consumed_by_calculator(1000, 32, [16, 8, 5000])
+    assert consumed[1000] == 28656
+    train = TrainingConfig(train_iters=1000, global_batch_size=32, micro_batch_size=8, rampup_batch_size=[16, 8, 5000])
+    scheduler = SchedulerConfig(lr_decay_style="WSD", lr_warmup_iters=50, lr_wsd_decay_iters=100)
+    cfg = tiny_config(train=train, scheduler=scheduler)
+    runtime_config_update(cfg, world_size=1)
+    s = cfg.scheduler
+    assert (s.lr_decay_steps, s.wd_incr_steps, s.lr_warmup_steps) == (28656, 28656, consumed[50])
+    assert s.wsd_decay_steps == 28656 - consumed[900] == 3200
+    # lr_decay_iters and max_steps count iterations of the ramp too
+    cfg = tiny_config(train=train, scheduler=SchedulerConfig(lr_decay_iters=300, max_steps=1200))
+    runtime_config_update(cfg, world_size=1)
+    assert (cfg.scheduler.lr_decay_steps, cfg.scheduler.wd_incr_steps) == (consumed[300], 28656 + 200 * 32)
+
+
 def _finetuning(tmp_path, cp=2, **model):
     (tmp_path / "training.jsonl").write_text('{"input": "a", "output": "b"}\n')
     return tiny_config(

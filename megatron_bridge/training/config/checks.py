@@ -372,7 +372,11 @@ def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Scheduler lengths in samples, from iteration- or sample-based settings."""
+    """Scheduler lengths in samples, from iteration- or sample-based settings. Lengths given in
+    iterations become the samples those iterations consume, which with a batch-size ramp-up is
+    fewer than iterations x global_batch_size: the schedules end when the run does."""
+    from megatron_bridge.training.config.run_rules import samples_after
+
     s, t = cfg.scheduler, cfg.train
     gbs = t.global_batch_size
     if not gbs or (t.train_iters is None and t.train_samples is None):
@@ -387,9 +391,8 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
             "give scheduler lengths in samples (lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)",
         )
         total = t.train_samples
-        decay = s.lr_decay_samples or total
-        warmup = s.lr_warmup_samples
-        wsd = s.lr_wsd_decay_samples
+        decay_length, warmup_length, wsd_length = s.lr_decay_samples or total, s.lr_warmup_samples, s.lr_wsd_decay_samples
+        decay, warmup, wsd = decay_length, warmup_length, wsd_length
     else:
         sample_fields = [n for n in SAMPLE_FIELDS if getattr(s, n)]
         problems.check(
@@ -398,29 +401,33 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
             f"iteration-based training (train.train_iters) with sample-based scheduler fields {sample_fields}",
             "give scheduler lengths in iterations (lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)",
         )
+        rampup = t.rampup_batch_size if not problems.at("train.rampup_batch_size") else None
         length = s.max_steps or t.train_iters
-        total = length * gbs
-        decay = (s.lr_decay_iters or length) * gbs
-        warmup = s.lr_warmup_iters * gbs
-        wsd = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+        decay_length, warmup_length, wsd_length = s.lr_decay_iters or length, s.lr_warmup_iters, s.lr_wsd_decay_iters
+        total = samples_after(length, gbs, rampup)
+        decay = samples_after(decay_length, gbs, rampup)
+        warmup = samples_after(warmup_length, gbs, rampup)
+        # WSD's final phase is the end of the decay: the samples of its last lr_wsd_decay_iters iterations
+        wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
         warmup = int(s.lr_warmup_fraction * decay)
+        warmup_length = decay_length if warmup >= decay else warmup_length  # shown only when not shorter
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
-    unit, per = ("samples", 1) if sample_based else ("iterations", gbs)  # lengths reported as the user gave them
+    unit = "samples" if sample_based else "iterations"  # lengths reported as the user gave them
     if s.lr_decay_style != "constant":
         problems.check(
             warmup < decay,
             "scheduler.lr_warmup_samples" if sample_based else "scheduler.lr_warmup_iters",
-            f"warmup ({warmup // per} {unit}) is not shorter than the decay ({decay // per} {unit})",
+            f"warmup ({warmup_length} {unit}) is not shorter than the decay ({decay_length} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
         problems.check(
-            wsd <= decay,
+            wsd_length <= decay_length,
             "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
-            f"the WSD decay phase ({wsd // per} {unit}) is longer than the whole decay ({decay // per} {unit})",
+            f"the WSD decay phase ({wsd_length} {unit}) is longer than the whole decay ({decay_length} {unit})",
             "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
         )

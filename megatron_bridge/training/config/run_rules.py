@@ -39,6 +39,36 @@ def sample_based_train_iters(train_samples: int, global_batch_size: int, rampup_
     return iterations
 
 
+def samples_after(iterations: int, global_batch_size: int, rampup_batch_size: Optional[list[int]]) -> int:
+    """Samples consumed by the first `iterations` iterations. With a ramp-up, each iteration's
+    batch is the one megatron-core's `RampupBatchsizeNumMicroBatchesCalculator` gives for the
+    samples consumed before it (start + increment x int(consumed / samples per increment) while
+    consumed <= the ramp's samples, then global_batch_size)."""
+    if rampup_batch_size is None or iterations <= 0:
+        return max(iterations, 0) * global_batch_size
+    start, increment, rampup_samples = rampup_batch_size
+    per_increment = rampup_samples / ((global_batch_size - start) // increment)
+    consumed = done = 0
+    while done < iterations and consumed <= rampup_samples:
+        step = int(consumed / per_increment)
+        size = start + step * increment
+
+        def same_size(j: int, c0: int = consumed, size: int = size, step: int = step) -> bool:
+            c = c0 + j * size
+            return c <= rampup_samples and int(c / per_increment) == step
+
+        # Iterations at this size: the batch stays while the consumed count keeps the same
+        # ramp step (a monotone condition, so the last such iteration is found by bisection).
+        low, high = 0, (rampup_samples - consumed) // size + 1  # same_size(low), not same_size(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if same_size(mid) else (low, mid)
+        run = min(low + 1, iterations - done)
+        consumed += run * size
+        done += run
+    return consumed + (iterations - done) * global_batch_size
+
+
 def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
     """model.fp8_param (parameters stored in FP8) and ddp.fp8_param_gather (gathered in FP8) are one
     decision in Megatron-LM (`--fp8-param-gather` sets both); disagreeing, the gathered buffers
