@@ -11,11 +11,12 @@ from megatron_bridge.training.config import (
     ConfigValidationError,
     DistributedDataParallelConfig,
     FinetuningDatasetConfig,
+    OptimizerConfig,
     SchedulerConfig,
     TrainingConfig,
     runtime_config_update,
 )
-from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+from megatron_bridge.training.mixed_precision import PRESETS, get_mixed_precision_config
 
 
 def errors_of(cfg, **kw):
@@ -47,6 +48,54 @@ def test_fp8_param_without_fp8_param_gather_is_refused():
     (message,) = errors_of(tiny_config(mixed_precision=mp))  # reported once: finalized by its preset rule only
     assert message.startswith("mixed_precision.fp8_param: fp8_param=True but fp8_param_gather=False")
     assert "set both to the same value" in message
+
+
+FP8_GATHERING_PRESETS = [n for n in PRESETS if get_mixed_precision_config(n).fp8_param_gather]
+
+
+def test_fp8_presets_gather_parameters_in_fp8_only_with_the_distributed_optimizer(caplog):
+    """megatron-core gathers parameters only in its distributed optimizer: without it, a preset
+    leaves FP8 parameter gathering off (and says so); with it, whichever section turns it on
+    (ddp or optimizer: they are synced before the preset), the preset turns gathering on."""
+    assert len(FP8_GATHERING_PRESETS) == 6  # every FP8 preset but the two sub-channel ones
+    for name in FP8_GATHERING_PRESETS:
+        cfg = tiny_config(mixed_precision=name)
+        with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+            runtime_config_update(cfg, world_size=1)
+        assert not (cfg.ddp.fp8_param_gather or cfg.model.fp8_param or cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag), name
+        assert cfg.model.fp8 is not None  # still an FP8 run
+        assert f"mixed_precision {name!r}: FP8 parameter gathering left off (it needs the distributed optimizer" in caplog.text
+        cfg = tiny_config(mixed_precision=name, optimizer=OptimizerConfig(lr=3e-3, use_distributed_optimizer=True))
+        runtime_config_update(cfg, world_size=1)
+        assert cfg.ddp.use_distributed_optimizer and cfg.ddp.fp8_param_gather and cfg.model.fp8_param, name
+        # the preset is re-applied when the distributed optimizer is turned off again
+        cfg.optimizer.use_distributed_optimizer = False
+        runtime_config_update(cfg, world_size=1)
+        assert not (cfg.ddp.fp8_param_gather or cfg.model.fp8_param), name
+
+
+@pytest.mark.parametrize(
+    "asked, where",
+    [
+        ({"mixed_precision.fp8_param_gather": True}, "mixed_precision.fp8_param_gather"),
+        ({"ddp.fp8_param_gather": True}, "ddp.fp8_param_gather"),
+        ({"model.fp8_param": True}, "model.fp8_param"),
+    ],
+)
+def test_fp8_param_gather_the_user_asked_for_needs_the_distributed_optimizer(asked, where):
+    from megatron_bridge.config.overrides import process_config_with_overrides
+
+    cfg = tiny_config(mixed_precision="bf16_with_fp8_current_scaling_mixed")
+    process_config_with_overrides(cfg, cli_overrides=[f"{key}={str(value).lower()}" for key, value in asked.items()])
+    (message,) = errors_of(cfg, world_size=1)
+    assert message == (
+        f"{where}: True asks for parameters gathered in FP8, which needs the distributed optimizer "
+        "(megatron-core gathers parameters only there), but ddp.use_distributed_optimizer=False "
+        f"(set ddp.use_distributed_optimizer=True, or {where}=False)"
+    )
+    cfg.ddp.use_distributed_optimizer = True
+    runtime_config_update(cfg, world_size=1)
+    assert cfg.ddp.fp8_param_gather and cfg.model.fp8_param
 
 
 def test_model_fp8_param_and_ddp_fp8_param_gather_must_agree():

@@ -52,27 +52,36 @@ def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> Non
 
 
 def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
-    """The distributed optimizer and overlapped parameter gathering are one setting that lives in
-    two sections (ddp and optimizer). The side the user set explicitly wins; if neither was set
-    explicitly, "on" wins. Each change is logged."""
-    for name in ("use_distributed_optimizer", "overlap_param_gather"):
-        ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
-        if ddp_value == opt_value:
-            continue
-        ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
-        if ddp_explicit and opt_explicit:
-            problems.add(
-                f"optimizer.{name}",
-                f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
-                "set both to the same value (or only one of them)",
-            )
-            continue
-        if ddp_explicit or (not opt_explicit and ddp_value):
-            value, target, changed = ddp_value, cfg.optimizer, "optimizer"
-        else:
-            value, target, changed = opt_value, cfg.ddp, "ddp"
-        logger.info("setting %s.%s=%s to match the other section", changed, name, value)
-        target.apply_default(name, value)
+    """The distributed optimizer is one setting that lives in two sections (ddp and optimizer).
+    The side the user set explicitly wins; if neither was set explicitly, "on" wins. Synced before
+    the presets, which depend on it; each change is logged."""
+    _sync_ddp_and_optimizer(cfg, problems, "use_distributed_optimizer")
+
+
+def sync_overlap_param_gather(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Overlapped parameter gathering lives in ddp and optimizer, like the distributed optimizer;
+    synced after the communication-overlap preset has set it."""
+    _sync_ddp_and_optimizer(cfg, problems, "overlap_param_gather")
+
+
+def _sync_ddp_and_optimizer(cfg: "ConfigContainer", problems: Problems, name: str) -> None:
+    ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
+    if ddp_value == opt_value:
+        return
+    ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
+    if ddp_explicit and opt_explicit:
+        problems.add(
+            f"optimizer.{name}",
+            f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
+            "set both to the same value (or only one of them)",
+        )
+        return
+    if ddp_explicit or (not opt_explicit and ddp_value):
+        value, target, changed = ddp_value, cfg.optimizer, "optimizer"
+    else:
+        value, target, changed = opt_value, cfg.ddp, "ddp"
+    logger.info("setting %s.%s=%s to match the other section", changed, name, value)
+    target.apply_default(name, value)
 
 
 # ---------------------------------------------------------------------- batch sizes

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
+from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
 
 if TYPE_CHECKING:
@@ -80,6 +81,32 @@ def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
         "ddp.fp8_param_gather",
         f"{ddp_value} but model.fp8_param={model_value}",
         "set both alike (mixed_precision.fp8_param_gather sets both)",
+    )
+
+
+def check_fp8_param_gather_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Gathering parameters in FP8 (Megatron-LM's `--fp8-param-gather`) happens in the
+    distributed optimizer's parameter all-gather; megatron-core's plain optimizer has no such
+    path. A named preset turns it on only with the distributed optimizer, so what is left here
+    was set by the user."""
+    if not cfg.ddp.fp8_param_gather or cfg.ddp.use_distributed_optimizer:
+        return
+    mp = cfg.mixed_precision
+    set_by_user = [
+        where
+        for where, section, name in (
+            ("mixed_precision.fp8_param_gather", mp, "fp8_param_gather"),
+            ("ddp.fp8_param_gather", cfg.ddp, "fp8_param_gather"),
+            ("model.fp8_param", cfg.model, "fp8_param"),
+        )
+        if isinstance(section, ConfigBase) and section.is_explicit(name) and getattr(section, name)
+    ]
+    where = (set_by_user or ["ddp.fp8_param_gather"])[0]
+    problems.add(
+        where,
+        "True asks for parameters gathered in FP8, which needs the distributed optimizer (megatron-core "
+        "gathers parameters only there), but ddp.use_distributed_optimizer=False",
+        f"set ddp.use_distributed_optimizer=True, or {where}=False",
     )
 
 
