@@ -28,7 +28,8 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     from megatron_bridge.config.errors import ConfigValidationError, Problems
     from megatron_bridge.training.config import runtime_config_update
 
-    with config_errors_are_usage_errors(f"the config does not resolve at world size {world_size}: "), for_target(target_te):
+    problem_prefix = f"the config does not resolve at world size {world_size}: "
+    with config_errors_are_usage_errors(problem_prefix), for_target(target_te):
         problems = Problems()
         try:
             runtime_config_update(cfg, world_size=world_size)

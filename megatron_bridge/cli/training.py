@@ -158,7 +158,8 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         raise UsageError(
             "--world-size only applies to --dry-run and --plan-only (a real run uses the processes launched)"
         )
-    for flag, given in (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None), ("--no-te", not args.target_te)):
+    shaping = (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None), ("--no-te", not args.target_te))
+    for flag, given in shaping:
         if given and not checking:
             raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")
     if args.json and not args.plan_only:

@@ -54,7 +54,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-_GENERATED: contextvars.ContextVar[Optional[tuple[list, list]]] = contextvars.ContextVar("chat_generation_blocks", default=None)
+_GENERATED: contextvars.ContextVar[Optional[tuple[list, list]]] = contextvars.ContextVar("chat_generated", default=None)
 """While a conversation is rendered for its mask: (the text pieces output so far, the spans of
 `{% generation %}` blocks)."""
 
@@ -105,7 +105,8 @@ def compile_template(template: str) -> Any:
 
         return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_extension(jinja2)])
+    extensions = [loopcontrols, _generation_extension(jinja2)]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
@@ -203,6 +204,8 @@ def _locate_turn(text: str, prompt: str, turn: str, cursor: int) -> Optional[tup
 
     if len(prompt) >= cursor and text.startswith(prompt):  # the turn starts where its prompt ends
         start = len(prompt)
+        if not turn:  # the template renders nothing for this message
+            return start, start
         for length in range(len(turn), 0, -1):  # the longest suffix of the turn found there
             if turn[-length] == text[start : start + 1] and text.startswith(turn[-length:], start):
                 whole_or_kept = length == len(turn) or (body is not None and length >= len(body))

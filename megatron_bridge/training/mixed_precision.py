@@ -248,25 +248,36 @@ def _short(value: object) -> str:
 
 
 # ---------------------------------------------------------------------- presets
+def _as_preset(cfg: MixedPrecisionConfig) -> MixedPrecisionConfig:
+    """`cfg` with its values counted as the framework's, not the user's: presets apply them as
+    defaults (FP8 parameter gathering, for one, only with the distributed optimizer)."""
+    for name in cfg.explicit_fields():
+        cfg.mark_explicit(name, False)
+    return cfg
+
+
 def fp32() -> MixedPrecisionConfig:
     """Full fp32 training."""
-    return MixedPrecisionConfig(fp32=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, grad_reduce_in_fp32=True)
+    cfg = MixedPrecisionConfig(fp32=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, grad_reduce_in_fp32=True)
+    return _as_preset(cfg)
 
 
 def bf16_mixed() -> MixedPrecisionConfig:
     """bf16 parameters and compute, fp32 main weights and gradient reduction."""
-    return MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+    cfg = MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+    return _as_preset(cfg)
 
 
 def fp16_mixed() -> MixedPrecisionConfig:
     """fp16 parameters and compute with dynamic loss scaling."""
-    return MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+    cfg = MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+    return _as_preset(cfg)
 
 
 def _with(base: Callable[[], MixedPrecisionConfig], **fp_fields) -> MixedPrecisionConfig:
     cfg = base()
     for key, value in fp_fields.items():
-        setattr(cfg, key, value)
+        cfg.apply_default(key, value)
     return cfg
 
 
@@ -372,10 +383,7 @@ def get_mixed_precision_config(name_or_config: Union[str, MixedPrecisionConfig])
     if cached is None or cached[0] is not factory:
         cached = _PROTOTYPES[key] = (factory, factory())
     # Every field is a scalar or dtype, so a shallow copy is independent of the prototype.
-    preset = copy.copy(cached[1])
-    for field_name in preset.explicit_fields():  # a named preset's values are the framework's, not the user's
-        preset.mark_explicit(field_name, False)
-    return preset
+    return _as_preset(copy.copy(cached[1]))  # a registered factory's values are the framework's too
 
 
 _PROTOTYPES: dict[str, tuple[Callable[[], MixedPrecisionConfig], MixedPrecisionConfig]] = {}

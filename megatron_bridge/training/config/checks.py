@@ -400,7 +400,8 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
             "give scheduler lengths in samples (lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)",
         )
         total = t.train_samples
-        decay_length, warmup_length, wsd_length = s.lr_decay_samples or total, s.lr_warmup_samples, s.lr_wsd_decay_samples
+        decay_length, warmup_length = s.lr_decay_samples or total, s.lr_warmup_samples
+        wsd_length = s.lr_wsd_decay_samples
         decay, warmup, wsd = decay_length, warmup_length, wsd_length
     else:
         sample_fields = [n for n in SAMPLE_FIELDS if getattr(s, n)]
@@ -412,7 +413,8 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         )
         rampup = t.rampup_batch_size if not problems.at("train.rampup_batch_size") else None
         length = s.max_steps or t.train_iters
-        decay_length, warmup_length, wsd_length = s.lr_decay_iters or length, s.lr_warmup_iters, s.lr_wsd_decay_iters
+        decay_length, warmup_length = s.lr_decay_iters or length, s.lr_warmup_iters
+        wsd_length = s.lr_wsd_decay_iters
         total = samples_after(length, gbs, rampup)
         decay = samples_after(decay_length, gbs, rampup)
         warmup = samples_after(warmup_length, gbs, rampup)
