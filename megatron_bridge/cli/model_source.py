@@ -35,9 +35,7 @@ def user_errors() -> Iterator[None]:
     its traceback (it is a bug)."""
     from megatron_bridge.cli.errors import UsageError
     from megatron_bridge.config.errors import ConfigValidationError
-    from megatron_bridge.inference.corpora import DataError
-    from megatron_bridge.inference.prompts import PromptError
-    from megatron_bridge.inference.sources import SourceError
+    from megatron_bridge.inference.errors import DataError, PromptError, SourceError
 
     try:
         yield

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from megatron_bridge.inference.corpora import DataError, jsonl_rows
-from megatron_bridge.inference.scoring import Scored
+from megatron_bridge.inference.corpora import Scored, jsonl_rows
+from megatron_bridge.inference.errors import DataError
 
 
 @dataclass

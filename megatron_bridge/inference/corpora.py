@@ -18,19 +18,38 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_bridge.inference.scoring import Scored
+from megatron_bridge.inference.errors import DataError
 
 TEXT, INDEXED, SFT, CHOICE = "text", "indexed", "sft", "choice"
 FORMATS = (TEXT, INDEXED, SFT, CHOICE)
 CHOICE_KEYS = ("context", "choices", "label")
 
 
-class DataError(ValueError):
-    """Evaluation data that cannot be read, said in one message."""
+@dataclass
+class Scored:
+    """Token ids and which of them count (see `scoring`)."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+    """weights[t] = 1 counts the prediction of ids[t] (weights[0] is never used)."""
+
+    @classmethod
+    def all_tokens(cls, ids: Sequence[int]) -> "Scored":
+        weights = np.ones(len(ids), dtype=np.float64)
+        if len(ids):
+            weights[0] = 0.0
+        return cls(np.asarray(ids, dtype=np.int64), weights)
+
+    @property
+    def counted(self) -> int:
+        return int(self.weights[1:].sum())
+
+
 
 
 def indexed_prefix(path: str) -> Optional[str]:
@@ -96,7 +115,7 @@ def text_sequences(path: str, text_key: str, tokenizer: Any, seq_length: int, co
     return [Scored.all_tokens(tokenizer.encode(text)[:seq_length]) for text in texts]
 
 
-def indexed_sequences(prefix: str, seq_length: int, concat: bool, vocab_size: int) -> list[Scored]:
+def indexed_sequences(prefix: str, seq_length: int, concat: bool) -> list[Scored]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data = IndexedDataset(prefix, multimodal=False, mmap=True)
@@ -105,9 +124,6 @@ def indexed_sequences(prefix: str, seq_length: int, concat: bool, vocab_size: in
     for d in range(len(bounds) - 1):
         parts = [data[s] for s in range(int(bounds[d]), int(bounds[d + 1]))]
         documents.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64))
-    largest = max((int(doc.max()) for doc in documents if len(doc)), default=-1)
-    if largest >= vocab_size:
-        raise DataError(f"{prefix}.bin holds token id {largest}, beyond the model's vocabulary of {vocab_size}")
     if concat:
         return windows(documents, None, seq_length)
     return [Scored.all_tokens(doc[:seq_length]) for doc in documents]

@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_bridge.inference.corpora import CHOICE, FORMATS, INDEXED, SFT, TEXT, DataError
+from megatron_bridge.inference.corpora import CHOICE, FORMATS, INDEXED, SFT, TEXT
+from megatron_bridge.inference.errors import DataError
 from megatron_bridge.inference.model import InferenceModel, ModelLike
 
 
@@ -125,12 +126,15 @@ def _evaluate(model: InferenceModel, data: str, fmt: str, text_key: str, seq_len
     if fmt == TEXT:
         sequences = corpora.text_sequences(data, text_key, tok, seq_length, concat)
     elif fmt == INDEXED:
-        sequences = corpora.indexed_sequences(corpora.indexed_prefix(data) or data, seq_length, concat, model.vocab_size)
+        sequences = corpora.indexed_sequences(corpora.indexed_prefix(data) or data, seq_length, concat)
     elif fmt == SFT:
         sequences = corpora.sft_sequences(data, tok, seq_length)
     else:
         items = choices.read_items(data)
         sequences = choices.choice_sequences(items, tok, seq_length)
+    largest = max((int(seq.ids.max()) for seq in sequences if len(seq.ids)), default=-1)
+    if largest >= model.vocab_size:
+        raise DataError(f"{data!r} holds token id {largest}, beyond the model's vocabulary of {model.vocab_size}")
     logprobs = token_logprobs(model, sequences, batch_size)
     if items is None:
         total, count = nll_total(sequences, logprobs)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from megatron_bridge.inference.model import InferenceModel, ModelLike
-from megatron_bridge.inference.prompts import Prompt, PromptError, encode_prompts
+from megatron_bridge.inference.errors import PromptError
+from megatron_bridge.inference.prompts import Prompt, encode_prompts
 from megatron_bridge.inference.sampling import Sampling
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
@@ -135,6 +136,10 @@ def _batches(model: InferenceModel, encoded: list[list[int]], batch_size: int) -
 
 def _generate_all(model: InferenceModel, prompts: list, encoded: list[list[int]], sampling: Sampling, max_new_tokens: int,
                   stop: Sequence[str], ignore_eos: bool, batch_size: int) -> Generations:  # fmt: skip
+    largest = max(max(ids) for ids in encoded)
+    if largest >= model.vocab_size:
+        raise PromptError(f"the prompts hold token id {largest}, beyond the model's vocabulary of {model.vocab_size} "
+                          "(the tokenizer does not belong to this model)")  # fmt: skip
     results: list[Optional[Generation]] = [None] * len(prompts)
     out = Generations()
     with model.evaluating():

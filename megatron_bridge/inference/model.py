@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
-from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, SourceError, resolve
+from megatron_bridge.inference.errors import SourceError
+from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, resolve
 
 
 @dataclass

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any, Union
 
+from megatron_bridge.inference.errors import PromptError
+
 Prompt = Union[str, list]
-
-
-class PromptError(ValueError):
-    """A prompt that cannot be used, said in one message."""
 
 
 def read_prompts(path: str) -> list[Prompt]:

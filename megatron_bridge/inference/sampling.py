@@ -7,11 +7,12 @@ prompt's sample does not depend on which prompts share its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import Problems
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Sampling:
 
     def generators(self, first_index: int, count: int, device: torch.device) -> list[torch.Generator]:
         """Generators for prompts first_index .. first_index + count - 1."""
+        import torch
+
         if self.greedy:
             return []
         out = []
@@ -65,6 +68,8 @@ class Sampling:
 
     def choose(self, logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         """The next token of each row of `logits` [batch, vocab] -> [batch]."""
+        import torch
+
         if self.greedy:
             return logits.argmax(dim=-1)
         scores = logits.float() / (self.temperature if self.temperature is not None else 1.0)

@@ -1,6 +1,6 @@
 """Scoring sequences: the log-probability the model gives each of their tokens.
 
-A `Scored` sequence is token ids with a weight per token: weight 1 on token t counts
+Each `corpora.Scored` sequence is token ids with a weight per token: weight 1 on token t counts
 log p(token t | tokens before it) (the first token has no prediction). Sequences are run in
 batches of similar lengths, padded on the right (the causal mask keeps padding out of the real
 tokens' view), without a cache: one forward per batch.
@@ -8,33 +8,13 @@ tokens' view), without a cache: one forward per batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
+from megatron_bridge.inference.corpora import Scored
 from megatron_bridge.inference.model import InferenceModel
-
-
-@dataclass
-class Scored:
-    """Token ids and which of them count."""
-
-    ids: np.ndarray
-    weights: np.ndarray
-    """weights[t] = 1 counts the prediction of ids[t] (weights[0] is never used)."""
-
-    @classmethod
-    def all_tokens(cls, ids: Sequence[int]) -> "Scored":
-        weights = np.ones(len(ids), dtype=np.float64)
-        if len(ids):
-            weights[0] = 0.0
-        return cls(np.asarray(ids, dtype=np.int64), weights)
-
-    @property
-    def counted(self) -> int:
-        return int(self.weights[1:].sum())
 
 
 def token_logprobs(model: InferenceModel, sequences: Sequence[Scored], batch_size: int = 8) -> list[np.ndarray]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, SourceError, read_run_config
+from megatron_bridge.inference.errors import SourceError
+from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, read_json, read_run_config
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -80,11 +81,9 @@ def stop_token_ids(source: Optional[ModelSource], tokenizer: Any) -> frozenset[i
     assets = source.hf_assets if source is not None else None
     path = os.path.join(assets, "generation_config.json") if assets else None
     if path and os.path.isfile(path):
-        from megatron_bridge.models.hf.files import read_json
-
         try:
             value = read_json(path).get("eos_token_id")
-        except ValueError:
+        except SourceError:
             value = None
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, int) and not isinstance(item, bool):

@@ -13,16 +13,16 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, is_hf_directory
+from megatron_bridge.inference.errors import SourceError
 
 HF, CHECKPOINT, ADAPTERS = "hf", "checkpoint", "adapters"
+CONFIG_FILE = "config.json"
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+HF_ASSETS_DIR = "hf"
+"""Inside an imported checkpoint's iteration directory: the Hugging Face config and tokenizer."""
 
 CHECKPOINT_FILES = (".metadata", "metadata.json", "common.pt")
 """Files every complete torch_dist checkpoint iteration directory holds (besides its shards)."""
-
-
-class SourceError(ValueError):
-    """A model source that cannot be used, said in one message."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
         if step is not None:
             raise SourceError(f"--step picks a checkpoint iteration, but {path!r} is a Hugging Face model directory")
-        if not is_hf_directory(path):
+        if not any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS):
             raise SourceError(
                 f"{path!r} has a config.json but no weights (model.safetensors or model.safetensors.index.json): "
                 "the Hugging Face model is incomplete"
@@ -173,11 +173,22 @@ def _base_of(directory: str, config: dict, given: Optional[str]) -> ModelSource:
     )
 
 
+def read_json(path: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{path} cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path} holds no JSON object")
+    return data
+
+
 def declared_seq_length(source: ModelSource) -> Optional[int]:
     """The sequence length the model was built for, read from its files (no model built)."""
     if source.kind == HF:
-        from megatron_bridge.models.hf.files import read_json
-
         value = read_json(os.path.join(source.directory, CONFIG_FILE)).get("max_position_embeddings", 4096)
         return int(value) if isinstance(value, int) else None  # 4096: what the conversion assumes
     value = (read_run_config(source.directory).get("model") or {}).get("seq_length")
