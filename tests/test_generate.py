@@ -97,16 +97,22 @@ def test_sliding_window_model_equals_transformers(models):
 # ---------------------------------------------------------------------- the cache, on a random model
 @pytest.fixture
 def random_models():
-    """Randomly initialized tiny GPTs (RoPE, learned positions) with a NullTokenizer, built in
-    this process: prompts are token ids."""
+    """Randomly initialized tiny GPTs with a NullTokenizer (prompts are token ids), built in this
+    process: RoPE and learned positions with the default attention backend (`auto`), and RoPE with
+    megatron-core's unfused attention named explicitly."""
+    from megatron.core.transformer.enums import AttnBackend
+
     from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
     from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
 
-    with model_parallel() as device:
+    with model_parallel() as device, pytest.MonkeyPatch.context() as env:
         out = {}
-        for kind in ("rope", "learned_absolute"):
-            provider = prepare(tiny_model(position_embedding_type=kind, seq_length=48, vocab_size=64), device,
-                               initialize=True, init_method_std=0.5, parallel_output=False)  # fmt: skip
+        for kind in ("rope", "learned_absolute", "rope-unfused"):
+            options = {"attention_backend": AttnBackend.unfused} if kind.endswith("unfused") else {}
+            model = tiny_model(position_embedding_type=kind.split("-")[0], seq_length=48, vocab_size=64, **options)
+            provider = prepare(model, device, initialize=True, init_method_std=0.5, parallel_output=False)
+            for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+                env.delenv(name, raising=False)  # megatron-core records each model's backend there, per process
             (module,) = build_chunks(provider, device)
             out[kind] = InferenceModel(module, NullTokenizer(64), vocab_size=64, seq_length=48, stop_ids=frozenset({63}))
         yield out
@@ -123,7 +129,7 @@ def recompute_greedy(model: InferenceModel, prompt: list[int], new: int) -> list
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("kind", ["rope", "learned_absolute"])
+@pytest.mark.parametrize("kind", ["rope", "learned_absolute", "rope-unfused"])
 def test_cached_batched_decoding_equals_recomputing_each_prompt(random_models, kind):
     model = random_models[kind]
     prompts = ["5 9 2", "1 2 3 4 5 6 7 8 9 10 11 12", "40", "7 7 7 7 7 7"]
