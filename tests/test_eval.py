@@ -161,6 +161,22 @@ def test_multiple_choice_and_cli(files, tmp_path):
         assert procs[key].returncode == 2 and message in procs[key].stderr and "Traceback" not in procs[key].stderr, procs[key].stderr
 
 
+def test_data_errors_are_one_message(files, tmp_path):
+    from megatron_bridge.inference.errors import DataError
+
+    path = tmp_path / "choices.jsonl"
+    write_jsonl(path, [{"context": "a", "choices": ["b", "c"], "label": 2}])
+    with pytest.raises(DataError, match=r"choices.jsonl:1: 'label' must be the index of the right choice \(0 to 1\), found 2"):
+        evaluate(files["model"], str(path))
+    with pytest.raises(DataError, match="--concat joins documents of text or indexed data, not choice data"):
+        evaluate(files["model"], str(path), concat=True)
+    with pytest.raises(DataError, match="--seq-length 100000 is longer than the model's sequence length 16384"):
+        evaluate(files["model"], files["text"], text_key="body", seq_length=100000)
+    write_jsonl(path, [{"body": "text"}, {"body": 3}])
+    with pytest.raises(DataError, match=r"choices.jsonl:2: no text in 'body'"):
+        evaluate(files["model"], str(path), text_key="body")
+
+
 # ---------------------------------------------------------------------- LoRA
 @pytest.fixture(scope="module")
 def lora(files, tmp_path_factory):

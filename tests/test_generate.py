@@ -138,6 +138,10 @@ def test_cached_batched_decoding_equals_recomputing_each_prompt(random_models, k
         assert g.token_ids == recompute_greedy(model, [int(x) for x in prompt.split()], 12), prompt
     # the sequence length bounds a generation: 48 - 12 prompt tokens leave 36
     assert len(generate(model, prompts[1], max_new_tokens=100, ignore_eos=True)[0].token_ids) == 36
+    from megatron_bridge.inference.errors import PromptError
+
+    with pytest.raises(PromptError, match="the prompts hold token id 64, beyond the model's vocabulary of 64"):
+        generate(model, "5 64")
 
 
 def test_sampling_is_seeded_per_prompt(random_models):
@@ -266,6 +270,40 @@ def test_cli_json_and_text_output_and_user_errors(models, checkpoints, tmp_path)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (key, proc.stderr[-2000:])
     assert "iter_0000003.incomplete, a save that did not finish" in procs["unfinished"].stderr
     assert "longer than the model's sequence length allows: it takes 64 tokens" in procs["too_long"].stderr
+
+
+def test_other_user_errors_are_one_message(models, tmp_path):
+    from megatron_bridge.inference.errors import PromptError
+    from megatron_bridge.inference.model import load_model, tensor_parallel_size
+    from megatron_bridge.inference.prompts import read_prompts
+
+    llama = models["llama"]
+    with pytest.raises(SourceError, match="is a file; a model source is"):
+        resolve(os.path.join(llama, "config.json"))
+    with pytest.raises(SourceError, match="--step picks a checkpoint iteration, but .* is a Hugging Face model directory"):
+        resolve(llama, step=3)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(llama, "config.json"), bare)
+    with pytest.raises(SourceError, match="has a config.json but no weights"):
+        resolve(str(bare))
+    with pytest.raises(SourceError, match=r"--tp 2 must equal the number of processes \(1\)"):
+        tensor_parallel_size(2)
+    with pytest.raises(PromptError, match="prompt 2 is empty"):
+        generate(llama, ["The cat", ""])
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    with pytest.raises(PromptError, match=r"prompts.jsonl:2: expected \{\"prompt\": ...\} or"):
+        read_prompts(str(lines))
+    lines.write_text("{not json\n")
+    with pytest.raises(PromptError, match="prompts.jsonl:1: not JSON"):
+        read_prompts(str(lines))
+    other = shutil.copytree(llama, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(SourceError, match="cannot be loaded:\n  - .*architectures=\\['GPT2LMHeadModel'\\] is not supported"):
+        with load_model(str(other)):
+            pass
 
 
 def test_truncated_shard_is_reported(checkpoints, tmp_path):

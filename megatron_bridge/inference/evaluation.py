@@ -87,18 +87,20 @@ def evaluate(
     if concat and fmt not in (TEXT, INDEXED):
         raise DataError(f"--concat joins documents of text or indexed data, not {fmt} data")
     if isinstance(model, InferenceModel):
-        return _evaluate(model, data, fmt, text_key, _length(seq_length, model.seq_length), concat, batch_size)
+        length = _length(seq_length, model.seq_length)
+        return _score(model, data, fmt, *_read(data, fmt, text_key, model.tokenizer, length, concat), batch_size)
     from megatron_bridge.inference.model import load_model
     from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
     from megatron_bridge.inference.sources import declared_seq_length, resolve
 
+    # The source and the data are read and checked before the model is built.
     source = resolve(os.fspath(model), step, base)
     tok = load_tokenizer(source, tokenizer)
     if fmt != INDEXED:
         require_tokenizer(tok, source, f"reading {fmt} data")
-    length = _length(seq_length, declared_seq_length(source))
+    sequences, items = _read(data, fmt, text_key, tok, _length(seq_length, declared_seq_length(source)), concat)
     with load_model(source, tokenizer=tokenizer, tp=tp, dtype=dtype, preloaded_tokenizer=tok) as loaded:
-        return _evaluate(loaded, data, fmt, text_key, length, concat, batch_size)
+        return _score(loaded, data, fmt, sequences, items, batch_size)
 
 
 def _detect(data: str, text_key: str) -> str:
@@ -115,23 +117,26 @@ def _length(requested: Optional[int], model_length: Optional[int]) -> int:
     return requested
 
 
-def _evaluate(model: InferenceModel, data: str, fmt: str, text_key: str, seq_length: int, concat: bool, batch_size: int) -> EvalResult:
+def _read(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat: bool) -> tuple[list, Optional[list]]:
+    """(scored sequences, multiple-choice items or None) of the data."""
     from megatron_bridge.inference import choices, corpora
-    from megatron_bridge.inference.scoring import nll_total, token_logprobs
 
-    tok = model.tokenizer
     if tok is None and fmt != INDEXED:
         raise DataError(f"reading {fmt} data needs a tokenizer, and the model has none")
-    items = None
     if fmt == TEXT:
-        sequences = corpora.text_sequences(data, text_key, tok, seq_length, concat)
-    elif fmt == INDEXED:
-        sequences = corpora.indexed_sequences(corpora.indexed_prefix(data) or data, seq_length, concat)
-    elif fmt == SFT:
-        sequences = corpora.sft_sequences(data, tok, seq_length)
-    else:
-        items = choices.read_items(data)
-        sequences = choices.choice_sequences(items, tok, seq_length)
+        return corpora.text_sequences(data, text_key, tok, seq_length, concat), None
+    if fmt == INDEXED:
+        return corpora.indexed_sequences(corpora.indexed_prefix(data) or data, seq_length, concat), None
+    if fmt == SFT:
+        return corpora.sft_sequences(data, tok, seq_length), None
+    items = choices.read_items(data)
+    return choices.choice_sequences(items, tok, seq_length), items
+
+
+def _score(model: InferenceModel, data: str, fmt: str, sequences: list, items: Optional[list], batch_size: int) -> EvalResult:
+    from megatron_bridge.inference import choices
+    from megatron_bridge.inference.scoring import nll_total, token_logprobs
+
     largest = max((int(seq.ids.max()) for seq in sequences if len(seq.ids)), default=-1)
     if largest >= model.vocab_size:
         raise DataError(f"{data!r} holds token id {largest}, beyond the model's vocabulary of {model.vocab_size}")

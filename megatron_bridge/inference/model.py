@@ -127,7 +127,7 @@ def load_model(source: Union[str, os.PathLike, ModelSource], *, step: Optional[i
 
 
 def _provider(src: ModelSource) -> Any:
-    from megatron_bridge.config.errors import ConfigValidationError, Problems
+    from megatron_bridge.config.errors import Problems
 
     if src.kind == HF:
         from megatron_bridge.models.hf.load import check_hf_directory
@@ -135,7 +135,8 @@ def _provider(src: ModelSource) -> Any:
         problems = Problems()
         provider = check_hf_directory(src.directory, problems)
         if provider is None:
-            raise SourceError(f"{src.directory!r} cannot be loaded:\n{ConfigValidationError(problems.items)}")
+            lines = [f"  - {p.message}" + (f" ({p.fix})" if p.fix else "") for p in problems.items]
+            raise SourceError("\n".join([f"the Hugging Face model {src.directory!r} cannot be loaded:", *lines]))
         return provider
     from megatron_bridge.models.hf.convert import checkpoint_provider
 
