@@ -6,6 +6,7 @@ generation, chat prompts use the template; user errors are one message."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -95,27 +96,24 @@ def test_sliding_window_model_equals_transformers(models):
 
 
 # ---------------------------------------------------------------------- the cache, on a random model
-@pytest.fixture
-def random_models():
-    """Randomly initialized tiny GPTs with a NullTokenizer (prompts are token ids), built in this
-    process: RoPE and learned positions with the default attention backend (`auto`), and RoPE with
-    megatron-core's unfused attention named explicitly."""
+@contextlib.contextmanager
+def random_model(kind: str):
+    """A randomly initialized tiny GPT with a NullTokenizer (prompts are token ids), built in
+    this process: `rope` or `learned_absolute` positions with the default attention backend
+    (`auto`), or `rope-unfused`, megatron-core's unfused attention named explicitly."""
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
     from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
 
+    options = {"attention_backend": AttnBackend.unfused} if kind.endswith("unfused") else {}
+    model = tiny_model(position_embedding_type=kind.split("-")[0], seq_length=48, vocab_size=64, **options)
     with model_parallel() as device, pytest.MonkeyPatch.context() as env:
-        out = {}
-        for kind in ("rope", "learned_absolute", "rope-unfused"):
-            options = {"attention_backend": AttnBackend.unfused} if kind.endswith("unfused") else {}
-            model = tiny_model(position_embedding_type=kind.split("-")[0], seq_length=48, vocab_size=64, **options)
-            provider = prepare(model, device, initialize=True, init_method_std=0.5, parallel_output=False)
-            for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-                env.delenv(name, raising=False)  # megatron-core records each model's backend there, per process
-            (module,) = build_chunks(provider, device)
-            out[kind] = InferenceModel(module, NullTokenizer(64), vocab_size=64, seq_length=48, stop_ids=frozenset({63}))
-        yield out
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            env.delenv(name, raising=False)  # megatron-core records a model's backend there, per process
+        provider = prepare(model, device, initialize=True, init_method_std=0.5, parallel_output=False)
+        (module,) = build_chunks(provider, device)
+        yield InferenceModel(module, NullTokenizer(64), vocab_size=64, seq_length=48, stop_ids=frozenset({63}))
 
 
 def recompute_greedy(model: InferenceModel, prompt: list[int], new: int) -> list[int]:
@@ -130,36 +128,33 @@ def recompute_greedy(model: InferenceModel, prompt: list[int], new: int) -> list
 
 
 @pytest.mark.parametrize("kind", ["rope", "learned_absolute", "rope-unfused"])
-def test_cached_batched_decoding_equals_recomputing_each_prompt(random_models, kind):
-    model = random_models[kind]
-    prompts = ["5 9 2", "1 2 3 4 5 6 7 8 9 10 11 12", "40", "7 7 7 7 7 7"]
-    out = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
-    for prompt, g in zip(prompts, out):
-        assert g.token_ids == recompute_greedy(model, [int(x) for x in prompt.split()], 12), prompt
-    # the sequence length bounds a generation: 48 - 12 prompt tokens leave 36
-    assert len(generate(model, prompts[1], max_new_tokens=100, ignore_eos=True)[0].token_ids) == 36
+def test_cached_batched_decoding_equals_recomputing_each_prompt(kind):
     from megatron_bridge.inference.errors import PromptError
 
-    with pytest.raises(PromptError, match="the prompts hold token id 64, beyond the model's vocabulary of 64"):
-        generate(model, "5 64")
+    prompts = ["5 9 2", "1 2 3 4 5 6 7 8 9 10 11 12", "40", "7 7 7 7 7 7"]
+    with random_model(kind) as model:
+        out = generate(model, prompts, max_new_tokens=8, ignore_eos=True)
+        for prompt, g in zip(prompts, out):
+            assert g.token_ids == recompute_greedy(model, [int(x) for x in prompt.split()], 8), prompt
+        # the sequence length bounds a generation: 48 - 12 prompt tokens leave 36
+        assert len(generate(model, prompts[1], max_new_tokens=100, ignore_eos=True)[0].token_ids) == 36
+        with pytest.raises(PromptError, match="the prompts hold token id 64, beyond the model's vocabulary of 64"):
+            generate(model, "5 64")
 
 
-def test_sampling_is_seeded_per_prompt(random_models):
-    model = random_models["rope"]
+def test_sampling_is_seeded_per_prompt():
     prompts = ["5 9 2", "1 2 3 4 5 6", "40", "7 7 7"]
-    batched = generate(model, prompts, max_new_tokens=16, temperature=1.5, seed=3, ignore_eos=True)
-    alone = generate(model, prompts, max_new_tokens=16, temperature=1.5, seed=3, ignore_eos=True, batch_size=1)
+    sample = dict(max_new_tokens=10, ignore_eos=True)
+    with random_model("rope") as model:
+        batched = generate(model, prompts, temperature=1.5, seed=3, **sample)
+        alone = generate(model, prompts, temperature=1.5, seed=3, batch_size=1, **sample)
+        other = generate(model, prompts, temperature=1.5, seed=4, **sample)
+        greedy = generate(model, prompts, **sample)
+        top_1 = generate(model, prompts, top_k=1, seed=9, **sample)
     # prompt i draws from its own generator: its sample does not depend on its batch
     assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
-    other = generate(model, prompts, max_new_tokens=16, temperature=1.5, seed=4, ignore_eos=True)
-    assert [g.token_ids for g in other] != [g.token_ids for g in batched]
-    greedy = generate(model, prompts, max_new_tokens=16, ignore_eos=True)
-    assert [g.token_ids for g in batched] != [g.token_ids for g in greedy]
-    assert [g.token_ids for g in generate(model, prompts, max_new_tokens=16, top_k=1, seed=9, ignore_eos=True)] == [
-        g.token_ids for g in greedy
-    ]
-    again = generate(model, prompts, max_new_tokens=16, temperature=1.5, seed=3, ignore_eos=True)
-    assert [g.token_ids for g in again] == [g.token_ids for g in batched]
+    assert [g.token_ids for g in other] != [g.token_ids for g in batched] != [g.token_ids for g in greedy]
+    assert [g.token_ids for g in top_1] == [g.token_ids for g in greedy]
 
 
 def test_top_k_and_top_p_sample_from_the_right_tokens():

@@ -97,7 +97,6 @@ def generate(
     problems.positive("batch_size", batch_size)
     problems.check(all(isinstance(s, str) and s for s in stop), "stop", f"stop strings must be non-empty, got {list(stop)}", "e.g. stop=['\\n\\n']")
     problems.raise_if_any()
-    options = dict(step=step, base=base, tokenizer=tokenizer, tp=tp, dtype=dtype)
     if isinstance(model, InferenceModel):
         encoded = _encode(model.tokenizer, prompts, chat, model.seq_length, "the model")
         return _generate_all(model, prompts, encoded, sampling, max_new_tokens, stop, ignore_eos, batch_size)
