@@ -219,18 +219,19 @@ def lora(files, tmp_path_factory):
     return {"base": base, "adapters": str(root / "adapters"), "merged": merged, "merged_hf": str(root / "merged_hf")}
 
 
-def test_lora_checkpoint_scores_as_its_merged_export(files, lora):
-    kw = dict(text_key="body", seq_length=SEQ)
-    adapted = evaluate(lora["adapters"], files["text"], **kw)
-    merged = evaluate(lora["merged"], files["text"], **kw)
-    exported = evaluate(lora["merged_hf"], files["text"], **kw)
-    base = evaluate(lora["base"], files["text"], **kw)
+@pytest.fixture(scope="module")
+def lora_results(files, lora):
+    return {key: evaluate(path, files["text"], text_key="body", seq_length=SEQ) for key, path in lora.items()}
+
+
+def test_lora_checkpoint_scores_as_its_merged_export(lora_results):
+    adapted, merged, exported, base = (lora_results[k] for k in ("adapters", "merged", "merged_hf", "base"))
     assert adapted.tokens == merged.tokens == exported.tokens == base.tokens
     assert abs(adapted.loss - merged.loss) < 1e-5 and abs(adapted.loss - exported.loss) < 1e-5
     assert abs(adapted.loss - base.loss) > 1e-3  # the adapters changed the model
 
 
-def test_adapters_without_their_base(files, lora):
+def test_adapters_without_their_base(files, lora, lora_results):
     moved = lora["base"] + ".moved"
     os.rename(lora["base"], moved)
     try:
@@ -241,4 +242,4 @@ def test_adapters_without_their_base(files, lora):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "holds only the adapters of a LoRA run, and their base model is missing" in proc.stderr
     assert "give the base checkpoint or Hugging Face directory with --base DIR" in proc.stderr
-    assert given.loss == evaluate(lora["adapters"], files["text"], text_key="body", seq_length=SEQ).loss
+    assert given.loss == lora_results["adapters"].loss
