@@ -34,13 +34,13 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_source_arguments(p)
+    add_source_arguments(p, batch_size=8)
     p.add_argument("--data", required=True, metavar="FILE", help="JSONL file, or the prefix of PREFIX.bin/PREFIX.idx")
     p.add_argument("--text-key", default="text", metavar="KEY", help="field of a text line that holds its text (default: %(default)s)")
     p.add_argument("--seq-length", type=int, metavar="N", help="longest sequence scored (default: the model's)")
     p.add_argument("--concat", action="store_true", help="join documents into windows of --seq-length tokens, as pretraining does")
     p.add_argument("--format", dest="data_format", choices=["text", "indexed", "sft", "choice"], help="the data's format (default: detected)")
-    p.set_defaults(handler=run_eval, command="eval", batch_size=8)
+    p.set_defaults(handler=run_eval)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_source_arguments(p)
+    add_source_arguments(p, batch_size=16)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for several)")
     p.add_argument("--prompts", metavar="FILE.jsonl", help="prompts, one per line (after any --prompt)")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message with the tokenizer's chat template")
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the samples (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end a generation where this text appears (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.set_defaults(handler=run_generate, batch_size=16)
+    p.set_defaults(handler=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -14,14 +14,14 @@ SOURCE_HELP = (
 )
 
 
-def add_source_arguments(p: argparse.ArgumentParser) -> None:
+def add_source_arguments(p: argparse.ArgumentParser, batch_size: int) -> None:
     p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint iteration to load (default: the latest)")
     p.add_argument("--base", metavar="DIR", help="base model of a LoRA/DoRA checkpoint (default: the one its run recorded)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json (default: the source's)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the dtype they are stored in)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default: the number of processes under torchrun)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N", help="sequences run together")
+    p.add_argument("--batch-size", type=int, default=batch_size, metavar="N", help="sequences run together (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output (see the command's description)")
 
 

@@ -83,10 +83,8 @@ def evaluate(
     problems.check(seq_length is None or seq_length >= 2, "seq_length", f"must be 2 or more, got {seq_length}", "e.g. 2048")
     problems.check(data_format is None or data_format in FORMATS, "data_format", f"unknown format {data_format!r}", f"use one of {list(FORMATS)}")
     problems.raise_if_any()
-    fmt = data_format or _detect(data, text_key)
-    if concat and fmt not in (TEXT, INDEXED):
-        raise DataError(f"--concat joins documents of text or indexed data, not {fmt} data")
     if isinstance(model, InferenceModel):
+        fmt = _format(data, data_format, text_key, concat)
         length = _length(seq_length, model.seq_length)
         return _score(model, data, fmt, *_read(data, fmt, text_key, model.tokenizer, length, concat), batch_size)
     from megatron_bridge.inference.model import load_model
@@ -95,6 +93,7 @@ def evaluate(
 
     # The source and the data are read and checked before the model is built.
     source = resolve(os.fspath(model), step, base)
+    fmt = _format(data, data_format, text_key, concat)
     tok = load_tokenizer(source, tokenizer)
     if fmt != INDEXED:
         require_tokenizer(tok, source, f"reading {fmt} data")
@@ -103,10 +102,13 @@ def evaluate(
         return _score(loaded, data, fmt, sequences, items, batch_size)
 
 
-def _detect(data: str, text_key: str) -> str:
+def _format(data: str, data_format: Optional[str], text_key: str, concat: bool) -> str:
     from megatron_bridge.inference.corpora import detect_format
 
-    return detect_format(os.fspath(data), text_key)
+    fmt = data_format or detect_format(os.fspath(data), text_key)
+    if concat and fmt not in (TEXT, INDEXED):
+        raise DataError(f"--concat joins documents of text or indexed data, not {fmt} data")
+    return fmt
 
 
 def _length(requested: Optional[int], model_length: Optional[int]) -> int:
