@@ -60,6 +60,7 @@ PLAN = [
      [("dataset_root=data/sft\n", "dataset_root=data/sft train.train_iters=4\n", FEWER),
       ("peft.dim=8 --name tiny_gpt_dora", "peft.dim=8 --name tiny_gpt_dora train.train_iters=4", FEWER)], ""),
     ("mbridge peft export runs/llama3_8b", "skip", [], "needs a fine-tuned Llama-style model (tests/test_peft.py exports adapters of a tiny one)"),
+    ("mbridge generate runs/corpus/checkpoints", "run", [], ""),
     ("mbridge hf import /models/Meta-Llama-3-8B", "skip", [], "needs a Hugging Face model (the same commands run on a tiny one in tests/test_hf_finetune.py)"),
     ("WANDB_MODE=offline mbridge pretrain", "run", [("--name trackers", "--name trackers train.train_iters=10", FEWER)], ""),
     ("mbridge plot", "run", [], ""),
@@ -94,7 +95,7 @@ def test_every_readme_block_has_a_plan():
     blocks = readme_blocks()
     used = [plan_for(block)[0] for block in blocks]
     assert sorted(used) == sorted(entry[0] for entry in PLAN), "PLAN entries without a README block"
-    assert len(blocks) == len(PLAN) == 26
+    assert len(blocks) == len(PLAN) == 27
     for start, action, _, reason in PLAN:
         assert action != "skip" or reason, f"{start!r} skipped without a reason"
 
