@@ -2,6 +2,19 @@
 
 The family providers load on first use: each defines dataclasses over megatron-core's large
 `TransformerConfig`, and the config layer needs only `GPTModelProvider`.
+
+Adding a family: one module here (`megatron_bridge/models/<family>.py`) holds its providers (the
+architecture as plain defaults, published sizes as subclasses) and, for a Hugging Face
+architecture, an `HFFamily` subclass decorated with `@register` (`models.hf.family`,
+`models.hf.registry`): its `architecture`/`model_type`, how config.json becomes provider fields
+(refusing by name what it cannot reproduce), the provider settings it can write back and its
+config.json, and which Hugging Face tensors make each megatron-core parameter (`Mapped` entries
+with the `Rule`s of `models.hf.mapping`). It overrides only what differs from the Llama-style
+defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIES` below;
+`GPTModelProvider.from_hf`, `mbridge hf import|export`, the weight checks and the peft export
+find it there. What megatron-core's layer specs lack (norms after attention and MLP, qk-norm
+over whole projections) are provider fields built by `models.layers` in `layer_spec`; a
+provider can edit the built spec further in `adjust_layer_spec`.
 """
 
 from __future__ import annotations
@@ -42,6 +55,12 @@ _FAMILIES = {
 _WHERE = {name: module for module, names in _FAMILIES.items() for name in names}
 
 __all__ = ["GPTModelProvider", "ParameterCount", "count_parameters", "flops_per_token", *sorted(_WHERE)]
+
+
+def family_modules() -> list[str]:
+    """The modules defining model families (those with Hugging Face architectures register them
+    when imported)."""
+    return list(_FAMILIES)
 
 
 def __getattr__(name: str) -> Any:
