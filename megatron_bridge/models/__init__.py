@@ -12,9 +12,9 @@ config.json, and which Hugging Face tensors make each megatron-core parameter (`
 with the `Rule`s of `models.hf.mapping`). It overrides only what differs from the Llama-style
 defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIES` below;
 `GPTModelProvider.from_hf`, `mbridge hf import|export`, the weight checks and the peft export
-find it there. What megatron-core's layer specs lack (norms after attention and MLP, qk-norm
-over whole projections) are provider fields built by `models.layers` in `layer_spec`; a
-provider can edit the built spec further in `adjust_layer_spec`.
+find it there. Layer structure megatron-core's specs lack is built from `models.layers` by provider
+fields (`input_layernorms`, `output_layernorms`, `qk_layernorm_per_head`); a family's provider can
+edit the built spec further in `adjust_layer_spec`.
 """
 
 from __future__ import annotations

@@ -153,6 +153,7 @@ ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
     "vocab_size", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "position_embedding_type", "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
+    "input_layernorms", "output_layernorms", "qk_layernorm_per_head",
 )  # fmt: skip
 """Provider fields that decide which weights exist and their shapes."""
 

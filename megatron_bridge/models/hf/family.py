@@ -206,6 +206,9 @@ class HFFamily:
             "rotary_percent": 1.0,
             "add_qkv_bias": False,
             "qk_layernorm": False,
+            "qk_layernorm_per_head": True,
+            "input_layernorms": True,
+            "output_layernorms": False,
             "window_size": None,
             "num_moe_experts": no_experts,
             "moe_shared_expert_intermediate_size": None,
@@ -273,7 +276,9 @@ class HFFamily:
     def global_tensors(self, a: Architecture) -> dict[str, Mapped]:
         """Embedding, final norm and output layer."""
         h = a.hidden
-        output = Vocab("model.embed_tokens.weight", a.vocab, export=False) if a.tied else Vocab("lm_head.weight", a.vocab)
+        output = (
+            Vocab("model.embed_tokens.weight", a.vocab, export=False) if a.tied else Vocab("lm_head.weight", a.vocab)
+        )
         return {
             "embedding.word_embeddings.weight": Mapped((a.vocab, h), Vocab("model.embed_tokens.weight", a.vocab)),
             "decoder.final_layernorm.weight": Mapped((h,), Copy("model.norm.weight")),
@@ -297,13 +302,17 @@ class HFFamily:
 
     def qkv(self, a: Architecture, L: int, kind: str) -> QKV:
         attn = f"model.layers.{L}.self_attn"
-        return QKV(f"{attn}.q_proj.{kind}", f"{attn}.k_proj.{kind}", f"{attn}.v_proj.{kind}", a.heads, a.groups, a.head_dim)
+        return QKV(
+            f"{attn}.q_proj.{kind}", f"{attn}.k_proj.{kind}", f"{attn}.v_proj.{kind}", a.heads, a.groups, a.head_dim
+        )
 
     def attention_tensors(self, a: Architecture, L: int) -> dict[str, Mapped]:
         attn = f"model.layers.{L}.self_attn"
         return {
             "self_attention.linear_qkv.weight": Mapped((self.qkv_rows(a), a.hidden), self.qkv(a, L, "weight")),
-            "self_attention.linear_proj.weight": Mapped((a.hidden, a.heads * a.head_dim), Copy(f"{attn}.o_proj.weight")),
+            "self_attention.linear_proj.weight": Mapped(
+                (a.hidden, a.heads * a.head_dim), Copy(f"{attn}.o_proj.weight")
+            ),
         }
 
     def mlp_tensors(self, a: Architecture, L: int) -> dict[str, Mapped]:
@@ -311,7 +320,9 @@ class HFFamily:
             return {"mlp.router.weight": Mapped((a.num_experts, a.hidden), Copy(self.router_name(L)))}
         p = f"model.layers.{L}.mlp"
         return {
-            "mlp.linear_fc1.weight": Mapped((2 * a.ffn, a.hidden), Gated(f"{p}.gate_proj.weight", f"{p}.up_proj.weight")),
+            "mlp.linear_fc1.weight": Mapped(
+                (2 * a.ffn, a.hidden), Gated(f"{p}.gate_proj.weight", f"{p}.up_proj.weight")
+            ),
             "mlp.linear_fc2.weight": Mapped((a.hidden, a.ffn), Copy(f"{p}.down_proj.weight")),
         }
 
@@ -330,4 +341,3 @@ class HFFamily:
             "linear_fc1.weight": Mapped((2 * a.moe_ffn, a.hidden), Gated(gate, up)),
             "linear_fc2.weight": Mapped((a.hidden, a.moe_ffn), Copy(down)),
         }
-

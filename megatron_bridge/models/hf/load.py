@@ -70,7 +70,8 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
             rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
         else:
             rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        part = mapping.partition(name, tuple(param.shape), entry.shape, rank, size, padded=isinstance(rule, mapping.Vocab))
+        padded = isinstance(rule, mapping.Vocab)
+        part = mapping.partition(name, tuple(param.shape), entry.shape, rank, size, padded=padded)
         out.append((name, param, rule, part))
     return out
 

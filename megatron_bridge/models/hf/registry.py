@@ -87,7 +87,9 @@ def family_of_provider(provider: Any, problems: Optional[Problems] = None) -> Op
     if found:
         return min(found, key=lambda t: t[:2])[2]
     if problems is not None:
-        scored = [(len(f.mismatches(provider)), _distance(f.provider, type(provider)), f.architecture, f) for f in known]
+        scored = [
+            (len(f.mismatches(provider)), _distance(f.provider, type(provider)), f.architecture, f) for f in known
+        ]
         nearest = min(scored, key=lambda t: t[:3])[3]
         for name, value in nearest.mismatches(provider):
             problems.add(
