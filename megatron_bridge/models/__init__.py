@@ -14,7 +14,8 @@ defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIE
 `GPTModelProvider.from_hf`, `mbridge hf import|export`, the weight checks and the peft export
 find it there. Layer structure megatron-core's specs lack is built from `models.layers` by provider
 fields (`input_layernorms`, `output_layernorms`, `qk_layernorm_per_head`); a family's provider can
-edit the built spec further in `adjust_layer_spec`.
+edit the built spec further in `adjust_layer_spec`. `models.olmo2` is a family with layers of its
+own, `models.phi3` one whose Hugging Face files fuse projections.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ _FAMILIES = {
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
     ),
+    "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),
+    "megatron_bridge.models.phi3": ("Phi3ModelProvider", "Phi3ModelProviderMini"),
     "megatron_bridge.models.qwen": (
         "Qwen2ModelProvider",
         "Qwen25ModelProvider7B",

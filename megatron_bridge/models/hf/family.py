@@ -98,6 +98,16 @@ class HFFamily:
     nullable_fields: ClassVar[tuple[str, ...]] = ("window_size", "moe_input_jitter_eps")
     """Provider fields set explicitly even when None (others are left to the provider's default)."""
 
+    adapter_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attention.linear_proj": ("self_attn.o_proj",),
+        "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.linear_fc2": ("mlp.down_proj",),
+    }
+    """Per layer: megatron-core linear module -> the Hugging Face modules holding its rows, in row
+    order (what LoRA adapters are exported onto). One module for `linear_qkv` holds all query,
+    then key, then value rows; one for `linear_fc1` all gate, then all up rows."""
+
     # ------------------------------------------------------------------ config.json -> provider
     def provider_fields(self, read: "ConfigReader") -> dict[str, Any]:
         """Provider fields from config.json; a setting the provider cannot reproduce is refused

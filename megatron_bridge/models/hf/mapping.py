@@ -176,9 +176,10 @@ class QKV(Rule):
         q0, k0, v0 = self.offsets()
         for j in range(local):  # each group: its query heads, its key head, its value head
             g, base = g0 + j, j * (hpg + 2) * hd
-            reader.read_into(dest[base : base + hpg * hd], self.q, 0, q0 + g * hpg * hd, q0 + (g + 1) * hpg * hd)
-            reader.read_into(dest[base + hpg * hd : base + (hpg + 1) * hd], self.k, 0, k0 + g * hd, k0 + (g + 1) * hd)
-            reader.read_into(dest[base + (hpg + 1) * hd : base + (hpg + 2) * hd], self.v, 0, v0 + g * hd, v0 + (g + 1) * hd)
+            q, k, v = base, base + hpg * hd, base + (hpg + 1) * hd
+            reader.read_into(dest[q:k], self.q, 0, q0 + g * hpg * hd, q0 + (g + 1) * hpg * hd)
+            reader.read_into(dest[k:v], self.k, 0, k0 + g * hd, k0 + (g + 1) * hd)
+            reader.read_into(dest[v : v + hd], self.v, 0, v0 + g * hd, v0 + (g + 1) * hd)
 
     def split(self, parts: list["torch.Tensor"]) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
         """(all query heads, all key heads, all value heads) of the parameter's parts."""
