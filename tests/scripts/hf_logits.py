@@ -27,6 +27,12 @@ def main():
     p.add_argument("--import-to", help="then import the directory into a checkpoint here, in the same layout")
     p.add_argument("--check-projection-norm", action="store_true", help="then run projection_norm_tp.py's check")
     args = p.parse_args()
+    import torch.distributed as dist
+
+    from megatron_bridge.training.distributed import resolve_backend
+
+    # One process group for every step (a group made again on torchrun's store finds stale peers).
+    dist.init_process_group(resolve_backend("auto"))
     logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank == world - 1:
@@ -39,6 +45,7 @@ def main():
         from projection_norm_tp import check_projection_norm
 
         check_projection_norm()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
