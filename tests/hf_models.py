@@ -28,6 +28,8 @@ def family_configs() -> dict:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -43,6 +45,11 @@ def family_configs() -> dict:
         "qwen2": Qwen2Config(**{**COMMON, "vocab_size": 250}),
         "qwen3": Qwen3Config(**COMMON, head_dim=32),
         "qwen3_moe": Qwen3MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+        "olmo2": Olmo2Config(**COMMON),
+        "phi3": Phi3Config(**COMMON, sliding_window=8, pad_token_id=0, eos_token_id=1),
+        # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
+        "phi3_partial": Phi3Config(**{**COMMON, "vocab_size": 250}, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                                     pad_token_id=0, eos_token_id=1),
     }
 
 

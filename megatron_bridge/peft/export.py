@@ -47,7 +47,7 @@ def to_peft_state(tensors: dict[str, Any], model_cfg: Any) -> dict[str, Any]:
                 f"{module}: adapters on MoE experts have no peft-format counterpart here (Hugging Face MoE models "
                 "keep their experts in fused tensors); train without expert targets to export"
             )
-        names = hf_modules(module)
+        names = hf_modules(module, model_cfg)
         parts = (tensor,) * len(names) if param == "lora_A" else split_rows(module, tensor, model_cfg)
         for name, part in zip(names, parts):
             out[f"{PEFT_PREFIX}{name}.{PEFT_PARAM[param]}"] = part.clone()  # one copy per HF module

@@ -49,7 +49,8 @@ def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] =
             terms[name] = terms.get(name, 0.0) + value
 
     # --- attention block
-    add("attention norm input", e * sbh / sp)
+    if inp.input_norms:
+        add("attention norm input", e * sbh / sp)
     if not _selective(inp, "layernorm"):
         add("QKV projection input", e * sbh / sp)
     add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
@@ -63,11 +64,14 @@ def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] =
                 add("attention dropout mask", a_local * s * keys * b)
                 add("attention dropout output", e * a_local * s * keys * b)
     add("output projection input", e * s * b * q_width / t)
+    if inp.output_norms:
+        add("attention output norm input", e * sbh / sp)
     if inp.hidden_dropout > 0:
         add("attention residual dropout mask", sbh / sp)
 
     # --- MLP block
-    add("MLP norm input", e * sbh / sp)
+    if inp.input_norms:
+        add("MLP norm input", e * sbh / sp)
     gated = 2 if inp.gated else 1
     if not moe:
         if not _selective(inp, "layernorm"):
@@ -89,6 +93,8 @@ def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] =
             add("combined expert outputs", e * tokens * h)
         if inp.shared_expert_ffn and not _selective(inp, "shared_experts"):
             add("shared expert activations", e * s * b * inp.shared_expert_ffn * (gated + 1) / t)
+    if inp.output_norms:
+        add("MLP output norm input", e * sbh / sp)
     if inp.hidden_dropout > 0:
         add("MLP residual dropout mask", sbh / sp)
     return terms

@@ -51,6 +51,20 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000),
         "bf16_mixed",
     ),
+    # no input norms, norms after attention and MLP, qk-norm over the whole projections (split over TP)
+    "tp2_output_norms": (
+        dict(
+            tensor_model_parallel_size=2,
+            normalization="RMSNorm",
+            input_layernorms=False,
+            output_layernorms=True,
+            qk_layernorm=True,
+            qk_layernorm_per_head=False,
+            transformer_impl="local",
+        ),
+        {},
+        None,
+    ),
     "pp2_vp2_distopt": (
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
         dict(use_distributed_optimizer=True),
