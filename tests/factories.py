@@ -107,3 +107,17 @@ def one_process_group():
                 dist.destroy_process_group()
 
     return group()
+
+
+def backend_for(ranks: int) -> str:
+    """The process-group backend of a test job of `ranks` processes on this machine, asked for
+    explicitly (never `auto`): NCCL on the GPUs when each rank can have its own, else gloo on
+    CPU. Runs whose results are compared use the backend of the largest among them."""
+    import torch
+
+    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
+
+
+def backend_overrides(ranks: int) -> list[str]:
+    """`backend_for(ranks)` as a command-line config override."""
+    return [f"dist.distributed_backend={backend_for(ranks)}"]
