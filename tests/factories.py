@@ -121,3 +121,44 @@ def backend_for(ranks: int) -> str:
 def backend_overrides(ranks: int) -> list[str]:
     """`backend_for(ranks)` as a command-line config override."""
     return [f"dist.distributed_backend={backend_for(ranks)}"]
+
+
+REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+"""The source tree these tests belong to."""
+
+
+def source_tree_env(**extra: str) -> dict:
+    """This process's environment for a subprocess that must import this source tree: the tree
+    first on PYTHONPATH, what PYTHONPATH held kept after it (where the dependencies may be, when
+    the project runs from source), and no launcher variables of an enclosing torchrun."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def on_cpu(cfg):
+    """`cfg` as a CPU run on every machine (gloo: GPUs, where there are any, stay unused); for
+    tests of what a CPU run does. Returns `cfg`."""
+    cfg.dist.distributed_backend = "gloo"
+    return cfg
+
+
+def needs(*modules: str) -> None:
+    """Skip the calling test, naming what is missing, unless every module in `modules` (optional
+    packages) is installed. Checked without importing them."""
+    import importlib.util
+
+    import pytest
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ImportError:
+            return False
+
+    missing = [m for m in modules if not installed(m)]
+    if missing:
+        pytest.skip(f"needs the optional package(s) {', '.join(missing)}, not installed here")

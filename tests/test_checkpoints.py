@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_config, tiny_model
+from factories import on_cpu, tiny_config, tiny_model
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
@@ -242,12 +242,12 @@ def test_custom_manager_class_outside_the_allowlist_is_refused(tmp_path):
 def test_async_save_on_cpu_uses_a_worker_per_save(tmp_path, caplog):
     ckpt = tmp_path / "ckpt"
     with caplog.at_level("INFO", logger="megatron_bridge"):
-        losses, _ = run(config(save=str(ckpt), iters=6, save_interval=3, async_save=True))
+        losses, _ = run(on_cpu(config(save=str(ckpt), iters=6, save_interval=3, async_save=True)))
     assert "checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)" in caplog.text
     assert complete_iterations(str(ckpt)) == [3, 6] and read_tracker(str(ckpt)) == 6
-    resumed, state = run(config(load=str(ckpt), iters=6))
+    resumed, state = run(on_cpu(config(load=str(ckpt), iters=6)))
     assert state.train_state.step == 6 and resumed == []
-    explicit = config(save=str(ckpt), iters=6, async_save=True, use_persistent_ckpt_worker=True)
+    explicit = on_cpu(config(save=str(ckpt), iters=6, async_save=True, use_persistent_ckpt_worker=True))
     with pytest.raises(ConfigValidationError, match="the persistent async checkpoint worker needs CUDA"):
         pretrain(explicit, forward_step)
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from factories import source_tree_env
 from text_data import documents, train_tokenizer, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,9 +166,7 @@ def _check_dry_run(start: str, text: str, tmp: str, env: dict) -> None:
 def test_readme_runs_as_written(tmp_path):
     tmp = str(tmp_path)
     _fixtures(tmp)
-    env = dict(os.environ, PYTHONPATH=REPO, PATH=os.path.join(tmp, "bin") + os.pathsep + os.environ["PATH"])
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
+    env = source_tree_env(PATH=os.path.join(tmp, "bin") + os.pathsep + os.environ["PATH"])
     ran = 0
     # Dry runs, printed plans and the SIDE_LANE blocks read nothing the other blocks write and
     # write nothing they read: they run in a second lane beside the blocks that build on each other.

@@ -46,31 +46,24 @@ def launch_problem(
     if backend == "gloo" or (backend == "auto" and visible_gpus < 1):
         return None
     shown = "nccl" if backend == "nccl" else "auto (nccl where GPUs are visible)"
-    path, cpu_way_out = setting, f"{setting}=gloo"
-    if visible_gpus < 1:
-        return ConfigProblem(
-            path,
-            f"{shown} trains on CUDA GPUs, and this process sees none (torch.cuda.device_count() is 0)",
-            f"run where GPUs are visible, or set {cpu_way_out} to train on CPU",
-        )
-    if gpu_per_process:
+    if gpu_per_process and visible_gpus >= 1:
         return None
     processes = f"{local_world_size} process{'es' if local_world_size != 1 else ''}"
     gpus = f"{visible_gpus} visible GPU{'s' if visible_gpus != 1 else ''}"
-    way_out = (
-        f"launch one process per GPU (torchrun --nproc_per_node={visible_gpus}), "
-        f"or set {cpu_way_out} to train on CPU"
+    on_gpus = (
+        f"launch one process per GPU (torchrun --nproc_per_node={visible_gpus})" if visible_gpus else "run where GPUs are visible"
     )
-    if local_world_size > visible_gpus:
+    way_out = f"{on_gpus}, or set {setting}=gloo to train on CPU"
+    if local_world_size > visible_gpus or visible_gpus < 1:
         return ConfigProblem(
-            path,
+            setting,
             f"{shown} needs one GPU per process, but this machine runs {processes} (LOCAL_WORLD_SIZE) "
             f"and has {gpus} (torch.cuda.device_count())",
             way_out,
         )
     if local_rank >= visible_gpus:
         return ConfigProblem(
-            path,
+            setting,
             f"{shown} puts each process on the GPU of its local rank, but local rank {local_rank} is past "
             f"the {gpus} (devices 0 to {visible_gpus - 1})",
             way_out,

@@ -277,11 +277,11 @@ def setup(
     from megatron_bridge.training.loggers import build_tracker
     from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 
-    resolve_config(cfg)
+    device = resolve_config(cfg)
     die_with_parent()
     stop_when_launcher_dies()
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
-    field_status.refuse_on_this_machine(cfg)  # settings that need a GPU or TransformerEngine
+    field_status.refuse_on_this_machine(cfg, device)  # settings that need a GPU or TransformerEngine
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()

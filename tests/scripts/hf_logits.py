@@ -23,9 +23,10 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--backend", default="auto", help="process-group backend (tests: factories.backend_for)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep)
+    logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep, backend=args.backend)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank == world - 1:
         torch.save(logits, args.out)
