@@ -76,8 +76,9 @@ def test_a_run_reads_the_launch_from_its_environment(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_path):
-    """More processes than this machine's GPUs with NCCL: each process stops with exit status 2 and
-    the launch error before building anything (torchrun reports the status, then exits 1 itself)."""
+    """More processes than this machine's GPUs with NCCL: the processes stop with exit status 2 and
+    the launch error before building anything (torchrun reports the first to stop, ends the
+    others, and exits 1 itself)."""
     from megatron_bridge.training.distributed import free_port
 
     visible = torch.cuda.device_count()
@@ -90,13 +91,14 @@ def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_pat
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=clean_env())
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert output.count("exitcode  : 2") == nproc, output[-3000:]
+    assert "exitcode  : 2" in output, output[-3000:]
     expected = (
         f"mbridge pretrain: error: 1 configuration problem:\n  - dist.distributed_backend: nccl needs one GPU per "
         f"process, but this machine runs {nproc} processes (LOCAL_WORLD_SIZE) and has {visible} visible GPU"
     )
-    assert output.count(expected) == nproc, output[-3000:]
-    assert "dist.distributed_backend=gloo to train on CPU" in output and "Traceback" not in output.split("ChildFailedError")[0]
+    assert expected in output, output[-3000:]
+    assert "dist.distributed_backend=gloo to train on CPU" in output
+    assert output.count("Traceback (most recent call last)") == 1  # torchrun's own ChildFailedError only
     assert not (tmp_path / "tiny_gpt_pretrain").exists()  # nothing was built or written
 
 
@@ -117,7 +119,7 @@ def test_hf_import_with_more_processes_than_gpus_exits_2(tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=clean_env())
     output = proc.stdout + proc.stderr
-    assert output.count("exitcode  : 2") == nproc, output[-3000:]
+    assert "exitcode  : 2" in output, output[-3000:]
     assert f"--backend: nccl needs one GPU per process, but this machine runs {nproc} processes" in output
     assert "or set --backend=gloo to train on CPU" in output
     assert not (tmp_path / "ckpt").exists()

@@ -172,6 +172,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
 
     from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
     from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
@@ -188,6 +189,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
         checkpoint_version=state_dict.CHECKPOINT_VERSION, iteration=iteration, layout=state_dict.layout(),
         saved_rng=False, saved_optimizer=False, saved_rerun=False, weights_only=True,
     )  # fmt: skip
+    use_results_queue(persistent_worker=False)  # no helper process for the writer's results
     dist_checkpointing.save(sd, staging, TorchDistSaveShardedStrategy("torch_dist", 1))
     dist.barrier()
     if rank == 0:
