@@ -146,12 +146,9 @@ def on_cpu(cfg):
     return cfg
 
 
-def needs(*modules: str) -> None:
-    """Skip the calling test, naming what is missing, unless every module in `modules` (optional
-    packages) is installed. Checked without importing them."""
+def missing_packages(*modules: str) -> list[str]:
+    """Those of `modules` (optional packages) that are not installed, checked without importing."""
     import importlib.util
-
-    import pytest
 
     def installed(module: str) -> bool:
         try:
@@ -159,6 +156,14 @@ def needs(*modules: str) -> None:
         except ImportError:
             return False
 
-    missing = [m for m in modules if not installed(m)]
+    return [m for m in modules if not installed(m)]
+
+
+def needs(*modules: str) -> None:
+    """Skip the calling test, naming what is missing, unless every module in `modules` (optional
+    packages) is installed."""
+    import pytest
+
+    missing = missing_packages(*modules)
     if missing:
         pytest.skip(f"needs the optional package(s) {', '.join(missing)}, not installed here")
