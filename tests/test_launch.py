@@ -164,3 +164,18 @@ def test_gloo_on_a_machine_with_gpus_hides_them_from_megatron_core(monkeypatch):
         cpu_backend.deactivate()
     assert {name: getattr(torch.cuda, name) for name in pretended} == pretended
     assert pretended != real
+
+
+def test_gpu_only_settings_of_a_cpu_run_on_a_gpu_machine_point_to_the_gpus(monkeypatch):
+    """A gloo run where GPUs are visible (pretended here) refuses GPU-only settings, and says to
+    train on the GPUs instead."""
+    from megatron_bridge.config import status as field_status
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = tiny_config()
+    cfg.model.enable_cuda_graph = True
+    assert field_status.machine_problems(cfg, device="cuda") == []
+    assert field_status.machine_problems(cfg, device="cpu") == [
+        "model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) "
+        "(train on the GPUs (dist.distributed_backend=auto or nccl), or leave it unset)"
+    ]

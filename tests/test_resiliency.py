@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from factories import needs, on_cpu, tiny_config
+from factories import backend_for, needs, on_cpu, tiny_config
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.child_processes import die_with_parent
@@ -195,7 +195,7 @@ def test_ft_launcher_restarts_after_a_simulated_rank_kill_and_the_job_completes(
         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script),
         "--iters", "120", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--step-sleep", "0.3",
         "--fault-tolerance", "--simulate-fault", "rank_killed", "--fault-rank", "1", "--fault-delay", "30",
-        "--out", str(out),
+        "--backend", backend_for(2), "--out", str(out),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
