@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.training.config import (
     ConfigContainer,
@@ -123,7 +125,7 @@ def backend_overrides(ranks: int) -> list[str]:
     return [f"dist.distributed_backend={backend_for(ranks)}"]
 
 
-REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The source tree these tests belong to."""
 
 
@@ -131,8 +133,6 @@ def source_tree_env(**extra: str) -> dict:
     """This process's environment for a subprocess that must import this source tree: the tree
     first on PYTHONPATH, what PYTHONPATH held kept after it (where the dependencies may be, when
     the project runs from source), and no launcher variables of an enclosing torchrun."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)
