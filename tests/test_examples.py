@@ -10,15 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from factories import source_tree_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def run_example(name: str, *argv: str) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
+    env = source_tree_env()
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", name), *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
