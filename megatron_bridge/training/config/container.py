@@ -151,7 +151,10 @@ class ConfigContainer(ConfigBase):
     """In-process restart with nvidia-resiliency-ext."""
 
     env_vars: dict[str, Any] = field(default_factory=dict)
-    """Environment variables set (if not already set) by runtime_config_update."""
+    """Environment variables set (if not already set) by runtime_config_update. Variables that
+    make a process load code (PYTHONPATH, LD_PRELOAD, BASH_ENV, ...) are refused: set those in
+    the launching environment. Values named like credentials (`*_TOKEN`, `*_KEY`, ...) are
+    written to saved configs as `<redacted>`; give them as `${oc.env:VAR}` to keep a reference."""
 
     recipe_world_size: Optional[int] = None
     """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use

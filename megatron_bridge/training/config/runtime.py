@@ -18,14 +18,13 @@ from megatron_bridge.config.base import finalize_into
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
-from megatron_bridge.training.config import checks, run_rules as run_schedule
+from megatron_bridge.config.secrets import printable
+from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
 
 logger = logging.getLogger(__name__)
-
-_SCALARS = (str, int, float, bool)
 
 
 def runtime_config_update(
@@ -55,22 +54,25 @@ def validate_into(cfg: "ConfigContainer", problems: Problems) -> None:
     run_rules([rule for rule in RULES if rule.validate], cfg, problems, {})
 
 
-# ---------------------------------------------------------------------- rules only runtime_config_update takes
+# ---------------------------------------------------------------------- rules
+def check_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
+    """`env_vars` holds names and scalar values the environment can take, within the size the
+    operating system passes on, and no variable that makes a process load code (PYTHONPATH,
+    LD_PRELOAD, BASH_ENV, ...; `training.config.env_vars` lists them with the reasons)."""
+    env_vars.check(cfg.env_vars, problems.at("env_vars"))
+
+
 def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Set `env_vars` in the environment; variables the environment already has win."""
-    p = problems.at("env_vars")
-    if not isinstance(cfg.env_vars, dict):
-        p.add("", f"must be a mapping of names to values, got {type(cfg.env_vars).__name__}", "use {NAME: value}")
+    """Set `env_vars` in the environment (all of them, or none when one is refused); variables
+    the environment already has win."""
+    if problems.at("env_vars"):
         return
     for name, value in cfg.env_vars.items():
-        if not isinstance(name, str) or not name.strip() or "=" in name:
-            p.add(repr(name), "is not a valid environment variable name", "use a non-empty name without '='")
-            continue
-        if not isinstance(value, _SCALARS):
-            p.add(name, f"value {value!r} is not a string or number", "give a scalar value")
-            continue
         if name in os.environ and os.environ[name] != str(value):
-            logger.info("env_vars.%s=%r not applied: the environment already has %r", name, value, os.environ[name])
+            logger.info(
+                "env_vars.%s=%s not applied: the environment already has %s",
+                name, printable(name, value), printable(name, os.environ[name]),
+            )  # fmt: skip
         os.environ.setdefault(name, str(value))
 
 
@@ -142,6 +144,7 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
 _PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 
 RULES: tuple[Rule, ...] = (
+    Rule("environment variables", "check", check_env_vars),
     Rule("environment variables", "setup", apply_env_vars, validate=False),
     Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
     Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
