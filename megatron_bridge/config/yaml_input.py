@@ -64,7 +64,9 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     if not os.path.exists(name):
         raise FileNotFoundError(f"config file {name!r} does not exist")
     if not os.path.isfile(name):
-        raise _error(name, "is not a regular file", "give the path of a YAML file")
+        from megatron_bridge.config.paths import file_kind
+
+        raise _error(name, f"is {file_kind(name)}, not a regular file", "give the path of a YAML file")
     size = os.path.getsize(name)
     if size > MAX_BYTES:
         raise _error(

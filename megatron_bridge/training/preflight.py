@@ -69,6 +69,9 @@ def unwritable_reason(path: str, create: bool) -> Optional[str]:
             existing = os.path.dirname(existing)
         if existing and not os.path.isdir(existing):
             return f"{path} lies under {existing}, which is a file, not a directory"
+    long_name = _name_too_long(path, existing)
+    if long_name:
+        return long_name
     if not create:
         if not os.access(existing, os.W_OK | os.X_OK):
             return f"{existing} is not writable by this user"
@@ -85,6 +88,20 @@ def unwritable_reason(path: str, create: bool) -> Optional[str]:
         os.unlink(probe)
     except OSError as exc:
         return f"{path} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def _name_too_long(path: str, existing: str) -> Optional[str]:
+    """Why a name in `path` is longer than the filesystem of its nearest existing directory
+    `existing` stores, or None."""
+    try:
+        limit = os.pathconf(existing or "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in path.split(os.sep):
+        size = len(os.fsencode(part))
+        if size > limit:
+            return f"{path}: the name {part[:40]!r}... is {size} bytes, over the {limit} bytes its filesystem allows"
     return None
 
 

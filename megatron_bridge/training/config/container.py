@@ -15,6 +15,7 @@ from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.secrets import printable
 from megatron_bridge.training.config.logger import LoggerConfig
 from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
 from megatron_bridge.training.config.optimizer import OptimizerConfig, OptimizerConfigOverrideProvider
@@ -232,7 +233,7 @@ class ConfigContainer(ConfigBase):
             diff = non_default_values(section)
             if diff:
                 report[f.name] = diff
-                lines = ", ".join(f"{k}={v[0]!r} (default {v[1]!r})" for k, v in diff.items())
+                lines = ", ".join(f"{k}={printable(k, v[0])} (default {v[1]!r})" for k, v in diff.items())
                 logger.info("%s: %s", f.name, lines)
         return report
 
