@@ -147,7 +147,7 @@ def test_iteration_and_sample_scheduler_fields_do_not_mix():
 
 def test_weight_decay_range():
     errors = problems_of(tiny_config(scheduler=SchedulerConfig(start_weight_decay=-0.1, end_weight_decay=0.1)))
-    assert "scheduler.start_weight_decay: -0.1 is outside the allowed range [0, inf) (choose a value in that range)" in errors
+    assert "scheduler.start_weight_decay: -0.1 is outside the allowed range [0, 10] (choose a value in that range)" in errors
     assert (
         "scheduler.end_weight_decay: constant weight decay but start (-0.1) != end (0.1) "
         "(set weight_decay_incr_style='linear' or 'cosine', or make them equal)"
