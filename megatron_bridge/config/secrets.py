@@ -15,7 +15,8 @@ hands its output to `conceal`:
 
 Keep credentials in the environment and name them with `${oc.env:VAR}`: the saved config then
 still works, and holds only the variable's name. `printable` and `scrub` apply the same rules to
-log lines and error messages.
+log lines and error messages; `restore_environment` resolves the `${oc.env:VAR}` of a written
+config read as plain data (not through `from_dict`, which resolves every interpolation).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _VOCABULARY_TOKENS = frozenset({"pad", "eos", "bos", "unk", "sep", "cls", "mask"
 
 _WORDS = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 _ENV_READ = re.compile(r"\$\{\s*oc\.env\s*:\s*([^,}\s]+)")
-_ENV_REFERENCE = re.compile(r"\$\{oc\.env:[^,{}]+\}")
+_WRITTEN_ENV_READ = re.compile(r"\$\{oc\.env:([^,{}]+)\}")
 _BOOKKEEPING = frozenset({"_target_", "_explicit_", "_implicit_", "_derived_"})
 """Keys of written configs that name classes and fields (`_target_`, `_explicit_`, ...)."""
 _URL_PASSWORD = re.compile(r"(://[^/@:\s]+:)[^/@\s]+@")
@@ -106,7 +107,7 @@ def conceal(data: Any, name: Any = None) -> Any:
         return {k: v if k in _BOOKKEEPING else conceal(v, k) for k, v in data.items()}
     if isinstance(data, str):
         text = scrub(data)
-        if text == data and data and credential and not _ENV_REFERENCE.fullmatch(data):
+        if text == data and data and credential and not _WRITTEN_ENV_READ.fullmatch(data):
             return REDACTED
         return text
     if credential and _holds_value(data):
@@ -127,3 +128,17 @@ def printable(name: Any, value: Any) -> str:
     """`repr(value)` of field or key `name` for a log line, with the rules of `conceal`."""
     shown = conceal(value, name)
     return shown if shown == REDACTED else repr(shown)
+
+
+def restore_environment(data: Any) -> Any:
+    """Plain data read from a written config with each `${oc.env:VAR}` replaced by the value of
+    VAR in this process's environment (left as it is where VAR is unset)."""
+    import os
+
+    if isinstance(data, dict):
+        return {k: restore_environment(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [restore_environment(v) for v in data]
+    if isinstance(data, str) and "${oc.env:" in data:
+        return _WRITTEN_ENV_READ.sub(lambda m: os.environ.get(m.group(1), m.group(0)), data)
+    return data
