@@ -100,8 +100,9 @@ def cases(work) -> dict[str, Future]:
                        "optimizer.adam_eps=1e30", "optimizer.clip_grad=1e30", "model.init_method_std=1e30",
                        "model.layernorm_epsilon=1e30", f"model.rotary_base={2**64}", "train.exit_duration_in_mins=1e30",
                        "train.exit_interval=0"],
-        "paths": ["pretrain", "--recipe", TINY, "--dry-run", "logger.tensorboard_dir=", f"checkpoint.save={long_name}",
-                  f"checkpoint.load={a_file}"],
+        "paths": ["pretrain", "--recipe", TINY, "--dry-run", "logger.tensorboard_dir=", f"checkpoint.save={long_name}"],
+        "load a file": ["pretrain", "--recipe", TINY, "train.train_iters=2", "--dir", os.path.join(d, "runs-load"),
+                        f"checkpoint.load={a_file}"],
         "signal and empty save": ["pretrain", "--recipe", TINY, *fast, "train.exit_signal=SIGCHLD", "checkpoint.save="],
         "fifo config": ["pretrain", "--config-file", os.path.join(d, "fifo.yaml")],
         "directory config": ["config", "show", os.path.join(d, "dir.yaml")],
@@ -203,13 +204,18 @@ def test_absurd_magnitudes_and_exit_interval_0_are_refused(cases):
 
 
 @pytest.mark.timeout(600)
-def test_empty_and_over_long_paths_and_a_file_to_load_are_refused_in_the_dry_run(cases, work):
+def test_empty_and_over_long_paths_are_refused_in_the_dry_run(cases):
     refused(
         cases, "paths",
         "logger.tensorboard_dir: '' is not a path (give a path, or null to turn it off)",
         "checkpoint.save: the name 'nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn...' in it is 300 bytes, over the 255 bytes",
-        f"checkpoint.load: '{work}/merge.yaml' is a regular file, not a checkpoint directory",
     )  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_file_as_checkpoint_load_is_refused_before_training(cases, work):
+    refused(cases, "load a file", f"checkpoint.load: {work}/merge.yaml is a regular file, not a checkpoint directory")
+    assert not os.path.exists(work / "runs-load" / "tiny_gpt_pretrain" / "checkpoints" / "latest_checkpointed_iteration.txt")
 
 
 @pytest.mark.timeout(600)

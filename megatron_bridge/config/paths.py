@@ -44,14 +44,24 @@ def too_long_component(path: str) -> str:
     return next((part for part in path.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX), "")
 
 
+_BY_CLASS: dict[type, tuple[str, ...]] = {}
+"""`path_fields` by class, looked up without a call: `check` runs for every section of every update."""
+
+
 def check(obj: Any, problems: Problems) -> None:
     """Add a problem for each path field of config `obj` that is empty or has a component too
     long for a filesystem."""
+    names = _BY_CLASS.get(obj.__class__)
+    if not names:
+        if names is None:
+            _BY_CLASS[obj.__class__] = path_fields(obj.__class__)
+            check(obj, problems)
+        return
     values = obj.__dict__
-    for name in path_fields(type(obj)):
+    for name in names:
         value = values.get(name)
-        if value.__class__ is not str:
-            continue
+        if value.__class__ is not str or (value and len(value) <= NAME_MAX and not value[0].isspace()):
+            continue  # the common case: unset, or a short path
         if not value.strip():
             problems.add(name, f"{show(value)} is not a path", "give a path, or null to turn it off")
             continue

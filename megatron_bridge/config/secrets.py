@@ -21,6 +21,7 @@ config read as plain data (not through `from_dict`, which resolves every interpo
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Iterable
 
@@ -55,8 +56,11 @@ def is_credential_name(name: Any) -> bool:
     """Whether a field or key called `name` holds a credential: it has a word like password,
     secret, credential or apikey, or ends in token, key, pwd, auth or cookie (`comet_api_key`,
     `HF_TOKEN`; not `pad_token`, a tokenizer's vocabulary entry)."""
-    if not isinstance(name, str):
-        return False
+    return isinstance(name, str) and _is_credential_name(name)
+
+
+@functools.lru_cache(maxsize=8192)  # the same field names come back with every config written
+def _is_credential_name(name: str) -> bool:
     words = [w.lower() for w in _WORDS.split(name) if w]
     if not words:
         return False
@@ -106,7 +110,7 @@ def conceal(data: Any, name: Any = None) -> Any:
     if isinstance(data, dict) and not (credential and data and "_target_" not in data):
         return {k: v if k in _BOOKKEEPING else conceal(v, k) for k, v in data.items()}
     if isinstance(data, str):
-        text = scrub(data)
+        text = scrub(data) if _FROM_ENVIRONMENT or "://" in data else data
         if text == data and data and credential and not _WRITTEN_ENV_READ.fullmatch(data):
             return REDACTED
         return text

@@ -1,4 +1,4 @@
-"""Checks of where a run writes, done before the model is built.
+"""Checks of where a run writes (and the checkpoint it resumes from), done before the model is built.
 
 A save directory that cannot be written would otherwise be found at the first save, which with
 most recipes comes after hours of training. Every output directory the config names is checked:
@@ -106,8 +106,17 @@ def _name_too_long(path: str, existing: str) -> Optional[str]:
 
 
 def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
-    """A problem for each output directory of this rank that cannot be written."""
+    """A problem for each output directory of this rank that cannot be written, and for a
+    `checkpoint.load` that is not a directory (a run would silently start from scratch)."""
     problems = []
+    load = cfg.checkpoint.load
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        from megatron_bridge.config.paths import file_kind
+
+        problems.append(ConfigProblem(
+            "checkpoint.load", f"{load} is {file_kind(load)}, not a checkpoint directory",
+            "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
+        ))  # fmt: skip
     for field, path in output_dirs(cfg, logging_rank):
         why = unwritable_reason(path, create)
         if why:

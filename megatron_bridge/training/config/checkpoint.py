@@ -7,7 +7,6 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.config.paths import file_kind
 
 ASYNC_FORMATS = ("torch_dist",)
 
@@ -32,7 +31,7 @@ class CheckpointConfig(ConfigBase):
 
     load: Optional[str] = None
     """Directory to resume from: its latest complete checkpoint, or `ckpt_step` (a directory
-    without checkpoints starts the run from scratch; a file is an error)."""
+    without checkpoints starts the run from scratch; a file is refused before the run starts)."""
 
     load_optim: bool = True
     """Load optimizer state when resuming."""
@@ -155,13 +154,6 @@ class CheckpointConfig(ConfigBase):
                 "ckpt_step",
                 f"ckpt_step={self.ckpt_step} is set but there is nothing to load",
                 "set checkpoint.load (or pretrained_checkpoint), or remove ckpt_step",
-            )
-        if self.load is not None and os.path.exists(self.load):
-            p.check(
-                os.path.isdir(self.load),
-                "load",
-                f"{self.load!r} is {file_kind(self.load)}, not a checkpoint directory",
-                "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
             )
         if self.pretrained_checkpoint is not None:
             p.check(

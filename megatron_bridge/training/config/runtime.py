@@ -65,7 +65,11 @@ def check_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
 def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
     """Set `env_vars` in the environment (all of them, or none when one is refused); variables
     the environment already has win."""
-    if problems.at("env_vars"):
+    if not cfg.env_vars:
+        return
+    refused = Problems()
+    env_vars.check(cfg.env_vars, refused)  # reported by the check rule
+    if refused:
         return
     for name, value in cfg.env_vars.items():
         if name in os.environ and os.environ[name] != str(value):
@@ -144,7 +148,6 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
 _PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 
 RULES: tuple[Rule, ...] = (
-    Rule("environment variables", "check", check_env_vars),
     Rule("environment variables", "setup", apply_env_vars, validate=False),
     Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
     Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
@@ -166,6 +169,7 @@ RULES: tuple[Rule, ...] = (
     Rule("Hugging Face weights", "check", checks.check_hugging_face),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
+    Rule("environment variables", "check", check_env_vars),
     Rule("data blends and phases", "check", check_data_rules),
     Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
     Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
