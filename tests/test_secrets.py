@@ -98,6 +98,19 @@ def test_logs_errors_and_urls_do_not_repeat_secrets(monkeypatch, caplog):
     assert cfg.to_dict()["logger"]["mlflow_tracking_uri"] == "https://alice:<redacted>@mlflow.example.com/api"
 
 
+def test_a_recorded_command_line_hides_credentials_given_as_overrides(monkeypatch):
+    monkeypatch.setenv("MB_TEST_SECRET", SECRET)
+    process_config_with_overrides(tiny_config(), None, ["+env_vars.A=${oc.env:MB_TEST_SECRET}"])
+    argv = ["pretrain", "++env_vars.DB_PASSWORD=" + LITERAL, "logger.comet_api_key=${oc.env:K}",
+            "++env_vars={HF_TOKEN: " + LITERAL + ", A: 1}", "++env_vars={A: 1}", "--recipe-arg", "hf_token=" + LITERAL,
+            "logger.wandb_exp_name=" + SECRET, "train.train_iters=3"]  # fmt: skip
+    assert secrets.conceal_argv(argv) == [
+        "pretrain", "++env_vars.DB_PASSWORD=<redacted>", "logger.comet_api_key=${oc.env:K}", "++env_vars=<redacted>",
+        "++env_vars={A: 1}", "--recipe-arg", "hf_token=<redacted>", "logger.wandb_exp_name=${oc.env:MB_TEST_SECRET}",
+        "train.train_iters=3",
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------------- a real run
 def _files_holding(root: str, secret: bytes) -> list[str]:
     """Every file under `root` whose bytes hold `secret`, also inside zip archives (Comet's
@@ -154,6 +167,7 @@ def test_a_run_with_every_tracker_leaves_no_secret_in_its_directory(tmp_path):
         "logger.wandb_project=p", f"logger.wandb_save_dir={run}/wandb",
         "logger.mlflow_experiment=e", "logger.mlflow_run_name=m", f"logger.mlflow_tracking_uri=sqlite:///{run}/mlflow.db",
         "logger.comet_project=c", "logger.comet_experiment_name=x", f"logger.comet_offline_directory={run}/comet",
+        "logger.tracker_subprocess=false",  # the same records; no helper process to start (nor to starve at idle priority)
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_bridge", *argv], cwd=str(tmp_path), env=env, capture_output=True, text=True,

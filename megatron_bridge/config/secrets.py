@@ -146,3 +146,31 @@ def restore_environment(data: Any) -> Any:
     if isinstance(data, str) and "${oc.env:" in data:
         return _WRITTEN_ENV_READ.sub(lambda m: os.environ.get(m.group(1), m.group(0)), data)
     return data
+
+
+def conceal_argv(argv: list[str]) -> list[str]:
+    """A command line as it may be recorded (trackers in the training process record it): the
+    value of each `KEY=VALUE` override whose key, or a key inside whose mapping value, names a
+    credential is `<redacted>`, and values read from the environment are scrubbed."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        last = key.lstrip("+~").rsplit(".", 1)[-1]
+        hidden = is_credential_name(last) and not _WRITTEN_ENV_READ.fullmatch(value) or _names_credential(value)
+        if eq and key and not key.startswith("-") and hidden:
+            arg = f"{key}={REDACTED}"
+        out.append(scrub(arg))
+    return out
+
+
+def _names_credential(text: str) -> bool:
+    """Whether override value `text` is a mapping with a credential-named key."""
+    if "{" not in text:
+        return False
+    from megatron_bridge.config.overrides import OverrideSyntaxError, parse_value
+
+    try:
+        value = parse_value(text)
+    except OverrideSyntaxError:
+        return False
+    return isinstance(value, dict) and conceal(value) != value
