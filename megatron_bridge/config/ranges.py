@@ -51,7 +51,7 @@ class Range:
 
 
 def _num(x: float) -> str:
-    for power in (63, 31, 32):
+    for power in (63, 31, 32, 64):
         if x == 2**power:
             return f"2**{power}"
     return str(int(x)) if float(x).is_integer() else repr(x)
