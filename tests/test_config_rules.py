@@ -157,7 +157,7 @@ def test_weight_decay_range():
     )
     assert "start_weight_decay (0.1) exceeds end_weight_decay (0.01)" in only_problem(shrinking)
     negative = tiny_config(optimizer=OptimizerConfig(lr=1e-3, weight_decay=-1.0))
-    assert "optimizer.weight_decay: -1.0 is outside the allowed range [0, inf) (choose a value in that range)" in problems_of(negative)
+    assert "optimizer.weight_decay: -1.0 is outside the allowed range [0, 10] (choose a value in that range)" in problems_of(negative)
 
 
 def test_weight_decay_schedule_defaults_to_optimizer_weight_decay():
