@@ -66,8 +66,9 @@ def resolve_interpolations(
 ) -> tuple[Any, list[Override]]:
     """The file data and overrides with `${...}` resolved by OmegaConf against the config
     sections they refer to, the file and the overrides (so a later override of a referenced key
-    is seen, as with Hydra); with `config` None, `data` is a whole config and refers to itself. An unresolvable value is reported as (path, message, fix, source)
-    and dropped; so is one whose interpolations nest too deeply (OmegaConf recurses over them)."""
+    is seen, as with Hydra); with `config` None, `data` is a whole config and refers to itself.
+    An unresolvable value is reported as (path, message, fix, source) and dropped; so is one
+    whose interpolations nest too deeply (OmegaConf recurses over them)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
