@@ -112,6 +112,8 @@ def cases(work) -> dict[str, Future]:
                            "logger.comet_api_key=${oc.env:MB_TEST_SECRET}", "++env_vars.DB_PASSWORD=literal-credential"],
         "secret config show": ["config", "show", os.path.join(d, "secret.yaml")],
         "secret config diff": ["config", "diff", TINY, os.path.join(d, "secret.yaml")],
+        "secret help": ["pretrain", "--recipe", TINY, "+env_vars.API_TOKEN=${oc.env:MB_TEST_SECRET}",
+                        "++env_vars.DB_PASSWORD=literal-credential", "--help-config"],
     }  # fmt: skip
     env = _env(MB_TEST_SECRET=SECRET)
     pool = ThreadPoolExecutor(PARALLEL)
@@ -245,7 +247,7 @@ def test_a_key_given_twice_in_a_yaml_file_names_the_key_and_both_lines(cases, wo
 
 # ---------------------------------------------------------------------- secrets
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["secret dry run", "secret config show", "secret config diff"])
+@pytest.mark.parametrize("case", ["secret dry run", "secret config show", "secret config diff", "secret help"])
 def test_printed_configs_show_neither_environment_values_nor_credentials(cases, case):
     proc = cases[case].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
