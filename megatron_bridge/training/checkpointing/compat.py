@@ -85,7 +85,7 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
     from megatron_bridge.config.serialization import to_dict
     from megatron_bridge.training.checkpointing.layout import resolve
 
-    current = to_dict(cfg.model)
+    current = None  # encoded only when there is a saved model to compare with (rarely)
     for field, path, step in loaded_checkpoints(cfg):
         try:
             saved = _saved_model(resolve(path, step)[0])
@@ -93,6 +93,7 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
             continue  # no readable checkpoint there: reported when it is loaded
         if saved is None:
             continue
+        current = to_dict(cfg.model) if current is None else current
         differing = [
             n for n in ARCHITECTURE_FIELDS
             if n in saved and current.get(n) is not None and saved[n] != current[n]
