@@ -277,6 +277,15 @@ def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     hf_checks.check_save_hf(cfg, problems)
 
 
+def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The checkpoints of ours that the run loads weights from were saved with the config's model
+    architecture (their run_config.yaml against the model section): a mismatch is reported
+    before the model is built."""
+    from megatron_bridge.training.checkpointing.compat import check_loaded_architectures
+
+    check_loaded_architectures(cfg, problems)
+
+
 def _null_tokenizer_vocab(cfg: "ConfigContainer"):
     tok = cfg.tokenizer
     if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
