@@ -112,7 +112,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         provider = checkpoint_provider(directory)
         load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp)) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)

@@ -21,18 +21,16 @@ are MXFP4-quantized and are refused: they must be dequantized first.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, List, Literal, Optional, Tuple, Union
 
 from megatron_bridge.config.base import config_dataclass
-from megatron_bridge.config.errors import show
 from megatron_bridge.models.activations import quick_gelu
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, read_rope_theta, rope_scaling_of, scalar
 from megatron_bridge.models.hf.mapping import Copy, Mapped
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.hf.stacked import ExpertSlice
-from megatron_bridge.models.hf.yarn import read_yarn, yarn_settings
+from megatron_bridge.models.hf.yarn import no_yarn, read_yarn, yarn_settings
 
 SWIGLU_ALPHA = 1.702
 """The sigmoid gain of GPT-OSS's gate: quick_gelu's constant."""
@@ -151,7 +149,7 @@ class GptOssModelProvider(GPTModelProvider):
 
 @config_dataclass
 class GptOssModelProvider20B(GptOssModelProvider):
-    """gpt-oss-20b (20.9B parameters in total, 3.6B active per token): 24 layers, 32 experts."""
+    """gpt-oss-20b (20.9B parameters in total; 3.6B active per token, the input embedding not counted): 24 layers, 32 experts."""
 
     num_layers: int = 24
     """Transformer layers."""
@@ -162,7 +160,7 @@ class GptOssModelProvider20B(GptOssModelProvider):
 
 @config_dataclass
 class GptOssModelProvider120B(GptOssModelProvider):
-    """gpt-oss-120b (116.8B parameters in total, 5.1B active per token): 36 layers, 128 experts."""
+    """gpt-oss-120b (116.8B parameters in total; 5.1B active per token, the input embedding not counted): 36 layers, 128 experts."""
 
     num_layers: int = 36
     """Transformer layers."""
@@ -229,7 +227,7 @@ class GptOssFamily(HFFamily):
             method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
             read.refuse(
                 "quantization_config",
-                f"{show(method)}: quantized expert weights are not converted",
+                f"{method!r}: quantized expert weights are not converted",
                 "dequantize to bf16 first (transformers: from_pretrained(..., quantization_config=Mxfp4Config("
                 "dequantize=True)), then save_pretrained) and convert that directory",
             )
@@ -246,7 +244,7 @@ class GptOssFamily(HFFamily):
         if layer_types is None:  # transformers' default: sliding first, then alternating
             layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
         if not isinstance(layer_types, list) or any(t not in (SLIDING, FULL) for t in layer_types):
-            read.refuse("layer_types", f"{show(layer_types)}: only {SLIDING!r} and {FULL!r} layers exist", "")
+            read.refuse("layer_types", f"{layer_types!r}: only {SLIDING!r} and {FULL!r} layers exist", "")
             return {}
         if len(layer_types) != layers:
             read.refuse("layer_types", f"lists {len(layer_types)} layers, num_hidden_layers={layers}", "fix config.json")
@@ -268,9 +266,7 @@ class GptOssFamily(HFFamily):
             return {**out, **read_yarn(read, scaling, field)}
         if kind != "default":
             read.refuse(f"{field}.rope_type", f"{kind!r} is not implemented (default and yarn are)", "")
-        # plain rotary embeddings: the provider's YaRN defaults do not apply
-        plain = {f.name: f.default for f in dataclasses.fields(GPTModelProvider) if f.name.startswith("yarn_")}
-        return {**out, **plain, "position_embedding_type": "rope"}
+        return {**out, **no_yarn(), "position_embedding_type": "rope"}  # not the provider's YaRN defaults
 
     def read_mlp(self, read, kw):
         alpha = read.float("swiglu_alpha", default=SWIGLU_ALPHA)
@@ -279,7 +275,7 @@ class GptOssFamily(HFFamily):
         limit = read.hf.get("swiglu_limit", 7.0)
         read.used("swiglu_limit")
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-            read.refuse("swiglu_limit", f"{show(limit)} is not a positive clamp", "fix config.json")
+            read.refuse("swiglu_limit", f"{limit!r} is not a positive clamp", "fix config.json")
         return dict(
             num_moe_experts=read.int("num_local_experts"),
             moe_router_topk=read.int("num_experts_per_tok"),

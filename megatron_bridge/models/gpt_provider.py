@@ -207,6 +207,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
         self._check_layer_fields(p)
+        self._check_expert_biases(p)
         self._check_rotary(p)
         self._check_activation(p)
         from megatron_bridge.models.attention import check_attention, core_attention_recompute
@@ -261,6 +262,30 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             f"False normalizes each rank's whole key heads, but {groups} query groups do not split over "
             f"tensor_model_parallel_size={tp}",
             "choose a TP size that divides num_query_groups",
+        )
+
+    def expert_tensor_parallel(self, tp: int) -> Optional[int]:
+        """The expert tensor-parallel size this model is built with where the tensor-parallel size
+        is `tp`: the field where set; 1 for experts with biases (megatron-core splits no expert
+        with biases); else None (megatron-core's default: `tp`)."""
+        if self.expert_tensor_parallel_size is not None:
+            return self.expert_tensor_parallel_size
+        return 1 if self.num_moe_experts and self.add_bias_linear and tp > 1 else None
+
+    def _check_expert_biases(self, p: Problems) -> None:
+        """megatron-core adds an expert's output bias on every expert-tensor-parallel rank before
+        their partial outputs are summed, so it splits no expert with biases (expert_tensor_parallel_size
+        1); unset, that is derived."""
+        if not self.num_moe_experts or not self.add_bias_linear:
+            return
+        etp = self.expert_tensor_parallel(self.tensor_model_parallel_size)
+        if etp is not None and not self.is_explicit("expert_tensor_parallel_size"):
+            self._derive("expert_tensor_parallel_size", etp)
+        p.check(
+            etp in (None, 1),
+            "expert_tensor_parallel_size",
+            f"{etp}: megatron-core splits no expert with biases (add_bias_linear=True) over tensor-parallel ranks",
+            "set model.expert_tensor_parallel_size=1 (the experts are split over expert-parallel ranks instead)",
         )
 
     def _check_rotary(self, p: Problems) -> None:

@@ -10,6 +10,7 @@ explicit `attention_factor` other than the computed one, YaRN over part of each 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,14 @@ from megatron_bridge.config.errors import show
 
 if TYPE_CHECKING:
     from megatron_bridge.models.hf.config import ConfigReader
+
+
+def no_yarn() -> dict[str, Any]:
+    """The provider's `yarn_*` fields for plain rotary embeddings (`GPTModelProvider`'s
+    defaults), for a provider class whose own defaults are YaRN's."""
+    from megatron_bridge.models.gpt_provider import GPTModelProvider
+
+    return {f.name: f.default for f in dataclasses.fields(GPTModelProvider) if f.name.startswith("yarn_")}
 
 
 def attention_factor(factor: float, mscale: Any = None, mscale_all_dim: Any = None) -> float:
