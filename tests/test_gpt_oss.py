@@ -345,3 +345,17 @@ def test_lora_adapters_on_the_attention_load_in_peft_with_our_logits(tmp_path):
         theirs = peft.PeftModel.from_pretrained(hf_base, adapters).eval()(tokens).logits
     assert (adapted - plain).abs().max().item() > 1e-2  # the adapters change the logits
     assert (theirs - adapted).abs().max().item() < 1e-4
+
+
+def test_grouped_experts_with_biases_need_transformer_engines_grouped_gemm():
+    """megatron-core's legacy GroupedMLP (the grouped_gemm package without TransformerEngine) has
+    no expert biases: a default grouped GEMM gives way to sequential experts, an explicit one is
+    refused; TransformerEngine's grouped layers take the biases."""
+    from megatron_bridge.models.experts import decide_grouped_gemm
+
+    default, explicit = M.GptOssModelProvider20B(), M.GptOssModelProvider20B(moe_grouped_gemm=True)
+    assert decide_grouped_gemm(default, te_layers=True, grouped_gemm_installed=True).grouped_gemm is True
+    falls_back = decide_grouped_gemm(default, te_layers=False, grouped_gemm_installed=True)
+    assert falls_back.grouped_gemm is False and "(GroupedMLP) has no expert biases" in falls_back.message
+    refused = decide_grouped_gemm(explicit, te_layers=False, grouped_gemm_installed=True)
+    assert refused.refused and "moe_grouped_gemm=True needs a grouped GEMM, but megatron-core's" in refused.message
