@@ -207,12 +207,14 @@ def model_parallel():
 
 
 @pytest.mark.parametrize("layer, packed", [(1, False), (2, False), (1, True)], ids=["window", "full", "window-packed"])
-def test_attention_sinks_are_those_of_transformers(model_parallel, layer, packed):
-    """The core attention the GPT-OSS layer spec builds (megatron-core's unfused attention with a
-    learned softmax offset; layer 1 with a 4-token window, layer 2 without) against transformers'
-    eager GPT-OSS attention with the same sinks and mask; packed samples stay apart."""
+@pytest.mark.parametrize("backend", ["auto", "unfused"])
+def test_attention_sinks_are_those_of_transformers(model_parallel, layer, packed, backend):
+    """The core attention the GPT-OSS layer spec builds (SDPA with the sink key, or megatron-core's
+    unfused attention with a learned softmax offset; layer 1 with a 4-token window, layer 2
+    without) against transformers' eager GPT-OSS attention with the same sinks and mask; packed
+    samples stay apart."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     from megatron_bridge.models.attention import core_attention_choice, core_attention_module
@@ -220,9 +222,11 @@ def test_attention_sinks_are_those_of_transformers(model_parallel, layer, packed
     heads, groups, dim, seq = 4, 2, 16, 12
     config = M.GptOssModelProvider(num_layers=2, hidden_size=64, num_attention_heads=heads, num_query_groups=groups,
                                    kv_channels=dim, num_moe_experts=4, window_size=(3, 0), seq_length=seq,
-                                   **cpu_backend.CPU_MODEL_SETTINGS)  # fmt: skip
+                                   attention_backend=AttnBackend[backend], **cpu_backend.CPU_MODEL_SETTINGS)  # fmt: skip
     config.finalize()
-    module_cls = core_attention_module(config, core_attention_choice(config)) or DotProductAttention
+    choice = core_attention_choice(config)
+    assert choice.kind == ("sdpa" if backend == "auto" else "unfused")
+    module_cls = core_attention_module(config, choice) or DotProductAttention
     attention = module_cls(config, layer, AttnMaskType.causal, "self")
     with torch.no_grad():
         attention.softmax_offset.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0]))
