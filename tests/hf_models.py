@@ -116,12 +116,13 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
-        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
+        positions = torch.arange(seq).expand(batch, seq)
+        data = iter([{"tokens": tokens.to(device), "position_ids": positions.to(device)}])
 
         def step(data_iterator, module):
             item = next(data_iterator)
             output = module(item["tokens"], item["position_ids"], None)
-            return output, lambda out, non_loss_data=False: out.detach().clone()
+            return output, lambda out, non_loss_data=False: out.detach().cpu().clone()
 
         out = get_forward_backward_func()(
             forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1, seq_length=seq,
