@@ -52,9 +52,9 @@ def family_configs() -> dict:
         "olmo2": Olmo2Config(**COMMON),
         "phi3": Phi3Config(**COMMON, sliding_window=8, pad_token_id=0, eos_token_id=1),
         # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
-        # sinks, a 4-token window on every other layer, YaRN, clamps that bite (swiglu_limit), stacked experts
+        # sinks, a 4-token window on every other layer, YaRN, stacked experts whose clamps bite (save_tiny)
         "gpt_oss": GptOssConfig(**{**COMMON, **MOE}, head_dim=16, num_local_experts=4, sliding_window=4,
-                                swiglu_limit=0.5, rope_parameters=GPT_OSS_YARN),
+                                rope_parameters=GPT_OSS_YARN),
         "phi3_partial": Phi3Config(**{**COMMON, "vocab_size": 250}, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                      pad_token_id=0, eos_token_id=1),
     }
@@ -74,6 +74,8 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif pname.endswith("sinks"):  # attention sinks large enough to take much of each softmax row
                 param.copy_(torch.randn_like(param))
+            elif pname.endswith("experts.gate_up_proj"):  # GPT-OSS: gate and up values beyond the clamp at 7
+                param.mul_(8.0)
             elif pname.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
