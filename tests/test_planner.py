@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import backend_for
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.planning import plan
@@ -66,6 +67,8 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         str(out),
         "--layouts",
         *LAYOUTS,
+        "--backend",
+        backend_for(2),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -331,6 +334,7 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
         (["--plan-only", "--gpu", "h100"], "invalid choice: 'h100'"),
         (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
         (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
+        (["--no-te"], "--no-te only applies to --dry-run and --plan-only"),
         (["--dry-run", "--json"], "--json only applies to --plan-only"),
         (
             ["--plan-only", "ddp.use_megatron_fsdp=true"],

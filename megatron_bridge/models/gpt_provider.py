@@ -376,21 +376,20 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
         te = self.uses_transformer_engine()
         spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
-        spec = with_biased_experts(self, apply_layer_fields(self, spec))
         if not te:
             choice = core_attention_choice(self)
             if not vp_stage:  # one line per model, not per virtual pipeline stage
                 logger.info("%s", choice)
             module = core_attention_module(self, choice)
-            spec = spec if module is None else replace_core_attention(spec, module)
-        return self.adjust_layer_spec(spec, vp_stage)
+            if module is not None:
+                spec = replace_core_attention(spec, module)
+        return self.adjust_layer_spec(with_biased_experts(self, apply_layer_fields(self, spec)), vp_stage)
 
     def adjust_layer_spec(self, spec: Any, vp_stage: Optional[int] = None) -> Any:
         """Family hook: edit the decoder block spec (megatron-core's `TransformerBlockSubmodules`
-        of this pipeline stage, the layer fields and the core attention built in) and return the
-        spec to build. Replace only the submodules the family changes
-        (`models.layers.spec_edits.edit_layers`), so the edit composes with the others. Not called
-        for a custom `transformer_layer_spec`."""
+        of this pipeline stage, the layer fields built in) and return the spec to build. Replace
+        only the submodules the family changes (`models.layers.spec_edits.edit_layers`), so the
+        edit composes with the others. Not called for a custom `transformer_layer_spec`."""
         return spec
 
     def uses_transformer_engine(self) -> bool:
