@@ -369,3 +369,32 @@ def test_grouped_experts_with_biases_need_transformer_engines_grouped_gemm():
     assert falls_back.grouped_gemm is False and "(GroupedMLP) has no expert biases" in falls_back.message
     refused = decide_grouped_gemm(explicit, te_layers=False, grouped_gemm_installed=True)
     assert refused.refused and "moe_grouped_gemm=True needs a grouped GEMM, but megatron-core's" in refused.message
+
+
+# ---------------------------------------------------------------------- eval and generate
+def test_eval_loss_and_greedy_tokens_are_those_of_transformers(tmp_path):
+    """`evaluate()` on the Hugging Face directory gives transformers' mean next-token loss, and
+    `generate()` its greedy tokens (KV cache; sinks, the window of 4 and YaRN at every step)."""
+    from inference_models import hf_tokenizer, tiny_hf_model, transformers_logprobs, transformers_model
+    from text_data import documents, write_jsonl
+
+    from megatron_bridge.inference import evaluate, generate
+
+    model = tiny_hf_model("gpt_oss", tmp_path / "hf")
+    docs = documents(6, seed=7, sentences=(1, 4))
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    hf, tok = transformers_model(model), hf_tokenizer(model)
+    total = count = 0
+    for doc in docs:  # each truncated to the model's sequence length, as evaluate() does by default
+        ids = tok.encode(doc).ids[: family_configs()["gpt_oss"].max_position_embeddings]
+        total -= transformers_logprobs(hf, ids).sum().item()
+        count += len(ids) - 1
+    result = evaluate(model, str(tmp_path / "docs.jsonl"))
+    assert result.tokens == count and abs(result.loss - total / count) / (total / count) < 1e-4
+    prompts = ["The cat sees", "A farmer builds a green house"]
+    out = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+    for prompt, got in zip(prompts, out):
+        ids = torch.tensor([tok.encode(prompt).ids])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                               eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert got.token_ids == expected[0, ids.shape[1] :].tolist()
