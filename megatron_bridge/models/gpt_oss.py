@@ -306,7 +306,6 @@ class GptOssFamily(HFFamily):
             "moe_router_topk_scaling_factor": None,
             "moe_router_num_groups": None,
             "moe_router_enable_expert_bias": False,
-            "share_embeddings_and_output_weights": lambda v: True,
         }
 
     def hf_config(self, p, dtype):

@@ -219,6 +219,7 @@ class HFFamily:
             "position_embedding_type": "rope",
             "add_bias_linear": False,
             "rotary_percent": 1.0,
+            "rotary_interleaved": False,
             "add_qkv_bias": False,
             "qk_layernorm": False,
             "qk_layernorm_per_head": True,

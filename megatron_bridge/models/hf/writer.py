@@ -203,12 +203,13 @@ def _gather_slices(item: _Item, parts: Optional[list[Any]]) -> list[tuple[str, i
     if item.stack_group is None:
         return [(name, index, piece)]
     size = dist.get_world_size(item.stack_group)
+    piece = piece.to(item.param.device).contiguous()  # where the process group's backend sends from (NCCL: the GPU)
     received = [torch.empty_like(piece) for _ in range(size)] if item.writer else None
-    dist.gather(piece.contiguous(), received, dst=dist.get_global_rank(item.stack_group, 0), group=item.stack_group)
+    dist.gather(piece, received, dst=dist.get_global_rank(item.stack_group, 0), group=item.stack_group)
     if not item.writer:
         return []
     local = count // size
-    return [(name, index + k * local, t) for k, t in enumerate(received)]
+    return [(name, index + k * local, t.cpu()) for k, t in enumerate(received)]
 
 
 def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: Any,
