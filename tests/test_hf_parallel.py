@@ -49,17 +49,18 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
 
 @pytest.mark.parametrize(
     "name, layout",
-    [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2"]), ("gpt_oss", ["--ep", "2"])],
-    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2", "gpt_oss-ep2"],
+    [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2", "--ep", "2"])],
+    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2"],
 )
 def test_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name, layout):
     """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
     Phi-3 (fused qkv_proj and gate_up_proj) and GPT-OSS (attention sinks split over TP, experts
-    stacked in one tensor per layer): TP2 / EP2 gives the logits of one process, and the
-    checkpoint imported in that layout exports bit-identical (from one process; for EP2 also
-    from the two ranks, each expert-parallel rank's slices gathered into the stacked tensors).
-    For OLMo 2 the same processes also check the qk-norm's gradients over two ranks
-    (scripts/projection_norm_tp.py)."""
+    stacked in one tensor per layer; on two processes TP2 for attention and EP2 for the experts,
+    megatron-core's expert parallelism across tensor-parallel ranks): the split model gives the
+    logits of one process, and the checkpoint imported in that layout exports bit-identical (from
+    one process; with EP also from the two ranks, each expert-parallel rank's slices gathered
+    into the stacked tensors). For OLMo 2 the same processes also check the qk-norm's gradients
+    over two ranks (scripts/projection_norm_tp.py)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_bridge.cli.main import main
