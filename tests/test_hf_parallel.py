@@ -61,10 +61,11 @@ def test_tensor_parallel_load_and_import_of_families_with_their_own_layers(tmp_p
     vocab = family_configs()[name].vocab_size
     out, ckpt, exported = tmp_path / "logits.pt", str(tmp_path / "ckpt"), str(tmp_path / "exported")
     check = ["--check-projection-norm"] if name == "olmo2" else []
-    output = torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), "--tp", "2", "--out", str(out),
-                      "--import-to", ckpt, *check)  # fmt: skip
+    backend = backend_for(2)
+    output = torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), "--tp", "2", "--backend", backend,
+                      "--out", str(out), "--import-to", ckpt, *check)  # fmt: skip
     parallel = torch.load(out)
-    single = megatron_logits(directory, random_tokens(vocab))
+    single = megatron_logits(directory, random_tokens(vocab), backend=backend)
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
     if check:
         assert output.count("input grad") == 4, output[-2000:]  # query and key norms on each rank
