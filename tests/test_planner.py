@@ -112,8 +112,8 @@ def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
 
 # ---------------------------------------------------------------------- activations
 def paper_inputs(**changes):
-    """The architecture of Korthikanti et al.: MHA, 4h GeLU MLP, dropout, LayerNorm, unfused
-    attention, 16-bit activations."""
+    """The architecture of Korthikanti et al.: MHA, 4h GeLU MLP, dropout, LayerNorm, no rotary
+    embedding, unfused attention with a 16-bit softmax, 16-bit activations."""
     cfg = resolved("llama2_7b_pretrain_config")
     inp = PlanInputs.from_config(cfg)
     base = dict(
@@ -128,6 +128,11 @@ def paper_inputs(**changes):
         hidden_dropout=0.1,
         attention_dropout=0.1,
         transformer_engine=False,
+        core_attention="unfused",
+        softmax_in_fp32=False,
+        rotary_dim=0,
+        norm_has_bias=True,
+        qk_layernorm=False,
         activation_bytes=2,
         tp=1,
         cp=1,
@@ -159,15 +164,20 @@ def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, c
     extra = dict(recompute_method="uniform", recompute_num_layers=1) if setting == "full" else {}
     inp = paper_inputs(tp=t, sequence_parallel=sp, recompute_granularity=setting, **extra)
     s, b, h, a = 2048, 2, 4096, 32
-    assert layer_bytes(inp) == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
+    # the paper leaves out the norms' fp32 mean and 1/std per token (8 bytes a token, two norms)
+    stats = 2 * 8 * s * b / (t if sp else 1)
+    assert sum(v for k, v in layer_terms(inp).items() if "statistics" in k) == stats
+    kept = layer_bytes(inp) - (0 if setting == "full" else stats)
+    assert kept == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
 
 
 def test_activation_terms_for_a_modern_layer():
     """GQA, SwiGLU, no dropout, fused attention: Q/K/V shrink to the query groups, no masks, the
     attention scores are not kept; context parallelism splits every term."""
     inp = paper_inputs(
-        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True
-    )
+        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True,
+        core_attention="te", activation_fused=True,
+    )  # fmt: skip
     terms = layer_terms(inp)
     s, b = 2048, 2
     assert terms["Q, K, V"] == 2 * s * b * (4096 + 2 * 1024)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from megatron_bridge.planning.inputs import PlanInputs, PlanningError
+from megatron_bridge.planning.inputs import PlanInputs, PlanningError, layers_at_cp
 
 MAX_TP = 8
 """Tensor parallelism stays within a node (NVLink domain of 8 GPUs)."""
@@ -90,12 +90,14 @@ def _distributed_optimizer(inp: PlanInputs) -> Iterator[PlanInputs]:
 
 
 def _sequence_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
-    if inp.tp > 1 and not inp.sequence_parallel:
+    # megatron-core's local layers use torch norms, which refuse sequence parallelism
+    if inp.tp > 1 and not inp.sequence_parallel and inp.transformer_engine:
         yield inp.replace(sequence_parallel=True)
 
 
 def _recompute(inp: PlanInputs) -> Iterator[PlanInputs]:
-    if inp.recompute_granularity is None:
+    # selective recompute drops attention scores; SDPA keeps none
+    if inp.recompute_granularity is None and inp.core_attention != "sdpa":
         yield inp.replace(recompute_granularity="selective", recompute_modules=("core_attn",))
     if inp.recompute_granularity != "full":
         yield inp.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -109,16 +111,21 @@ def _micro_batch(inp: PlanInputs) -> Iterator[PlanInputs]:
 def _layouts(inp: PlanInputs) -> Iterator[PlanInputs]:
     """Other TP x PP x CP splits of the same world size (sequence parallel with TP > 1)."""
     sizes = [1, 2, 4, 8, 16, 32, 64]
+    # local layers have neither context nor sequence parallelism; a plan of TransformerEngine
+    # layers only because of CP (TE missing here) may drop CP and so move to local layers
+    max_cp = 16 if inp.transformer_engine else 1
     for tp in (t for t in sizes if t <= MAX_TP):
         for pp in sizes:
-            for cp in (c for c in sizes if c <= 16):
+            for cp in (c for c in sizes if c <= max_cp):
                 if (tp, pp, cp) == (inp.tp, inp.pp, inp.cp) or inp.world_size % (tp * pp * cp):
                     continue
                 slots = inp.num_layers + int(inp.embedding_in_pipeline_split) + int(inp.loss_in_pipeline_split)
                 keep_vp = pp > 1 and inp.vp and slots % pp == 0 and (slots // pp) % inp.vp == 0
                 vp = inp.vp if keep_vp else None
                 etp = tp if inp.etp == inp.tp else inp.etp
-                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1)
+                layers = layers_at_cp(inp, cp)
+                te = layers.get("transformer_engine", inp.transformer_engine)
+                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1 and te, **layers)
 
 
 def _expert_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
@@ -297,8 +304,15 @@ def find_fixes(planner, current, limit: int = 5, depth: int = 3, beam: int = 3, 
             if ev.fits:
                 found.append(ev)
         if found:
-            return same[: limit - min(larger, len(found))] + _ranked(base, found)[:larger]
+            more = _ranked(base, found)[:larger]
+            return _without_supersets(same[: limit - len(more)] + more)
     return same
+
+
+def _without_supersets(fixes: list[Fix]) -> list[Fix]:
+    """`fixes` (in order) without any whose changes include all of another's."""
+    sets = [frozenset(f.overrides) for f in fixes]
+    return [f for f, own in zip(fixes, sets) if not any(other < own for other in sets)]
 
 
 def _ranked(base: PlanInputs, found: list) -> list[Fix]:
