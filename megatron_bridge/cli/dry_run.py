@@ -112,11 +112,16 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
 def machine_problems(cfg: "ConfigContainer") -> list[str]:
     """What a run of `cfg` would trip over on this machine (not in the config itself): output
     directories that cannot be written, too little space for a checkpoint, settings that need a
-    GPU or TransformerEngine."""
+    GPU, TransformerEngine or a grouped GEMM."""
     from megatron_bridge.config import status
     from megatron_bridge.training import preflight
 
+    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
+
     found = [str(p) for p in preflight.check_outputs(cfg, create=False)] + status.machine_problems(cfg)
+    experts = machine_decision(cfg.model)
+    if experts.refused:
+        found.append(f"model.moe_grouped_gemm: {experts.message} ({GROUPED_GEMM_FIX})")
     warning = preflight.free_space_warning(cfg)
     return found + ([warning] if warning else [])
 

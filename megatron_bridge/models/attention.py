@@ -196,3 +196,29 @@ def replace_core_attention(spec: Any, module: type) -> Any:
         return new
 
     return swap(spec)
+
+
+def core_attention_recompute(config: Any) -> tuple[dict[str, Any], Optional[str]]:
+    """Selective recompute of `core_attn` exists to drop the score matrices of the unfused path;
+    SDPA keeps none, so recomputing it only repeats the attention. Returns the fields to derive
+    (turning it off where the user did not ask for it) and a line for the log, or ({}, None)."""
+    if config.recompute_granularity != "selective" or core_attention_choice(config).kind != "sdpa":
+        return {}, None
+    modules = list(config.recompute_modules) if config.recompute_modules is not None else ["core_attn"]
+    if "core_attn" not in modules:
+        return {}, None
+    if _explicit(config, "recompute_modules"):
+        return {}, None  # the user listed core_attn: theirs to keep
+    rest = [m for m in modules if m != "core_attn"]
+    if rest:
+        return {"recompute_modules": rest}, (
+            f"model.recompute_modules={rest}: core_attn left out, SDPA keeps no score matrix to drop"
+        )
+    if _explicit(config, "recompute_granularity"):
+        return {}, (
+            "selective recompute of core_attn with SDPA repeats the attention in backward and saves "
+            "little memory (no score matrix is kept); model.recompute_granularity=None turns it off"
+        )
+    return {"recompute_granularity": None}, (
+        "model.recompute_granularity=None: selective recompute covered only core_attn, and SDPA keeps no score matrix"
+    )

@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
@@ -24,6 +25,12 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     (ffn_hidden_size, kv_channels, init methods, ...). `provide()` builds the `GPTModel` for one
     pipeline stage.
     """
+
+    attention_backend: AttnBackend = AttnBackend.auto
+    """Core attention. auto: TransformerEngine's choice in TE layers; in local layers PyTorch SDPA
+    where it serves the config, else megatron-core's unfused DotProductAttention (logged).
+    unfused/local: DotProductAttention in local layers. flash/fused: those TE kernels in TE layers,
+    SDPA in local layers (refused where SDPA cannot serve the config)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the cross entropy of the output layer in fp16."""
@@ -156,9 +163,14 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
-        from megatron_bridge.models.attention import check_attention
+        from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
+        derived, note = core_attention_recompute(self)
+        for name, value in derived.items():
+            self._derive(name, value)
+        if note:
+            logger.info(note)
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self._derive("pipeline_dtype", self.params_dtype)
         if not p:
@@ -193,7 +205,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         if te:
             return spec
         choice = core_attention_choice(self)
-        _log_once(str(choice))
+        if not vp_stage:  # one line per model, not per virtual pipeline stage
+            logger.info("%s", choice)
         module = core_attention_module(self, choice)
         return spec if module is None else replace_core_attention(spec, module)
 
@@ -268,16 +281,6 @@ def _te_attention_variables(te: bool) -> Iterator[None]:
         for name in _TE_ATTENTION_VARIABLES:
             os.environ.pop(name, None)
         os.environ.update(saved)
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    """Log `message` once per process (the spec is built per model chunk, the choice is one)."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.info(message)
 
 
 def _router_gating_without_te() -> None:

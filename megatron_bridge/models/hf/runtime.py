@@ -85,6 +85,8 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
     if device == "cpu":
         for name, value in CPU_MODEL_SETTINGS.items():
             p.apply_default(name, value)
+    else:
+        _adapt_expert_mlp(p)
     if params_dtype is not None:
         p.apply_default("params_dtype", params_dtype)
     p.apply_default("perform_initialization", initialize)
@@ -92,6 +94,20 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
         p.apply_default(name, value)
     p.finalize()
     return p
+
+
+def _adapt_expert_mlp(provider: Any) -> None:
+    """Grouped-GEMM experts on a GPU without a grouped GEMM: sequential experts where the
+    grouped GEMM was a default, a config error where it was asked for (see models.experts)."""
+    from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
+
+    decision = machine_decision(provider)
+    if decision.refused:
+        raise ConfigValidationError(ConfigProblem("model.moe_grouped_gemm", decision.message, GROUPED_GEMM_FIX))
+    if decision.message is not None:
+        provider.apply_default("moe_grouped_gemm", decision.grouped_gemm)
+        logger.info(decision.message)
 
 
 def build_chunks(provider: Any, device: str) -> list[Any]:

@@ -18,6 +18,7 @@ from megatron_bridge.config.base import finalize_into
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.training.config import checks, run_rules as run_schedule
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ _PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 RULES: tuple[Rule, ...] = (
     Rule("environment variables", "setup", apply_env_vars, validate=False),
     Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
+    Rule("expert MLP", "adapt", adapt_expert_mlp, validate=False, device="cuda"),
     Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
     Rule("data-parallel size", "derive", derive_data_parallel_size, inputs=("world_size",)),
     Rule("communication overlap", "preset", apply_comm_overlap, validate=False),
