@@ -79,7 +79,6 @@ def layer_terms(
     sbh = s * b * h
     d = inp.kv_channels
     q_width, kv_width = inp.heads * d, inp.query_groups * d
-    gqa = inp.query_groups < inp.heads
     local = not inp.transformer_engine
     terms: dict[str, float] = {}
 
@@ -87,29 +86,30 @@ def layer_terms(
         if value:
             terms[name] = terms.get(name, 0.0) + value
 
+    def input_kept(linear: str) -> bool:
+        """A linear layer keeps its input for its weight gradient: with PEFT a frozen one does
+        not (megatron-core's LinearWithFrozenWeight), an adapted one does (its adapter's A)."""
+        return inp.peft is None or any(rel.endswith(linear) for rel in adapted)
+
     # --- attention block
     add("attention norm input", e * sbh / sp)
     if local:
         add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
-    if not _selective(inp, "layernorm"):
+    if not _selective(inp, "layernorm") and input_kept("linear_qkv"):
         add("QKV projection input", e * sbh / sp)
     if not local:
         add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
     else:
-        add("QKV projection output (K and V are views of it)", e * s * b * (q_width + 2 * kv_width) / t)
+        for name, value in core_attention.input_terms(inp, s, b, masked).items():
+            add(name, value)
         if inp.rotary_dim:
-            add("Q, K after the rotary embedding", e * s * b * (q_width + kv_width) / t)
             add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
-        elif inp.qk_layernorm:
-            add("Q, K after their norms", e * s * b * (q_width + kv_width) / t)
-        elif gqa:
-            add("Q (reshaped copy)", e * s * b * q_width / t)
         if inp.qk_layernorm:
-            add("Q before its norm (reshaped copy)", e * s * b * q_width / t if gqa else 0.0)
             add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
     for name, value in core_attention.saved_terms(inp, s, b, masked).items():
         add(name, value)
-    add("output projection input", e * s * b * q_width / t)
+    if input_kept("linear_proj") or inp.core_attention == "sdpa":  # SDPA keeps its output, the same storage
+        add("output projection input", e * s * b * q_width / t)
     if inp.hidden_dropout > 0:
         add("attention residual dropout mask", sbh / sp)
 
@@ -119,7 +119,7 @@ def layer_terms(
         add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
     gated = 2 if inp.gated else 1
     unfused_glu = inp.gated and not inp.activation_fused  # keeps SiLU(gate) and a copy of the up half too
-    if not _selective(inp, "layernorm"):
+    if not _selective(inp, "layernorm") and (moe or input_kept("mlp.linear_fc1")):
         add("MLP input", e * sbh / sp)
     if not moe:
         if not _selective(inp, "mlp"):
@@ -127,7 +127,8 @@ def layer_terms(
             if unfused_glu:
                 add("SiLU output of the gate", e * s * b * inp.ffn / t)
                 add("up projection copy (x + glu_linear_offset)", e * s * b * inp.ffn / t)
-            add("second MLP projection input", e * s * b * inp.ffn / t)
+            if input_kept("mlp.linear_fc2"):
+                add("second MLP projection input", e * s * b * inp.ffn / t)
     else:
         # Tokens spread evenly over the experts: each rank's experts see topk x its tokens.
         tokens = s * b * inp.topk
@@ -219,8 +220,8 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
         total = sum(sum(_terms_of(inp, j).values()) for j in layers)
     if chunk.pre_process and inp.hidden_dropout > 0:
         total += s * b * h / sp  # embedding dropout mask
-    if chunk.post_process:
-        total += 2 * e * s * b * h / sp  # final norm input, output layer input
+    if chunk.post_process:  # final norm input, output layer input (not kept when it is frozen)
+        total += (2 if inp.peft is None else 1) * e * s * b * h / sp
     return total
 
 

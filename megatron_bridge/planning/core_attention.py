@@ -80,22 +80,60 @@ def saved_terms(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
     return _kept(inp, s, b, masked)
 
 
+def _repeats_kv(inp: PlanInputs, masked: bool) -> bool:
+    """The core attention repeats K and V to every query head (grouped-query attention): the
+    unfused path always, SDPA where a mask sends it to the memory-efficient kernel."""
+    gqa = inp.query_groups < inp.heads
+    return gqa and (inp.core_attention == "unfused" or (inp.core_attention == "sdpa" and masked))
+
+
+def input_terms(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
+    """The storages of Q, K and V that stay alive for backward in megatron-core's local layers.
+
+    The QKV projection's output is split into views; Q becomes a copy when grouped-query heads
+    are reshaped, Q and K new tensors after the rotary embedding (or QK norms); V stays a view of
+    the projection's output. A checkpoint of the core attention (selective recompute) and SDPA
+    keep Q, K, V as they arrive; the unfused path (and SDPA with a mask) keeps K and V repeated to
+    every query head instead of the originals."""
+    e, t = inp.activation_bytes, inp.tp
+    q, kv = inp.heads * inp.kv_channels, inp.query_groups * inp.kv_channels
+    gqa = inp.query_groups < inp.heads
+    mixed = "QKV projection output (K and V are views of it)"
+    widths: dict[str, float] = {mixed: q + 2 * kv}
+    if inp.rotary_dim:
+        q_store, k_store = "Q after the rotary embedding", "K after the rotary embedding"
+    elif inp.qk_layernorm:
+        q_store, k_store = "Q after its norm", "K after its norm"
+    else:
+        q_store, k_store = ("Q (reshaped copy)" if gqa else mixed), mixed
+    widths.setdefault(q_store, q)
+    widths.setdefault(k_store, kv)
+    selective = inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules
+    kept = {q_store, k_store, mixed}
+    if _repeats_kv(inp, masked) and not selective:
+        kept = {q_store, "K, V repeated to every head"}
+        widths["K, V repeated to every head"] = 2 * q
+    if inp.qk_layernorm:  # the norms keep their inputs: Q (a copy with GQA) and K (a view)
+        kept |= {mixed} | ({"Q before its norm (reshaped copy)"} if gqa else set())
+        widths["Q before its norm (reshaped copy)"] = q
+    return {name: e * s * b * widths[name] / t for name in widths if name in kept}
+
+
 def _kept(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
     e = inp.activation_bytes
     a_local = inp.heads / inp.tp
     terms: Terms = {}
-    repeated = 2 * e * s * b * a_local * inp.kv_channels if inp.query_groups < inp.heads else 0.0
     if inp.core_attention == "unfused":
         n = _score_elements(inp, s, b)
         for name, per_element in _unfused_saved(inp).items():
             _add(terms, name, per_element * n)
-        _add(terms, "K, V repeated to every head", repeated)
+        # megatron-core builds its [s, s] boolean mask in every layer; masked_fill keeps it
+        _add(terms, "causal mask (built by each layer)", s * inp.seq_length)
     elif inp.core_attention == "sdpa":
         _add(terms, "attention log-sum-exp (fp32)", 4 * a_local * s * b)
         if masked:
             planes = b if inp.mask_per_sample else 1
             _add(terms, "attention mask as a 16-bit bias (memory-efficient kernel)", e * planes * s * inp.seq_length)
-            _add(terms, "K, V repeated to every head", repeated)
     else:
         _add(terms, "attention softmax statistics", 4 * a_local * s * b)
     return terms
@@ -115,9 +153,12 @@ def working_set(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
         kept = 0.0 if selective else sum(_unfused_saved(inp).values())
         _add(terms, "attention score planes in the core attention's backward", (alive - kept) * n)
     if selective:  # recomputed: what the layer otherwise keeps
-        for name, value in _kept(inp, s, b, masked).items():
-            if inp.core_attention != "unfused" or name.startswith("K, V"):
+        if inp.core_attention != "unfused":
+            for name, value in _kept(inp, s, b, masked).items():
                 _add(terms, f"{name} (recomputed)", value)
+        if _repeats_kv(inp, masked):
+            q = inp.heads * inp.kv_channels
+            _add(terms, "K, V repeated to every head (recomputed)", 2 * inp.activation_bytes * s * b * q / inp.tp)
     return terms
 
 
