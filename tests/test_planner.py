@@ -21,7 +21,10 @@ from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import get_recipe, list_recipes
 
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
-LAYOUTS = ("tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt")
+LAYOUTS = (
+    "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "lora_tp2",
+    "dora_dp2_distopt",
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +47,10 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Seven layouts trained for one iteration with pretrain() under torchrun (2 processes): the
-    bytes of parameters, gradient buffers, optimizer state (main copies + moments) and torch's
-    step counters equal the planner's on each rank, and so does the parameter list."""
+    """Seven layouts trained for one iteration with pretrain() under torchrun (2 processes), and
+    two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
+    buffers, optimizer state (main copies + moments) and torch's step counters equal the
+    planner's on each rank, and so does the parameter list (adapters after their base layer)."""
     out = tmp_path / "memory"
     env = {
         k: v
@@ -81,6 +85,14 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         a, b = (json.loads(Path(f"{out}.rank{r}").read_text())[layout]["measured"] for r in (0, 1))
         differing_shards += a != b
     assert differing_shards == 2
+    rank0 = json.loads(Path(f"{out}.rank0").read_text())
+    for layout in ("lora_tp2", "dora_dp2_distopt"):  # only adapters have gradients and optimizer state
+        peft, full = rank0[layout]["measured"], rank0["tp2"]["measured"]
+        assert 0 < peft["grads"] < full["grads"] / 2 and 0 < peft["optimizer"] < full["optimizer"] / 2
+        names = [n for n, _ in rank0[layout]["names"]]
+        assert any(n.endswith(".lora_A") for n in names) and any(n.endswith(".lora_magnitude") for n in names) == (
+            layout.startswith("dora")
+        )
 
 
 def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
