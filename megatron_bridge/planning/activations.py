@@ -32,8 +32,10 @@ before local layers were told apart (fp32 logits, one recomputed unit), not meas
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import repeat
 from typing import Optional
 
 from megatron_bridge.planning import core_attention
@@ -165,11 +167,23 @@ def layer_input_bytes(inp: PlanInputs) -> float:
     return inp.activation_bytes * s * inp.micro_batch_size * inp.hidden / (inp.tp if inp.sequence_parallel else 1)
 
 
+def _kind(inp: PlanInputs, layer: int) -> tuple[bool, bool, tuple[str, ...]]:
+    """What makes layers keep different tensors: MoE or dense, a mask, the adapters."""
+    return inp.moe_layer_pattern[layer], inp.attention_masks[layer], local_adapted(inp, layer)
+
+
 def _terms_of(inp: PlanInputs, layer: int) -> dict[str, float]:
     """`layer_terms` of global layer `layer` (its kind, mask and adapters)."""
-    return layer_terms(
-        inp, inp.moe_layer_pattern[layer], None, inp.attention_masks[layer], local_adapted(inp, layer)
-    )
+    moe, masked, adapted = _kind(inp, layer)
+    return layer_terms(inp, moe, None, masked, adapted)
+
+
+def _layers_bytes(inp: PlanInputs, layers: range) -> float:
+    """Sum of `layer_terms` over `layers`, one lookup per kind of layer."""
+    lo, hi = layers.start, layers.stop
+    adapters = (local_adapted(inp, j) for j in layers) if inp.peft else repeat(())
+    kinds = Counter(zip(inp.moe_layer_pattern[lo:hi], inp.attention_masks[lo:hi], adapters))
+    return sum(n * sum(layer_terms(inp, moe, None, masked, adapted).values()) for (moe, masked, adapted), n in kinds.items())
 
 
 @dataclass
@@ -210,14 +224,13 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
         n = inp.recompute_num_layers or 1
         if inp.recompute_method == "block":
             # the first n layers of the chunk keep their input only, the rest everything
-            total = sum(
-                layer_input_bytes(inp) if i < n else sum(_terms_of(inp, j).values()) for i, j in enumerate(layers)
-            )
+            kept = range(chunk.first_layer + min(n, chunk.num_layers), chunk.first_layer + chunk.num_layers)
+            total = min(n, chunk.num_layers) * layer_input_bytes(inp) + _layers_bytes(inp, kept)
         else:
             units = -(-chunk.num_layers // n)
             total = units * layer_input_bytes(inp)
     else:
-        total = sum(sum(_terms_of(inp, j).values()) for j in layers)
+        total = _layers_bytes(inp, layers)
     if chunk.pre_process and inp.hidden_dropout > 0:
         total += s * b * h / sp  # embedding dropout mask
     if chunk.post_process:  # final norm input, output layer input (not kept when it is frozen)
@@ -248,12 +261,15 @@ def _te_working(inp: PlanInputs, stage: list[Chunk]) -> tuple[dict[str, float], 
     """TransformerEngine layers: fp32 logits on the last stage, plus one recomputed unit."""
     s, b = inp.seq_length / inp.cp, inp.micro_batch_size
     working: dict[str, float] = {}
+    moments = []
     if any(c.post_process for c in stage):
         working["logits in fp32 (cross entropy)"] = 4 * s * b * inp.padded_vocab / inp.tp
+        moments.append("cross entropy")
     if inp.recompute_granularity == "full":
         moe_any = any(inp.moe_layer_pattern)
         working["recomputed layers"] = _recompute_unit(inp) * sum(layer_terms(inp, moe_any).values())
-    return working, "cross entropy and recompute"
+        moments.append("a recomputed unit")
+    return working, " and ".join(moments)
 
 
 def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]:

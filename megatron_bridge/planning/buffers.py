@@ -170,14 +170,17 @@ def state_bytes(
             if inp.distributed_optimizer:
                 out.params += buf.numel * buf.param_bytes
                 shards[buf.expert] = _add_shards(shards[buf.expert], buf)
-        trained = [p for p in params if p.trainable]
-        out.trainable_elements += sum(p.numel for p in trained)
-        out.frozen_elements += sum(p.numel for p in params if not p.trainable)
-        # frozen parameters (a PEFT base) stay in their own 16-bit tensors
-        out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in params if not p.trainable)
+        trained = params
+        if inp.peft is not None:  # the frozen base stays in its own 16-bit tensors
+            trained = [p for p in params if p.trainable]
+            frozen = [p for p in params if not p.trainable]
+            out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in frozen)
+            out.frozen_elements += sum(p.numel for p in frozen)
+        elements = sum(p.numel for p in trained)
+        out.trainable_elements += elements
         if not inp.distributed_optimizer:
             out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in trained)
-            owned += sum(p.numel for p in trained)
+            owned += elements
             pieces += len(trained)
     for expert, rank in ((False, dp_rank), (True, expert_dp_rank)):
         per_rank = shards[expert]

@@ -231,7 +231,7 @@ class PlanInputs:
         from megatron.core import optimizer as mcore_optimizer
 
         te, core, note = _layers(m)
-        local_core, local_note = _layers(m, without_cp=True)[1:]
+        local_core, local_note = (core, note) if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1:]
         masks, per_sample = _attention_masks(cfg, core)
         peft = getattr(cfg, "peft", None)
         return cls(

@@ -224,7 +224,8 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
             out.append(Param("embedding.position_embeddings.weight", inp.seq_length * h, False, False, trainable=trains))
     for i in range(chunk.num_layers):
         layer = chunk.first_layer + i
-        template = _layer_template(inp, inp.moe_layer_pattern[layer], local_adapted(inp, layer))
+        moe = inp.moe_layer_pattern[layer]
+        template = _layer_template(inp, moe, local_adapted(inp, layer)) if inp.peft else _layer_template(inp, moe)
         if names:
             out += [p._replace(name=f"decoder.layers.{i}.{p.name}") for p in template]
         else:

@@ -71,7 +71,9 @@ def _memory_rows(plan: Any) -> list[tuple[str, list[str], str]]:
         (
             "parameters",
             [gib(r.state.params) for r in ranks],
-            _precision(inp) + (", in DP buffers" if inp.distributed_optimizer else ""),
+            _precision(inp)
+            + (", frozen base; adapters" if inp.peft else "")
+            + (", in DP buffers" if inp.distributed_optimizer else ""),
         ),
         ("gradients", [gib(r.state.grads) for r in ranks], f"{grad_name} gradient buffers"),
         ("optimizer state", [gib(r.state.optimizer) for r in ranks], opt_note),
@@ -114,7 +116,9 @@ CORE = {"te": "TransformerEngine's", "sdpa": "PyTorch SDPA", "unfused": "megatro
 def layers_lines(inp: PlanInputs) -> list[str]:
     """Which layers and core attention the plan is for, why, and the settings that choose them."""
     line = f"layers: {LAYERS[inp.core_attention]}, {CORE[inp.core_attention]} core attention ({inp.layers_note})"
-    if inp.core_attention == "te":
+    if inp.core_attention == "te" and inp.local_core_attention != "te":  # TE only because of CP
+        choose = "model.context_parallel_size=1 plans megatron-core's local layers (attention_backend auto: SDPA)"
+    elif inp.core_attention == "te":
         choose = "model.transformer_impl=local plans megatron-core's local layers (attention_backend auto: SDPA)"
     else:
         choose = (
@@ -136,7 +140,7 @@ def peft_line(plan: Any) -> Optional[str]:
     total = r.trainable_elements + r.frozen_elements
     share = f" ({r.trainable_elements / total:.2%} of the rank's parameters)" if total else ""
     return (
-        f"peft: {inp.peft.upper() if inp.peft == 'lora' else 'DoRA'} rank {inp.peft_dim} on {adapted} linear layers "
+        f"peft: {'LoRA' if inp.peft == 'lora' else 'DoRA'} rank {inp.peft_dim} on {adapted} linear layers "
         f"({', '.join(kinds)}); {count(r.trainable_elements)} trainable parameters on the fullest rank{share}, "
         "the frozen base in its 16-bit parameters without gradients or optimizer state"
     )
