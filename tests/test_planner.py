@@ -177,9 +177,13 @@ def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, c
     inp = paper_inputs(tp=t, sequence_parallel=sp, recompute_granularity=setting, **extra)
     s, b, h, a = 2048, 2, 4096, 32
     # the paper leaves out the norms' fp32 mean and 1/std per token (8 bytes a token, two norms)
+    # and, without recompute, the [s, s] boolean causal mask megatron-core builds in each layer
+    terms = layer_terms(inp)
     stats = 2 * 8 * s * b / (t if sp else 1)
-    assert sum(v for k, v in layer_terms(inp).items() if "statistics" in k) == stats
-    kept = layer_bytes(inp) - (0 if setting == "full" else stats)
+    assert sum(v for k, v in terms.items() if "statistics" in k) == stats
+    mask = terms.get("causal mask (built by each layer)", 0)
+    assert mask == (0 if setting == "selective" else s * s)
+    kept = layer_bytes(inp) - (0 if setting == "full" else stats + mask)
     assert kept == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
 
 
