@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from megatron_bridge.planning.inputs import PlanInputs, PlanningError, layers_at_cp
+from megatron_bridge.planning.inputs import PlanInputs, PlanningError
 
 MAX_TP = 8
 """Tensor parallelism stays within a node (NVLink domain of 8 GPUs)."""
@@ -111,9 +111,8 @@ def _micro_batch(inp: PlanInputs) -> Iterator[PlanInputs]:
 def _layouts(inp: PlanInputs) -> Iterator[PlanInputs]:
     """Other TP x PP x CP splits of the same world size (sequence parallel with TP > 1)."""
     sizes = [1, 2, 4, 8, 16, 32, 64]
-    # local layers have neither context nor sequence parallelism; a plan of TransformerEngine
-    # layers only because of CP (TE missing here) may drop CP and so move to local layers
-    max_cp = 16 if inp.transformer_engine else 1
+    te = inp.transformer_engine  # local layers have neither context nor sequence parallelism
+    max_cp = 16 if te else 1
     for tp in (t for t in sizes if t <= MAX_TP):
         for pp in sizes:
             for cp in (c for c in sizes if c <= max_cp):
@@ -123,9 +122,7 @@ def _layouts(inp: PlanInputs) -> Iterator[PlanInputs]:
                 keep_vp = pp > 1 and inp.vp and slots % pp == 0 and (slots // pp) % inp.vp == 0
                 vp = inp.vp if keep_vp else None
                 etp = tp if inp.etp == inp.tp else inp.etp
-                layers = layers_at_cp(inp, cp)
-                te = layers.get("transformer_engine", inp.transformer_engine)
-                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1 and te, **layers)
+                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1 and te)
 
 
 def _expert_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
@@ -184,6 +181,9 @@ def changes(base: PlanInputs, new: PlanInputs) -> list[tuple[str, list[str]]]:
         if new.vp != base.vp:
             overrides.append(f"model.virtual_pipeline_model_parallel_size={new.vp if new.vp else 'null'}")
             desc += f" (virtual stages: {new.vp or 'none'})"
+        if new.cp == 1 and base.cp > 1 and base.transformer_engine and base.local_core_attention != "te":
+            # planned with TE layers because of CP (TE is not installed here): keep them explicitly
+            overrides.append("model.transformer_impl=transformer_engine")
         if new.etp != base.etp and new.is_moe:
             overrides.append(f"model.expert_tensor_parallel_size={new.etp}")
         out.append((desc + f", was TP {base.tp} x PP {base.pp} x CP {base.cp}", overrides))

@@ -83,8 +83,6 @@ class PlanInputs:
     local_core_attention: str
     """The core attention of this config without context parallelism: 'sdpa' or 'unfused' on
     local layers, 'te' where TransformerEngine layers are built anyway."""
-    local_layers_note: str
-    """`layers_note` without context parallelism."""
     softmax_in_fp32: bool
     activation_fused: bool
     """megatron-core's fused bias-activation (bias_activation_fusion): it keeps only its input."""
@@ -231,7 +229,7 @@ class PlanInputs:
         from megatron.core import optimizer as mcore_optimizer
 
         te, core, note = _layers(m)
-        local_core, local_note = (core, note) if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1:]
+        local_core = core if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1]
         masks, per_sample = _attention_masks(cfg, core)
         peft = getattr(cfg, "peft", None)
         return cls(
@@ -278,7 +276,6 @@ class PlanInputs:
             core_attention=core,
             layers_note=note,
             local_core_attention=local_core,
-            local_layers_note=local_note,
             softmax_in_fp32=bool(m.attention_softmax_in_fp32),
             activation_fused=bool(m.bias_activation_fusion),
             rotary_dim=_rotary_dim(m),
@@ -341,16 +338,6 @@ def context_parallel_note(cp: int) -> str:
         f"context_parallel_size={cp} runs only on TransformerEngine layers (megatron-core's local attention has no "
         "context parallelism); TransformerEngine is not installed here"
     )
-
-
-def layers_at_cp(inp: "PlanInputs", cp: int) -> dict[str, Any]:
-    """The layer fields of `inp` at context-parallel size `cp` (for a changed layout): local
-    layers cannot split sequences, so CP > 1 means TransformerEngine layers."""
-    if inp.local_core_attention == "te":
-        return {}
-    if cp > 1:
-        return dict(transformer_engine=True, core_attention="te", layers_note=context_parallel_note(cp))
-    return dict(transformer_engine=False, core_attention=inp.local_core_attention, layers_note=inp.local_layers_note)
 
 
 def _rotary_dim(m: Any) -> int:
