@@ -177,7 +177,7 @@ def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, c
     inp = paper_inputs(tp=t, sequence_parallel=sp, recompute_granularity=setting, **extra)
     s, b, h, a = 2048, 2, 4096, 32
     # the paper leaves out the norms' fp32 mean and 1/std per token (8 bytes a token, two norms)
-    # and, without recompute, the [s, s] boolean causal mask megatron-core builds in each layer
+    # and, unless the core attention is recomputed, the [s, s] causal mask megatron-core builds per layer
     terms = layer_terms(inp)
     stats = 2 * 8 * s * b / (t if sp else 1)
     assert sum(v for k, v in terms.items() if "statistics" in k) == stats
@@ -340,6 +340,45 @@ def test_plan_json_records_and_gpu_and_mfu(capsys):
     assert mbridge([*argv, "--mfu", "0.4"]) == 0
     faster = json.loads(capsys.readouterr().out)
     assert faster[0]["step_time_s"] == pytest.approx(records[0]["step_time_s"] / 2)
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose():
+    """A fresh process, as a user runs it: TE layers where TE is installed, else local layers
+    with SDPA; either way the line naming the settings that choose."""
+    from megatron_bridge.extras import is_installed
+
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "llama2_7b_pretrain_config", "--dry-run"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if is_installed("transformer_engine"):
+        assert "# layers: TransformerEngine, TransformerEngine's core attention" in out.stdout
+        assert "#   to choose: model.transformer_impl=local plans megatron-core's local layers" in out.stdout
+    else:
+        assert (
+            "# layers: megatron-core local, PyTorch SDPA core attention (TransformerEngine not installed, so local "
+            "layers; PyTorch SDPA serves this config" in out.stdout
+        )
+        assert "#   to choose: model.transformer_impl=transformer_engine plans TransformerEngine layers" in out.stdout
+        assert "model.attention_backend=unfused plans megatron-core's DotProductAttention" in out.stdout
+        assert "SDPA attention (no scores kept)" in out.stdout
+
+
+def test_lora_recipe_is_planned_with_a_frozen_base(capsys, tmp_path):
+    argv = ["finetune", "--recipe", "llama3_8b_lora_finetune_config", "--plan-only", "--json",
+            "--recipe-arg", f"pretrained_checkpoint={tmp_path}", "--recipe-arg", f"dataset_root={tmp_path}"]  # fmt: skip
+    assert mbridge(argv) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["peft"] == "lora" and record["layer_impl"] == "local"
+    # rank 16 on the four projections of 32 layers: 16 x (4096 + 6144) + 16 x (4096 + 4096) + 16 x (4096 + 28672)
+    # + 16 x (14336 + 4096) per layer
+    assert record["trainable_parameters"] == 32 * 16 * (4096 + 6144 + 4096 + 4096 + 4096 + 28672 + 14336 + 4096)
+    assert record["frozen_parameters"] > 8e9 and record["params_bytes"] > 2 * record["frozen_parameters"]
+    # gradients and Adam state (fp32 main params + moments, sharded over DP 8) for the adapters only
+    assert record["grads_bytes"] < 4 * record["trainable_parameters"] * 1.01
+    assert record["optimizer_bytes"] < 12 * record["trainable_parameters"] / 8 * 1.01
+    assert mbridge(argv[:-5] + argv[-4:]) == 0  # the text plan
+    assert "peft: LoRA rank 16 on 128 linear layers" in capsys.readouterr().out
 
 
 def test_dry_run_appends_the_plan_as_comments(capsys):
