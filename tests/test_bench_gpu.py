@@ -13,7 +13,9 @@ BENCH = Path(__file__).parent.parent / "tools" / "bench_gpu.py"
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_benchmark_runs_on_cpu_with_the_tiny_shape():
-    variants = ("handwritten", "pretrain", "unfused", "lora")
+    # `unfused` is pretrain() with attention_backend=unfused and selective recompute: its config is
+    # planned in test_planner_activations.py and trained in test_attention_training.py
+    variants = ("handwritten", "pretrain", "lora")
     out = subprocess.run(
         [sys.executable, str(BENCH), "--tiny", "--rounds", "1", "--iters", "2", "--warmup", "1",
          "--variants", ",".join(variants)],
@@ -31,11 +33,10 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_shape():
         assert run and run.start() < summary, text
         match = re.search(rf"^{re.escape(variant)}\s+median\s+([\d.]+) ms/iteration\s+(\d+) tokens/s", text, re.M)
         assert match and match.start() > summary and float(match.group(1)) > 0 and int(match.group(2)) > 0, text
-    for variant in ("pretrain", "unfused", "lora"):
+    for variant in ("pretrain", "lora"):
         assert re.search(rf"^{variant}\s+median .* planner 0\.00\d+ GiB \(no CUDA: not measured\)", text, re.M), text
-    assert "pretrain+trackers" not in text
+    assert "pretrain+trackers" not in text and "unfused" not in text.split("shape:")[1]
     assert re.search(r"ratio pretrain\(\)/hand-written per iteration: \d+\.\d{3}", text)
-    assert re.search(r"unfused/SDPA time per iteration: \d+\.\d{3}", text)
     assert re.search(r"LoRA/full training time per iteration: \d+\.\d{3}", text)
 
 

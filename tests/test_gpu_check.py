@@ -13,7 +13,8 @@ def test_missing_wheels_stop_the_check_with_the_download_command(tmp_path):
     empty.mkdir()
     logs = tmp_path / "logs"
     env = dict(os.environ, WHL_DIR=str(empty))
-    out = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke", str(logs)], capture_output=True, text=True, env=env, timeout=60)
+    cmd = ["bash", str(SCRIPT), "--cpu-smoke", str(logs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2
     assert f"no megatron-core and omegaconf wheels in {empty}" in out.stderr
     assert "-d .whl megatron-core==0.16.1 omegaconf==2.4.0" in out.stderr

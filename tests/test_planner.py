@@ -366,7 +366,8 @@ def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose(
 
 def test_lora_recipe_is_planned_with_a_frozen_base(capsys, tmp_path):
     argv = ["finetune", "--recipe", "llama3_8b_lora_finetune_config", "--plan-only", "--json",
-            "--recipe-arg", f"pretrained_checkpoint={tmp_path}", "--recipe-arg", f"dataset_root={tmp_path}"]  # fmt: skip
+            "--recipe-arg", f"pretrained_checkpoint={tmp_path}",
+            "--recipe-arg", f"dataset_root={tmp_path}"]  # fmt: skip
     assert mbridge(argv) == 0
     (record,) = json.loads(capsys.readouterr().out)
     assert record["peft"] == "lora" and record["layer_impl"] == "local"

@@ -110,7 +110,9 @@ LAYER_CASES = {
         activation_func=F.gelu, position_embedding_type="learned_absolute",
     ),  # fmt: skip
     "LoRA on SDPA": dict(attention_backend=AttnBackend.auto, peft=LoRA(dim=8)),
-    "DoRA on unfused": dict(attention_backend=AttnBackend.unfused, peft=DoRA(dim=4, target_modules=["linear_qkv", "linear_fc2"])),
+    "DoRA on unfused": dict(
+        attention_backend=AttnBackend.unfused, peft=DoRA(dim=4, target_modules=["linear_qkv", "linear_fc2"])
+    ),
 }
 
 
@@ -145,9 +147,8 @@ def peak_of_a_step(model, vocab):
     from torch.profiler import ProfilerActivity, profile
 
     config = model.config
-    ddp = DistributedDataParallel(
-        config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=Float16Module(config, model)
-    )
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, vocab, (1, SEQ), generator=g) for _ in range(2))
     positions = torch.arange(SEQ)[None]
@@ -182,7 +183,11 @@ def peak_of_a_step(model, vocab):
 @pytest.mark.parametrize(
     "fields, vocab, moment",
     [
-        (dict(attention_backend=AttnBackend.unfused, recompute_granularity="selective"), 1024, "core attention backward"),
+        (
+            dict(attention_backend=AttnBackend.unfused, recompute_granularity="selective"),
+            1024,
+            "core attention backward",
+        ),
         (dict(attention_backend=AttnBackend.unfused), 1024, "core attention backward"),
         (dict(attention_backend=AttnBackend.auto), 4096, "cross entropy"),
     ],
@@ -209,7 +214,8 @@ def test_selective_recompute_trains_on_cpu_as_without_it(megatron, tmp_path):
         cfg = resolved(tmp_path, attention_backend=AttnBackend.unfused, recompute_granularity=recompute)
         torch.manual_seed(0)
         model = build(cfg)
-        hidden = torch.randn(SEQ, 1, 128, dtype=torch.bfloat16, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(1)
+        hidden = torch.randn(SEQ, 1, 128, dtype=torch.bfloat16, requires_grad=True, generator=g)
         out, _ = model.decoder.layers[0](hidden, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(SEQ))
         out.float().square().sum().backward()
         grads.append(hidden.grad.float())

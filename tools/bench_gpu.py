@@ -422,7 +422,8 @@ def main() -> None:
         print(report.line(variant, results))
     for line in report.comparisons(runs):
         print(line)
-    print(f"({args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, fresh processes)", flush=True)
+    rounds = f"{args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, fresh processes"
+    print(f"({rounds})", flush=True)
     if any("error" in r for results in runs.values() for r in results):
         raise SystemExit(1)
 

@@ -45,11 +45,11 @@ from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.params import Chunk
 
 MLP_BLOCK = (
-    "MLP norm input", "MLP norm statistics (fp32 per token)", "MLP input", "activation input", "SiLU output of the gate",
-    "up projection copy (x + glu_linear_offset)", "second MLP projection input", "router logits and probabilities",
-    "dispatched tokens", "expert activation input", "expert SiLU outputs and up-projection copies",
-    "expert second projection input", "combined expert outputs", "shared expert activations", "MLP residual dropout mask",
-    "output projection input",
+    "MLP norm input", "MLP norm statistics (fp32 per token)", "MLP input", "activation input",
+    "SiLU output of the gate", "up projection copy (x + glu_linear_offset)", "second MLP projection input",
+    "router logits and probabilities", "dispatched tokens", "expert activation input",
+    "expert SiLU outputs and up-projection copies", "expert second projection input", "combined expert outputs",
+    "shared expert activations", "MLP residual dropout mask", "output projection input",
 )  # fmt: skip
 """Terms of a layer freed before its core attention's backward (that runs after the MLP's)."""
 
@@ -183,7 +183,9 @@ def _layers_bytes(inp: PlanInputs, layers: range) -> float:
     lo, hi = layers.start, layers.stop
     adapters = (local_adapted(inp, j) for j in layers) if inp.peft else repeat(())
     kinds = Counter(zip(inp.moe_layer_pattern[lo:hi], inp.attention_masks[lo:hi], adapters))
-    return sum(n * sum(layer_terms(inp, moe, None, masked, adapted).values()) for (moe, masked, adapted), n in kinds.items())
+    return sum(
+        n * sum(layer_terms(inp, moe, None, masked, adapted).values()) for (moe, masked, adapted), n in kinds.items()
+    )
 
 
 @dataclass
@@ -299,10 +301,8 @@ def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]
     moment: dict[str, float] = {}
     if inp.recompute_granularity == "full":
         unit = min(_recompute_unit(inp), last_chunk.num_layers)
-        for j in range(last - unit + 1, last + 1):
-            moment["layers recomputed for their backward"] = moment.get("layers recomputed for their backward", 0.0) + sum(
-                _terms_of(inp, j).values()
-            )
+        recomputed = sum(sum(_terms_of(inp, j).values()) for j in range(last - unit + 1, last + 1))
+        moment["layers recomputed for their backward"] = recomputed
     moment.update(core)
     if tied_grad:
         moment["output-layer weight gradient (tied; held until the embedding's backward)"] = tied_grad

@@ -8,9 +8,10 @@ Three implementations, as `megatron_bridge.models.attention.core_attention_choic
   copy (the mask is applied to it in place), the fp32 softmax output, and its 16-bit copy that
   multiplies the values. Autograd keeps the fp32 softmax output (softmax's backward reads it)
   and the 16-bit copy (the input of `bmm`); with attention dropout, its mask (1 byte) and output
-  instead of the 16-bit copy. The backward of the softmax holds three fp32 planes at once: the
-  saved output, the incoming gradient and the outgoing one. The scores themselves are computed
-  into megatron-core's global memory buffer, kept for the whole run (one plane, 16-bit).
+  instead of the 16-bit copy; and the [s, s] boolean causal mask each layer builds. The backward
+  of the softmax holds three fp32 planes at once: the saved output, the incoming gradient and the
+  outgoing one. megatron-core also allocates one 16-bit plane as the `input` of the `baddbmm`
+  (its global memory buffer) at the first step and keeps it for the run.
   Selective recompute of `core_attn` keeps none of this per layer: the layer's scores exist only
   while its backward runs, so one layer's worth is the working set at the peak.
 * **sdpa**: `torch.nn.functional.scaled_dot_product_attention` with the flash or
@@ -34,6 +35,11 @@ Terms = dict[str, float]
 def _add(terms: Terms, name: str, value: float) -> None:
     if value:
         terms[name] = terms.get(name, 0.0) + value
+
+
+def recomputed(inp: PlanInputs) -> bool:
+    """Selective recompute of the core attention: its backward runs its forward again."""
+    return inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules
 
 
 def _score_elements(inp: PlanInputs, s: float, b: int) -> float:
@@ -75,7 +81,7 @@ def _unfused_peak_alive(inp: PlanInputs) -> float:
 def saved_terms(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
     """What one layer's core attention keeps for backward (none of it with selective recompute
     of core_attn: its inputs are the layer's Q, K, V)."""
-    if inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules:
+    if recomputed(inp):
         return {}
     return _kept(inp, s, b, masked)
 
@@ -108,7 +114,7 @@ def input_terms(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
         q_store, k_store = ("Q (reshaped copy)" if gqa else mixed), mixed
     widths.setdefault(q_store, q)
     widths.setdefault(k_store, kv)
-    selective = inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules
+    selective = recomputed(inp)
     kept = {q_store, k_store, mixed}
     if _repeats_kv(inp, masked) and not selective:
         kept = {q_store, "K, V repeated to every head"}
@@ -143,7 +149,7 @@ def working_set(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
     """What one layer's core attention adds at its worst moment in backward, beyond what the
     layer keeps for backward: the score planes of unfused attention (all of them when they are
     recomputed), the recomputed tensors of other kinds."""
-    selective = inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules
+    selective = recomputed(inp)
     terms: Terms = {}
     if inp.core_attention == "te":
         return terms  # not modeled for TransformerEngine's kernels
@@ -163,18 +169,18 @@ def working_set(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
 
 
 def persistent(inp: PlanInputs, s: float, b: int) -> Terms:
-    """Buffers the core attention allocates once and keeps: megatron-core's global memory
-    buffer that unfused attention computes its scores into."""
+    """Buffers the core attention allocates once and keeps: the score-sized `baddbmm` input of
+    unfused attention (megatron-core's global memory buffer)."""
     if inp.core_attention != "unfused":
         return {}
-    return {"attention score buffer (megatron-core's global memory buffer)": inp.activation_bytes * _score_elements(inp, s, b)}
+    plane = inp.activation_bytes * _score_elements(inp, s, b)
+    return {"attention score buffer (megatron-core's global memory buffer)": plane}
 
 
 def describe(inp: PlanInputs) -> str:
     """A few words on what the core attention keeps, for the plan's activation row."""
-    selective = inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules
     if inp.core_attention == "unfused":
-        return "unfused attention (scores recomputed per layer)" if selective else "unfused attention (scores kept)"
+        return f"unfused attention (scores {'recomputed per layer' if recomputed(inp) else 'kept'})"
     if inp.core_attention == "sdpa":
         return "SDPA attention (no scores kept)"
     return "fused attention"

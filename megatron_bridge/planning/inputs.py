@@ -230,7 +230,7 @@ class PlanInputs:
 
         te, core, note = _layers(m)
         local_core = core if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1]
-        masks, per_sample = _attention_masks(cfg, core)
+        masks, per_sample = _attention_masks(cfg)
         peft = getattr(cfg, "peft", None)
         return cls(
             num_layers=m.num_layers,
@@ -347,7 +347,7 @@ def _rotary_dim(m: Any) -> int:
     return int(kv * m.rotary_percent)
 
 
-def _attention_masks(cfg: Any, core: str) -> tuple[tuple[bool, ...], bool]:
+def _attention_masks(cfg: Any) -> tuple[tuple[bool, ...], bool]:
     """Which layers hand a mask tensor to the core attention, and whether it is per sample."""
     from megatron.core.transformer.utils import is_layer_window_attention
 

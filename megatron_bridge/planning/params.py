@@ -221,7 +221,8 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
             )
         )
         if inp.learned_positions:
-            out.append(Param("embedding.position_embeddings.weight", inp.seq_length * h, False, False, trainable=trains))
+            positions = inp.seq_length * h
+            out.append(Param("embedding.position_embeddings.weight", positions, False, False, trainable=trains))
     for i in range(chunk.num_layers):
         layer = chunk.first_layer + i
         moe = inp.moe_layer_pattern[layer]
@@ -231,9 +232,8 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
         else:
             out += template
     if chunk.post_process:
-        out += [
-            Param(n, k, False, False, trainable=trains) for n, k in _norm("decoder.final_layernorm", h, inp.norm_has_bias)
-        ]
+        final_norm = _norm("decoder.final_layernorm", h, inp.norm_has_bias)
+        out += [Param(n, k, False, False, trainable=trains) for n, k in final_norm]
         if not (inp.tied_embeddings and chunk.pre_process):
             out.append(Param("output_layer.weight", inp.padded_vocab // tp * h, False, shared, trainable=trains))
     return out

@@ -121,10 +121,14 @@ def layers_lines(inp: PlanInputs) -> list[str]:
     elif inp.core_attention == "te":
         choose = "model.transformer_impl=local plans megatron-core's local layers (attention_backend auto: SDPA)"
     else:
+        other = (
+            "unfused plans megatron-core's DotProductAttention"
+            if inp.core_attention == "sdpa"
+            else "auto plans SDPA where it serves the config"
+        )
         choose = (
             "model.transformer_impl=transformer_engine plans TransformerEngine layers (TE must be installed to run "
-            "them); model.attention_backend=" + ("unfused" if inp.core_attention == "sdpa" else "auto")
-            + (" plans megatron-core's DotProductAttention" if inp.core_attention == "sdpa" else " plans SDPA where it serves the config")
+            f"them); model.attention_backend={other}"
         )
     return [line, f"  to choose: {choose}"]
 
