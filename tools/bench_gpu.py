@@ -290,7 +290,8 @@ def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], wo
     import torch
 
     from megatron_bridge.extras import is_installed
-    from megatron_bridge.planning import plan
+    from megatron_bridge.planning import activations, plan
+    from megatron_bridge.planning.adapters import local_adapted
     from megatron_bridge.planning.devices import GPUS
     from megatron_bridge.training.callbacks import Callback
     from megatron_bridge.training.finetune import finetune
@@ -302,7 +303,7 @@ def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], wo
 
     class Timing(Callback):
         def __init__(self):
-            self.times, self.start = [], 0.0
+            self.times, self.start, self.peak, self.layer_saved = [], 0.0, None, None
 
         def on_train_start(self, state):
             if cuda:
@@ -315,6 +316,11 @@ def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], wo
             synchronize()
             self.times.append(time.perf_counter() - self.start)
 
+        def on_train_end(self, state):
+            self.peak = peak_memory()  # before the probe below
+            if not te:
+                self.layer_saved = saved_by_first_layer(state.model[0], shape)
+
     used = [name for name in trackers if is_installed(TRACKER_MODULES[name])]
     cfg = bench_config(shape, variant, iters, te, cuda, workdir, used)
     timing = Timing()
@@ -326,9 +332,13 @@ def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], wo
     )
     p = plan(cfg, gpu=gpu.key, with_fixes=False)
     worst = p.worst
+    inp = p.inputs
+    layer_terms = activations.layer_terms(inp, False, None, inp.attention_masks[0], local_adapted(inp, 0))
     return {
         "iteration_times": timing.times,
-        "max_allocated": peak_memory(),
+        "max_allocated": timing.peak,
+        "layer_saved": timing.layer_saved,
+        "layer_planned": int(sum(layer_terms.values())),
         "te": te,
         "trackers": used,
         "planned_bytes": int(worst.total - worst.workspace),
@@ -336,6 +346,35 @@ def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], wo
         "core_attention": p.inputs.core_attention,
         "trainable": worst.state.trainable_elements,
     }
+
+
+def saved_by_first_layer(chunk, shape: dict) -> int:
+    """Bytes of the distinct tensors (parameters left out) that the first transformer layer of
+    the trained model keeps for backward, for one micro batch of the bench shape: the planner's
+    per-layer activation term, measured."""
+    import torch
+
+    model = chunk
+    while not hasattr(model, "decoder"):
+        model = model.module
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    first = model.decoder.layers[0]
+    weight = next(first.parameters())
+    hidden = torch.randn(shape["seq"], shape["mbs"], shape["hidden_size"], dtype=weight.dtype, device=weight.device)
+    hidden.requires_grad_(True)
+    rotary = model.rotary_pos_emb(shape["seq"]) if getattr(model, "rotary_pos_emb", None) is not None else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = first(hidden, attention_mask=None, rotary_pos_emb=rotary)
+    del out
+    return sum(saved.values())
 
 
 # ---------------------------------------------------------------------- driver
@@ -468,6 +507,12 @@ class Report:
             line += f"  planner {planned[0] / 2**30:.2f} GiB (measured/planned {max(mem) / planned[0]:.3f})"
         elif planned:
             line += f"  planner {planned[0] / 2**30:.4f} GiB (no CUDA: not measured)"
+        layer = next((r for r in results if r.get("layer_saved")), None)
+        if layer:
+            line += (
+                f"  layer 0 keeps {layer['layer_saved'] / 2**20:.1f} MiB for backward "
+                f"(planned {layer['layer_planned'] / 2**20:.1f})"
+            )
         if errors:
             line += f"  ({len(errors)} of {len(results)} runs failed)"
         return line
