@@ -510,8 +510,8 @@ class Report:
         layer = next((r for r in results if r.get("layer_saved")), None)
         if layer:
             line += (
-                f"  layer 0 keeps {layer['layer_saved'] / 2**20:.1f} MiB for backward "
-                f"(planned {layer['layer_planned'] / 2**20:.1f})"
+                f"  layer 0 keeps {layer['layer_saved'] / 2**20:.2f} MiB for backward "
+                f"(planned {layer['layer_planned'] / 2**20:.2f})"
             )
         if errors:
             line += f"  ({len(errors)} of {len(results)} runs failed)"
