@@ -23,6 +23,8 @@ from recipes.llama import (
     llama31_405b_pretrain_config,
 )
 from recipes.mistral import mistral_7b_pretrain_config, mixtral_8x7b_pretrain_config
+from recipes.olmo2 import olmo2_7b_lora_finetune_config, olmo2_7b_pretrain_config
+from recipes.phi3 import phi3_mini_lora_finetune_config, phi3_mini_pretrain_config
 from recipes.qwen import (
     qwen3_8b_finetune_config,
     qwen3_8b_lora_finetune_config,
@@ -68,6 +70,10 @@ __all__ = [
     "llama3_8b_pretrain_config",
     "mistral_7b_pretrain_config",
     "mixtral_8x7b_pretrain_config",
+    "olmo2_7b_lora_finetune_config",
+    "olmo2_7b_pretrain_config",
+    "phi3_mini_lora_finetune_config",
+    "phi3_mini_pretrain_config",
     "qwen25_7b_pretrain_config",
     "qwen3_30b_a3b_pretrain_config",
     "qwen3_8b_finetune_config",

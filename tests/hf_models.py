@@ -28,6 +28,8 @@ def family_configs() -> dict:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -43,6 +45,11 @@ def family_configs() -> dict:
         "qwen2": Qwen2Config(**{**COMMON, "vocab_size": 250}),
         "qwen3": Qwen3Config(**COMMON, head_dim=32),
         "qwen3_moe": Qwen3MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+        "olmo2": Olmo2Config(**COMMON),
+        "phi3": Phi3Config(**COMMON, sliding_window=8, pad_token_id=0, eos_token_id=1),
+        # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
+        "phi3_partial": Phi3Config(**{**COMMON, "vocab_size": 250}, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                                     pad_token_id=0, eos_token_id=1),
     }
 
 
@@ -74,10 +81,12 @@ def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
+def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                    backend: str = "auto") -> Optional[torch.Tensor]:
     """Logits of our megatron-core model loaded from `source` (a Hugging Face directory, or a
-    checkpoint of ours) under the current launch (TP x PP x EP ranks); the full vocabulary
-    (padding rows included) on the last pipeline stage, None elsewhere."""
+    checkpoint of ours) under the current launch (TP x PP x EP ranks, `backend`: see
+    `model_parallel`); the full vocabulary (padding rows included) on the last pipeline stage, as
+    a CPU tensor, None elsewhere. `tokens` may be on any device: they go where the model is."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -96,11 +105,12 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         provider = checkpoint_provider(directory)
         load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
-        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
+        on_model = next(chunks[0].parameters()).device
+        data = iter([{"tokens": tokens.to(on_model), "position_ids": torch.arange(seq, device=on_model).expand(batch, seq)}])
 
         def step(data_iterator, module):
             item = next(data_iterator)
@@ -112,7 +122,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
             micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
         last = parallel_state.is_pipeline_last_stage()
-    return out[0] if last else None
+    return out[0].float().cpu() if last else None
 
 
 def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:

@@ -47,8 +47,7 @@ def data_provider(packed):
 
 
 TRAINING_CASES = {
-    "causal": dict(model=dict(num_query_groups=None)),
-    "gqa": dict(model={}),
+    "causal, grouped-query": dict(model={}),  # 4 heads, 2 key/value groups; one group per head: test_attention.py
     "sliding window, alternating": dict(model=dict(window_size=(5, 0), window_attn_skip_freq=2)),
     "packed, sliding window": dict(model=dict(window_size=(5, 0)), packed=True),
 }

@@ -16,7 +16,7 @@ import signal
 import time
 
 import pytest
-from factories import one_process_group, tiny_config
+from factories import needs, one_process_group, tiny_config
 
 from megatron_bridge.training.config import (
     FaultToleranceConfig,
@@ -32,15 +32,16 @@ pytestmark = pytest.mark.timeout(120)
 # ---------------------------------------------------------------------- fault tolerance
 @contextlib.contextmanager
 def rank_monitor(tmp_path, monkeypatch):
-    """nvidia-resiliency-ext's rank monitor server (ft_launcher starts one per rank), forked from
-    this process, timing the sections setup, step and checkpointing."""
+    """nvidia-resiliency-ext's rank monitor server (ft_launcher starts one per rank), started in a
+    fresh interpreter (a fork of this threaded process can crash in the child), timing the
+    sections setup, step and checkpointing."""
     from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig as MonitorConfig
     from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
     from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonitorServer
 
     socket_path = str(tmp_path / "rank_monitor.socket")
     config = MonitorConfig(rank_section_timeouts={"setup": 600, "step": 180, "checkpointing": 420})
-    server = RankMonitorServer.run_in_subprocess(config, socket_path, mp_ctx=multiprocessing.get_context("fork"))
+    server = RankMonitorServer.run_in_subprocess(config, socket_path, mp_ctx=multiprocessing.get_context("spawn"))
     monkeypatch.setenv(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, socket_path)
     try:
         yield
@@ -52,6 +53,7 @@ def rank_monitor(tmp_path, monkeypatch):
 def test_calc_ft_timeouts_stores_timeouts_computed_from_the_run(tmp_path, monkeypatch):
     """With `calc_ft_timeouts` the section timeouts are computed from the observed durations
     after a save and go into the fault-tolerance state that checkpoints store."""
+    needs("nvidia_resiliency_ext")
     from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance
 
     def run_steps(config):
@@ -160,6 +162,7 @@ def nvrx_report(relative, individual):
 def test_nvrx_straggler_settings(monkeypatch, caplog):
     """nvidia-resiliency-ext's detector profiles kernels with CUPTI (GPUs): a stand-in gives the
     report; the thresholds, logging and stopping act on the real report."""
+    needs("nvidia_resiliency_ext")
     import nvidia_resiliency_ext.straggler as straggler
 
     from megatron_bridge.training.resiliency.stragglers import StragglerDetected, StragglerMonitor
@@ -206,6 +209,7 @@ def seconds(value):
 
 def test_inprocess_restart_settings_reach_the_wrapper(tmp_path, monkeypatch):
     """The in-process restart run (tests/test_resiliency.py) is driven by this wrapper."""
+    needs("nvidia_resiliency_ext")
     import torch
 
     from megatron_bridge.training.resiliency.inprocess import _launcher_environment, build_wrapper

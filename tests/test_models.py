@@ -25,6 +25,8 @@ PUBLISHED = {
     M.Qwen25ModelProvider7B: (7.62e9, None),
     M.Qwen3ModelProvider8B: (8.19e9, None),
     M.Qwen3MoEModelProvider30B_A3B: (30.5e9, 3.3e9),
+    M.Olmo2ModelProvider7B: (7.30e9, None),
+    M.Phi3ModelProviderMini: (3.82e9, None),
 }
 
 
@@ -65,6 +67,8 @@ def test_tiny_gpt_has_a_few_hundred_thousand_parameters():
         (M.Qwen25ModelProvider7B, 152064),
         (M.Qwen3ModelProvider8B, 151936),
         (M.Qwen3MoEModelProvider30B_A3B, 151936),
+        (M.Olmo2ModelProvider7B, 100352),
+        (M.Phi3ModelProviderMini, 32064),
         (M.TinyGPTModelProvider, 256),
     ],
 )
@@ -159,8 +163,10 @@ MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_grouped_gemm=False, mo
         lambda: M.Qwen3ModelProvider(**{**SMALL, "kv_channels": 32}),
         lambda: M.MixtralModelProvider(**SMALL, **MOE),
         lambda: M.Qwen3MoEModelProvider(**{**SMALL, "kv_channels": 32}, **MOE),
+        lambda: M.Olmo2ModelProvider(**SMALL),
+        lambda: M.Phi3ModelProvider(**SMALL, rotary_percent=0.5),
     ],
-    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"],
+    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3"],
 )
 def test_count_matches_built_model(model_parallel, make):
     provider = make()
@@ -179,7 +185,7 @@ def test_family_modules_import_nothing_heavy():
     """The family modules are plain data: importing them adds no import beyond what gpt_provider.py
     already needs (megatron-core's TransformerConfig, which brings torch)."""
     allowed = ("__future__", "typing", "torch.nn.functional", "megatron_bridge.config.base", "megatron_bridge.models.")
-    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen):
+    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

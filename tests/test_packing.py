@@ -67,7 +67,7 @@ def model_parallel():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    with one_process_group(), cpu_backend.active():
+    with one_process_group(), cpu_backend.active("cpu"):  # a gloo group: the model is on CPU on every machine
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(7)
         yield
@@ -78,7 +78,8 @@ def packed_and_alone_losses(provider):
     """Per-sample losses of 8 samples (9-41 tokens) run alone and packed into 64-token sequences."""
     provider.finalize()
     torch.manual_seed(0)
-    model = provider.provide(pre_process=True, post_process=True).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = provider.provide(pre_process=True, post_process=True).to(device).eval()
     gen = torch.Generator().manual_seed(1)
     samples = []
     for n in (9, 30, 17, 5, 41, 12, 23, 3):
@@ -93,9 +94,9 @@ def packed_and_alone_losses(provider):
     with torch.no_grad():
         alone = []
         for ids, flags in samples:
-            tokens = torch.tensor(ids[:-1]).unsqueeze(0)
-            labels = torch.tensor(ids[1:]).unsqueeze(0)
-            losses = model(tokens, torch.arange(len(ids) - 1).unsqueeze(0), None, labels=labels)
+            tokens = torch.tensor(ids[:-1]).unsqueeze(0).to(device)
+            labels = torch.tensor(ids[1:]).unsqueeze(0).to(device)
+            losses = model(tokens, torch.arange(len(ids) - 1, device=device).unsqueeze(0), None, labels=labels).cpu()
             alone.append(per_sample(losses[0], torch.tensor(flags[1:], dtype=torch.float32)))
 
         packed = PackedSamples.from_samples(samples, 64, seed=0)
@@ -104,7 +105,8 @@ def packed_and_alone_losses(provider):
         for b in range(len(packed)):
             item = ds[b]
             batch = ds.collate_fn([item])
-            losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])[0]
+            inputs = [batch[k].to(device) for k in ("tokens", "position_ids", "attention_mask", "labels")]
+            losses = model(*inputs[:3], labels=inputs[3])[0].cpu()
             for i, (a, z) in zip(packed.bin(b), zip(item["bounds"], item["bounds"][1:])):
                 found[int(i)] = per_sample(losses[a:z], batch["loss_mask"][0, a:z])
     assert len(packed) < len(samples)

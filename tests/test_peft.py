@@ -45,10 +45,16 @@ def config(iters=10, peft=None, pretrained=None, save=None, load=None, exit_inte
     return cfg
 
 
+def on_model(model):
+    """TOKENS and their positions on the device of `model`."""
+    device = next(model.parameters()).device
+    return TOKENS.to(device), torch.arange(TOKENS.shape[1], device=device).expand_as(TOKENS)
+
+
 def logits(model):
-    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    """fp32 logits of `model` for TOKENS, as a CPU tensor."""
     with torch.no_grad():
-        return model(TOKENS, positions, None)
+        return model(*on_model(model), None).float().cpu()
 
 
 class Record(Callback):
@@ -215,8 +221,8 @@ def test_moe_expert_adapters_start_as_the_base_and_train(monkeypatch):
             ".local_experts." in n for n in names
         )  # layers x fc x experts x (A, B)
         assert torch.equal(logits(adapted), expected)
-        positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
-        adapted(TOKENS, positions, None, labels=TOKENS).mean().backward()
+        tokens, positions = on_model(adapted)
+        adapted(tokens, positions, None, labels=tokens).mean().backward()
         assert all(p.grad is not None for n, p in adapted.named_parameters() if n.endswith("lora_B"))
 
 
@@ -336,6 +342,15 @@ def test_merged_and_hf_peft_logits_match(run, base, tmp_path, request):
     with torch.no_grad():
         theirs = hf(TOKENS).logits
     assert (theirs - adapted).abs().max() < 1e-4
+    assert adapter_config["base_model_name_or_path"] == base  # no Hugging Face origin: our base checkpoint
+
+    # mbridge hf export: the adapters folded into a Hugging Face model (config.json written here)
+    from transformers import AutoModelForCausalLM
+
+    assert mbridge(["hf", "export", path, str(tmp_path / "folded")]) == 0
+    folded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "folded"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (folded(TOKENS).logits - adapted).abs().max() < 1e-4
 
 
 def test_export_splits_fused_projections_and_refuses_experts():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import backend_for
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.planning import plan
@@ -22,8 +23,8 @@ from recipes import get_recipe, list_recipes
 
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
 LAYOUTS = (
-    "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "lora_tp2",
-    "dora_dp2_distopt",
+    "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
+    "lora_tp2", "dora_dp2_distopt",
 )  # fmt: skip
 
 
@@ -47,7 +48,7 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Seven layouts trained for one iteration with pretrain() under torchrun (2 processes), and
+    """Eight layouts trained for one iteration with pretrain() under torchrun (2 processes), and
     two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
     buffers, optimizer state (main copies + moments) and torch's step counters equal the
     planner's on each rank, and so does the parameter list (adapters after their base layer)."""
@@ -70,6 +71,8 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         str(out),
         "--layouts",
         *LAYOUTS,
+        "--backend",
+        backend_for(2),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -343,25 +346,36 @@ def test_plan_json_records_and_gpu_and_mfu(capsys):
 
 
 @pytest.mark.timeout(300)
-def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose():
-    """A fresh process, as a user runs it: TE layers where TE is installed, else local layers
-    with SDPA; either way the line naming the settings that choose."""
-    from megatron_bridge.extras import is_installed
-
-    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "llama2_7b_pretrain_config", "--dry-run"]
+def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose(capsys):
+    """For the GPUs it plans for: TE layers (TE taken as installed there); with --no-te, local
+    layers with SDPA (a fresh process, as a user runs it). Either way the line naming the
+    settings that choose."""
+    assert mbridge(["pretrain", "--recipe", "llama2_7b_pretrain_config", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: TransformerEngine, TransformerEngine's core attention" in out
+    assert "  to choose: model.transformer_impl=local plans megatron-core's local layers" in out
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "llama2_7b_pretrain_config", "--dry-run",
+           "--no-te"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
-    if is_installed("transformer_engine"):
-        assert "# layers: TransformerEngine, TransformerEngine's core attention" in out.stdout
-        assert "#   to choose: model.transformer_impl=local plans megatron-core's local layers" in out.stdout
-    else:
-        assert (
-            "# layers: megatron-core local, PyTorch SDPA core attention (TransformerEngine not installed, so local "
-            "layers; PyTorch SDPA serves this config" in out.stdout
-        )
-        assert "#   to choose: model.transformer_impl=transformer_engine plans TransformerEngine layers" in out.stdout
-        assert "model.attention_backend=unfused plans megatron-core's DotProductAttention" in out.stdout
-        assert "SDPA attention (no scores kept)" in out.stdout
+    assert "# resolved for:          megatron-core local layers (--no-te" in out.stdout
+    assert (
+        "# layers: megatron-core local, PyTorch SDPA core attention (TransformerEngine not installed, so local "
+        "layers; PyTorch SDPA serves this config" in out.stdout
+    )
+    assert "#   to choose: model.transformer_impl=transformer_engine plans TransformerEngine layers" in out.stdout
+    assert "model.attention_backend=unfused plans megatron-core's DotProductAttention" in out.stdout
+    assert "SDPA attention (no scores kept)" in out.stdout
+
+
+def test_plan_of_a_model_without_input_norms_offers_no_transformer_engine_layers(capsys, tmp_path):
+    """OLMo 2 (no norms before attention and MLP) is built on local layers only: its plan does not
+    suggest TE layers."""
+    assert mbridge(["pretrain", "--recipe", "olmo2_7b_pretrain_config", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: megatron-core local, PyTorch SDPA core attention" in out
+    assert "  to choose: model.attention_backend=unfused plans megatron-core's DotProductAttention (no " in out
+    assert "transformer_impl=transformer_engine" not in out
 
 
 def test_lora_recipe_is_planned_with_a_frozen_base(capsys, tmp_path):
@@ -397,6 +411,7 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
         (["--plan-only", "--gpu", "h100"], "invalid choice: 'h100'"),
         (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
         (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
+        (["--no-te"], "--no-te only applies to --dry-run and --plan-only"),
         (["--dry-run", "--json"], "--json only applies to --plan-only"),
         (
             ["--plan-only", "ddp.use_megatron_fsdp=true"],

@@ -4,9 +4,9 @@ unfused local `DotProductAttention`, side by side at a few sequence lengths.
     python tools/bench_attention.py [--seq 512 1024 2048] [--heads 16] [--groups 4] [--head-dim 64]
                                     [--batch 1] [--repeats 5] [--window N] [--dtype fp32|bf16]
 
-Same query/key/value tensors ([s, b, heads, d], grouped-query key/value) into both modules;
-prints per length the median time of each (ms), unfused/SDPA, and the largest difference of the
-outputs and of the query gradients. Runs on the GPU when there is one (bf16 by default there),
+Same query/key/value tensors ([s, b, heads, d], grouped-query key/value) into both modules,
+alternating; prints per length the median time of each (ms), unfused/SDPA, and the largest
+difference of the outputs and of the query gradients. Runs on the GPU when there is one (bf16 by default there),
 else on CPU (fp32) with the CPU backend, in one process.
 """
 
@@ -79,10 +79,9 @@ def main() -> None:
         k0 = torch.randn(s, b, g, d, generator=gen).to(device, dtype)
         v0 = torch.randn(s, b, g, d, generator=gen).to(device, dtype)
         grad = torch.randn(s, b, h * d, generator=gen).to(device, dtype)
-        times, results = {}, {}
-        for name, module in modules.items():
-            runs = []
-            for _ in range(args.repeats + 1):
+        runs, results = {name: [] for name in modules}, {}
+        for repeat in range(args.repeats + 1):  # alternating, so load changes hit both alike
+            for name, module in modules.items():
                 q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
                 if cuda:
                     torch.cuda.synchronize()
@@ -91,9 +90,10 @@ def main() -> None:
                 out.backward(grad)
                 if cuda:
                     torch.cuda.synchronize()
-                runs.append(time.perf_counter() - start)
-            times[name] = statistics.median(runs[1:]) * 1e3
-            results[name] = (out.detach().float().cpu(), q.grad.float().cpu())
+                if repeat:  # the first is a warm-up
+                    runs[name].append(time.perf_counter() - start)
+                results[name] = (out.detach().float().cpu(), q.grad.float().cpu())
+        times = {name: statistics.median(values) * 1e3 for name, values in runs.items()}
         out_diff = (results["unfused"][0] - results["sdpa"][0]).abs().max().item()
         dq_diff = (results["unfused"][1] - results["sdpa"][1]).abs().max().item()
         ratio = times["unfused"] / times["sdpa"]

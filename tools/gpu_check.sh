@@ -20,7 +20,7 @@
 #   2. the README main job: mbridge pretrain --recipe tiny_gpt_pretrain_config;
 #   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, unfused attention, LoRA, the
 #      hand-written loop, each with measured and planned memory;
-#   4. the GPU test lane: pytest -m gpu;
+#   4. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
 #   5. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
@@ -131,7 +131,7 @@ step bench 300 "$PYTHON" tools/bench_gpu.py --variants "$BENCH_VARIANTS" $BENCH_
 grep -E "^(device|[a-z+]+ +(median|FAILED)|ratio|trackers|unfused/|LoRA/)" "$LOG_DIR/bench.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 
 # 4. the GPU test lane
-step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider
+step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
 tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 
 # 5. the whole suite, when there is time for it

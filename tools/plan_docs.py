@@ -24,12 +24,13 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   gradient buffers (fp32 with `grad_reduce_in_fp32`), with the distributed optimizer the parameter
   buffer and the rank's shard of fp32 main parameters and Adam moments, padding included;
   precision-aware optimizer dtypes, TP/PP/EP/ETP splits and vocabulary padding. For megatron-core's
-  local layers these are exact: `tests/test_planner.py` trains seven layouts (TP 2, PP 2, PP 2 with
+  local layers these are exact: `tests/test_planner.py` trains eight layouts (TP 2, PP 2, PP 2 with
   virtual stages, distributed optimizer with DP 2, MoE with EP 2, bf16 with fp32 main parameters,
-  several padded buckets) under torchrun and compares with the bytes of the actual tensors on
-  every rank;
+  several padded buckets, OLMo 2's norms at TP 2) under torchrun and compares with the bytes of
+  the actual tensors on every rank;
 - **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
-  grouped-query attention, gated MLPs, fused attention, MoE, LoRA/DoRA adapters; recompute
+  grouped-query attention, gated MLPs, fused attention, MoE, LoRA/DoRA adapters, the norms a layer
+  has: before attention and MLP or not, after them, qk-norm per head or over whole projections; recompute
   none/selective/full, sequence and context parallelism) times the micro batches a stage holds in
   the 1F1B schedule (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus a working set:
   for megatron-core's local layers the largest transient of a step (the score planes of the unfused
@@ -47,10 +48,11 @@ tokens/s at a stated MFU (`--mfu`, default 0.40), time to `train_iters` and tota
 pipeline bubble; DP, EP and expert-DP sizes. `--gpu` picks h100-80gb (default), h200-141gb,
 a100-80gb or b200-180gb; `--plan-only --json` prints one record per rank layout.
 
-Each plan says which layers it is for: what `provide()` builds on the machine that plans. These
-plans were made without TransformerEngine, so they are of megatron-core's local layers with SDPA
-core attention, except where context parallelism needs TE layers; `model.transformer_impl=transformer_engine`
-plans TE layers anywhere, `model.attention_backend=unfused` megatron-core's unfused attention.
+Each plan says which layers it is for: what `provide()` builds on the GPUs planned for. As
+`--plan-only` does, these plans take TransformerEngine as installed there, so they are of TE
+layers, except for the recipes that ask for megatron-core's local layers (LoRA/DoRA, OLMo 2),
+planned with SDPA core attention; `--no-te` plans local layers, `model.attention_backend=unfused`
+megatron-core's unfused attention.
 LoRA/DoRA runs: a frozen 16-bit base without gradients or optimizer state, buffers and optimizer
 state for the adapters only (exact against the tensors of real runs in the tests).
 
@@ -86,13 +88,16 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100-80gb")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
+    from megatron_bridge.cli.dry_run import for_target
     from megatron_bridge.planning import plan
+    from megatron_bridge.planning.inputs import PlanningError
     from megatron_bridge.training.config import runtime_config_update
     from recipes import get_recipe, list_recipes
 
     gpu_flag = "" if args.gpu == "h100-80gb" else f" --gpu {args.gpu}"
     lines = [INTRO]
-    with tempfile.TemporaryDirectory() as tmp:
+    # resolved and planned as `--plan-only` does: for GPUs with TransformerEngine, whatever this machine has
+    with tempfile.TemporaryDirectory() as tmp, for_target(True):
         stand_ins = dict(dataset_root=tmp, pretrained_checkpoint=tmp)
         for name in list_recipes():
             fn = get_recipe(name)
@@ -102,10 +107,17 @@ def main() -> None:
             cmd = "finetune" if name.endswith("_finetune_config") else "pretrain"
             extra = " --recipe-arg dataset_root=DIR --recipe-arg pretrained_checkpoint=CKPT" if options else ""
             command = f"mbridge {cmd} --recipe {name} --plan-only{gpu_flag}{extra}"
-            lines += section(f"{name} on {fn.world_size} GPUs", command, plan(cfg, gpu=args.gpu, label=name))
+            try:
+                planned = plan(cfg, gpu=args.gpu, label=name)
+            except PlanningError as exc:  # a recipe the planner does not model: say so
+                lines += [f"## {name} on {fn.world_size} GPUs", "", f"Not planned: {exc}.", ""]
+                continue
+            lines += section(f"{name} on {fn.world_size} GPUs", command, planned)
     squeeze = dict(tensor_model_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
     cfg = get_recipe("llama3_70b_pretrain_config")(**squeeze)
-    runtime_config_update(cfg, world_size=8)
+    with for_target(True):
+        runtime_config_update(cfg, world_size=8)
+        squeezed = plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config")
     command = (
         "mbridge pretrain --recipe llama3_70b_pretrain_config --plan-only --world-size 8 "
         "--recipe-arg tensor_model_parallel_size=1 --recipe-arg sequence_parallel=false "
@@ -122,7 +134,7 @@ def main() -> None:
     lines += section(
         "llama3_70b_pretrain_config on 8 GPUs, TP 1",
         command,
-        plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config"),
+        squeezed,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
         "export",
         help="a checkpoint of ours -> a Hugging Face directory (safetensors, config.json, tokenizer)",
         description="Write the model weights of a megatron_bridge checkpoint as a Hugging Face model directory: "
-        "sharded safetensors with an index, config.json and the tokenizer files.",
+        "sharded safetensors with an index, config.json and the tokenizer files. The adapters of a LoRA/DoRA "
+        "checkpoint are folded into its base weights (W + alpha/dim B A; DoRA rescaled per row).",
     )
     exp.add_argument("ckpt", metavar="CKPT", help="a checkpoint save directory, or one of its iter_* directories")
     exp.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face directory to create (replaced if it exists)")
@@ -54,6 +55,12 @@ def register(subparsers: Any) -> None:
         help="weights dtype (default: the Hugging Face model the checkpoint came from, else its training dtype)",
     )
     exp.add_argument("--step", type=int, metavar="N", help="export iteration N instead of the latest")
+    exp.add_argument(
+        "--base",
+        metavar="DIR",
+        help="for a LoRA/DoRA checkpoint: its base weights, a checkpoint or Hugging Face directory (default: the "
+        "one the adapters record)",
+    )
     exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file, e.g. 5GB, 500MB (default: %(default)s)")
     _layout(exp)
     exp.set_defaults(handler=run_export)
@@ -63,6 +70,13 @@ def _layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: all processes / (pp x ep))")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, for mixture-of-experts models (default: 1)")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="process-group backend: nccl runs on the GPUs (one process per GPU), gloo on the CPU; auto: nccl "
+        "where GPUs are visible, else gloo (default: %(default)s)",
+    )
 
 
 def parse_size(text: str) -> int:
@@ -103,7 +117,7 @@ def run_import(args: argparse.Namespace) -> int:
     if not is_hf_directory(args.hf_dir):
         raise UsageError(f"{args.hf_dir!r} is not a Hugging Face model directory (config.json and model.safetensors[.index.json])")
     tp, pp, ep = _sizes(args)
-    directory = _config_errors(import_hf, args.hf_dir, args.out_dir, tp=tp, pp=pp, ep=ep, dtype=args.dtype)
+    directory = _config_errors(import_hf, args.hf_dir, args.out_dir, tp=tp, pp=pp, ep=ep, dtype=args.dtype, backend=args.backend)
     if _last_rank():
         print(f"imported {args.hf_dir} -> {directory} (fine-tune with checkpoint.pretrained_checkpoint={args.out_dir})")
     return 0
@@ -115,7 +129,7 @@ def run_export(args: argparse.Namespace) -> int:
     tp, pp, ep = _sizes(args)
     stats = _config_errors(
         export_checkpoint, args.ckpt, args.out_dir, dtype=args.dtype, step=args.step, tp=tp, pp=pp, ep=ep,
-        max_shard_bytes=parse_size(args.max_shard_size),
+        max_shard_bytes=parse_size(args.max_shard_size), base=args.base, backend=args.backend,
     )  # fmt: skip
     if _last_rank():
         print(f"exported {args.ckpt} -> {args.out_dir} ({stats['tensors']} tensors in {stats['files']} files)")

@@ -2,6 +2,20 @@
 
 The family providers load on first use: each defines dataclasses over megatron-core's large
 `TransformerConfig`, and the config layer needs only `GPTModelProvider`.
+
+Adding a family: one module here (`megatron_bridge/models/<family>.py`) holds its providers (the
+architecture as plain defaults, published sizes as subclasses) and, for a Hugging Face
+architecture, an `HFFamily` subclass decorated with `@register` (`models.hf.family`,
+`models.hf.registry`): its `architecture`/`model_type`, how config.json becomes provider fields
+(refusing by name what it cannot reproduce), the provider settings it can write back and its
+config.json, and which Hugging Face tensors make each megatron-core parameter (`Mapped` entries
+with the `Rule`s of `models.hf.mapping`). It overrides only what differs from the Llama-style
+defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIES` below;
+`GPTModelProvider.from_hf`, `mbridge hf import|export`, the weight checks and the peft export
+find it there. Layer structure megatron-core's specs lack is built from `models.layers` by provider
+fields (`input_layernorms`, `output_layernorms`, `qk_layernorm_per_head`); a family's provider can
+edit the built spec further in `adjust_layer_spec`. `models.olmo2` is a family with layers of its
+own, `models.phi3` one whose Hugging Face files fuse projections.
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ _FAMILIES = {
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
     ),
+    "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),
+    "megatron_bridge.models.phi3": ("Phi3ModelProvider", "Phi3ModelProviderMini"),
     "megatron_bridge.models.qwen": (
         "Qwen2ModelProvider",
         "Qwen25ModelProvider7B",
@@ -42,6 +58,12 @@ _FAMILIES = {
 _WHERE = {name: module for module, names in _FAMILIES.items() for name in names}
 
 __all__ = ["GPTModelProvider", "ParameterCount", "count_parameters", "flops_per_token", *sorted(_WHERE)]
+
+
+def family_modules() -> list[str]:
+    """The modules defining model families (those with Hugging Face architectures register them
+    when imported)."""
+    return list(_FAMILIES)
 
 
 def __getattr__(name: str) -> Any:

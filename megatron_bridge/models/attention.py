@@ -17,8 +17,8 @@ takes SDPA for local layers wherever it serves the config and the unfused path o
 kernels, so on local layers they mean the fused kernels local layers have, SDPA's.
 
 `core_attention_choice` is a pure function of the model config and of what is installed: no
-process group, no model. The layer spec (`GPTModelProvider.layer_spec`), the data pipeline
-(packed sequences as boundaries or as a mask) and the planner all read it.
+process group, no model. The layer spec (`GPTModelProvider.layer_spec`) and the data pipeline
+(packed sequences as boundaries or as a mask) read it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
-from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.errors import ConfigProblem, Problems
 
 CoreAttentionKind = Literal["te", "sdpa", "unfused"]
 
@@ -71,7 +71,7 @@ def sdpa_unsupported(config: Any) -> Optional[str]:
     if config.context_parallel_size > 1:
         return f"context parallelism (context_parallel_size={config.context_parallel_size})"
     if config.softmax_type != "vanilla":
-        return f"softmax_type={config.softmax_type!r} (attention sinks need the score matrix)"
+        return f"softmax_type={config.softmax_type!r} (an offset in the softmax denominator, which SDPA has not)"
     if config.multi_latent_attention:
         return "multi-latent attention (multi_latent_attention=True)"
     if getattr(config, "experimental_attention_variant", None) is not None:
@@ -222,3 +222,24 @@ def core_attention_recompute(config: Any) -> tuple[dict[str, Any], Optional[str]
     return {"recompute_granularity": None}, (
         "model.recompute_granularity=None: selective recompute covered only core_attn, and SDPA keeps no score matrix"
     )
+
+
+def layer_problems(config: Any) -> list[ConfigProblem]:
+    """What the layers this machine builds for `config` cannot run, found before they are built:
+    context parallelism on local layers (neither SDPA nor DotProductAttention splits attention
+    over context-parallel ranks; megatron-core would stop with an assertion)."""
+    cp = config.context_parallel_size
+    if cp == 1 or config.transformer_layer_spec is not None or te_layers(config):
+        return []
+    why = (
+        "TransformerEngine is not installed"
+        if config.transformer_impl == "transformer_engine"
+        else f"transformer_impl={config.transformer_impl!r}"
+    )
+    return [
+        ConfigProblem(
+            "model.context_parallel_size",
+            f"{cp} needs TransformerEngine layers; local layers ({why}) do not split attention over context-parallel ranks",
+            "install TransformerEngine (the 'te' extra) and use transformer_impl='transformer_engine', or set model.context_parallel_size=1",
+        )
+    ]

@@ -62,6 +62,20 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     rope_scaling_factor: float = 8.0
     """Scaling factor of Llama 3.1-style RoPE scaling."""
 
+    input_layernorms: bool = True
+    """Normalize the input of attention and of the MLP (pre-norm). False: only their outputs are
+    normalized (output_layernorms), as in OLMo 2; needs transformer_impl='local'."""
+
+    output_layernorms: bool = False
+    """Normalize the output of attention and of the MLP before it is added to the residual stream
+    (OLMo 2; with input_layernorms too, Gemma 2 and 3)."""
+
+    qk_layernorm_per_head: bool = True
+    """With qk_layernorm: normalize each query and key head. False: normalize each token's whole
+    query projection and whole key projection (all heads together), as OLMo 2 does; the norm
+    weights then have num_attention_heads x kv_channels and num_query_groups x kv_channels
+    values."""
+
     seq_length: int = 1024
     """Tokens per sample; must equal the dataset's sequence length."""
 
@@ -163,6 +177,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
+        self._check_layer_fields(p)
         from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
@@ -175,6 +190,47 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             self._derive("pipeline_dtype", self.params_dtype)
         if not p:
             self._run_parent_post_init(TransformerConfig, p)
+
+    def _check_layer_fields(self, p: Problems) -> None:
+        """The layer fields megatron-core lacks are built into megatron-core's own layer spec."""
+        from megatron_bridge.models.layers.spec_edits import changes_layers
+
+        if changes_layers(self) and self.transformer_layer_spec is not None:
+            p.add(
+                "transformer_layer_spec",
+                "a custom layer spec is built as given, without input_layernorms=False, output_layernorms or "
+                "qk_layernorm_per_head=False",
+                "build those into the custom spec and leave the fields at their defaults (or unset the spec)",
+            )
+        p.check(
+            self.input_layernorms or self.transformer_impl == "local",
+            "input_layernorms",
+            f"False needs megatron-core's local layers (TransformerEngine fuses these norms into the linear "
+            f"layers), but transformer_impl={self.transformer_impl!r}",
+            "set model.transformer_impl='local'",
+        )
+        if self.qk_layernorm_per_head:
+            return
+        p.check(
+            self.qk_layernorm,
+            "qk_layernorm_per_head",
+            "False says how queries and keys are normalized, but qk_layernorm is False",
+            "set model.qk_layernorm=True (or leave qk_layernorm_per_head at True)",
+        )
+        p.check(
+            self.normalization == "RMSNorm",
+            "qk_layernorm_per_head",
+            f"False is an RMSNorm over the whole projections, but normalization={self.normalization!r}",
+            "set model.normalization='RMSNorm' (or leave qk_layernorm_per_head at True)",
+        )
+        groups, tp = self.num_query_groups or self.num_attention_heads, self.tensor_model_parallel_size
+        p.check(
+            groups % tp == 0,
+            "qk_layernorm_per_head",
+            f"False normalizes each rank's whole key heads, but {groups} query groups do not split over "
+            f"tensor_model_parallel_size={tp}",
+            "choose a TP size that divides num_query_groups",
+        )
 
     # ------------------------------------------------------------------ building
     def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
@@ -199,16 +255,25 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         from megatron_bridge.models.attention import core_attention_choice, core_attention_module, replace_core_attention
+        from megatron_bridge.models.layers.spec_edits import apply_layer_fields
 
         te = self.uses_transformer_engine()
         spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
-        if te:
-            return spec
-        choice = core_attention_choice(self)
-        if not vp_stage:  # one line per model, not per virtual pipeline stage
-            logger.info("%s", choice)
-        module = core_attention_module(self, choice)
-        return spec if module is None else replace_core_attention(spec, module)
+        if not te:
+            choice = core_attention_choice(self)
+            if not vp_stage:  # one line per model, not per virtual pipeline stage
+                logger.info("%s", choice)
+            module = core_attention_module(self, choice)
+            if module is not None:
+                spec = replace_core_attention(spec, module)
+        return self.adjust_layer_spec(apply_layer_fields(self, spec), vp_stage)
+
+    def adjust_layer_spec(self, spec: Any, vp_stage: Optional[int] = None) -> Any:
+        """Family hook: edit the decoder block spec (megatron-core's `TransformerBlockSubmodules`
+        of this pipeline stage, the layer fields built in) and return the spec to build. Replace
+        only the submodules the family changes (`models.layers.spec_edits.edit_layers`), so the
+        edit composes with the others. Not called for a custom `transformer_layer_spec`."""
+        return spec
 
     def uses_transformer_engine(self) -> bool:
         """TE layers when asked for (transformer_impl) and installed; a default ask falls back to

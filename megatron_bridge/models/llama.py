@@ -1,4 +1,5 @@
-"""The Llama family (Meta): Llama 2 7B, Llama 3 8B / 70B, Llama 3.1 405B.
+"""The Llama family (Meta): Llama 2 7B, Llama 3 8B / 70B, Llama 3.1 405B, and its Hugging Face
+architecture (`LlamaForCausalLM`).
 
 Architectures are the published ones (model cards and configuration files), as plain defaults.
 """
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 
 from megatron_bridge.config.base import config_dataclass
 from megatron_bridge.models.gpt_provider import GPTModelProvider
+from megatron_bridge.models.hf.family import HFFamily
+from megatron_bridge.models.hf.registry import register
 
 
 @config_dataclass
@@ -171,3 +174,16 @@ class Llama31ModelProvider405B(Llama31ModelProvider):
 
     ffn_hidden_size: Optional[int] = 53248
     """MLP width."""
+
+
+# ---------------------------------------------------------------------- Hugging Face
+@register
+class LlamaFamily(HFFamily):
+    """`LlamaForCausalLM` (Llama 2, 3, 3.1 and 3.2): the layout `HFFamily` describes."""
+
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    provider = LlamaModelProvider
+
+    def hf_config(self, p, dtype):
+        return {**super().hf_config(p, dtype), "attention_bias": False}

@@ -1,7 +1,8 @@
 """Mistral AI models: Mistral 7B (v0.1) and the Mixtral 8x7B mixture of experts.
 
 Both use the Llama architecture (see `LlamaModelProvider`) with grouped-query attention, a
-32000-token vocabulary and their own RoPE bases.
+32000-token vocabulary and their own RoPE bases. Hugging Face architectures: `MistralForCausalLM`,
+`MixtralForCausalLM`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Tuple, Union
 
 from megatron_bridge.config.base import config_dataclass
+from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, scalar
+from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
 
 
@@ -94,3 +97,66 @@ class MixtralModelProvider8x7B(MixtralModelProvider):
 
     moe_ffn_hidden_size: Optional[int] = 14336
     """Width of each expert's MLP."""
+
+
+# ---------------------------------------------------------------------- Hugging Face
+@register
+class MistralFamily(HFFamily):
+    """`MistralForCausalLM`: the Llama layout with a sliding window on every layer."""
+
+    architecture = "MistralForCausalLM"
+    model_type = "mistral"
+    provider = MistralModelProvider
+
+    def read_window(self, read):
+        return self.read_sliding_window(read)
+
+    def settings(self):
+        return {**super().settings(), "window_size": causal_window}
+
+    def hf_config(self, p, dtype):
+        window = p.window_size[0] + 1 if p.window_size is not None else None
+        return {**super().hf_config(p, dtype), "sliding_window": window}
+
+
+@register
+class MixtralFamily(MistralFamily):
+    """`MixtralForCausalLM`: Mistral with a mixture of experts in every layer
+    (`block_sparse_moe`: router `gate`, experts `w1` gate, `w3` up, `w2` down)."""
+
+    architecture = "MixtralForCausalLM"
+    model_type = "mixtral"
+    provider = MixtralModelProvider
+
+    def read_mlp(self, read, kw):
+        jitter = read.float("router_jitter_noise", default=0.0)
+        return dict(
+            num_moe_experts=read.int("num_local_experts"),
+            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_ffn_hidden_size=kw["ffn_hidden_size"],
+            moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=0.02),
+            moe_input_jitter_eps=jitter or None,
+        )
+
+    def settings(self):
+        return {**super().settings(), "num_moe_experts": has_experts}
+
+    def hf_config(self, p, dtype):
+        return {
+            **super().hf_config(p, dtype),
+            "num_local_experts": p.num_moe_experts,
+            "num_experts_per_tok": p.moe_router_topk,
+            "intermediate_size": p.moe_ffn_hidden_size,
+            "router_aux_loss_coef": scalar(p.moe_aux_loss_coeff),
+            "router_jitter_noise": p.moe_input_jitter_eps or 0.0,
+        }
+
+    def experts_of(self, hf):
+        return {"num_experts": hf.get("num_local_experts") or 0, "moe_ffn": hf.get("intermediate_size", 0)}
+
+    def router_name(self, L):
+        return f"model.layers.{L}.block_sparse_moe.gate.weight"
+
+    def expert_names(self, L, E):
+        base = f"model.layers.{L}.block_sparse_moe.experts.{E}"
+        return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"

@@ -52,7 +52,9 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     attention = h * (q_out + kv_out) + (q_out + kv_out if qkv_bias else 0)
     attention += q_out * h + (h if bias else 0)
     if m.qk_layernorm:
-        attention += 2 * kv * (1 if m.normalization == "RMSNorm" else 2)
+        widths = 2 * kv if getattr(m, "qk_layernorm_per_head", True) else q_out + groups * kv
+        attention += widths * (1 if m.normalization == "RMSNorm" else 2)
+    norms_per_layer = 2 * (int(getattr(m, "input_layernorms", True)) + int(getattr(m, "output_layernorms", False)))
 
     def mlp(width: int) -> int:
         return h * width * gated + (width * gated if bias else 0) + width * h + (h if bias else 0)
@@ -72,7 +74,7 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
 
     total = active = 0
     for is_moe in _moe_layers(m):
-        layer = 2 * norm + attention
+        layer = norms_per_layer * norm + attention
         total += layer + (moe_total if is_moe else dense_mlp)
         active += layer + (moe_active if is_moe else dense_mlp)
     final_norm = norm

@@ -2,7 +2,8 @@
 
 All use the Llama architecture (see `LlamaModelProvider`) with RoPE base 1e6 and RMSNorm
 epsilon 1e-6; Qwen2.5 adds biases to the query/key/value projection, Qwen3 normalizes queries
-and keys per head instead.
+and keys per head instead. Hugging Face architectures: `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+`Qwen3MoeForCausalLM`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Union
 
 from megatron_bridge.config.base import config_dataclass
+from megatron_bridge.models.hf.family import HFFamily, has_experts, scalar
+from megatron_bridge.models.hf.mapping import Copy, Mapped
+from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
 
 
@@ -147,3 +151,98 @@ class Qwen3MoEModelProvider30B_A3B(Qwen3MoEModelProvider):
 
     moe_ffn_hidden_size: Optional[int] = 768
     """Width of each expert's MLP."""
+
+
+# ---------------------------------------------------------------------- Hugging Face
+@register
+class Qwen2Family(HFFamily):
+    """`Qwen2ForCausalLM` (Qwen2, Qwen2.5): the Llama layout with query/key/value biases."""
+
+    architecture = "Qwen2ForCausalLM"
+    model_type = "qwen2"
+    provider = Qwen2ModelProvider
+
+    def read_attention(self, read):
+        return {"add_qkv_bias": True}
+
+    def settings(self):
+        return {**super().settings(), "add_qkv_bias": True}
+
+    def hf_config(self, p, dtype):
+        return {**super().hf_config(p, dtype), "use_sliding_window": False}
+
+    def attention_tensors(self, a, L):
+        bias = Mapped((self.qkv_rows(a),), self.qkv(a, L, "bias"))
+        return {**super().attention_tensors(a, L), "self_attention.linear_qkv.bias": bias}
+
+
+@register
+class Qwen3Family(HFFamily):
+    """`Qwen3ForCausalLM`: the Llama layout with RMSNorm on each query and key head
+    (`self_attn.q_norm`, `self_attn.k_norm`)."""
+
+    architecture = "Qwen3ForCausalLM"
+    model_type = "qwen3"
+    provider = Qwen3ModelProvider
+
+    def read_attention(self, read):
+        return {**super().read_attention(read), "qk_layernorm": True}
+
+    def settings(self):
+        return {**super().settings(), "qk_layernorm": True}
+
+    def hf_config(self, p, dtype):
+        return {**super().hf_config(p, dtype), "attention_bias": False, "use_sliding_window": False}
+
+    def attention_tensors(self, a, L):
+        attn = f"model.layers.{L}.self_attn"
+        return {
+            **super().attention_tensors(a, L),
+            "self_attention.q_layernorm.weight": Mapped((a.head_dim,), Copy(f"{attn}.q_norm.weight")),
+            "self_attention.k_layernorm.weight": Mapped((a.head_dim,), Copy(f"{attn}.k_norm.weight")),
+        }
+
+
+@register
+class Qwen3MoeFamily(Qwen3Family):
+    """`Qwen3MoeForCausalLM`: Qwen3 with a mixture of experts in every layer (`mlp.gate` router,
+    `mlp.experts.E.{gate,up,down}_proj`)."""
+
+    architecture = "Qwen3MoeForCausalLM"
+    model_type = "qwen3_moe"
+    provider = Qwen3MoEModelProvider
+
+    def read_mlp(self, read, kw):
+        experts = "num_experts" if "num_experts" in read.hf else "num_local_experts"  # transformers 4 / 5
+        out = dict(
+            num_moe_experts=read.int(experts),
+            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_ffn_hidden_size=read.int("moe_intermediate_size"),
+            moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=1e-3),
+            # normalized top-k: softmax over the chosen experts; otherwise over all of them
+            moe_router_pre_softmax=not read.bool("norm_topk_prob", default=False),
+        )
+        read.expect("decoder_sparse_step", 1, "every layer must be a mixture-of-experts layer")
+        read.expect("mlp_only_layers", [], "every layer must be a mixture-of-experts layer")
+        return out
+
+    def settings(self):
+        return {**super().settings(), "num_moe_experts": has_experts}
+
+    def hf_config(self, p, dtype):
+        return {
+            **super().hf_config(p, dtype),
+            "num_experts": p.num_moe_experts,
+            "num_experts_per_tok": p.moe_router_topk,
+            "moe_intermediate_size": p.moe_ffn_hidden_size,
+            "norm_topk_prob": not p.moe_router_pre_softmax,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": scalar(p.moe_aux_loss_coeff),
+        }
+
+    def experts_of(self, hf):
+        return {
+            "num_experts": hf.get("num_experts") or hf.get("num_local_experts") or 0,
+            "moe_ffn": hf.get("moe_intermediate_size") or hf.get("intermediate_size", 0),
+        }

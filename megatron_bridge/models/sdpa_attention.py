@@ -90,7 +90,7 @@ class SDPAttention(MegatronModule):
                 raise NotImplementedError(f"SDPAttention takes packed sequences in 'thd' format, not {packed_seq_params.qkv_format!r}")
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         sq, sk = query.shape[0], key.shape[0]
-        # [s, b, h, d] -> [b, h, s, d]: views; the kernels take any batch/head strides
+        # [s, b, h, d] -> [b, h, s, d] as views (last dimension still contiguous, as the kernels need)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
 
         window = window_for(self.window_size, mask_type)
@@ -101,7 +101,7 @@ class SDPAttention(MegatronModule):
             segments = segment_blocked(cu, sq)
             blocked = segments if blocked is None else blocked | segments
         is_causal = False
-        if blocked is None and not restricts(window, sq, sk) and window is not None:
+        if window is not None and blocked is None and not restricts(window, sq, sk):
             is_causal = True  # plain causal: no mask tensor, so flash kernels qualify
         elif window is not None:
             outside = blocked_outside_window(sq, sk, *window, q.device)

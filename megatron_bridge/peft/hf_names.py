@@ -1,4 +1,4 @@
-"""megatron-core module names and row layouts -> Hugging Face ones (Llama-style decoders).
+"""megatron-core module names and row layouts -> Hugging Face ones.
 
 Megatron-core fuses projections that Hugging Face models keep apart:
 
@@ -11,7 +11,9 @@ Megatron-core fuses projections that Hugging Face models keep apart:
 
 An adapter on a fused projection becomes one adapter per HF projection with the same A (its
 input is the same) and B's rows split like the weight's; so does a DoRA magnitude (one value per
-row). Llama, Mistral and Qwen2/Qwen3 (dense) use these names.
+row). Llama, Mistral and Qwen2/Qwen3 (dense) use these names; a family whose Hugging Face files
+fuse projections too (Phi-3: `qkv_proj`, `gate_up_proj`) names its modules in
+`HFFamily.adapter_modules`, and the rows are reordered to its layout.
 """
 
 from __future__ import annotations
@@ -21,13 +23,11 @@ from typing import Any
 
 import torch
 
-LAYER_MODULES = {
-    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj": ("self_attn.o_proj",),
-    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2": ("mlp.down_proj",),
-}
-"""Per transformer layer: megatron-core module -> the Hugging Face modules it holds, in row order."""
+from megatron_bridge.models.hf.family import HFFamily
+
+LAYER_MODULES = HFFamily.adapter_modules
+"""Per transformer layer: megatron-core module -> the Hugging Face modules it holds, in row order
+(models without a Hugging Face family of their own use these)."""
 
 _NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -36,15 +36,26 @@ class UnmappedModuleError(ValueError):
     """A megatron-core module with no Hugging Face counterpart here (e.g. MoE experts)."""
 
 
-def hf_modules(name: str) -> tuple[str, ...]:
+def layer_modules(model_cfg: Any = None) -> dict[str, tuple[str, ...]]:
+    """The module names of the Hugging Face family of `model_cfg` (default: Llama-style)."""
+    if model_cfg is None:
+        return LAYER_MODULES
+    from megatron_bridge.models.hf.registry import family_of_provider
+
+    family = family_of_provider(model_cfg)
+    return family.adapter_modules if family is not None else LAYER_MODULES
+
+
+def hf_modules(name: str, model_cfg: Any = None) -> tuple[str, ...]:
     """The HF module names (`model.layers.3.self_attn.q_proj`, ...) of megatron-core module `name`
-    (`decoder.layers.3.self_attention.linear_qkv`)."""
+    (`decoder.layers.3.self_attention.linear_qkv`) in the Hugging Face family of `model_cfg`."""
+    modules = layer_modules(model_cfg)
     m = _NAME.match(name)
-    if not m or m.group(2) not in LAYER_MODULES:
+    if not m or m.group(2) not in modules:
         raise UnmappedModuleError(
-            f"{name}: no Hugging Face counterpart is known (mapped: decoder.layers.N.{{{', '.join(LAYER_MODULES)}}})"
+            f"{name}: no Hugging Face counterpart is known (mapped: decoder.layers.N.{{{', '.join(modules)}}})"
         )
-    return tuple(f"model.layers.{m.group(1)}.{hf}" for hf in LAYER_MODULES[m.group(2)])
+    return tuple(f"model.layers.{m.group(1)}.{hf}" for hf in modules[m.group(2)])
 
 
 def split_qkv_rows(t: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -64,13 +75,15 @@ def split_gate_up_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def split_rows(name: str, t: torch.Tensor, model_cfg: Any) -> tuple[torch.Tensor, ...]:
     """The rows of `t` (output rows of module `name`) for each HF module of `hf_modules(name)`."""
     leaf = _NAME.match(name).group(2)
+    fused = len(layer_modules(model_cfg)[leaf]) == 1
     if leaf == "self_attention.linear_qkv":
         heads = model_cfg.num_attention_heads
         groups = model_cfg.num_query_groups or heads
         head_dim = model_cfg.kv_channels or model_cfg.hidden_size // heads
-        return split_qkv_rows(t, heads, groups, head_dim)
+        q, k, v = split_qkv_rows(t, heads, groups, head_dim)
+        return (torch.cat([q, k, v]),) if fused else (q, k, v)
     if leaf == "mlp.linear_fc1":
         if not model_cfg.gated_linear_unit:
             raise UnmappedModuleError(f"{name}: an ungated MLP has no Llama-style Hugging Face counterpart")
-        return split_gate_up_rows(t)
+        return (t,) if fused else split_gate_up_rows(t)  # stored [all gate rows; all up rows]
     return (t,)

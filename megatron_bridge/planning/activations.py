@@ -16,8 +16,9 @@ The general form below covers what megatron-core's layers really keep: grouped-q
 (the QKV projection's output stays alive as the storage of K and V, Q and K are new tensors after
 the rotary embedding, which keeps its cos/sin tables), gated MLPs (without the fused
 bias-activation kernel the SiLU output and a copy of the up projection are kept too), the core
-attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), mixture-of-experts
-layers, LoRA/DoRA adapters (`adapters.py`), context and sequence parallelism and megatron-core's
+attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the norms a layer has
+(before attention and MLP or not, after them, qk-norm per head or over whole projections),
+mixture-of-experts layers, LoRA/DoRA adapters (`adapters.py`), context and sequence parallelism and megatron-core's
 selective recompute modules. `tests/test_planner_activations.py` compares it with the tensors
 autograd saves for one layer.
 
@@ -49,7 +50,9 @@ MLP_BLOCK = (
     "SiLU output of the gate", "up projection copy (x + glu_linear_offset)", "second MLP projection input",
     "router logits and probabilities", "dispatched tokens", "expert activation input",
     "expert SiLU outputs and up-projection copies", "expert second projection input", "combined expert outputs",
-    "shared expert activations", "MLP residual dropout mask", "output projection input",
+    "shared expert activations", "MLP output norm input", "MLP output norm statistics (fp32 per token)",
+    "MLP residual dropout mask", "attention output norm input", "attention output norm statistics (fp32 per token)",
+    "output projection input",
 )  # fmt: skip
 """Terms of a layer freed before its core attention's backward (that runs after the MLP's)."""
 
@@ -61,6 +64,31 @@ def _selective(inp: PlanInputs, module: str) -> bool:
 def _norm_stats(inp: PlanInputs) -> int:
     """fp32 bytes per token a norm keeps besides its input: mean and 1/std (LayerNorm) or 1/rms."""
     return 8 if inp.norm_has_bias else 4
+
+
+def _output_norm(inp: PlanInputs, block: str, s: float, b: int, add) -> None:
+    """A norm after attention or the MLP (`output_layernorms`) keeps the projection's output, its
+    input; a local norm also its statistics."""
+    sp = inp.tp if inp.sequence_parallel else 1
+    add(f"{block} output norm input", inp.activation_bytes * s * b * inp.hidden / sp)
+    if not inp.transformer_engine:
+        add(f"{block} output norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+
+
+def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
+    """What the qk-norm over whole projections (`ProjectionNorm`, `qk_layernorm_per_head=False`)
+    keeps for Q and K: the fp32 copy of its input (with 16-bit activations; in fp32 it keeps the
+    input itself, one of the storages of Q and K), its normalized fp32 output, which the gradient
+    of its weight reads (not kept when the weight is frozen, as with PEFT), and one fp32 1/rms per
+    token for Q and one for K, over all heads (the same on every tensor-parallel rank)."""
+    width = (inp.heads + inp.query_groups) * inp.kv_channels / inp.tp
+    terms: dict[str, float] = {}
+    if inp.activation_bytes < 4:
+        terms["Q, K in fp32 (whole-projection norm input)"] = 4 * s * b * width
+    if inp.peft is None:
+        terms["Q, K normalized in fp32 (whole-projection norm)"] = 4 * s * b * width
+    terms["Q, K norm statistics (fp32 per token)"] = 2 * 4 * s * b
+    return terms
 
 
 @lru_cache(maxsize=1024)
@@ -94,10 +122,12 @@ def layer_terms(
         return inp.peft is None or any(rel.endswith(linear) for rel in adapted)
 
     # --- attention block
-    add("attention norm input", e * sbh / sp)
-    if local:
-        add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
-    if not _selective(inp, "layernorm") and input_kept("linear_qkv"):
+    norms_recomputed = _selective(inp, "layernorm") and inp.input_norms  # megatron-core skips identity norms
+    if inp.input_norms:
+        add("attention norm input", e * sbh / sp)
+        if local:
+            add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+    if not norms_recomputed and input_kept("linear_qkv"):
         add("QKV projection input", e * sbh / sp)
     if not local:
         add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
@@ -106,22 +136,28 @@ def layer_terms(
             add(name, value)
         if inp.rotary_dim:
             add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
-        if inp.qk_layernorm:
+        if inp.qk_layernorm and inp.qk_norm_per_head:
             add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
+    if inp.qk_layernorm and not inp.qk_norm_per_head:
+        for name, value in _projection_norm_terms(inp, s, b).items():
+            add(name, value)
     for name, value in core_attention.saved_terms(inp, s, b, masked).items():
         add(name, value)
     if input_kept("linear_proj") or inp.core_attention == "sdpa":  # SDPA keeps its output, the same storage
         add("output projection input", e * s * b * q_width / t)
+    if inp.output_norms:
+        _output_norm(inp, "attention", s, b, add)
     if inp.hidden_dropout > 0:
         add("attention residual dropout mask", sbh / sp)
 
     # --- MLP block
-    add("MLP norm input", e * sbh / sp)
-    if local:
-        add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+    if inp.input_norms:
+        add("MLP norm input", e * sbh / sp)
+        if local:
+            add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
     gated = 2 if inp.gated else 1
     unfused_glu = inp.gated and not inp.activation_fused  # keeps SiLU(gate) and a copy of the up half too
-    if not _selective(inp, "layernorm") and (moe or input_kept("mlp.linear_fc1")):
+    if not norms_recomputed and (moe or input_kept("mlp.linear_fc1")):
         add("MLP input", e * sbh / sp)
     if not moe:
         if not _selective(inp, "mlp"):
@@ -146,6 +182,8 @@ def layer_terms(
         if inp.shared_expert_ffn and not _selective(inp, "shared_experts"):
             kept = gated + 1 + (2 if unfused_glu else 0)
             add("shared expert activations", e * s * b * inp.shared_expert_ffn * kept / t)
+    if inp.output_norms:
+        _output_norm(inp, "MLP", s, b, add)
     if inp.hidden_dropout > 0:
         add("MLP residual dropout mask", sbh / sp)
     for name, value in adapter_terms(inp, adapted, s, b).items():

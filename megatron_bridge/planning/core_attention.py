@@ -119,7 +119,9 @@ def input_terms(inp: PlanInputs, s: float, b: int, masked: bool) -> Terms:
     if _repeats_kv(inp, masked) and not selective:
         kept = {q_store, "K, V repeated to every head"}
         widths["K, V repeated to every head"] = 2 * q
-    if inp.qk_layernorm:  # the norms keep their inputs: Q (a copy with GQA) and K (a view)
+    # the norms keep their inputs: Q (a copy with GQA) and K (a view); the whole-projection norm
+    # keeps fp32 copies instead, except when the activations are fp32 already
+    if inp.qk_layernorm and (inp.qk_norm_per_head or e >= 4):
         kept |= {mixed} | ({"Q before its norm (reshaped copy)"} if gqa else set())
         widths["Q before its norm (reshaped copy)"] = q
     return {name: e * s * b * widths[name] / t for name in widths if name in kept}

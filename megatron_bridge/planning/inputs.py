@@ -41,6 +41,9 @@ class PlanInputs:
     linear_bias: bool
     qkv_bias: bool
     qk_layernorm: bool
+    qk_norm_per_head: bool
+    input_norms: bool
+    output_norms: bool
     norm_has_bias: bool
     vocab_size: int
     make_vocab_divisible_by: int
@@ -243,6 +246,9 @@ class PlanInputs:
             linear_bias=bool(m.add_bias_linear),
             qkv_bias=bool(m.add_bias_linear or getattr(m, "add_qkv_bias", False)),
             qk_layernorm=bool(m.qk_layernorm),
+            qk_norm_per_head=bool(m.qk_layernorm_per_head),
+            input_norms=bool(m.input_layernorms),
+            output_norms=bool(m.output_layernorms),
             norm_has_bias=m.normalization != "RMSNorm",
             vocab_size=int(vocab),
             make_vocab_divisible_by=m.make_vocab_size_divisible_by,

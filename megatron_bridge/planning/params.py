@@ -153,25 +153,33 @@ def _base_layer(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
     def made(named: list[tuple[str, int]], expert: bool = False) -> list[Param]:
         return [Param(n, k, expert, False, inp.fp8_params and _is_linear_weight(n)) for n, k in named]
 
+    # No input norms (input_norms False) is built on local layers only.
+    input_norm = (lambda name: _norm(name, h, nb)) if inp.input_norms else (lambda name: [])  # noqa: E731
     attn: list[tuple[str, int]] = []
     if not te:
-        attn += _norm("input_layernorm", h, nb)
+        attn += input_norm("input_layernorm")
     attn += row("self_attention.linear_proj", h, q_out, bias)
     qkv = col("self_attention.linear_qkv", q_out + kv_out, h, inp.qkv_bias)
     attn += fused_norm(qkv, "self_attention.linear_qkv") if te else qkv
-    if inp.qk_layernorm:
+    if inp.qk_layernorm and inp.qk_norm_per_head:
         attn += _norm("self_attention.q_layernorm", d, nb) + _norm("self_attention.k_layernorm", d, nb)
+    elif inp.qk_layernorm:  # over the whole projection: this rank's heads
+        attn += [("self_attention.q_layernorm.weight", q_out // tp)]
+        attn += [("self_attention.k_layernorm.weight", kv_out // 2 // tp)]
+    if inp.output_norms:
+        attn += _norm("self_attn_bda.norm", h, nb)
     params = made(attn)
+    output_norm = _norm("mlp_bda.norm", h, nb) if inp.output_norms else []
 
     gated = 2 if inp.gated else 1
     if not moe:
         fc1 = col("mlp.linear_fc1", inp.ffn * gated, h, bias)
-        mlp = fused_norm(fc1, "mlp.linear_fc1") if te else _norm("pre_mlp_layernorm", h, nb) + fc1
-        mlp += row("mlp.linear_fc2", h, inp.ffn, bias)
+        mlp = fused_norm(fc1, "mlp.linear_fc1") if te else input_norm("pre_mlp_layernorm") + fc1
+        mlp += row("mlp.linear_fc2", h, inp.ffn, bias) + output_norm
         return tuple(params + made(mlp))
 
     # Mixture of experts: router, routed experts (local to this EP rank, split by ETP), shared experts.
-    params += made(_norm("pre_mlp_layernorm", h, nb) + [("mlp.router.weight", inp.num_experts * h)])
+    params += made(input_norm("pre_mlp_layernorm") + [("mlp.router.weight", inp.num_experts * h)])
     local = inp.num_experts // inp.ep
     expert_parallel = inp.ep > 1
     f, etp = inp.moe_ffn, inp.etp
@@ -195,7 +203,7 @@ def _base_layer(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
         if inp.shared_expert_gate:
             shared.append(("mlp.shared_experts.gate_weight", h))
         params += made(shared)
-    return tuple(params)
+    return tuple(params + made(output_norm))
 
 
 def _is_linear_weight(name: str) -> bool:

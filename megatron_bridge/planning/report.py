@@ -130,6 +130,8 @@ def layers_lines(inp: PlanInputs) -> list[str]:
             "model.transformer_impl=transformer_engine plans TransformerEngine layers (TE must be installed to run "
             f"them); model.attention_backend={other}"
         )
+        if not inp.input_norms:  # TE fuses the norms before attention and MLP into its linear layers
+            choose = f"model.attention_backend={other} (no TransformerEngine layers: the model has no input norms)"
     return [line, f"  to choose: {choose}"]
 
 

@@ -54,6 +54,20 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=20000),
         "bf16_mixed",
     ),
+    # no input norms, norms after attention and MLP, qk-norm over the whole projections (split over TP)
+    "tp2_output_norms": (
+        dict(
+            tensor_model_parallel_size=2,
+            normalization="RMSNorm",
+            input_layernorms=False,
+            output_layernorms=True,
+            qk_layernorm=True,
+            qk_layernorm_per_head=False,
+            transformer_impl="local",
+        ),
+        {},
+        None,
+    ),
     "pp2_vp2_distopt": (
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
         dict(use_distributed_optimizer=True),
@@ -144,7 +158,7 @@ class Measure(Callback):
         }
 
 
-def run_layout(name, base_dir):
+def run_layout(name, base_dir, backend):
     model_fields, ddp_fields, precision = LAYOUTS[name]
     cfg = tiny_config(
         train=TrainingConfig(train_iters=1, global_batch_size=4, micro_batch_size=1),
@@ -157,6 +171,7 @@ def run_layout(name, base_dir):
         setattr(cfg.ddp, key, value)
     cfg.mixed_precision = precision
     cfg.logger.log_interval = 1
+    cfg.dist.distributed_backend = backend
     recorder = Measure()
     if name in PEFT:
         cfg.peft = PEFT[name]()
@@ -173,6 +188,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="tests: factories.backend_for")
     args = p.parse_args()
     # megatron-core 0.16 without TransformerEngine leaves this name undefined, and MoE routing
     # reads it (a NameError); the non-TE code path expects None.
@@ -181,11 +197,11 @@ def main():
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     # One process group for all layouts: pretrain() joins it and leaves it up between runs.
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     base_dir = f"{args.out}.base"
     if any(name in PEFT for name in args.layouts) and "tp2" not in args.layouts:
         raise SystemExit("the PEFT layouts adapt the base the tp2 layout saves: list tp2 before them")
-    results = {name: run_layout(name, base_dir) for name in args.layouts}
+    results = {name: run_layout(name, base_dir, args.backend) for name in args.layouts}
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

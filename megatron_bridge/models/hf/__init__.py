@@ -1,5 +1,6 @@
 """Hugging Face model directories in and out: `config.json` <-> model providers, safetensors
-weights <-> megatron-core parameters, for the families in `config.FAMILIES`.
+weights <-> megatron-core parameters, for the families the family modules register
+(`registry`; what a family defines: `family.HFFamily`).
 
 Importing this package is cheap; the submodules that move weights import torch and megatron-core
 when used. Converting weights needs `config.json` and safetensors files only (the `hf` extra), not

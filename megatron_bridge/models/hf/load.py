@@ -22,8 +22,7 @@ logger = logging.getLogger("megatron_bridge")
 def expected_weights(hf: dict) -> tuple[mapping.Architecture, dict[str, tuple[int, ...]], tuple[str, ...]]:
     """(architecture, {tensor: shape} config.json implies, optional tensors) of an accepted config."""
     arch = mapping.architecture(hf)
-    moe_ffn = hf.get("moe_intermediate_size") or hf.get("intermediate_size", 0)
-    expected = mapping.expected_tensors(arch, hf["hidden_size"], hf.get("intermediate_size", 0), moe_ffn)
+    expected = mapping.expected_tensors(arch)
     optional = ("lm_head.weight",) if arch.tied else ()
     return arch, expected, optional
 
@@ -51,27 +50,32 @@ def check_hf_directory(directory: str, problems: Problems, weights: bool = True)
 def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mapping.Rule, mapping.Partition]]:
     """(global name, parameter, rule, partition) for every parameter of one model chunk (the bare
     GPTModel inside DDP/Float16Module wrappers) of the model config.json `hf` describes. The
-    partition follows from the shapes: the part this rank holds against the whole parameter."""
+    partition follows from the shapes: the part this rank holds against the whole parameter.
+    LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
     from megatron.core import parallel_state as ps
 
+    from megatron_bridge.peft.apply import is_adapter_key
     from megatron_bridge.training.checkpointing.state_dict import unwrap
 
-    arch, expected, _ = expected_weights(hf)
+    arch = mapping.architecture(hf)
     model = unwrap(chunk)
     expert_rank = ps.get_expert_model_parallel_rank() if arch.num_experts else 0
     rename = mapping.global_names(model, arch.num_experts, expert_rank)
     out = []
     for local, param in model.named_parameters():
+        if is_adapter_key(local):
+            continue
         name = rename(local)
-        rule = mapping.rule_for(arch, name)
-        if rule is None:
+        entry = mapping.entry_for(arch, name)
+        if entry is None:
             raise ValueError(f"no Hugging Face tensor maps to the model's parameter {name!r}")
+        rule = entry.rule
         if mapping.is_expert(name):
             rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
         else:
             rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        full = rule.full_shape(expected)
-        part = mapping.partition(name, tuple(param.shape), full, rank, size, padded=isinstance(rule, mapping.Vocab))
+        padded = isinstance(rule, mapping.Vocab)
+        part = mapping.partition(name, tuple(param.shape), entry.shape, rank, size, padded=padded)
         out.append((name, param, rule, part))
     return out
 

@@ -9,19 +9,21 @@ this pipeline stage or expert-parallel rank) and mapped to a `Rule`:
   to a multiple (padding rows are zero on load and dropped on export);
 * `QKV`: megatron-core's fused query/key/value projection, laid out per query group: the group's
   query heads, then its key head, then its value head; tensor-parallel ranks hold whole groups;
-* `Gated`: the gated MLP input projection, [gate; up] on every tensor-parallel rank.
+* `Gated`: the gated MLP input projection, [gate; up] on every tensor-parallel rank;
+* `FusedQKV`, `FusedGated`: the same from one Hugging Face tensor (`qkv_proj`, `gate_up_proj`).
 
-Both layer specs are covered: megatron-core's local layers (`input_layernorm`,
-`pre_mlp_layernorm`) and TransformerEngine's fused ones (`linear_qkv.layer_norm_weight`,
-`linear_fc1.layer_norm_weight`), and mixture-of-experts layers with sequential experts
-(`experts.local_experts.E.linear_fc1.weight`) or TransformerEngine grouped experts
-(`experts.linear_fc1.weightE`).
+Which parameters a model has and their rules come from its family (`HFFamily`, one module per
+Hugging Face architecture, see `megatron_bridge.models`), which names them as megatron-core's
+local layers (`input_layernorm`, `pre_mlp_layernorm`) and sequential experts
+(`experts.local_experts.E.linear_fc1.weight`) do; TransformerEngine's fused names
+(`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) and grouped experts
+(`experts.linear_fc1.weightE`) are translated to those here, for every family.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -61,10 +63,6 @@ class Rule:
         """A view of the mapped file that `load` would copy into `dest`, if it is one whole-row
         slice of one tensor in `dest`'s dtype; else None."""
         return None
-
-    def full_shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-        """The whole parameter's shape (vocabulary unpadded), from the Hugging Face shapes."""
-        return tuple(shapes[self.hf[0]])
 
 
 def partition(name: str, local: tuple[int, ...], full: tuple[int, ...], rank: int, size: int, padded: bool = False) -> Partition:
@@ -166,18 +164,25 @@ class QKV(Rule):
     def hf(self) -> tuple[str, ...]:  # type: ignore[override]
         return (self.q, self.k, self.v)
 
+    def offsets(self) -> tuple[int, int, int]:
+        """First row of the query, key and value heads in their tensors."""
+        return (0, 0, 0)
+
     def load(self, reader, dest, part):
         local = self.groups // part.size
         g0, hpg, hd = part.rank * local, self.heads // self.groups, self.head_dim
         if dest.shape[0] != local * (hpg + 2) * hd:
             raise ValueError(f"{self.q}: the fused projection of {local} query groups has {local * (hpg + 2) * hd} rows, the model expects {dest.shape[0]}")
+        q0, k0, v0 = self.offsets()
         for j in range(local):  # each group: its query heads, its key head, its value head
             g, base = g0 + j, j * (hpg + 2) * hd
-            reader.read_into(dest[base : base + hpg * hd], self.q, 0, g * hpg * hd, (g + 1) * hpg * hd)
-            reader.read_into(dest[base + hpg * hd : base + (hpg + 1) * hd], self.k, 0, g * hd, (g + 1) * hd)
-            reader.read_into(dest[base + (hpg + 1) * hd : base + (hpg + 2) * hd], self.v, 0, g * hd, (g + 1) * hd)
+            q, k, v = base, base + hpg * hd, base + (hpg + 1) * hd
+            reader.read_into(dest[q:k], self.q, 0, q0 + g * hpg * hd, q0 + (g + 1) * hpg * hd)
+            reader.read_into(dest[k:v], self.k, 0, k0 + g * hd, k0 + (g + 1) * hd)
+            reader.read_into(dest[v : v + hd], self.v, 0, v0 + g * hd, v0 + (g + 1) * hd)
 
-    def to_hf(self, parts, part):
+    def split(self, parts: list["torch.Tensor"]) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+        """(all query heads, all key heads, all value heads) of the parameter's parts."""
         import torch
 
         whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -185,16 +190,39 @@ class QKV(Rule):
         rest = tuple(whole.shape[1:])
         grouped = whole.reshape(self.groups, (hpg + 2) * hd, *rest)
         q, k, v = torch.split(grouped, [hpg * hd, hd, hd], dim=1)
-        return {self.q: q.reshape(-1, *rest), self.k: k.reshape(-1, *rest), self.v: v.reshape(-1, *rest)}
+        return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+    def to_hf(self, parts, part):
+        q, k, v = self.split(parts)
+        return {self.q: q, self.k: k, self.v: v}
 
     def hf_shapes(self, shape):
         rest = tuple(shape[1:])
         kv = self.groups * self.head_dim
         return {self.q: (self.heads * self.head_dim, *rest), self.k: (kv, *rest), self.v: (kv, *rest)}
 
-    def full_shape(self, shapes):
-        q, k, v = shapes[self.q], shapes[self.k], shapes[self.v]
-        return (q[0] + k[0] + v[0], *q[1:])
+
+class FusedQKV(QKV):
+    """`QKV` from one Hugging Face tensor holding all query heads, then all key heads, then all
+    value heads (a fused `qkv_proj`)."""
+
+    def __init__(self, name: str, heads: int, groups: int, head_dim: int):
+        super().__init__(name, name, name, heads, groups, head_dim)
+
+    @property
+    def hf(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.q,)
+
+    def offsets(self):
+        return (0, self.heads * self.head_dim, (self.heads + self.groups) * self.head_dim)
+
+    def to_hf(self, parts, part):
+        import torch
+
+        return {self.q: torch.cat(self.split(parts))}
+
+    def hf_shapes(self, shape):
+        return {self.q: tuple(shape)}
 
 
 @dataclass
@@ -224,155 +252,141 @@ class Gated(Rule):
         half = (shape[0] // 2, *shape[1:])
         return {self.gate: half, self.up: half}
 
-    def full_shape(self, shapes):
-        gate = shapes[self.gate]
-        return (2 * gate[0], *gate[1:])
+
+@dataclass
+class FusedGated(Rule):
+    """The gated MLP input projection from one Hugging Face tensor, [all gate rows; all up rows]
+    (a fused `gate_up_proj`); [gate; up] on every tensor-parallel rank."""
+
+    name: str
+
+    @property
+    def hf(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.name,)
+
+    def load(self, reader, dest, part):
+        n = dest.shape[0] // 2
+        whole = reader.info(self.name).shape[0] // 2
+        start, stop = part.rank * n, (part.rank + 1) * n
+        reader.read_into(dest[:n], self.name, 0, start, stop)
+        reader.read_into(dest[n:], self.name, 0, whole + start, whole + stop)
+
+    def mapped(self, reader, dest, part):
+        return reader.mapped(self.name, dest) if part.size == 1 else None
+
+    def to_hf(self, parts, part):
+        import torch
+
+        if len(parts) == 1:  # already [gate; up]
+            return {self.name: parts[0]}
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return {self.name: torch.cat([h[0] for h in halves] + [h[1] for h in halves])}
+
+    def hf_shapes(self, shape):
+        return {self.name: tuple(shape)}
 
 
 # ---------------------------------------------------------------------- names
 @dataclass(frozen=True)
-class Architecture:
-    """What the mapping needs to know about a model (from its config.json)."""
+class Mapped:
+    """A megatron-core parameter: its whole shape (vocabulary unpadded) and the rule that makes it
+    of Hugging Face tensors."""
 
-    model_type: str
+    shape: tuple[int, ...]
+    rule: Rule
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the mapping needs to know about a model, from its config.json. `family` (an
+    `HFFamily`) lays out the tensors; `hf` is the whole config.json, for what only the family
+    reads."""
+
+    family: Any
     num_layers: int
+    hidden: int
     heads: int
     groups: int
     head_dim: int
     vocab: int
     tied: bool
+    ffn: int = 0
     num_experts: int = 0
-    qkv_bias: bool = False
-    qk_norm: bool = False
+    moe_ffn: int = 0
+    hf: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
 
 
 def architecture(hf: dict) -> Architecture:
     """The `Architecture` of a parsed (and accepted) config.json."""
-    from megatron_bridge.models.hf.config import BY_ARCHITECTURE, BY_MODEL_TYPE
+    from megatron_bridge.models.hf.registry import family_for_config
 
-    names = hf.get("architectures") or []
-    family = BY_ARCHITECTURE[names[0]] if names else BY_MODEL_TYPE[hf["model_type"]]
-    heads = hf["num_attention_heads"]
-    kind = family.model_type
-    return Architecture(
-        model_type=kind,
-        num_layers=hf["num_hidden_layers"],
-        heads=heads,
-        groups=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        vocab=hf["vocab_size"],
-        tied=bool(hf.get("tie_word_embeddings", False)),
-        num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0) if family.moe else 0,
-        qkv_bias=kind == "qwen2",
-        qk_norm=kind in ("qwen3", "qwen3_moe"),
-    )
-
-
-def _expert_names(arch: Architecture, layer: int, expert: int) -> tuple[str, str, str]:
-    """(gate, up, down) tensor names of one expert."""
-    if arch.model_type == "mixtral":
-        base = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
-        return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
-    base = f"model.layers.{layer}.mlp.experts.{expert}"
-    return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
-
-
-def _router_name(arch: Architecture, layer: int) -> str:
-    block = "block_sparse_moe" if arch.model_type == "mixtral" else "mlp"
-    return f"model.layers.{layer}.{block}.gate.weight"
+    return family_for_config(hf).architecture_of(hf)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
+FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+"""TransformerEngine's norms fused into the next linear layer -> the local layers' names."""
 
 
-def _layer_rules(arch: Architecture, L: int) -> dict[str, Callable[[], Rule]]:
-    attn, p = f"model.layers.{L}.self_attn", f"model.layers.{L}"
-    qkv = lambda kind: QKV(f"{attn}.q_proj.{kind}", f"{attn}.k_proj.{kind}", f"{attn}.v_proj.{kind}", arch.heads, arch.groups, arch.head_dim)  # noqa: E731
-    rules: dict[str, Callable[[], Rule]] = {
-        "input_layernorm.weight": lambda: Copy(f"{p}.input_layernorm.weight"),
-        "self_attention.linear_qkv.layer_norm_weight": lambda: Copy(f"{p}.input_layernorm.weight"),
-        "self_attention.linear_qkv.weight": lambda: qkv("weight"),
-        "self_attention.linear_proj.weight": lambda: Copy(f"{attn}.o_proj.weight"),
-        "pre_mlp_layernorm.weight": lambda: Copy(f"{p}.post_attention_layernorm.weight"),
-        "mlp.linear_fc1.layer_norm_weight": lambda: Copy(f"{p}.post_attention_layernorm.weight"),
-    }
-    if arch.qkv_bias:
-        rules["self_attention.linear_qkv.bias"] = lambda: qkv("bias")
-    if arch.qk_norm:
-        rules["self_attention.q_layernorm.weight"] = lambda: Copy(f"{attn}.q_norm.weight")
-        rules["self_attention.k_layernorm.weight"] = lambda: Copy(f"{attn}.k_norm.weight")
-    if arch.num_experts:
-        rules["mlp.router.weight"] = lambda: Copy(_router_name(arch, L))
-    else:
-        rules["mlp.linear_fc1.weight"] = lambda: Gated(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight")
-        rules["mlp.linear_fc2.weight"] = lambda: Copy(f"{p}.mlp.down_proj.weight")
-    return rules
-
-
-def rule_for(arch: Architecture, name: str) -> Optional[Rule]:
-    """The rule of the megatron-core parameter `name` (global layer and expert numbers), or None
-    if no Hugging Face tensor maps to it."""
-    if name == "embedding.word_embeddings.weight":
-        return Vocab("model.embed_tokens.weight", arch.vocab)
-    if name == "output_layer.weight":
-        return Vocab("model.embed_tokens.weight", arch.vocab, export=False) if arch.tied else Vocab("lm_head.weight", arch.vocab)
-    if name == "decoder.final_layernorm.weight":
-        return Copy("model.norm.weight")
+def entry_for(arch: Architecture, name: str) -> Optional[Mapped]:
+    """The `Mapped` of the megatron-core parameter `name` (global layer and expert numbers;
+    local or TransformerEngine layers, sequential or grouped experts), or None if no Hugging
+    Face tensor maps to it. Families name parameters as megatron-core's local layers and
+    sequential experts do."""
+    family = arch.family
+    if not name.startswith("decoder.layers."):
+        return family.global_tensors(arch).get(name)
     match = _LAYER.match(name)
     if not match:
         return None
     layer, rest = int(match.group(1)), match.group(2)
-    make = _layer_rules(arch, layer).get(rest)
-    if make is not None:
-        return make()
-    if not arch.num_experts:
-        return None
+    rest = FUSED_NORMS.get(rest, rest)
+    grouped = _GROUPED_EXPERT.match(rest)
+    if grouped:
+        rest = f"mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     expert = _SEQUENTIAL_EXPERT.match(rest)
     if expert:
-        number, which = int(expert.group(1)), expert.group(2)
-    else:
-        expert = _GROUPED_EXPERT.match(rest)
-        if not expert:
+        if not arch.num_experts:
             return None
-        number, which = int(expert.group(2)), expert.group(1)
-    gate, up, down = _expert_names(arch, layer, number)
-    return Gated(gate, up) if which == "linear_fc1" else Copy(down)
+        return family.expert_tensors(arch, layer, int(expert.group(1))).get(expert.group(2))
+    return family.layer_tensors(arch, layer).get(rest)
 
 
-def expected_tensors(arch: Architecture, hidden: int, ffn: int, moe_ffn: int = 0) -> dict[str, tuple[int, ...]]:
+def rule_for(arch: Architecture, name: str) -> Optional[Rule]:
+    """The rule of the megatron-core parameter `name` (see `entry_for`), or None."""
+    entry = entry_for(arch, name)
+    return None if entry is None else entry.rule
+
+
+def all_entries(arch: Architecture) -> dict[str, Mapped]:
+    """Every megatron-core parameter of the whole model (global names, local-layer naming)."""
+    family = arch.family
+    out = dict(family.global_tensors(arch))
+    for L in range(arch.num_layers):
+        out.update({f"decoder.layers.{L}.{k}": v for k, v in family.layer_tensors(arch, L).items()})
+        for e in range(arch.num_experts):
+            experts = family.expert_tensors(arch, L, e)
+            out.update({f"decoder.layers.{L}.mlp.experts.local_experts.{e}.{k}": v for k, v in experts.items()})
+    return out
+
+
+def expected_tensors(arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `arch` holds, with its shape (the lm_head of a
     tied model is optional and not listed)."""
-    hd, q, kv = arch.head_dim, arch.heads * arch.head_dim, arch.groups * arch.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab, hidden), "model.norm.weight": (hidden,)}
-    if not arch.tied:
-        out["lm_head.weight"] = (arch.vocab, hidden)
-    for L in range(arch.num_layers):
-        p, attn = f"model.layers.{L}", f"model.layers.{L}.self_attn"
-        out.update({
-            f"{p}.input_layernorm.weight": (hidden,),
-            f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{attn}.q_proj.weight": (q, hidden),
-            f"{attn}.k_proj.weight": (kv, hidden),
-            f"{attn}.v_proj.weight": (kv, hidden),
-            f"{attn}.o_proj.weight": (hidden, q),
-        })  # fmt: skip
-        if arch.qkv_bias:
-            out.update({f"{attn}.q_proj.bias": (q,), f"{attn}.k_proj.bias": (kv,), f"{attn}.v_proj.bias": (kv,)})
-        if arch.qk_norm:
-            out.update({f"{attn}.q_norm.weight": (hd,), f"{attn}.k_norm.weight": (hd,)})
-        if arch.num_experts:
-            out[_router_name(arch, L)] = (arch.num_experts, hidden)
-            for e in range(arch.num_experts):
-                gate, up, down = _expert_names(arch, L, e)
-                out.update({gate: (moe_ffn, hidden), up: (moe_ffn, hidden), down: (hidden, moe_ffn)})
-        else:
-            out.update({
-                f"{p}.mlp.gate_proj.weight": (ffn, hidden),
-                f"{p}.mlp.up_proj.weight": (ffn, hidden),
-                f"{p}.mlp.down_proj.weight": (hidden, ffn),
-            })  # fmt: skip
+    out: dict[str, tuple[int, ...]] = {}
+    for entry in all_entries(arch).values():
+        out.update(entry.rule.hf_shapes(entry.shape))
     return out
 
 
@@ -402,7 +416,7 @@ def global_names(model: Any, num_experts: int, expert_rank: int) -> Callable[[st
         expert = _SEQUENTIAL_EXPERT.match(rest)
         if expert:
             number = expert_rank * local_experts + int(expert.group(1))
-            rest = f"mlp.experts.local_experts.{number}.{expert.group(2)}.weight"
+            rest = f"mlp.experts.local_experts.{number}.{expert.group(2)}"
         else:
             expert = _GROUPED_EXPERT.match(rest)
             if expert:
