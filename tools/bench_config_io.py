@@ -132,19 +132,16 @@ def timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
-
+def measure(repeat: int) -> tuple[list[float], list[float]]:
+    """Milliseconds of each call, the first one cold: (50 overrides, YAML round trip)."""
     from megatron_bridge.training.config import ConfigContainer
     from megatron_bridge.config.serialization import from_yaml, to_yaml
     from megatron_bridge.config.overrides import process_config_with_overrides
 
-    base, source = build_config()
+    base, _ = build_config()
     if len(OVERRIDES) != 50:
         raise SystemExit(f"expected 50 overrides, have {len(OVERRIDES)}")
-    copies = [copy.deepcopy(base) for _ in range(args.repeat + 1)]
+    copies = [copy.deepcopy(base) for _ in range(repeat + 1)]
     override_ms = [timed(lambda c=c: process_config_with_overrides(c, cli_overrides=OVERRIDES)) for c in copies]
 
     path = os.path.join(tempfile.mkdtemp(), "config.yaml")
@@ -154,9 +151,21 @@ def main() -> None:
         to_yaml(base, path)
         loaded.append(from_yaml(path, ConfigContainer))
 
-    trip_ms = [timed(round_trip) for _ in range(args.repeat + 1)]
+    trip_ms = [timed(round_trip) for _ in range(repeat + 1)]
     if not all(c == base for c in loaded):
         raise SystemExit("round trip changed the config")
+    return override_ms, trip_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+
+    from megatron_bridge.config.serialization import to_yaml
+
+    base, source = build_config()
+    override_ms, trip_ms = measure(args.repeat)
 
     def report(what: str, samples: list[float], goal: float, target: float | None = None) -> None:
         cold, warm = samples[0], statistics.median(samples[1:])

@@ -50,7 +50,7 @@ from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
-from megatron_bridge.config.yaml_input import read_exponent_floats
+from megatron_bridge.config.yaml_input import collection_paused, read_exponent_floats
 
 __all__ = ["from_dict", "from_yaml", "register_target", "resolve", "to_dict", "to_yaml"]
 
@@ -200,9 +200,10 @@ _YamlDumper.add_representer(
 
 def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
     """YAML text of a config; also written to `path` (parent directories created) when given."""
-    text = yaml.dump(
-        to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
-    )
+    with collection_paused():
+        text = yaml.dump(
+            to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
+        )
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
@@ -431,7 +432,8 @@ def _resolved(data: Mapping, problems: Problems, source: str) -> Mapping:
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     """Load a config from a YAML file written by `to_yaml` (or by hand); see `from_dict`."""
-    data = load_yaml_file(path)
-    if data is None:
-        raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
-    return from_dict(data, cls, f"file {os.fspath(path)}")
+    with collection_paused():
+        data = load_yaml_file(path)
+        if data is None:
+            raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
+        return from_dict(data, cls, f"file {os.fspath(path)}")

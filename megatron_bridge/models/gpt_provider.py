@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -292,13 +293,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         """YaRN reads only its own fields; megatron-core scales every rotary embedding's cos and
         sin by the yarn_* attention factor, so those fields stay at their defaults without it."""
         if self.position_embedding_type != "yarn":
-            for f in dataclasses.fields(GPTModelProvider):
-                if f.name.startswith("yarn_") and getattr(self, f.name) != f.default:
+            for name, default in _yarn_fields():
+                if getattr(self, name) != default:
                     p.add(
-                        f.name,
-                        f"{getattr(self, f.name)!r} applies to YaRN only, but position_embedding_type="
+                        name,
+                        f"{getattr(self, name)!r} applies to YaRN only, but position_embedding_type="
                         f"{self.position_embedding_type!r} (megatron-core would still scale the rotary embedding by it)",
-                        f"set model.position_embedding_type='yarn' or leave model.{f.name} at {f.default!r}",
+                        f"set model.position_embedding_type='yarn' or leave model.{name} at {default!r}",
                     )
             return
         ignored = {
@@ -446,6 +447,12 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
 
 _TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@functools.cache
+def _yarn_fields() -> tuple[tuple[str, object], ...]:
+    """(name, default) of the YaRN fields, which apply only with position_embedding_type='yarn'."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(GPTModelProvider) if f.name.startswith("yarn_"))
 
 
 @contextlib.contextmanager
