@@ -1,21 +1,16 @@
 """`--help-config [SECTION]`: the fields of a config section with their types, values, class
-defaults and docstrings.
-
-A field's docstring is the string literal right after it in the class body (an attribute
-docstring); it is read with `ast` from the source of every class in the MRO, so megatron-core's
-own field documentation shows up for the fields our configs inherit.
+defaults, ranges, statuses and docstrings, all read from the fields' `FieldSpec`s
+(`megatron_bridge.config.schema`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import enum
 import functools
 import inspect
 import re
-import textwrap
 from typing import Any, Optional
 
 from megatron_bridge.cli.errors import UsageError
@@ -24,43 +19,6 @@ OPTIONS = "options"
 """Pseudo-section: the keyword arguments of the recipe (`--recipe-arg KEY=VALUE`)."""
 
 _NO_DEFAULT = object()
-
-
-# ---------------------------------------------------------------------- docstrings
-@functools.lru_cache(maxsize=None)
-def own_field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings written in the body of `cls` itself (not its bases)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # built-in, or defined where the source is not available
-        return {}
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return {}
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if node is None:
-        return {}
-    docs = {}
-    for stmt, after in zip(node.body, node.body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-@functools.lru_cache(maxsize=None)
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of `cls` and its bases; the most derived class that documents a field wins."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        docs.update(own_field_docs(klass))
-    return docs
 
 
 def class_summary(cls: type) -> str:
@@ -98,46 +56,45 @@ def show_value(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def class_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        try:
-            return f.default_factory()  # type: ignore[misc]
-        except Exception:  # a factory that needs a runtime: say so rather than fail the help
-            return _NO_DEFAULT
-    return _NO_DEFAULT
+def class_default(spec: Any) -> Any:
+    """The class default of field `spec` (a `FieldSpec`), or _NO_DEFAULT."""
+    try:
+        default = spec.default
+    except Exception:  # a factory that needs a runtime: say so rather than fail the help
+        return _NO_DEFAULT
+    return _NO_DEFAULT if spec.required else default
 
 
-def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: Any, has_value: bool) -> list[str]:
-    """Lines describing field `f`: `name: type = value  (class default: ...)`, then its docstring."""
+def field_entry(spec: Any, value: Any, has_value: bool) -> list[str]:
+    """Lines describing a field (its `FieldSpec`): `name: type = value  (class default: ...)`,
+    then its range (numbers) and status, then its docstring."""
     from megatron_bridge.config.base import values_equal
     from megatron_bridge.config.secrets import conceal
 
-    default = class_default(f)
+    default = class_default(spec)
     default_text = "required" if default is _NO_DEFAULT else show_value(default)
+    kind = type_name(spec.type)
     if not has_value:
-        head = f"{f.name}: {type_name(types[f.name])} = {default_text}"
+        head = f"{spec.name}: {kind} = {default_text}"
     elif default is not _NO_DEFAULT and values_equal(value, default):
-        head = f"{f.name}: {type_name(types[f.name])} = {show_value(value)}  (class default)"
+        head = f"{spec.name}: {kind} = {show_value(value)}  (class default)"
     else:
-        shown = show_value(conceal(value, f.name))  # credentials and values from the environment
-        head = f"{f.name}: {type_name(types[f.name])} = {shown}  (class default: {default_text})"
-    doc = field_docs(cls).get(f.name, "")
-    return [f"  {head}", *(f"      {line}" for line in doc.splitlines())]
+        shown = show_value(conceal(value, spec.name))  # credentials and values from the environment
+        head = f"{spec.name}: {kind} = {shown}  (class default: {default_text})"
+    facts = f"range {spec.range}; " if spec.range is not None else ""
+    lines = [f"  {head}", f"      {facts}status: {spec.status_text()}"]
+    return lines + [f"      {line}" for line in spec.doc.splitlines()]
 
 
 def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
     """Every public field of dataclass `cls` (values from `obj`, if not None)."""
-    from megatron_bridge.config.annotations import field_types
+    from megatron_bridge.config.schema import specs
 
-    types = field_types(cls)
     lines: list[str] = []
-    for f in dataclasses.fields(cls):
-        if f.name.startswith("_") or (only is not None and f.name != only):
+    for spec in specs(cls).values():
+        if spec.name.startswith("_") or (only is not None and spec.name != only):
             continue
-        has_value = obj is not None
-        lines += field_entry(cls, f, types, getattr(obj, f.name, None), has_value)
+        lines += field_entry(spec, getattr(obj, spec.name, None), obj is not None)
     return lines
 
 
@@ -168,28 +125,25 @@ def _named_choices(declared: Any) -> tuple[str, ...]:
 
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
-    from megatron_bridge.config.annotations import field_types
     from megatron_bridge.config.annotations import section_classes
+    from megatron_bridge.config.schema import specs
     from megatron_bridge.config.secrets import conceal
 
-    container = type(cfg)
-    types = field_types(container)
-    docs = field_docs(container)
     rows = []
-    for f in dataclasses.fields(container):
-        value = getattr(cfg, f.name)
-        cls, section = _section_of(value, types[f.name])
+    for spec in specs(type(cfg)).values():
+        value = getattr(cfg, spec.name)
+        cls, section = _section_of(value, spec.type)
         if cls is None:
-            kind = f"{show_value(conceal(value, f.name))} ({type_name(types[f.name])})"
+            kind = f"{show_value(conceal(value, spec.name))} ({type_name(spec.type)})"
         elif section is None:
-            names = [c.__name__ for c in section_classes(types[f.name])]
+            names = [c.__name__ for c in section_classes(spec.type)]
             kind = f"None ({' or '.join(names)})"
         elif isinstance(value, str):
             kind = f"{value!r} ({cls.__name__} preset)"
         else:
             kind = cls.__name__
-        about = first_line(docs.get(f.name, "")) or (class_summary(cls) if cls else "")
-        rows.append((f.name, kind, about))
+        about = first_line(spec.doc) or (class_summary(cls) if cls else "")
+        rows.append((spec.name, kind, about))
     if options is not None:
         rows.append((OPTIONS, type(options).__name__, "Keyword arguments of the recipe (--recipe-arg KEY=VALUE)."))
     w1 = max(len(r[0]) for r in rows) + 2

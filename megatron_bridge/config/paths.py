@@ -10,13 +10,12 @@ run would fail where it first creates the file.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import stat
 from typing import Any
 
-from megatron_bridge.config.annotations import field_types, real_arms
+from megatron_bridge.config.annotations import real_arms
 from megatron_bridge.config.errors import Problems, show
 
 NAME_MAX = 255
@@ -26,15 +25,16 @@ Lustre, GPFS, NFS)."""
 _PATH_NAME = re.compile(r"(^|_)(dir|directory|logdir|path|filepath|save|load|checkpoint|uri)$")
 
 
-@functools.lru_cache(maxsize=None)
+def is_path_field(name: str, tp: Any, f: Any) -> bool:
+    """Whether a field `name` declared as `tp` (dataclass field `f`) holds a path whose absence is None."""
+    return bool(_PATH_NAME.search(name)) and str in real_arms(tp) and f.default is None
+
+
 def path_fields(cls: type) -> tuple[str, ...]:
     """The fields of config class `cls` that hold a path whose absence is None."""
-    fields = cls.__dataclass_fields__
-    return tuple(
-        name
-        for name, tp in field_types(cls).items()
-        if _PATH_NAME.search(name) and str in real_arms(tp) and fields[name].default is None
-    )
+    from megatron_bridge.config.schema import specs
+
+    return tuple(s.name for s in specs(cls).values() if s.is_path)
 
 
 def too_long_component(path: str) -> str:

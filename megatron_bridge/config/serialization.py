@@ -27,7 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -36,7 +36,6 @@ from megatron_bridge.config.annotations import (
     UNSERIALIZABLE,
     DecodeError,
     FlowList,
-    field_types,
     is_placeholder,
     is_value_tag,
     section_classes,
@@ -46,6 +45,7 @@ from megatron_bridge.config.annotations import (
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
+from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
@@ -63,45 +63,16 @@ _NO_DEFAULT = object()
 
 
 # ====================================================================== class metadata
-@dataclasses.dataclass(frozen=True)
-class FieldInfo:
-    """What serialization needs to know about one dataclass field."""
-
-    name: str
-    init: bool
-    type: Any
-    default: Any  # _NO_DEFAULT when the field is required
-    factory: Optional[Callable[[], Any]]
-
-    @classmethod
-    def of(cls, f: dataclasses.Field, tp: Any) -> "FieldInfo":
-        factory = None if f.default_factory is dataclasses.MISSING else f.default_factory  # type: ignore[misc]
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        else:  # a factory's value is kept for comparisons only; never handed out
-            default = _NO_DEFAULT if factory is None else factory()
-        return cls(f.name, f.init, tp, default, factory)
-
-    @property
-    def required(self) -> bool:
-        """The field has no default (the constructor needs it)."""
-        return self.default is _NO_DEFAULT
-
-    def fresh_default(self) -> Any:
-        """A new default value (a fresh object for default_factory fields)."""
-        return self.factory() if self.factory is not None else self.default
-
-
 class ClassInfo:
-    """Fields, aliases and import path of a dataclass. A field's `FieldInfo` is made when first
-    asked for: an override touches a few of the hundreds of fields a model config has."""
+    """Fields (their `FieldSpec`), aliases and import path of a dataclass."""
 
     def __init__(self, cls: type):
         self.cls = cls
         self.tracked = issubclass(cls, ConfigBase)
         self.aliases: dict[str, str] = dict(getattr(cls, "_field_aliases", None) or {})
-        self._declared = {f.name: f for f in dataclasses.fields(cls)}
-        self._made: dict[str, FieldInfo] = {}
+        self.specs = specs(cls)
+        self.fields: tuple[FieldSpec, ...] = tuple(self.specs.values())
+        """Every field, in declaration order."""
 
     @property
     def path(self) -> Optional[str]:
@@ -110,20 +81,11 @@ class ClassInfo:
 
     def closest(self, key: Any) -> str:
         """The fix for a key that names no field: the closest field names or aliases, or removing it."""
-        return suggest(key, [*self._declared, *self.aliases]) or "remove it"
+        return suggest(key, [*self.specs, *self.aliases]) or "remove it"
 
-    def field(self, key: Any) -> Optional[FieldInfo]:
+    def field(self, key: Any) -> Optional[FieldSpec]:
         """The field that `key` (a field name or an alias) names, or None."""
-        name = self.aliases.get(key, key)
-        made = self._made.get(name)
-        if made is None and name in self._declared:
-            made = self._made[name] = FieldInfo.of(self._declared[name], field_types(self.cls)[name])
-        return made
-
-    @functools.cached_property
-    def fields(self) -> tuple[FieldInfo, ...]:
-        """Every field, in declaration order."""
-        return tuple(self.field(name) for name in self._declared)  # type: ignore[misc]
+        return self.specs.get(self.aliases.get(key, key))
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,9 +94,9 @@ def class_info(cls: type) -> ClassInfo:
     return ClassInfo(cls)
 
 
-def is_default(f: FieldInfo, value: Any) -> bool:
+def is_default(f: FieldSpec, value: Any) -> bool:
     """Whether `value` equals the class default of field `f` (a required field has none)."""
-    return f.default is not _NO_DEFAULT and values_equal(value, f.default)
+    return not f.required and values_equal(value, f.default)
 
 
 # ====================================================================== writing
@@ -219,7 +181,7 @@ class ConfigDecoder(Decoder):
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
         return build_section(self, self.section_class(raw, declared), raw)
 
-    def field(self, f: FieldInfo, raw: Any, current: Any = _NO_DEFAULT) -> Any:
+    def field(self, f: FieldSpec, raw: Any, current: Any = _NO_DEFAULT) -> Any:
         """The new value of field `f` from plain data. Given the `current` value, a plain mapping
         merges into it (a section, or a dict) instead of replacing it."""
         if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not is_value_tag(raw):
@@ -284,7 +246,7 @@ class ConfigDecoder(Decoder):
         return min(candidates, key=lambda c: sum(1 for k in keys if class_info(c).field(k) is None))
 
 
-def _users(tags: dict[str, set[str]], f: FieldInfo, value: Any) -> bool:
+def _users(tags: dict[str, set[str]], f: FieldSpec, value: Any) -> bool:
     """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
     `_explicit_`, or not the default and not listed as the framework's."""
     return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value))
@@ -345,7 +307,7 @@ def merge_dicts(base: dict, update: Mapping) -> dict:
     return out
 
 
-def decode_field(loader: Decoder, f: FieldInfo, raw: Any) -> Any:
+def decode_field(loader: Decoder, f: FieldSpec, raw: Any) -> Any:
     """The value of field `f` from plain data. None is accepted where the default is None even
     if the annotation does not say Optional (as megatron-core declares many fields)."""
     if raw is None and f.default is None:

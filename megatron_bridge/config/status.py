@@ -9,9 +9,10 @@
   errors: a dry run plans such a config and reports "would fail on this machine"; the real run
   refuses it before building the model (`machine_problems`).
 
-The tables are data, keyed by the config class that declares the field (its first class in the
-method resolution order that is one of ours). `docs/unsupported-fields.md` is generated from them
-by `tools/gen_unsupported_fields.py`.
+A field's status is declared next to it (`field(status=...)`, `config.fields`); fields that
+megatron-core declares take theirs from `config.megatron_core_fields`. Both are compiled into the
+field's `FieldSpec` (`config.schema`). `docs/unsupported-fields.md` is generated from them by
+`tools/gen_unsupported_fields.py`.
 """
 
 from __future__ import annotations
@@ -19,202 +20,55 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_bridge.config.annotations import values_equal
-from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
-
-USED = "used"
-DERIVED = "derived"
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    """A field that is accepted but not honoured; `reason` says why (and what to use instead)."""
-
-    reason: str
-    needs: str | None = None
-    """`"gpu"` or `"transformer_engine"` when only the machine is missing; None otherwise."""
-
-
-Status = str | Unsupported
-
-_NOT_IMPLEMENTED = "not implemented"
-_NON_PERSISTENT = Unsupported(
-    "non-persistent checkpoints are not implemented (megatron-core 0.16.1 has no manager for them); "
-    "use checkpoint.save_interval"
-)
-_FIM = Unsupported("megatron-core 0.16.1 has no fill-in-the-middle dataset; use GPTDatasetConfig")
-_TENSOR_INSPECT = Unsupported(
-    "tensor inspection is not implemented (it needs TransformerEngine's debug API, nvdlfw_inspect)"
-)
-_FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
-NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
-NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
-
-UNSUPPORTED: dict[str, dict[str, Unsupported]] = {
-    "CheckpointConfig": {
-        "load_main_params_from_ckpt": Unsupported(
-            f"{_NOT_IMPLEMENTED}: fp32 main parameters are always re-derived from the model weights"
-        ),
-        "non_persistent_save_interval": _NON_PERSISTENT,
-        "non_persistent_ckpt_type": _NON_PERSISTENT,
-        "non_persistent_global_ckpt_dir": _NON_PERSISTENT,
-        "non_persistent_local_ckpt_dir": _NON_PERSISTENT,
-        "non_persistent_local_ckpt_algo": _NON_PERSISTENT,
-        "ckpt_format": Unsupported(
-            "only torch_dist checkpoints are written: zarr is deprecated in megatron-core, "
-            "fsdp_dtensor needs Megatron FSDP; use torch_dist"
-        ),
-        "async_strategy": Unsupported(f"{_NOT_IMPLEMENTED}: async saves always use megatron-core's writer"),
-        "async_write_results_mp_mode": Unsupported(
-            f"{_NOT_IMPLEMENTED}: megatron-core's async writer chooses its own start method"
-        ),
-        "strict_fsdp_dtensor_load": Unsupported(
-            "fsdp_dtensor checkpoints are not supported; use ckpt_format=torch_dist"
-        ),
-        "save_tokenizer_assets": Unsupported(f"{_NOT_IMPLEMENTED}: checkpoints do not include the tokenizer files"),
-    },
-    "GPTFIMDatasetConfig": {
-        name: _FIM
-        for name in (
-            "fim_rate",
-            "fim_spm_rate",
-            "fim_extra_tokens",
-            "fim_split_sample",
-            "fim_fragment_rate",
-            "fim_no_prefix",
-        )
-    },
-    "DistributedInitConfig": {
-        "distributed_timeout_seconds_after_init": Unsupported(f"{_NOT_IMPLEMENTED}: use distributed_timeout_minutes"),
-        "lazy_mpu_init": Unsupported(f"{_NOT_IMPLEMENTED}: process groups are always created at setup"),
-        "disable_jit_fuser": Unsupported(_NOT_IMPLEMENTED),
-        "enable_megatron_core_experimental": Unsupported(_NOT_IMPLEMENTED),
-        "use_decentralized_pg": Unsupported(f"{_NOT_IMPLEMENTED}: megatron-core's global process groups are used"),
-        "use_torch_fsdp2": Unsupported(
-            f"{_NOT_IMPLEMENTED}: models are wrapped with megatron DDP; use ddp.use_distributed_optimizer=True"
-        ),
-    },
-    "DistributedDataParallelConfig": {
-        "use_megatron_fsdp": Unsupported(
-            f"{_NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
-        ),
-        **{
-            name: _FSDP_ONLY
-            for name in (
-                "use_custom_fsdp",
-                "data_parallel_sharding_strategy",
-                "gradient_reduce_div_fusion",
-                "suggested_communication_unit_size",
-                "preserve_fp32_weights",
-                "keep_fp8_transpose_cache",
-                "fsdp_double_buffer",
-                "outer_dp_sharding_strategy",
-                "fsdp_manual_registration",
-            )
-        },
-        "param_name_patterns_for_fp32_local_accumulation": Unsupported(
-            f"{_NOT_IMPLEMENTED}: megatron-core 0.16.1 has no such option"
-        ),
-    },
-    "TrainingConfig": {
-        "empty_unused_memory_level": Unsupported(f"{_NOT_IMPLEMENTED}: the CUDA cache is never emptied by the loop"),
-        "check_weight_hash_across_dp_replicas_interval": Unsupported(_NOT_IMPLEMENTED),
-        "train_sync_interval": Unsupported(_NOT_IMPLEMENTED),
-        "exit_signal_handler_for_dataloader": Unsupported(_NOT_IMPLEMENTED),
-        "check_optimizer_step_success": Unsupported(
-            f"{_NOT_IMPLEMENTED}: a failed step is reported by the skipped-iterations count"
-        ),
-        "skip_sync_grad_norm_across_mp": Unsupported(_NOT_IMPLEMENTED),
-        "decrease_batch_size_if_needed": Unsupported(
-            "the global batch size is used as given: sample counters, the learning-rate schedule and the "
-            "samplers count train.global_batch_size, so a batch that megatron-core rounded down would be "
-            "counted wrongly; make global_batch_size a multiple of micro_batch_size x data-parallel size"
-        ),
-    },
-    "LoggerConfig": {
-        "timing_log_option": Unsupported(
-            f"{_NOT_IMPLEMENTED}: timers are reported as their maximum over ranks (`<name>-time`); "
-            "megatron-core's timer report, which this option formats, is not produced"
-        ),
-    },
-    "TensorInspectConfig": {
-        name: _TENSOR_INSPECT for name in ("enabled", "features", "feature_dirs", "log_dir", "init_training_step")
-    },
-    "GPTModelProvider": {
-        "fp8": NEEDS_TE,
-        "fp4": NEEDS_TE,
-        "enable_cuda_graph": NEEDS_GPU,
-        "cuda_graph_impl": NEEDS_GPU,
-        "external_cuda_graph": NEEDS_GPU,
-    },
-}
-"""Fields accepted but not honoured, by declaring class."""
-
-DERIVED_FIELDS: dict[str, frozenset[str]] = {
-    # megatron-core hooks that the build wires onto the model's copy of the config.
-    "GPTModelProvider": frozenset(
-        {"timers", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func"}
-    ),
-    "OptimizerConfig": frozenset({"timers"}),  # set by the optimizer build on its copy
-}
-"""Fields a rule computes although megatron-core lets them be passed, by declaring class."""
-
-UNSUPPORTED_CLASSES: dict[str, Unsupported] = {"GPTFIMDatasetConfig": _FIM}
-"""Config classes that cannot be used at all (the run would silently do something else)."""
+from megatron_bridge.config.fields import DERIVED, NEEDS_GPU, NEEDS_TE, USED, Unsupported  # noqa: F401
+from megatron_bridge.config.schema import Status, specs  # noqa: F401
 
 GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reach_megatron_core"
 """The test that shows fields inherited from megatron-core reach the megatron-core object."""
 
 
 # ---------------------------------------------------------------------- lookups
-@functools.cache
 def declaring_class(cls: type, name: str) -> type:
     """The first of our config classes (from the base down) that has field `name`."""
-    for klass in reversed(cls.__mro__):
-        if issubclass(klass, ConfigBase) and name in getattr(klass, "__dataclass_fields__", {}):
-            return klass
-    return cls
+    return specs(cls)[name].owner
 
 
-@functools.cache
 def from_megatron_core(cls: type, name: str) -> bool:
     """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
-    return any(
-        not issubclass(k, ConfigBase)
-        and k.__module__.startswith("megatron.")
-        and name in getattr(k, "__dataclass_fields__", {})
-        for k in cls.__mro__
-    )
+    return specs(cls)[name].core_owner is not None
 
 
-@functools.cache
 def status_of(cls: type, name: str) -> Status:
     """The status of field `name` of config class `cls`."""
-    owner = declaring_class(cls, name)
-    unsupported = UNSUPPORTED.get(owner.__name__, {}).get(name)
-    if unsupported is not None:
-        return unsupported
-    f = cls.__dataclass_fields__[name]
-    if not f.init or name in DERIVED_FIELDS.get(owner.__name__, ()):
-        return DERIVED
-    return USED
+    return specs(cls)[name].status
+
+
+def unsupported_class(cls: type) -> Optional[Unsupported]:
+    """Why config class `cls` cannot be used at all (the run would silently do something else), or None."""
+    return getattr(cls, "unsupported_reason", None)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "UNSUPPORTED":  # a view for listings and tests: the declarations sit on the fields
+        from megatron_bridge.config.field_catalog import declared_fields
+
+        table: dict[str, dict[str, Unsupported]] = {}
+        for (owner, field_name), (_, status) in declared_fields().items():
+            if isinstance(status, Unsupported):
+                table.setdefault(owner, {})[field_name] = status
+        return table
+    raise AttributeError(name)
 
 
 @functools.cache
 def _unsupported_fields(cls: type) -> tuple[tuple[str, Any, Unsupported], ...]:
-    """(name, default, why) of each unsupported field of `cls`; the default is computed once
-    (dataclasses.MISSING when the field has none)."""
-    found = []
-    for f in dataclasses.fields(cls):
-        status = status_of(cls, f.name)
-        if isinstance(status, Unsupported):
-            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            found.append((f.name, default, status))
-    return tuple(found)
+    """(name, default, why) of each unsupported field of `cls` (dataclasses.MISSING when the
+    field has no default)."""
+    return tuple((s.name, s.default, s.status) for s in specs(cls).values() if isinstance(s.status, Unsupported))
 
 
 @functools.cache
@@ -235,7 +89,7 @@ def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
     """(field, value, why) for each unsupported field of `config` set to a non-default value,
     and ("", class name, why) when the class itself is unsupported."""
     cls = type(config)
-    why = UNSUPPORTED_CLASSES.get(cls.__name__)
+    why = unsupported_class(cls)
     if why is not None:
         yield "", cls.__name__, why
     yield from _changed(config, _unsupported_fields(cls))
@@ -245,7 +99,7 @@ def check_unsupported(config: Any, problems: Problems) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
     cls = type(config)
     refused = _refused_fields(cls)
-    why = UNSUPPORTED_CLASSES.get(cls.__name__)
+    why = unsupported_class(cls)
     if why is not None and why.needs is None:
         problems.add("", f"{cls.__name__} is not supported: {why.reason}", "use another config class")
     if refused:  # most classes have none: no generator for them (this runs for every section)
@@ -293,6 +147,8 @@ def _has_gpu() -> bool:
 
 def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
     """(name, section) for each config section of a container (nested config values included)."""
+    from megatron_bridge.config.base import ConfigBase
+
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name, None)
         if isinstance(value, ConfigBase):

@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import FACTOR, SIZE, field
 
 logger = logging.getLogger(__name__)
 
@@ -43,49 +44,49 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the input embedding."""
 
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = field(128, range=SIZE)
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
 
     position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
     """Position encoding: learned positions, rotary embeddings (rope), rotary embeddings with YaRN
     context extension (yarn: the yarn_* fields), or none."""
 
-    rotary_base: int = 10000
+    rotary_base: int = field(10000, range="[1, 1000000000000]")
     """RoPE base period."""
 
-    rotary_percent: float = 1.0
+    rotary_percent: float = field(1.0, range="(0, 1]")
     """Fraction of each head's dimensions that RoPE rotates."""
 
-    seq_len_interpolation_factor: Optional[float] = None
+    seq_len_interpolation_factor: Optional[float] = field(None, range=FACTOR)
     """Scale RoPE positions by 1/factor (linear position interpolation)."""
 
     rope_scaling: bool = False
     """Apply Llama 3.1-style RoPE frequency scaling."""
 
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: float = field(8.0, range=FACTOR)
     """Scaling factor of Llama 3.1-style RoPE scaling."""
 
-    yarn_rotary_scaling_factor: float = 1.0
+    yarn_rotary_scaling_factor: float = field(1.0, range="[1, 1000]")
     """YaRN: how many times the context is extended beyond yarn_original_max_position_embeddings
     (position_embedding_type='yarn')."""
 
-    yarn_original_max_position_embeddings: int = 4096
+    yarn_original_max_position_embeddings: int = field(4096, range=SIZE)
     """YaRN: the context length the rotary frequencies were pretrained for."""
 
-    yarn_beta_fast: float = 32.0
+    yarn_beta_fast: float = field(32.0, range=FACTOR)
     """YaRN: dimensions rotating more often than this over the original context keep their
     frequency."""
 
-    yarn_beta_slow: float = 1.0
+    yarn_beta_slow: float = field(1.0, range=FACTOR)
     """YaRN: dimensions rotating less often than this are interpolated by the scaling factor (a
     linear ramp between the two)."""
 
-    yarn_mscale: Optional[float] = None
+    yarn_mscale: Optional[float] = field(None, range="[0, 100]")
     """YaRN attention scaling: with yarn_mscale_all_dim also set, cos and sin are scaled by
     (0.1 * yarn_mscale * ln(factor) + 1) / (0.1 * yarn_mscale_all_dim * ln(factor) + 1); unset, by
     0.1 * ln(factor) + 1."""
 
-    yarn_mscale_all_dim: Optional[float] = None
+    yarn_mscale_all_dim: Optional[float] = field(None, range="[0, 100]")
     """YaRN attention scaling: the denominator's coefficient (see yarn_mscale)."""
 
     yarn_correction_range_round_to_int: bool = True
@@ -106,10 +107,10 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     weights then have num_attention_heads x kv_channels and num_query_groups x kv_channels
     values."""
 
-    seq_length: int = 1024
+    seq_length: int = field(1024, range=SIZE)
     """Tokens per sample; must equal the dataset's sequence length."""
 
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = field(None, range=SIZE)
     """Vocabulary size before padding (default: the tokenizer's)."""
 
     should_pad_vocab: bool = True
@@ -162,7 +163,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         p = problems
         self._check_quantizer_factories(p)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            # >= 1 by its range when set (ranges.py)
+            # >= 1 by its declared range when set
             p.check(getattr(self, name) is not None, name, "is not set", f"set model.{name}")
         if p:
             return

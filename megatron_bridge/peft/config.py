@@ -7,11 +7,11 @@ to the model lives in `megatron_bridge.peft.apply`.
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import ClassVar, Literal
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import POSITIVE, SIZE, field, parse
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """megatron-core's four projections of a transformer layer (attention in/out, MLP in/out)."""
@@ -33,13 +33,13 @@ class LoRA(ConfigBase):
     `linear_fc2`, also inside MoE experts) or a full-name pattern with wildcards, e.g.
     `*.layers.0.*.linear_qkv` or `*.experts.*.linear_fc1` (layer and expert numbers are global)."""
 
-    dim: int = 32
+    dim: int = field(32, range=parse(SIZE, below="the rank must be positive"))
     """Rank of the update (the inner size of B @ A)."""
 
-    alpha: float = 32
+    alpha: float = field(32, range=parse(POSITIVE, below="must be positive"))
     """Scale numerator: the update is multiplied by alpha / dim."""
 
-    dropout: float = 0.0
+    dropout: float = field(0.0, range="[0, 1)")
     """Dropout probability on the adapter path (0: none)."""
 
     dropout_position: Literal["pre", "post"] = "pre"
@@ -58,11 +58,6 @@ class LoRA(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        p.check(self.dim > 0, "dim", f"the rank must be positive, got {self.dim}", "use e.g. dim=16")
-        p.check(
-            self.alpha > 0, "alpha", f"must be positive, got {self.alpha}", "use e.g. alpha=32 (twice dim is common)"
-        )
-        p.check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}", "use e.g. 0.0 or 0.05")
         if p.check(
             bool(self.target_modules),
             "target_modules",

@@ -8,11 +8,11 @@ config wins; then a value set explicitly here; then the default derived from the
 from __future__ import annotations
 
 import logging
-from dataclasses import field
 from typing import Any, Optional, Union
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import COUNT, INTERVAL, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
 from megatron_bridge.extras import is_installed
 
@@ -56,16 +56,16 @@ class CommOverlapConfig(ConfigBase):
     """Launch parameter all-gathers on all pipeline stages together (default: on with virtual
     pipelining and DP overlap)."""
 
-    bucket_size: Optional[int] = None
+    bucket_size: Optional[int] = field(None, range=INTERVAL)
     """Gradient bucket size in parameters (default: 128 Mi with DP overlap)."""
 
     defer_embedding_wgrad_compute: Optional[bool] = None
     """Defer the embedding weight-gradient GEMM to overlap it with pipeline flush."""
 
-    wgrad_deferral_limit: Optional[int] = None
+    wgrad_deferral_limit: Optional[int] = field(None, range=COUNT)
     """How many microbatches of embedding weight gradients to defer."""
 
-    data_parallel_size: Optional[int] = field(init=False, default=None)
+    data_parallel_size: Optional[int] = field(init=False, default=None, range=SIZE)
     """Derived: set by runtime_config_update before finalize."""
 
     def _finalize(self, problems: Problems) -> None:

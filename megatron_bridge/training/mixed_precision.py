@@ -20,6 +20,7 @@ import torch
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config.fields import COUNT, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
 
 logger = logging.getLogger(__name__)
@@ -60,16 +61,16 @@ class MixedPrecisionConfig(ConfigBase):
     first_last_layers_bf16: bool = False
     """Keep the first and last layers in bf16 when training in FP8."""
 
-    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_start_in_bf16: int = field(0, range=COUNT)
     """Layers at the start kept in bf16 (with first_last_layers_bf16)."""
 
-    num_layers_at_end_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = field(0, range=COUNT)
     """Layers at the end kept in bf16 (with first_last_layers_bf16)."""
 
-    fp8_margin: int = 0
+    fp8_margin: int = field(0, range="[-128, 128]")
     """Margin for FP8 scaling factors."""
 
-    fp8_amax_history_len: int = 1
+    fp8_amax_history_len: int = field(1, range=SIZE)
     """amax history length for delayed scaling."""
 
     fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
@@ -101,19 +102,19 @@ class MixedPrecisionConfig(ConfigBase):
     """FP4 scaling recipe: NVFP4 block scaling, or `custom` (the quantizers of
     model.fp4_quantizer_factory)."""
 
-    loss_scale: Optional[float] = None
+    loss_scale: Optional[float] = field(None, range="(0, 2**32]")
     """Static loss scale (fp16); None: dynamic loss scaling."""
 
-    initial_loss_scale: float = 4294967296.0
+    initial_loss_scale: float = field(4294967296.0, range="(0, 2**64]")
     """Initial dynamic loss scale (fp16)."""
 
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = field(1.0, range="(0, 2**32]")
     """Lowest dynamic loss scale (fp16)."""
 
-    loss_scale_window: float = 1000
+    loss_scale_window: float = field(1000, range=SIZE)
     """Iterations without overflow before the loss scale grows (fp16)."""
 
-    hysteresis: int = 2
+    hysteresis: int = field(2, range=SIZE)
     """Overflows tolerated before the loss scale shrinks (fp16)."""
 
     def _finalize(self, problems: Problems) -> None:

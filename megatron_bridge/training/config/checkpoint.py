@@ -7,9 +7,14 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import INTERVAL, SIZE, STEPS, Unsupported, field, parse
 
 ASYNC_FORMATS = ("torch_dist",)
 
+_NON_PERSISTENT = Unsupported(
+    "non-persistent checkpoints are not implemented (megatron-core 0.16.1 has no manager for them); "
+    "use checkpoint.save_interval"
+)
 
 @config_dataclass(kw_only=True)
 class CheckpointConfig(ConfigBase):
@@ -20,7 +25,7 @@ class CheckpointConfig(ConfigBase):
     save: Optional[str] = None
     """Directory to save checkpoints to (None: never save)."""
 
-    save_interval: Optional[int] = None
+    save_interval: Optional[int] = field(None, range=INTERVAL)
     """Save every N iterations (a checkpoint is also saved at the end of training and on exit)."""
 
     save_optim: bool = True
@@ -36,25 +41,31 @@ class CheckpointConfig(ConfigBase):
     load_optim: bool = True
     """Load optimizer state when resuming."""
 
-    load_main_params_from_ckpt: bool = False
+    load_main_params_from_ckpt: bool = field(
+        False,
+        status=Unsupported('not implemented: fp32 main parameters are always re-derived from the model weights'),
+    )
     """Load fp32 main parameters from the checkpoint instead of re-deriving them from the model."""
 
     load_rng: bool = True
     """Load RNG states when resuming."""
 
-    non_persistent_save_interval: Optional[int] = None
+    non_persistent_save_interval: Optional[int] = field(None, range=INTERVAL, status=_NON_PERSISTENT)
     """Iterations between non-persistent (fast, temporary) saves."""
 
-    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = None
+    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = field(None, status=_NON_PERSISTENT)
     """Kind of non-persistent checkpoint."""
 
-    non_persistent_global_ckpt_dir: Optional[str] = None
+    non_persistent_global_ckpt_dir: Optional[str] = field(None, status=_NON_PERSISTENT)
     """Directory for global non-persistent checkpoints."""
 
-    non_persistent_local_ckpt_dir: Optional[str] = None
+    non_persistent_local_ckpt_dir: Optional[str] = field(None, status=_NON_PERSISTENT)
     """Directory for local non-persistent checkpoints."""
 
-    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = "fully_parallel"
+    non_persistent_local_ckpt_algo: Literal["fully_parallel", "atomic"] = field(
+        "fully_parallel",
+        status=_NON_PERSISTENT,
+    )
     """Algorithm for local non-persistent checkpoints."""
 
     finetune: bool = False
@@ -67,13 +78,19 @@ class CheckpointConfig(ConfigBase):
     directory holding the checkpoint itself, or a Hugging Face model directory (config.json and
     safetensors weights), read directly: each rank reads only its slices."""
 
-    ckpt_step: Optional[int] = None
+    ckpt_step: Optional[int] = field(None, range=STEPS)
     """Load this iteration instead of the latest."""
 
     exit_on_missing_checkpoint: bool = False
     """Exit with an error when `load` is set but holds no checkpoint (instead of starting fresh)."""
 
-    ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = "torch_dist"
+    ckpt_format: Literal["torch_dist", "zarr", "fsdp_dtensor"] = field(
+        "torch_dist",
+        status=Unsupported(
+            "only torch_dist checkpoints are written: zarr is deprecated in megatron-core, fsdp_dtensor needs Megatron"
+            " FSDP; use torch_dist"
+        ),
+    )
     """On-disk format of checkpoints."""
 
     fully_parallel_save: bool = True
@@ -89,11 +106,17 @@ class CheckpointConfig(ConfigBase):
     """Use a persistent background worker for async checkpoint saves. When enabled, creates a
     dedicated worker for async saves; otherwise temporary workers are created per save."""
 
-    async_strategy: Literal["nvrx", "mcore"] = "nvrx"
+    async_strategy: Literal["nvrx", "mcore"] = field(
+        "nvrx",
+        status=Unsupported("not implemented: async saves always use megatron-core's writer"),
+    )
     """Async checkpoint strategy: "nvrx" (nvidia-resiliency-ext, falls back to "mcore" when it is
     not installed) or "mcore"."""
 
-    async_write_results_mp_mode: Literal["fork", "spawn", "forkserver"] = "fork"
+    async_write_results_mp_mode: Literal["fork", "spawn", "forkserver"] = field(
+        "fork",
+        status=Unsupported("not implemented: megatron-core's async writer chooses its own start method"),
+    )
     """Multiprocessing start method for the async write results queue."""
 
     ckpt_assume_constant_structure: bool = False
@@ -111,14 +134,19 @@ class CheckpointConfig(ConfigBase):
     ] = "assume_ok_unexpected"
     """How to treat mismatching keys between the checkpoint and the model when loading."""
 
-    storage_writers_per_rank: int = 1
+    storage_writers_per_rank: int = field(1, range=SIZE)
     """Number of storage writers per rank for torch_dist checkpoint format. Affects the number of
     checkpoint files: saving_ranks * storage_writers_per_rank."""
 
-    strict_fsdp_dtensor_load: bool = False
+    strict_fsdp_dtensor_load: bool = field(
+        False,
+        status=Unsupported('fsdp_dtensor checkpoints are not supported; use ckpt_format=torch_dist'),
+    )
     """Whether to enforce strict loading for FSDP DTensor checkpoints."""
 
-    most_recent_k: Optional[int] = -1
+    most_recent_k: Optional[int] = field(
+        -1, range=parse("[1, 2**31)", also=(-1,), below="must be -1 (keep all) or >= 1")
+    )
     """Keep only the k most recent checkpoints (-1: keep all). Old ones are deleted only after a
     new one is complete."""
 
@@ -133,7 +161,10 @@ class CheckpointConfig(ConfigBase):
     """dtype of the weights `save_hf` writes (None: that of the Hugging Face model the run
     started from, else the dtype the model trains its weights in)."""
 
-    save_tokenizer_assets: bool = True
+    save_tokenizer_assets: bool = field(
+        True,
+        status=Unsupported('not implemented: checkpoints do not include the tokenizer files'),
+    )
     """Copy the tokenizer files into each checkpoint."""
 
     custom_manager_class: Optional[str] = None
@@ -170,13 +201,6 @@ class CheckpointConfig(ConfigBase):
                 "save_hf",
                 "the Hugging Face directory is written next to the final checkpoint, and checkpoint.save is not set",
                 "set checkpoint.save (or save_hf=False)",
-            )
-        if self.most_recent_k is not None:
-            p.check(
-                self.most_recent_k == -1 or self.most_recent_k >= 1,
-                "most_recent_k",
-                f"must be -1 (keep all) or >= 1, got {self.most_recent_k}",
-                "use -1 or a positive count",
             )
         if self.custom_manager_class is not None:
             from megatron_bridge.config.targets import TargetNotAllowedError, resolve

@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import field
 from typing import Any, Optional, Union
 
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
+from megatron_bridge.config.fields import SIZE, field
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.schema import NO_DEFAULT, specs
 from megatron_bridge.config.secrets import printable
 from megatron_bridge.training.config.logger import LoggerConfig
 from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
@@ -157,11 +158,11 @@ class ConfigContainer(ConfigBase):
     the launching environment. Values named like credentials (`*_TOKEN`, `*_KEY`, ...) are
     written to saved configs as `<redacted>`; give them as `${oc.env:VAR}` to keep a reference."""
 
-    recipe_world_size: Optional[int] = None
+    recipe_world_size: Optional[int] = field(None, range=SIZE)
     """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use
     it when no world size is given."""
 
-    data_parallel_size: Optional[int] = field(init=False, default=None)
+    data_parallel_size: Optional[int] = field(init=False, default=None, range=SIZE)
     """Derived: world size // (TP x PP x CP), set by runtime_config_update."""
 
     # ------------------------------------------------------------------ derived sizes
@@ -272,20 +273,13 @@ class ConfigContainer(ConfigBase):
 def non_default_values(obj: Any) -> dict[str, tuple[Any, Any]]:
     """Fields of `obj` that differ from the default, as name -> (value, default); the default of a
     field megatron-core defines is megatron-core's. Values finalize derived are left out."""
-    mro = type(obj).__mro__[1:]
-    parent = next((k for k in mro if k.__module__.startswith("megatron.core") and dataclasses.is_dataclass(k)), None)
-    parent_fields = {f.name: f for f in dataclasses.fields(parent)} if parent else {}
     derived = obj.derived_fields() if isinstance(obj, ConfigBase) else frozenset()
     diff = {}
-    for own in dataclasses.fields(obj):
-        f = parent_fields.get(own.name, own)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
+    for spec in specs(type(obj)).values():
+        default = spec.core_default
+        if default is NO_DEFAULT:
             continue
-        value = getattr(obj, f.name, default)
-        if f.name not in derived and not values_equal(value, default):
-            diff[f.name] = (value, default)
+        value = getattr(obj, spec.name, default)
+        if spec.name not in derived and not values_equal(value, default):
+            diff[spec.name] = (value, default)
     return diff

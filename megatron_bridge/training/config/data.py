@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import abc
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Tuple, Union
+from typing import Any, ClassVar, Literal, Optional, Tuple, Union
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import COUNT, PROBABILITY, SEED, Unsupported, field, parse
 
 
 @config_dataclass(kw_only=True)
@@ -24,7 +25,7 @@ class DataloaderConfig(ConfigBase):
     global-batch sampling that pads each global batch to a common length (fine-tuning);
     'external': the dataset is already an iterator and is used as is."""
 
-    num_workers: int = 2
+    num_workers: int = field(2, range=COUNT)
     """Dataloader number of workers."""
 
     data_sharding: bool = True
@@ -168,8 +169,7 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
     def _finalize(self, problems: Problems) -> None:
         p = problems
         super()._finalize(p)  # the dataloader settings
-        if p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length"):
-            p.positive("sequence_length", self.sequence_length, "use e.g. 4096")
+        p.check(self.sequence_length is not None, "sequence_length", "is not set", "set dataset.seq_length")
         if self.data_path is not None:
             if self.blend is not None or self.blend_per_split is not None:
                 p.add("data_path", "data_path and blend/blend_per_split are both set", "give the data one way")
@@ -210,30 +210,35 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
             self._run_parent_post_init(BlendedMegatronDatasetConfig, p)
 
 
+FIM = Unsupported("megatron-core 0.16.1 has no fill-in-the-middle dataset; use GPTDatasetConfig")
+"""Why the fill-in-the-middle dataset config and its fields are not supported."""
+
 @config_dataclass(kw_only=True)
 class GPTFIMDatasetConfig(GPTDatasetConfig):
     """Configuration object for GPT fill-in-the-middle (FIM) datasets."""
 
-    fim_rate: Optional[float] = None
+    unsupported_reason: ClassVar[Unsupported] = FIM
+
+    fim_rate: Optional[float] = field(None, range=PROBABILITY, status=FIM)
     """Probability to convert a training sample into a FIM format."""
 
-    fim_spm_rate: Optional[float] = None
+    fim_spm_rate: Optional[float] = field(None, range=PROBABILITY, status=FIM)
     """Probability that a FIM sample uses the SPM format over the PSM format."""
 
-    fim_extra_tokens: Optional[dict] = None
+    fim_extra_tokens: Optional[dict] = field(None, status=FIM)
     """The prefix, middle, suffix, PAD and EOD tokens, as a dict."""
 
-    fim_split_sample: Optional[str] = None
+    fim_split_sample: Optional[str] = field(None, status=FIM)
     """String around which to split the sample for FIM."""
 
-    fim_fragment_rate: Optional[float] = None
+    fim_fragment_rate: Optional[float] = field(None, range=PROBABILITY, status=FIM)
     """Rate of FIM on each fragment when split_sample is not None."""
 
-    fim_no_prefix: Optional[str] = None
+    fim_no_prefix: Optional[str] = field(None, status=FIM)
     """Do not apply FIM to fragments that start with this prefix."""
 
     def _finalize(self, problems: Problems) -> None:
-        super()._finalize(problems)  # the rates are in [0, 1] by their ranges (ranges.py)
+        super()._finalize(problems)  # the rates are in [0, 1] by their declared ranges
         if self.fim_rate:
             problems.check(
                 bool(self.fim_extra_tokens),
@@ -269,7 +274,7 @@ class PackedSequenceSpecs(ConfigBase):
     """Sequence packing for fine-tuning: samples share sequences of `packed_sequence_size`
     tokens; attention stays within each sample and position ids restart per sample."""
 
-    packed_sequence_size: Optional[int] = None
+    packed_sequence_size: Optional[int] = field(None, range=parse("[2, 2**31)", below="must be > 1"))
     """Tokens per packed sequence; None: dataset.seq_length. At least dataset.seq_length and at
     most model.seq_length."""
 
@@ -281,15 +286,6 @@ class PackedSequenceSpecs(ConfigBase):
 
     on_the_fly: bool = False
     """Pack in memory at every start instead of caching the packed data on disk."""
-
-    def _finalize(self, problems: Problems) -> None:
-        size = self.packed_sequence_size
-        problems.check(
-            size is None or size > 1,
-            "packed_sequence_size",
-            f"must be > 1, got {size}",
-            "use the model's sequence length, or remove dataset.packed_sequence_specs to turn packing off",
-        )
 
 
 @config_dataclass(kw_only=True)
@@ -317,16 +313,16 @@ class FinetuningDatasetConfig(DataloaderConfig):
     """Columns holding `input` / `output` (prompt/answer rows) or `messages` (chat rows), e.g.
     {input: question, output: answer}; default: those names."""
 
-    seq_length: Optional[int] = None
+    seq_length: Optional[int] = field(None, range=parse("[2, 2**31)", below="must be > 1"))
     """Maximum tokens per sample (prompt + answer); longer samples are truncated."""
 
-    seed: int = 1234
+    seed: int = field(1234, range=SEED)
     """Seed for shuffling."""
 
-    memmap_workers: int = 1
+    memmap_workers: int = field(1, range=COUNT)
     """Processes that tokenize the JSONL files (used for files of 1000 lines or more)."""
 
-    max_train_samples: Optional[int] = None
+    max_train_samples: Optional[int] = field(None, range=parse("[1, 2**63)", below="must be positive"))
     """Use at most this many training examples."""
 
     packed_sequence_specs: Optional[PackedSequenceSpecs] = None
@@ -345,9 +341,7 @@ class FinetuningDatasetConfig(DataloaderConfig):
         p = problems
         super()._finalize(p)  # the dataloader settings
         p.check(self.dataset_root is not None, "dataset_root", "is not set", "set dataset.dataset_root to a directory")
-        if p.check(self.seq_length is not None, "seq_length", "is not set", "set dataset.seq_length"):
-            p.check(self.seq_length > 1, "seq_length", f"must be > 1, got {self.seq_length}", "use e.g. 2048")
-        p.positive("max_train_samples", self.max_train_samples, "use a positive count or None")
+        p.check(self.seq_length is not None, "seq_length", "is not set", "set dataset.seq_length")
         if self.packed_sequence_specs is not None:
             finalize_into(self.packed_sequence_specs, p.at("packed_sequence_specs"))
         from megatron_bridge.data.sft_records import check_sft_options

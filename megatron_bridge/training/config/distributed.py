@@ -8,6 +8,7 @@ from megatron.core.distributed import DistributedDataParallelConfig as MCoreDist
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import SEED, SIZE, STEPS, Unsupported, field
 
 
 @config_dataclass(kw_only=True)
@@ -19,22 +20,34 @@ class DistributedInitConfig(ConfigBase):
     else gloo). The backend decides the device: nccl trains on GPUs, one per process; gloo trains
     on CPUs, also on a machine with GPUs."""
 
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: int = field(10, range=SIZE)
     """Timeout for collectives; a rank that waits longer fails instead of hanging."""
 
-    distributed_timeout_seconds_after_init: Optional[int] = None
+    distributed_timeout_seconds_after_init: Optional[int] = field(
+        None,
+        range=SIZE,
+        status=Unsupported('not implemented: use distributed_timeout_minutes'),
+    )
     """A shorter collective timeout to switch to once initialization is done."""
 
     align_grad_reduce: bool = True
     """Launch gradient reduction at the same time on all pipeline stages."""
 
-    local_rank: Optional[int] = None
+    local_rank: Optional[int] = field(None, range=STEPS)
     """Local rank on the node (default: the LOCAL_RANK environment variable, else 0)."""
 
-    lazy_mpu_init: bool = False
+    lazy_mpu_init: bool = field(
+        False,
+        status=Unsupported('not implemented: process groups are always created at setup'),
+    )
     """Set up model-parallel state without initializing torch.distributed (external launchers)."""
 
-    use_torch_fsdp2: bool = False
+    use_torch_fsdp2: bool = field(
+        False,
+        status=Unsupported(
+            "not implemented: models are wrapped with megatron DDP; use ddp.use_distributed_optimizer=True"
+        ),
+    )
     """Wrap the model with PyTorch FSDP2 instead of megatron DDP."""
 
     nccl_communicator_config_path: Optional[str] = None
@@ -52,17 +65,20 @@ class DistributedInitConfig(ConfigBase):
     high_priority_stream_groups: Optional[list[str]] = None
     """Process groups that get high-priority CUDA streams."""
 
-    disable_jit_fuser: bool = False
+    disable_jit_fuser: bool = field(False, status=Unsupported('not implemented'))
     """Turn off the TorchScript/nvFuser JIT fuser."""
 
     external_gpu_device_mapping: bool = False
     """If True, indicates that GPU device mapping has been externally managed (e.g., via
     CUDA_VISIBLE_DEVICES). When True, uses device 0 instead of local rank for CUDA device selection."""
 
-    enable_megatron_core_experimental: bool = False
+    enable_megatron_core_experimental: bool = field(False, status=Unsupported('not implemented'))
     """Enable experimental features for Megatron Core."""
 
-    use_decentralized_pg: bool = False
+    use_decentralized_pg: bool = field(
+        False,
+        status=Unsupported("not implemented: megatron-core's global process groups are used"),
+    )
     """Use ProcessGroupCollection passed through functions instead of relying on mcore's global
     parallel state (mpu) variables."""
 
@@ -75,7 +91,7 @@ class DistributedInitConfig(ConfigBase):
 class RNGConfig(ConfigBase):
     """Random seeds."""
 
-    seed: int = 1234
+    seed: int = field(1234, range=SEED)
     """Seed for Python, NumPy and torch; model-parallel ranks derive their own streams from it."""
 
     te_rng_tracker: bool = False
@@ -95,7 +111,10 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
     Construction stores values only; `finalize()` runs megatron-core's checks and derived values.
     """
 
-    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = field(
+        (),
+        status=Unsupported('not implemented: megatron-core 0.16.1 has no such option'),
+    )
     """fnmatch patterns selecting parameters whose gradients should be locally accumulated in
     FP32. The special pattern 'all' matches every parameter."""
 

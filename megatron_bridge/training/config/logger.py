@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import INTERVAL, POSITIVE, SIZE, Unsupported, field
 from megatron_bridge.config.secrets import REDACTED
 
 
@@ -13,7 +14,7 @@ from megatron_bridge.config.secrets import REDACTED
 class LoggerConfig(ConfigBase):
     """Configuration settings for logging: console, TensorBoard, W&B, MLflow and Comet."""
 
-    log_interval: int = 100
+    log_interval: int = field(100, range=INTERVAL)
     """Log training metrics every N iterations."""
 
     log_params_norm: bool = False
@@ -32,16 +33,22 @@ class LoggerConfig(ConfigBase):
     about once per iteration (optimizer, gradient all-reduce); 2 also operations run many times per
     iteration (forward/backward per microbatch). Levels 1 and 2 may slow iterations down."""
 
-    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    timing_log_option: Literal["max", "minmax", "all"] = field(
+        "minmax",
+        status=Unsupported(
+            "not implemented: timers are reported as their maximum over ranks (`<name>-time`); megatron-core's timer "
+            "report, which this option formats, is not produced"
+        ),
+    )
     """How timers are reduced across ranks."""
 
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard event files here (None: no TensorBoard)."""
 
-    tensorboard_log_interval: int = 1
+    tensorboard_log_interval: int = field(1, range=INTERVAL)
     """Write to TensorBoard every N logged iterations."""
 
-    tensorboard_queue_size: int = 1000
+    tensorboard_queue_size: int = field(1000, range=SIZE)
     """Events queued before TensorBoard flushes to disk."""
 
     log_timers_to_tensorboard: bool = False
@@ -112,11 +119,11 @@ class LoggerConfig(ConfigBase):
     training process only hands each log step's metrics over a pipe, so the trackers' encoding,
     file and database writes do not slow training. False runs them in the training process."""
 
-    peak_tflops_per_device: Optional[float] = None
+    peak_tflops_per_device: Optional[float] = field(None, range=POSITIVE)
     """Peak dense TFLOP/s of one device for model-FLOPs-utilization (default: looked up from the
     GPU name for known GPUs)."""
 
-    logging_level: Optional[int] = None
+    logging_level: Optional[int] = field(None, range="[0, 50]")
     """Set default logging level."""
 
     filter_warnings: bool = True

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import field
 from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import INTERVAL, SIZE, STEPS, Unsupported, field
 
 
 PREEMPTION_SIGNALS = tuple(
@@ -25,40 +25,54 @@ also arrive in normal operation (SIGCHLD whenever a helper process exits, SIGALR
 class TrainingConfig(ConfigBase):
     """Settings of the training loop: length, batch sizes, exit conditions, garbage collection."""
 
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = field(None, range=SIZE)
     """Samples per forward/backward pass on one model replica."""
 
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = field(None, range=SIZE)
     """Samples per optimizer step across all data-parallel replicas; a multiple of
     micro_batch_size x data-parallel size (the quotient is the number of microbatches)."""
 
-    rampup_batch_size: Optional[list[int]] = None
+    rampup_batch_size: Optional[list[int]] = field(None, range=SIZE)
     """Batch size ramp-up as [start_batch_size, batch_size_increment, ramp_up_samples]. With
     train_iters, schedule lengths in iterations are sized in the samples those iterations consume."""
 
-    decrease_batch_size_if_needed: bool = False
+    decrease_batch_size_if_needed: bool = field(
+        False,
+        status=Unsupported(
+            "the global batch size is used as given: sample counters, the learning-rate schedule and the samplers "
+            "count train.global_batch_size, so a batch that megatron-core rounded down would be counted wrongly; make "
+            "global_batch_size a multiple of micro_batch_size x data-parallel size"
+        ),
+    )
     """Lower the global batch size when the data-parallel size changes (e.g. after a failure)."""
 
-    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    empty_unused_memory_level: Literal[0, 1, 2] = field(
+        0,
+        status=Unsupported('not implemented: the CUDA cache is never emptied by the loop'),
+    )
     """Call torch.cuda.empty_cache() each iteration: 0 never, 1 after the step, 2 also after eval."""
 
-    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = field(
+        None,
+        range=STEPS,
+        status=Unsupported('not implemented'),
+    )
     """Check every N iterations that weights are identical across data-parallel replicas."""
 
-    train_sync_interval: Optional[int] = None
+    train_sync_interval: Optional[int] = field(None, range=INTERVAL, status=Unsupported('not implemented'))
     """Synchronize the CPU with the GPU every N iterations to bound launch-ahead."""
 
-    train_iters: Optional[int] = None
+    train_iters: Optional[int] = field(None, range=INTERVAL)
     """Number of optimizer steps to train for. Exactly one of train_iters / train_samples."""
 
-    train_samples: Optional[int] = None
+    train_samples: Optional[int] = field(None, range=INTERVAL)
     """Number of samples to train for; train_iters is derived as train_samples / global_batch_size."""
 
-    exit_interval: Optional[int] = None
+    exit_interval: Optional[int] = field(None, range=INTERVAL)
     """Save (if a save directory is set) and exit when the iteration is a multiple of this
     (None: never)."""
 
-    exit_duration_in_mins: Optional[float] = None
+    exit_duration_in_mins: Optional[float] = field(None, range="(0, 5256000]")
     """Save and exit after this many minutes of training."""
 
     exit_signal_handler: bool = False
@@ -68,32 +82,35 @@ class TrainingConfig(ConfigBase):
     """The signal that triggers a save-and-exit when exit_signal_handler is on: SIGTERM, SIGINT,
     SIGHUP, SIGUSR1, SIGUSR2 or SIGXCPU (signals that ask a job to stop)."""
 
-    exit_signal_handler_for_dataloader: bool = False
+    exit_signal_handler_for_dataloader: bool = field(False, status=Unsupported('not implemented'))
     """Also install the exit signal handler in dataloader worker processes."""
 
     manual_gc: bool = False
     """Disable automatic garbage collection and collect every `manual_gc_interval` iterations, so
     all ranks pause together instead of at random times."""
 
-    manual_gc_interval: int = 0
+    manual_gc_interval: int = field(0, range=STEPS)
     """Iterations between manual garbage collections (0: only before evaluations, see manual_gc_eval)."""
 
     manual_gc_eval: bool = True
     """With manual_gc, also collect garbage before each evaluation."""
 
-    iterations_to_skip: list[int] = field(default_factory=list)
+    iterations_to_skip: list[int] = field(default_factory=list, range=STEPS)
     """Iterations whose batch is consumed but whose optimizer step is skipped."""
 
-    check_optimizer_step_success: bool = True
+    check_optimizer_step_success: bool = field(
+        True,
+        status=Unsupported('not implemented: a failed step is reported by the skipped-iterations count'),
+    )
     """Checks optimizer.step() succeeded at each training step."""
 
-    skip_sync_grad_norm_across_mp: bool = False
+    skip_sync_grad_norm_across_mp: bool = field(False, status=Unsupported('not implemented'))
     """Skips syncing the grad norm across the model parallel group."""
 
-    eval_iters: Optional[int] = None
+    eval_iters: Optional[int] = field(None, range=STEPS)
     """Deprecated: use validation.eval_iters."""
 
-    eval_interval: Optional[int] = None
+    eval_interval: Optional[int] = field(None, range=INTERVAL)
     """Deprecated: use validation.eval_interval."""
 
     skip_train: Optional[bool] = None
@@ -115,7 +132,7 @@ class TrainingConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
-        # Numbers out of their range (ranges.py: sizes >= 1, intervals >= 0, ...) never get here.
+        # Numbers out of their range (declared ranges: sizes >= 1, intervals >= 1, ...) never get here.
         p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size")
         p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size")
         rampup_ok = self.rampup_batch_size is None or (
@@ -166,20 +183,20 @@ def _signal_name(sig: object) -> str:
 class ValidationConfig(ConfigBase):
     """When and how much to evaluate on the validation set."""
 
-    eval_interval: Optional[int] = 1000
+    eval_interval: Optional[int] = field(1000, range=INTERVAL)
     """Evaluate every N iterations (None: only at the end of training)."""
 
-    eval_iters: Optional[int] = 100
+    eval_iters: Optional[int] = field(100, range=STEPS)
     """Batches per evaluation (0: no evaluation)."""
 
-    eval_global_batch_size: Optional[int] = None
+    eval_global_batch_size: Optional[int] = field(None, range=SIZE)
     """Global batch size for evaluation; defaults to train.global_batch_size."""
 
-    eval_micro_batch_size: Optional[int] = None
+    eval_micro_batch_size: Optional[int] = field(None, range=SIZE)
     """Micro batch size for evaluation; defaults to train.micro_batch_size."""
 
     skip_train: bool = False
     """Skip training: only evaluate (validation and test) and exit."""
 
-    test_iters: Optional[int] = None
+    test_iters: Optional[int] = field(None, range=STEPS)
     """Batches for the final test evaluation; defaults to eval_iters."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import STEPS, Unsupported, field
 
+
+_TENSOR_INSPECT = Unsupported(
+    "tensor inspection is not implemented (it needs TransformerEngine's debug API, nvdlfw_inspect)"
+)
 
 @config_dataclass(kw_only=True)
 class ProfilingConfig(ConfigBase):
@@ -20,13 +24,13 @@ class ProfilingConfig(ConfigBase):
     use_pytorch_profiler: bool = False
     """Record the profiled step range with the PyTorch profiler (Chrome/Perfetto trace files)."""
 
-    profile_step_start: int = 10
+    profile_step_start: int = field(10, range=STEPS)
     """First iteration profiled."""
 
-    profile_step_end: int = 12
+    profile_step_end: int = field(12, range=STEPS)
     """Iteration after the last one profiled."""
 
-    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_ranks: list[int] = field(default_factory=lambda: [0], range=STEPS)
     """Global ranks that profile."""
 
     profile_dir: Optional[str] = None
@@ -53,7 +57,7 @@ class ProfilingConfig(ConfigBase):
             "enable one profiler at a time",
         )
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
-            # profile_step_start and profile_ranks are >= 0 by their ranges (ranges.py)
+            # profile_step_start and profile_ranks are >= 0 by their declared ranges
             p.check(
                 self.profile_step_end > self.profile_step_start,
                 "profile_step_end",
@@ -67,19 +71,19 @@ class ProfilingConfig(ConfigBase):
 class TensorInspectConfig(ConfigBase):
     """Configuration for Nvidia-DL-Framework-Inspect integration."""
 
-    enabled: bool = False
+    enabled: bool = field(False, status=_TENSOR_INSPECT)
     """Enable tensor inspection and statistics collection."""
 
-    features: Optional[Union[dict[str, Any], str, Path]] = None
+    features: Optional[Union[dict[str, Any], str, Path]] = field(None, status=_TENSOR_INSPECT)
     """Feature configuration as a Python dict or a YAML file path."""
 
-    feature_dirs: Optional[list[str]] = None
+    feature_dirs: Optional[list[str]] = field(None, status=_TENSOR_INSPECT)
     """Directories containing feature implementations (searched recursively)."""
 
-    log_dir: Optional[str] = None
+    log_dir: Optional[str] = field(None, status=_TENSOR_INSPECT)
     """Root directory to store inspection logs/statistics. Defaults to checkpoint save dir if unset."""
 
-    init_training_step: int = 0
+    init_training_step: int = field(0, range=STEPS, status=_TENSOR_INSPECT)
     """Initial training step for the inspector (used when resuming)."""
 
     def _finalize(self, problems: Problems) -> None:

@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import COUNT, INTERVAL, POSITIVE, PROBABILITY, SECONDS, SIZE, STEPS, field
 
 
 @config_dataclass(kw_only=True)
@@ -22,11 +23,11 @@ class RerunStateMachineConfig(ConfigBase):
     check_for_spiky_loss: bool = False
     """Report a loss far above the recent maximum (see spiky_loss_factor)."""
 
-    spiky_loss_factor: float = 10.0
+    spiky_loss_factor: float = field(10.0, range="(1, inf)")
     """Factor for detecting spiky loss. A loss is considered spiky if it exceeds this multiple of
     the max observed loss over the sample window."""
 
-    error_injection_rate: int = 0
+    error_injection_rate: int = field(0, range=COUNT)
     """Inject a fault into one in N validated results (0: never); for testing the machinery."""
 
     error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
@@ -50,10 +51,10 @@ class FaultToleranceConfig(ConfigBase):
     simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
     """How the simulated fault should behave. 'random' will randomly choose one of the other two."""
 
-    simulated_fault_rank: Optional[int] = None
+    simulated_fault_rank: Optional[int] = field(None, range=STEPS)
     """Rank on which simulated fault should occur (default: a random rank)."""
 
-    simulated_fault_base_delay: int = 0
+    simulated_fault_base_delay: int = field(0, range="[0, 31536000]")
     """Base delay before simulated fault thread is started. A small random delay is added to this."""
 
     def _finalize(self, problems: Problems) -> None:
@@ -71,10 +72,10 @@ class StragglerDetectionConfig(ConfigBase):
     enable_straggler_on_startup: bool = True
     """If set, StragglerDetector is enabled on startup."""
 
-    straggler_ctrlr_port: int = 65535
+    straggler_ctrlr_port: int = field(65535, range="[1, 65535]")
     """Port of the detector's control server (toggle it at run time)."""
 
-    straggler_minmax_count: int = 1
+    straggler_minmax_count: int = field(1, range=SIZE)
     """How many slowest/fastest ranks to report."""
 
 
@@ -85,7 +86,7 @@ class NVRxStragglerDetectionConfig(ConfigBase):
     enabled: bool = False
     """Enable NVRx straggler detection."""
 
-    report_time_interval: float = 300.0
+    report_time_interval: float = field(300.0, range=POSITIVE)
     """Interval [seconds] of the straggler check."""
 
     calc_relative_gpu_perf: bool = True
@@ -94,14 +95,14 @@ class NVRxStragglerDetectionConfig(ConfigBase):
     calc_individual_gpu_perf: bool = True
     """Calculate individual GPU performance scores."""
 
-    num_gpu_perf_scores_to_print: int = 5
+    num_gpu_perf_scores_to_print: int = field(5, range=COUNT)
     """How many best and worst perf scores to print (0 - does not print periodically, but only if
     stragglers are detected)."""
 
-    gpu_relative_perf_threshold: float = 0.7
+    gpu_relative_perf_threshold: float = field(0.7, range=PROBABILITY)
     """Threshold for relative GPU performance scores."""
 
-    gpu_individual_perf_threshold: float = 0.7
+    gpu_individual_perf_threshold: float = field(0.7, range=PROBABILITY)
     """Threshold for individual GPU performance scores."""
 
     stop_if_detected: bool = False
@@ -110,7 +111,7 @@ class NVRxStragglerDetectionConfig(ConfigBase):
     enable_logging: bool = True
     """Set to True, to log GPU performance scores."""
 
-    profiling_interval: int = 1
+    profiling_interval: int = field(1, range=INTERVAL)
     """Profiling interval passed to straggler.Detector.initialize."""
 
     logger_name: str = "megatron_bridge.NVRxStragglerDetection"
@@ -128,53 +129,53 @@ class InProcessRestartConfig(ConfigBase):
     enabled: bool = False
     """Enable in-process restart mechanism from nvidia-resiliency-ext."""
 
-    max_iterations: Optional[int] = None
+    max_iterations: Optional[int] = field(None, range=INTERVAL)
     """Maximum number of in-process restart iterations."""
 
-    monitor_thread_interval: float = 1.0
+    monitor_thread_interval: float = field(1.0, range=SECONDS)
     """Monitoring interval (in seconds) for the monitoring thread."""
 
-    monitor_process_interval: float = 1.0
+    monitor_process_interval: float = field(1.0, range=SECONDS)
     """Monitoring interval (in seconds) for the monitoring process."""
 
-    progress_watchdog_interval: float = 1.0
+    progress_watchdog_interval: float = field(1.0, range=SECONDS)
     """Interval (in seconds) for automatic progress watchdog timestamp updates."""
 
-    heartbeat_interval: float = 30.0
+    heartbeat_interval: float = field(30.0, range=SECONDS)
     """Monitoring interval (in seconds) for detecting unresponsive ranks."""
 
-    soft_timeout: float = 60.0
+    soft_timeout: float = field(60.0, range=SECONDS)
     """Soft progress timeout (in seconds)."""
 
-    hard_timeout: float = 90.0
+    hard_timeout: float = field(90.0, range=SECONDS)
     """Hard progress timeout (in seconds)."""
 
-    heartbeat_timeout: float = 60.0
+    heartbeat_timeout: float = field(60.0, range=SECONDS)
     """Timeout (in seconds) for a missing rank detection heartbeat."""
 
-    barrier_timeout: float = 120.0
+    barrier_timeout: float = field(120.0, range=SECONDS)
     """Timeout (in seconds) for internal distributed barrier."""
 
-    completion_timeout: float = 120.0
+    completion_timeout: float = field(120.0, range=SECONDS)
     """Timeout (in seconds) for barrier on completion on all ranks."""
 
-    last_call_wait: float = 1.0
+    last_call_wait: float = field(1.0, range=SECONDS)
     """Time interval (in seconds) for other ranks to report concurrent terminal failures."""
 
-    termination_grace_time: float = 1.0
+    termination_grace_time: float = field(1.0, range=SECONDS)
     """Interval (in seconds) between SIGTERM and SIGKILL issued on hard timeout."""
 
     granularity: Literal["node", "rank"] = "node"
     """Granularity for in-process restart."""
 
-    active_world_size: Optional[int] = None
+    active_world_size: Optional[int] = field(None, range=SIZE)
     """The number of ranks initially executing the workload. The remaining ranks from the
     allocation are set aside as warm reserve. If None, defaults to WORLD_SIZE environment variable."""
 
     empty_cuda_cache: bool = True
     """Empty CUDA cache during restart finalization."""
 
-    max_rank_faults: Optional[int] = None
+    max_rank_faults: Optional[int] = field(None, range=STEPS)
     """Maximum number of rank faults allowed before terminating the job."""
 
     monitor_process_logdir: Optional[str] = None

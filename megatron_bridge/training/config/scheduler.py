@@ -8,11 +8,11 @@ training length and batch size.
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import LEARNING_RATE, PROBABILITY, STEPS, WEIGHT_DECAY, field
 
 ITERATION_FIELDS = ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters", "max_steps")
 SAMPLE_FIELDS = ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples")
@@ -25,34 +25,34 @@ class SchedulerConfig(ConfigBase):
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
     """Shape of the decay from optimizer.lr to optimizer.min_lr after warmup."""
 
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: Optional[int] = field(None, range=STEPS)
     """Iterations over which to decay the LR (default: the schedule length, max_steps or train_iters)."""
 
-    lr_decay_samples: Optional[int] = None
+    lr_decay_samples: Optional[int] = field(None, range=STEPS)
     """Samples over which to decay the LR (sample-based training; default: train_samples)."""
 
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """Shape of the final decay phase of the warmup-stable-decay (WSD) schedule."""
 
-    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_iters: Optional[int] = field(None, range=STEPS)
     """Iterations of the final decay phase of WSD."""
 
-    lr_wsd_decay_samples: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = field(None, range=STEPS)
     """Samples of the final decay phase of WSD (sample-based training)."""
 
-    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_fraction: Optional[float] = field(None, range=PROBABILITY)
     """Warmup length as a fraction of the decay length; excludes lr_warmup_iters/samples."""
 
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = field(0, range=STEPS)
     """Iterations of linear LR warmup."""
 
-    lr_warmup_samples: int = 0
+    lr_warmup_samples: int = field(0, range=STEPS)
     """Samples of linear LR warmup (sample-based training)."""
 
-    lr_warmup_init: float = 0.0
+    lr_warmup_init: float = field(0.0, range=LEARNING_RATE)
     """LR at the start of warmup."""
 
-    max_steps: Optional[int] = None
+    max_steps: Optional[int] = field(None, range=STEPS)
     """Length of the schedule in iterations when it should differ from train_iters, e.g. a job that
     runs the first part of a longer planned run. Defaults to train_iters."""
 
@@ -62,25 +62,25 @@ class SchedulerConfig(ConfigBase):
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, use the schedule stored in the checkpoint."""
 
-    start_weight_decay: Optional[float] = None
+    start_weight_decay: Optional[float] = field(None, range=WEIGHT_DECAY)
     """Weight decay at the start (default: optimizer.weight_decay)."""
 
-    end_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = field(None, range=WEIGHT_DECAY)
     """Weight decay at the end (default: optimizer.weight_decay)."""
 
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
     """How weight decay moves from start_weight_decay to end_weight_decay."""
 
-    lr_decay_steps: Optional[int] = field(init=False, default=None)
+    lr_decay_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: decay length in samples."""
 
-    lr_warmup_steps: Optional[int] = field(init=False, default=None)
+    lr_warmup_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: warmup length in samples."""
 
-    wd_incr_steps: Optional[int] = field(init=False, default=None)
+    wd_incr_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: weight-decay ramp length in samples."""
 
-    wsd_decay_steps: Optional[int] = field(init=False, default=None)
+    wsd_decay_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: WSD final-decay length in samples."""
 
     def _finalize(self, problems: Problems) -> None:
@@ -99,7 +99,7 @@ class SchedulerConfig(ConfigBase):
                 f"iteration-based fields {iteration_set} are mixed with sample-based fields {sample_set}",
                 "give schedule lengths either all in iterations or all in samples",
             )
-        if self.lr_warmup_fraction is not None:  # in [0, 1] by its range (ranges.py)
+        if self.lr_warmup_fraction is not None:  # in [0, 1] by its declared range
             if self.lr_warmup_iters or self.lr_warmup_samples:
                 p.add(
                     "lr_warmup_fraction",

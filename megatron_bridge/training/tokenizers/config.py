@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.fields import STEPS, field
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer")
 
@@ -22,10 +22,10 @@ class TokenizerConfig(ConfigBase):
     tokenizer_model: Optional[str] = None
     """Local directory or file of a Hugging Face tokenizer."""
 
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = field(None, range="[2, 2**31)")  # one token is no vocabulary
     """Vocabulary size for `NullTokenizer` (its last id is the end-of-document token)."""
 
-    vocab_extra_ids: int = 0
+    vocab_extra_ids: int = field(0, range=STEPS)
     """Number of extra sentinel tokens appended to the vocabulary."""
 
     special_tokens: Optional[list[str]] = None

@@ -1,0 +1,46 @@
+"""Field docstrings: the string literal right after a field in a class body (an attribute
+docstring), read with `ast` from the source of every class in the MRO, so megatron-core's own
+field documentation shows for the fields our configs inherit."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+
+@functools.lru_cache(maxsize=None)
+def own_field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings written in the body of `cls` itself (not its bases)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # built-in, or defined where the source is not available
+        return {}
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if node is None:
+        return {}
+    docs = {}
+    for stmt, after in zip(node.body, node.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of `cls` and its bases; the most derived class that documents a field wins."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(own_field_docs(klass))
+    return docs
