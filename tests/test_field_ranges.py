@@ -165,3 +165,20 @@ def test_a_learning_rate_of_zero_is_accepted():
     cfg.optimizer.lr, cfg.optimizer.min_lr = 0.0, 0.0
     runtime_config_update(cfg)
     assert cfg.optimizer.lr == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_help_config_shows_range_and_status():
+    import subprocess
+    import sys
+
+    from tests.factories import REPO, source_tree_env
+
+    argv = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
+            "--help-config", "checkpoint"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, env=source_tree_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    checkpoint = proc.stdout
+    assert "\n      status: unsupported: only torch_dist checkpoints are written" in checkpoint
+    assert re.search(r"\n  most_recent_k: .*\n      range -1 or \[1, 2\*\*31\); status: used\n", checkpoint)
+    assert re.search(r"\n  save: Optional\[str\] = .*\n      status: used\n", checkpoint)
