@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -35,7 +36,7 @@ _INT = parse("[0, 2**63)")
 _FLOAT = parse(ANY)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class FieldSpec:
     """Everything the config layer knows about field `name` of config class `cls`."""
 
@@ -51,7 +52,9 @@ class FieldSpec:
     numeric: Optional[type]
     """`int` or `float` for numbers (and lists of them), else None."""
     range: Optional[Range]
+    """The numbers allowed (each item, for lists); None for other fields."""
     status: Status
+    """`used`, `derived`, or an `Unsupported` with its reason."""
     is_path: bool
     """A path whose absence is None (checked by `config.paths`)."""
 
@@ -140,52 +143,83 @@ def numeric_kind(tp: Any) -> Optional[type]:
     return float if float in kinds else int if int in kinds else None
 
 
-def _declared(cls: type, name: str, key: str) -> Any:
-    """What `field(range=..., status=...)` says about `name`, from the most derived class that
-    declares the field with it."""
-    for klass in cls.__mro__:
-        f = klass.__dict__.get("__dataclass_fields__", {}).get(name)
-        if f is not None and key in f.metadata:
-            return f.metadata[key]
-    return None
+@functools.lru_cache(maxsize=None)
+def _numeric_kind_of(tp: Any) -> Optional[type]:
+    return numeric_kind(tp)
 
 
-def _compile(cls: type, name: str, tp: Any, f: dataclasses.Field) -> FieldSpec:
-    mro = cls.__mro__
-    owner = next((k for k in reversed(mro) if _is_ours(k) and name in k.__dict__.get("__dataclass_fields__", {})), cls)
-    core = next((k for k in reversed(mro) if _is_core(k) and name in k.__dict__.get("__dataclass_fields__", {})), None)
-    key = f"{core.__name__}.{name}" if core is not None else None
-    numeric = numeric_kind(tp)
-    rng = None
-    if numeric is not None:
-        rng = _declared(cls, name, RANGE)
-        if rng is None and key in megatron_core_fields.RANGES:
-            rng = parse(megatron_core_fields.RANGES[key])
-        if rng is None:
-            rng = _FLOAT if numeric is float else _INT
-    status = _declared(cls, name, STATUS) or megatron_core_fields.STATUS.get(key)
-    if status is None:
-        status = USED if f.init else DERIVED
-    return FieldSpec(cls, name, tp, f.init, owner, core, numeric, rng, status, is_path_field(name, tp, f))
+def _kind(tp: Any) -> Optional[type]:
+    try:
+        return _numeric_kind_of(tp)
+    except TypeError:  # an annotation that cannot be hashed
+        return numeric_kind(tp)
+
+
+class ClassSpecs(Mapping):
+    """The `FieldSpec` of every field of a dataclass, by name, in declaration order. A field's spec
+    is compiled when first asked for: an override touches a few of the hundreds of fields a model
+    config has, validation all of them."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.types = field_types(cls)
+        self.owner: dict[str, type] = {}  # the first of our classes, from the base down, that has the field
+        self.core: dict[str, type] = {}  # the first megatron-core dataclass, from the base down, that has it
+        self.declared: dict[str, dict[str, Any]] = {RANGE: {}, STATUS: {}}  # the most derived declaration wins
+        for klass in reversed(cls.__mro__):
+            fields = klass.__dict__.get("__dataclass_fields__")
+            if not fields:
+                continue
+            first = self.owner if _is_ours(klass) else self.core if _is_core(klass) else None
+            for name, f in fields.items():
+                if first is not None:
+                    first.setdefault(name, klass)
+                if f.metadata:
+                    for key, found in self.declared.items():
+                        if key in f.metadata:
+                            found[name] = f.metadata[key]
+        self.made: dict[str, FieldSpec] = {}
+
+    def __getitem__(self, name: str) -> FieldSpec:
+        made = self.made.get(name)
+        if made is None:
+            made = self.made[name] = self._compile(name, self.types[name])
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.types)
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    def _compile(self, name: str, tp: Any) -> FieldSpec:
+        f = self.cls.__dataclass_fields__[name]
+        core = self.core.get(name)
+        key = f"{core.__name__}.{name}" if core is not None else None
+        numeric = _kind(tp)
+        rng = None
+        if numeric is not None:
+            rng = self.declared[RANGE].get(name)
+            if rng is None and key in megatron_core_fields.RANGES:
+                rng = _parsed(megatron_core_fields.RANGES[key])
+            if rng is None:
+                rng = _FLOAT if numeric is float else _INT
+        status = self.declared[STATUS].get(name) or megatron_core_fields.STATUS.get(key) or (USED if f.init else DERIVED)
+        path = is_path_field(name, tp, f)
+        return FieldSpec(self.cls, name, tp, f.init, self.owner.get(name, self.cls), core, numeric, rng, status, path)
 
 
 @functools.lru_cache(maxsize=None)
-def specs(cls: type) -> dict[str, FieldSpec]:
-    """The `FieldSpec` of every field of dataclass `cls`, in declaration order."""
-    fields = cls.__dataclass_fields__
-    return {name: _compile(cls, name, tp, fields[name]) for name, tp in field_types(cls).items()}
+def specs(cls: type) -> ClassSpecs:
+    """The `FieldSpec` of every field of dataclass `cls`, by name, in declaration order."""
+    return ClassSpecs(cls)
 
 
-def spec(cls: type, name: str) -> FieldSpec:
-    return specs(cls)[name]
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str) -> Range:
+    return parse(text)
 
 
 def undeclared_ranges(cls: type) -> list[str]:
     """Numeric fields of `cls` whose range comes from their type alone (no declaration)."""
-    out = []
-    for s in specs(cls).values():
-        if s.numeric is None or _declared(cls, s.name, RANGE) is not None:
-            continue
-        if s.core_owner is None or f"{s.core_owner.__name__}.{s.name}" not in megatron_core_fields.RANGES:
-            out.append(f"{s.owner.__name__}.{s.name}")
-    return out
+    return [f"{s.owner.__name__}.{s.name}" for s in specs(cls).values() if s.range is _INT or s.range is _FLOAT]

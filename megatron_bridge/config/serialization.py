@@ -50,7 +50,7 @@ from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
-from megatron_bridge.config.yaml_input import collection_paused, read_exponent_floats
+from megatron_bridge.config.yaml_input import read_exponent_floats
 
 __all__ = ["from_dict", "from_yaml", "register_target", "resolve", "to_dict", "to_yaml"]
 
@@ -71,8 +71,6 @@ class ClassInfo:
         self.tracked = issubclass(cls, ConfigBase)
         self.aliases: dict[str, str] = dict(getattr(cls, "_field_aliases", None) or {})
         self.specs = specs(cls)
-        self.fields: tuple[FieldSpec, ...] = tuple(self.specs.values())
-        """Every field, in declaration order."""
 
     @property
     def path(self) -> Optional[str]:
@@ -85,7 +83,14 @@ class ClassInfo:
 
     def field(self, key: Any) -> Optional[FieldSpec]:
         """The field that `key` (a field name or an alias) names, or None."""
-        return self.specs.get(self.aliases.get(key, key))
+        name = self.aliases.get(key, key)
+        made = self.specs.made.get(name)  # the common case, without a call
+        return made if made is not None or name not in self.specs.types else self.specs[name]
+
+    @functools.cached_property
+    def fields(self) -> tuple[FieldSpec, ...]:
+        """Every field, in declaration order."""
+        return tuple(self.specs.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,10 +167,9 @@ _YamlDumper.add_representer(
 
 def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
     """YAML text of a config; also written to `path` (parent directories created) when given."""
-    with collection_paused():
-        text = yaml.dump(
-            to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
-        )
+    text = yaml.dump(
+        to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
+    )
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
@@ -394,8 +398,7 @@ def _resolved(data: Mapping, problems: Problems, source: str) -> Mapping:
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     """Load a config from a YAML file written by `to_yaml` (or by hand); see `from_dict`."""
-    with collection_paused():
-        data = load_yaml_file(path)
-        if data is None:
-            raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
-        return from_dict(data, cls, f"file {os.fspath(path)}")
+    data = load_yaml_file(path)
+    if data is None:
+        raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
+    return from_dict(data, cls, f"file {os.fspath(path)}")

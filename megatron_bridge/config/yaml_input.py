@@ -13,11 +13,8 @@ Python tags), and before anything is built from it, one pass over the parser's e
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import re
-from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import yaml
@@ -53,23 +50,6 @@ def read_exponent_floats(cls: type) -> None:
 
 
 read_exponent_floats(YamlLoader)
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Hold the cyclic garbage collector while a config is read or written. Both build thousands
-    of short-lived objects (parser events and nodes, plain data); each few hundred of them would
-    start a collection that walks every object of the process, hundreds of thousands once torch
-    and megatron-core are imported, and that cost more than the reading itself. Reference counting
-    still frees them; the collector runs again on the next allocations after the block."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
