@@ -95,6 +95,9 @@ FIELD_RANGES: dict[str, str] = {
     "virtual_pipeline_model_parallel_size": SIZE, "expert_tensor_parallel_size": SIZE,
     "num_layers_in_first_pipeline_stage": COUNT, "num_layers_in_last_pipeline_stage": COUNT,
     "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
+    "q_lora_rank": SIZE, "kv_lora_rank": SIZE, "mscale": NON_NEGATIVE, "mscale_all_dim": NON_NEGATIVE,
+    "rotary_scaling_factor": POSITIVE, "original_max_position_embeddings": SIZE, "beta_fast": POSITIVE,
+    "beta_slow": POSITIVE,
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
     "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)",

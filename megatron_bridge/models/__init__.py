@@ -27,6 +27,7 @@ from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.param_count import ParameterCount, count_parameters, flops_per_token
 
 _FAMILIES = {
+    "megatron_bridge.models.deepseek": ("DeepSeekModelProvider", "DeepSeekV3ModelProvider", "MoonlightModelProvider16B"),
     "megatron_bridge.models.llama": (
         "LlamaModelProvider",
         "Llama2ModelProvider",

@@ -94,7 +94,6 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
     own files in parameter order, writers in rank order."""
     import torch.distributed as dist
 
-    itemsize = _itemsize(dtype)
     mine = []
     for item in items:
         if not item.writer:
@@ -102,6 +101,7 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
         shape = list(item.param.shape)
         if item.part.dim is not None:
             shape[item.part.dim] *= item.part.size
+        itemsize = _itemsize(_dtype_of(item.rule, dtype))
         for hf_name, hf_shape in item.rule.hf_shapes(tuple(shape)).items():
             numel = 1
             for d in hf_shape:
@@ -125,6 +125,11 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
         if current:
             plan.files.append((rank, current))
     return plan
+
+
+def _dtype_of(rule: mapping.Rule, dtype: Any) -> Any:
+    """The dtype `rule`'s tensors are written in when the export's is `dtype`."""
+    return torch_dtype(rule.export_dtype) if rule.export_dtype else dtype
 
 
 def _itemsize(dtype: Any) -> int:
@@ -184,7 +189,8 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
             if parts is None:
                 continue
             for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
-                pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
+                # no copy when it already is
+                pending[hf_name] = tensor.to(dtype=_dtype_of(item.rule, dtype)).contiguous()
             del parts
             while my_files and all(t in pending for t in my_files[0][1]):
                 file, tensors = my_files.pop(0)
