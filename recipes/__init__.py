@@ -14,6 +14,7 @@ from typing import Callable
 
 from megatron_bridge.training.config import ConfigContainer
 from recipes._base import RECIPES
+from recipes.deepseek import deepseek_v3_pretrain_config, moonlight_16b_pretrain_config
 from recipes.llama import (
     llama2_7b_pretrain_config,
     llama3_8b_finetune_config,
@@ -61,6 +62,7 @@ def get_recipe(name: str) -> Callable[..., ConfigContainer]:
 __all__ = [
     "UnknownRecipeError",
     "get_recipe",
+    "deepseek_v3_pretrain_config",
     "list_recipes",
     "llama2_7b_pretrain_config",
     "llama31_405b_pretrain_config",
@@ -70,6 +72,7 @@ __all__ = [
     "llama3_8b_pretrain_config",
     "mistral_7b_pretrain_config",
     "mixtral_8x7b_pretrain_config",
+    "moonlight_16b_pretrain_config",
     "olmo2_7b_lora_finetune_config",
     "olmo2_7b_pretrain_config",
     "phi3_mini_lora_finetune_config",

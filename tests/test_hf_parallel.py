@@ -28,8 +28,8 @@ def torchrun(*args: str, timeout: int = 300) -> str:
 
 @pytest.mark.parametrize(
     "name, layout",
-    [("qwen2", ["--tp", "2"]), ("llama", ["--pp", "2"]), ("mixtral", ["--ep", "2"])],
-    ids=["tp2-padded-vocab", "pp2", "ep2-experts"],
+    [("qwen2", ["--tp", "2"]), ("llama", ["--pp", "2"]), ("mixtral", ["--ep", "2"]), ("deepseek_v3", ["--ep", "2"])],
+    ids=["tp2-padded-vocab", "pp2", "ep2-experts", "ep2-deepseek-expert-groups"],
 )
 def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, name, layout):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -44,12 +44,14 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["olmo2", "phi3", "deepseek_v3"])
 def test_tensor_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name):
-    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP) and
-    Phi-3 (fused qkv_proj and gate_up_proj): TP2 gives the logits of one process, and the TP2
-    checkpoint exports bit-identical from one process. For OLMo 2 the same processes also check
-    the qk-norm's gradients over two ranks (scripts/projection_norm_tp.py)."""
+    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
+    Phi-3 (fused qkv_proj and gate_up_proj) and DeepSeek-V3 (MLA: latent projections split over
+    TP and gathered, rotary rows permuted per rank; experts split by expert TP): TP2 gives the
+    logits of one process, and the TP2 checkpoint exports bit-identical from one process. For
+    OLMo 2 the same processes also check the qk-norm's gradients over two ranks
+    (scripts/projection_norm_tp.py)."""
     from megatron_bridge.cli.main import main
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

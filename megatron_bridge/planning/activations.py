@@ -53,7 +53,17 @@ def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] =
         add("attention norm input", e * sbh / sp)
     if not _selective(inp, "layernorm"):
         add("QKV projection input", e * sbh / sp)
-    add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
+    if inp.mla:
+        q_head = inp.qk_head_dim + inp.qk_rope_dim
+        q_width, v_width = inp.heads * q_head, inp.heads * inp.v_head_dim
+        # the latents (down-projection outputs and norm outputs) are whole on every rank
+        if inp.q_lora_rank:
+            add("query latent and its norm output", 2 * e * s * b * inp.q_lora_rank)
+        add("key/value latent and its norm output", e * s * b * (2 * inp.kv_lora_rank + inp.qk_rope_dim))
+        if not _selective(inp, "mla_up_proj"):  # recomputed from the latents in backward
+            add("Q, K, V", e * s * b * (2 * q_width + v_width) / t)
+    else:
+        add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
     if not _selective(inp, "core_attn"):
         if inp.transformer_engine:  # fused (flash) attention keeps only the softmax statistics
             add("attention softmax statistics", 4 * a_local * s * b)
@@ -63,7 +73,7 @@ def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] =
             if inp.attention_dropout > 0:
                 add("attention dropout mask", a_local * s * keys * b)
                 add("attention dropout output", e * a_local * s * keys * b)
-    add("output projection input", e * s * b * q_width / t)
+    add("output projection input", e * s * b * (inp.heads * inp.v_head_dim if inp.mla else q_width) / t)
     if inp.output_norms:
         add("attention output norm input", e * sbh / sp)
     if inp.hidden_dropout > 0:
