@@ -21,7 +21,8 @@ from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import get_recipe, list_recipes
 
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
-LAYOUTS = ("tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms")
+LAYOUTS = ("tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
+           "mla_moe_ep2", "mla_tp2")
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +45,7 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Eight layouts trained for one iteration with pretrain() under torchrun (2 processes): the
+    """Ten layouts trained for one iteration with pretrain() under torchrun (2 processes): the
     bytes of parameters, gradient buffers, optimizer state (main copies + moments) and torch's
     step counters equal the planner's on each rank, and so does the parameter list."""
     out = tmp_path / "memory"

@@ -29,7 +29,8 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   several padded buckets, OLMo 2's norms at TP 2) under torchrun and compares with the bytes of
   the actual tensors on every rank;
 - **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
-  grouped-query attention, gated MLPs, fused attention, MoE; recompute none/selective/full,
+  grouped-query and multi-latent attention, gated MLPs, fused attention, MoE with shared experts;
+  recompute none/selective/full,
   sequence and context parallelism) times the micro batches a stage holds in the 1F1B schedule
   (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus the fp32 logits of the last stage;
 - a **fixed workspace allowance** of 4 GiB (CUDA context, NCCL/cuBLAS workspaces, fragmentation),

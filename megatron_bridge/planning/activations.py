@@ -11,9 +11,10 @@ in bytes per layer for sequence s, micro batch b, width h, heads a, tensor-paral
     selective (core attn)    sbh (10 + 24/t)                with sequence parallel  34 sbh/t
     full (each layer)        2 sbh                          with sequence parallel  2 sbh/t
 
-The general form below covers grouped-query attention, gated MLPs, no dropout, RMSNorm, fused
-(flash) attention, mixture-of-experts layers, context parallelism and megatron-core's selective
-recompute modules. The tests check it against the closed forms.
+The general form below covers grouped-query attention, multi-latent attention (its query and
+key/value latents, and the up-projected heads unless `mla_up_proj` is recomputed), gated MLPs,
+no dropout, RMSNorm, fused (flash) attention, mixture-of-experts layers with shared experts,
+context parallelism and megatron-core's selective recompute modules. The tests check it against the closed forms.
 """
 
 from __future__ import annotations
