@@ -117,7 +117,8 @@ def tiny_deepseek_model(**kw) -> GPTModelProvider:
 
     args = dict(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=32, vocab_size=256,
-        q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="rope",
+        q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, kv_channels=12,
+        rope_type="rope",
         mscale_all_dim=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
         moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1], moe_router_num_groups=None,
         moe_router_group_topk=None, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",

@@ -64,6 +64,10 @@ class DeepSeekModelProvider(GPTModelProvider, MLATransformerConfig):
     v_head_dim: int = 128
     """Per head: value dimensions."""
 
+    kv_channels: Optional[int] = 128
+    """The value head size (v_head_dim): MLA sizes its heads by qk_head_dim, qk_pos_emb_head_dim
+    and v_head_dim; the core attention lays its output out by this."""
+
     qk_layernorm: bool = True
     """RMSNorm on the query and key/value latents (MLA's q_layernorm and kv_layernorm)."""
 
@@ -339,6 +343,8 @@ class RopeRows(Rule):
     pairs (x0, x1), (x2, x3), ..., so its rows are the file's interleaved: row 2i is the file's
     row i, row 2i+1 the file's row rope/2 + i."""
 
+    reorders_rows = True
+
     def __init__(self, name: str, block: int, rope: int):
         self.name, self.block, self.rope = name, block, rope
 
@@ -386,6 +392,10 @@ class Float32(Copy):
     export_dtype = "float32"
 
 
+def _any(value: Any) -> bool:
+    return True
+
+
 MTP_NOTE = (
     "multi-token-prediction layers are not converted: the model predicts the next token only, as "
     "transformers' DeepseekV3ForCausalLM does"
@@ -424,7 +434,7 @@ class DeepseekV3Family(HFFamily):
     # ------------------------------------------------------------------ config.json -> provider
     def provider_fields(self, read):
         kw = super().provider_fields(read)
-        kw.pop("kv_channels", None)  # MLA sizes its heads by qk_head_dim, qk_pos_emb_head_dim, v_head_dim
+        kw["kv_channels"] = kw.get("v_head_dim")  # see DeepSeekModelProvider.kv_channels
         read.used("head_dim")  # transformers sets it to qk_rope_head_dim
         read.used("qk_head_dim")  # qk_nope_head_dim + qk_rope_head_dim
         read.int("num_nextn_predict_layers", default=0)  # those layers are skipped (skipped_tensors)
@@ -565,6 +575,10 @@ class DeepseekV3Family(HFFamily):
             "moe_shared_expert_intermediate_size": lambda v: bool(v),
             "moe_router_score_function": "sigmoid",
             "moe_router_enable_expert_bias": True,
+            # checked together with other fields in `mismatches`
+            "moe_router_group_topk": _any,
+            "moe_router_topk_scaling_factor": _any,
+            "moe_layer_freq": _any,
         }
 
     def mismatches(self, provider):
@@ -610,7 +624,7 @@ class DeepseekV3Family(HFFamily):
         )
         if p.rope_type == "yarn":
             cfg["rope_scaling"] = {
-                "type": "yarn", "rope_type": "yarn", "factor": p.rotary_scaling_factor,
+                "rope_type": "yarn", "factor": p.rotary_scaling_factor,
                 "original_max_position_embeddings": p.original_max_position_embeddings, "beta_fast": p.beta_fast,
                 "beta_slow": p.beta_slow, "mscale": p.mscale, "mscale_all_dim": p.mscale_all_dim,
             }  # fmt: skip

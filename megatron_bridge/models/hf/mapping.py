@@ -47,6 +47,10 @@ class Rule:
 
     hf: tuple[str, ...] = ()
 
+    reorders_rows: bool = False
+    """Its Hugging Face tensor holds the parameter's rows in another order (`to_hf` reorders
+    them); LoRA adapters' B rows are exported in that order too."""
+
     export_dtype: Optional[str] = None
     """The dtype its Hugging Face tensors are written in whatever the export's ('float32'), or
     None (the export's)."""
