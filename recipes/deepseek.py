@@ -20,10 +20,11 @@ from recipes._options import PretrainOptions
     lr=2.2e-4,
 )
 def deepseek_v3_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
-    """DeepSeek-V3 671B pretraining on 1024 GPUs in NVIDIA's layout: TP2 PP16, 64-way expert
-    parallel (experts not TP-split), sequence parallel; 4 layers per pipeline stage (2 on the
-    first, 3 on the last, which hold the embedding and the output layer); MLA's up projections,
-    the norms and the MoE layers recomputed in backward (selective recompute)."""
+    """DeepSeek-V3 671B pretraining on 1024 GPUs: TP2 PP16, 64-way expert parallel, selective recompute.
+
+    NVIDIA's layout for it: experts not TP-split, sequence parallel; 4 layers per pipeline stage
+    (2 on the first, 3 on the last, which hold the embedding and the output layer); MLA's up
+    projections, the norms and the MoE layers recomputed in backward."""
     model = DeepSeekV3ModelProvider(
         num_layers_in_first_pipeline_stage=2,
         num_layers_in_last_pipeline_stage=3,

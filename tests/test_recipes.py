@@ -120,7 +120,7 @@ def test_unknown_recipe_names_the_closest_ones():
 
 
 def test_unrelated_recipe_name_lists_all_recipes():
-    with pytest.raises(ValueError, match="unknown recipe 'gpt5'; available: llama2_7b_pretrain_config, "):
+    with pytest.raises(ValueError, match="unknown recipe 'gpt5'; available: deepseek_v3_pretrain_config, llama2_7b_"):
         recipes.get_recipe("gpt5")
 
 
