@@ -27,13 +27,12 @@ def main():
     p.add_argument("--import-to", help="then import the directory into a checkpoint here, in the same layout")
     p.add_argument("--check-projection-norm", action="store_true", help="then run projection_norm_tp.py's check")
     args = p.parse_args()
-    # One process group for the whole script: the steps below would each create and destroy one,
-    # and a second gloo group created after the first is destroyed can hang connecting its ranks.
     import torch.distributed as dist
 
     from megatron_bridge.training.distributed import resolve_backend
 
-    dist.init_process_group(backend=resolve_backend("auto"))
+    # One process group for every step (a group made again on torchrun's store finds stale peers).
+    dist.init_process_group(resolve_backend("auto"))
     logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank == world - 1:

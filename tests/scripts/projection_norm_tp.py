@@ -29,22 +29,23 @@ def reference(x, weight, upstream):
 
 
 def check_projection_norm():
-    created = not dist.is_initialized()  # hf_logits.py runs it in its own process group
+    created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = parallel_state.get_tensor_model_parallel_rank()
     config = SimpleNamespace(num_attention_heads=HEADS, num_query_groups=GROUPS)
     worst = 0.0
     for which, heads in (("query", HEADS), ("key", GROUPS)):
         gen = torch.Generator().manual_seed(7)
-        x = torch.randn(5, 3, heads, SIZE, generator=gen, dtype=torch.float64)
-        weight = 1 + 0.3 * torch.randn(heads * SIZE, generator=gen, dtype=torch.float64)
-        upstream = torch.randn(5, 3, heads, SIZE, generator=gen, dtype=torch.float64)
+        x = torch.randn(5, 3, heads, SIZE, generator=gen, dtype=torch.float64).to(device)
+        weight = (1 + 0.3 * torch.randn(heads * SIZE, generator=gen, dtype=torch.float64)).to(device)
+        upstream = torch.randn(5, 3, heads, SIZE, generator=gen, dtype=torch.float64).to(device)
         y_ref, dx_ref, dw_ref = reference(x, weight, upstream)
 
         local = heads // 2
-        norm = ProjectionNorm(config, SIZE, EPS, which).double()
+        norm = ProjectionNorm(config, SIZE, EPS, which).double().to(device)
         with torch.no_grad():
             norm.weight.copy_(weight[rank * local * SIZE : (rank + 1) * local * SIZE])
         mine = x[:, :, rank * local : (rank + 1) * local].clone().requires_grad_()
