@@ -25,12 +25,16 @@ DEEPSEEK = dict(
     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1, routed_scaling_factor=2.5,
 )  # fmt: skip
 """DeepSeek-V3's shape, tiny: the first layer dense, the second MoE (8 experts and a shared one)."""
+# the ramp between beta_fast and beta_slow falls inside the 8 frequencies, off whole dimensions (truncate matters)
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 64, "truncate": False}  # fmt: skip
 
 
 def family_configs() -> dict:
     """name -> a transformers config of a tiny model of that family."""
     from transformers import (
         DeepseekV3Config,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -63,6 +67,9 @@ def family_configs() -> dict:
         "deepseek_v3_plain": DeepseekV3Config(**{**COMMON, **DEEPSEEK}, q_lora_rank=None, num_experts_per_tok=2,
                                               n_group=1, topk_group=1),
         # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
+        # sinks, a 4-token window on every other layer, YaRN, stacked experts whose clamps bite (save_tiny)
+        "gpt_oss": GptOssConfig(**{**COMMON, **MOE}, head_dim=16, num_local_experts=4, sliding_window=4,
+                                rope_parameters=GPT_OSS_YARN),
         "phi3_partial": Phi3Config(**{**COMMON, "vocab_size": 250}, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                      pad_token_id=0, eos_token_id=1),
     }
@@ -80,6 +87,10 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
         for pname, param in model.named_parameters():
             if "norm" in pname:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif pname.endswith("sinks"):  # attention sinks large enough to take much of each softmax row
+                param.copy_(torch.randn_like(param))
+            elif pname.endswith("experts.gate_up_proj"):  # GPT-OSS: gate and up values beyond the clamp at 7
+                param.mul_(8.0)
             elif pname.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
         for bname, buffer in model.named_buffers():
@@ -99,10 +110,12 @@ def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
+def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                    backend: str = "auto") -> Optional[torch.Tensor]:
     """Logits of our megatron-core model loaded from `source` (a Hugging Face directory, or a
-    checkpoint of ours) under the current launch (TP x PP x EP ranks); the full vocabulary
-    (padding rows included) on the last pipeline stage, None elsewhere."""
+    checkpoint of ours) under the current launch (TP x PP x EP ranks, `backend`: see
+    `model_parallel`); the full vocabulary (padding rows included) on the last pipeline stage, as
+    a CPU tensor, None elsewhere. `tokens` may be on any device: they go where the model is."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -121,23 +134,24 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         provider = checkpoint_provider(directory)
         load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp), backend=backend) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
-        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
+        on_model = next(chunks[0].parameters()).device
+        data = iter([{"tokens": tokens.to(on_model), "position_ids": torch.arange(seq, device=on_model).expand(batch, seq)}])
 
         def step(data_iterator, module):
             item = next(data_iterator)
             output = module(item["tokens"], item["position_ids"], None)
-            return output, lambda out, non_loss_data=False: out.detach().clone()
+            return output, lambda out, non_loss_data=False: out.detach().cpu().clone()
 
         out = get_forward_backward_func()(
             forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1, seq_length=seq,
             micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
         last = parallel_state.is_pipeline_last_stage()
-    return out[0] if last else None
+    return out[0].float().cpu() if last else None
 
 
 def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
@@ -145,4 +159,7 @@ def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> t
 
 
 def in_subprocess_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    """The environment of a subprocess of these tests (see `factories.source_tree_env`)."""
+    from factories import source_tree_env
+
+    return source_tree_env()

@@ -3,7 +3,8 @@
 The family providers load on first use: each defines dataclasses over megatron-core's large
 `TransformerConfig`, and the config layer needs only `GPTModelProvider`.
 
-Adding a family: one module here (`megatron_bridge/models/<family>.py`) holds its providers (the
+Adding a family: one module here (`megatron_bridge/models/<family>.py`, or a package when it is
+long: `models.deepseek` keeps its Hugging Face family in `models.deepseek.hf`) holds its providers (the
 architecture as plain defaults, published sizes as subclasses) and, for a Hugging Face
 architecture, an `HFFamily` subclass decorated with `@register` (`models.hf.family`,
 `models.hf.registry`): its `architecture`/`model_type`, how config.json becomes provider fields
@@ -44,6 +45,7 @@ _FAMILIES = {
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
     ),
+    "megatron_bridge.models.gpt_oss": ("GptOssModelProvider", "GptOssModelProvider20B", "GptOssModelProvider120B"),
     "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),
     "megatron_bridge.models.phi3": ("Phi3ModelProvider", "Phi3ModelProviderMini"),
     "megatron_bridge.models.qwen": (

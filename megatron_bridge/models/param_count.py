@@ -76,7 +76,9 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     attention += q_out * h + (h if bias else 0)
     if getattr(m, "multi_latent_attention", False):
         attention = _latent_attention(m) + (h if bias else 0)
-    elif m.qk_layernorm:
+    if getattr(m, "softmax_type", "vanilla") == "learnable":
+        attention += heads  # one sink logit per head
+    if m.qk_layernorm and not getattr(m, "multi_latent_attention", False):
         widths = 2 * kv if getattr(m, "qk_layernorm_per_head", True) else q_out + groups * kv
         attention += widths * (1 if m.normalization == "RMSNorm" else 2)
     norms_per_layer = 2 * (int(getattr(m, "input_layernorms", True)) + int(getattr(m, "output_layernorms", False)))
@@ -88,7 +90,7 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     moe_total = moe_active = 0
     if m.num_moe_experts:
         expert = mlp(m.moe_ffn_hidden_size or ffn)
-        router = h * m.num_moe_experts
+        router = (h + (1 if bias else 0)) * m.num_moe_experts
         shared = 0
         if m.moe_shared_expert_intermediate_size:
             shared = mlp(m.moe_shared_expert_intermediate_size)
