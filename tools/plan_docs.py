@@ -37,9 +37,8 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   for megatron-core's local layers the largest transient of a step (the score planes of the unfused
   softmax backward, or the 16-bit and fp32 logits of the cross entropy) and the score buffer of
   unfused attention, counted tensor by tensor as autograd keeps them (`tests/test_planner_activations.py`
-  checks a layer's saved tensors and the peak of a step on CPU; multi-latent attention's latents
-  and up-projected heads are counted by the same rules, not checked there); for TransformerEngine
-  layers the fp32 logits of the last stage;
+  checks a layer's saved tensors, multi-latent attention's included, and the peak of a step on
+  CPU); for TransformerEngine layers the fp32 logits of the last stage;
 - a **fixed workspace allowance** of 4 GiB (CUDA context, NCCL/cuBLAS workspaces, fragmentation),
   shown as such: it is not derived from the config.
 

@@ -21,9 +21,9 @@ attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the no
 mixture-of-experts layers with shared experts, LoRA/DoRA adapters (`adapters.py`), context and
 sequence parallelism and megatron-core's selective recompute modules.
 `tests/test_planner_activations.py` compares it with the tensors autograd saves for one layer.
-Multi-latent attention is counted from its structure (the query and key/value latents and their
-norms, the up-projected Q, K and V unless `mla_up_proj` is recomputed, the value-width output
-projection input), not compared with autograd.
+Multi-latent attention keeps its latents and their norms' outputs, the up-projected Q, K and V
+(unless `mla_up_proj` is recomputed; that case is counted, not measured) and the value-width
+output projection input.
 
 At the peak a stage holds the saved tensors of its micro batches in flight, buffers kept for the
 whole run, and one working set: the largest of the transient tensors of the cross entropy (the
@@ -97,9 +97,9 @@ def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float
 def _mla_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
     """What multi-latent attention keeps between its input and its core attention: the latents
     (down-projection outputs, the inputs of their norms) and the norms' outputs (the inputs of the
-    up projections), whole on every tensor-parallel rank, with local norms' fp32 statistics; and
-    the up-projected Q, K (rope parts joined on) and V this rank's heads hand to the core
-    attention, unless `mla_up_proj` is recomputed from the latents in backward."""
+    up projections), whole on every tensor-parallel rank, with local layers' norm statistics and
+    rotary tables; and the up-projected Q, K (rope parts joined on) and V this rank's heads hand
+    to the core attention, unless `mla_up_proj` is recomputed from the latents in backward."""
     e, t = inp.activation_bytes, inp.tp
     q_width = inp.heads * (inp.qk_head_dim + inp.qk_rope_dim)
     v_width = inp.heads * inp.v_head_dim
@@ -108,6 +108,8 @@ def _mla_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
     if not inp.transformer_engine:
         norms = 2 if inp.q_lora_rank else 1
         terms["latent norm statistics (fp32 per token)"] = norms * _norm_stats(inp) * s * b
+        # cos and sin for the rope parts of Q and of K, as the grouped-query layers keep them
+        terms["rotary cos/sin tables"] = 4 * e * s * inp.qk_rope_dim
     if not _selective(inp, "mla_up_proj"):
         terms["Q, K, V"] = e * s * b * (2 * q_width + v_width) / t
     return terms
