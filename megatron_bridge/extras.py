@@ -5,9 +5,12 @@ Each optional integration sits behind a pip extra of this project; the error nam
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 
 # module name -> (pip extra, what needs it)
@@ -28,13 +31,37 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
 def is_installed(module: str) -> bool:
-    """True if `module` can be imported (checked without importing it; cached per process)."""
+    """True if `module` can be imported where the config is resolved for: this machine, unless
+    `assume_installed` says otherwise for the machines a dry run resolves for."""
+    assumed = _ASSUMED.get().get(module)
+    return installed_here(module) if assumed is None else assumed
+
+
+@functools.lru_cache(maxsize=None)
+def installed_here(module: str) -> bool:
+    """True if `module` can be imported on this machine (checked without importing it; cached)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+is_installed.cache_clear = installed_here.cache_clear  # type: ignore[attr-defined]
+
+_ASSUMED: contextvars.ContextVar[Mapping[str, bool]] = contextvars.ContextVar("assumed_installed", default={})
+
+
+@contextlib.contextmanager
+def assume_installed(**modules: bool) -> Iterator[None]:
+    """Within the block, `is_installed(name)` answers `modules[name]`: resolve a config for the
+    machines it will run on (a dry run on a login node, for GPUs with TransformerEngine) rather
+    than for this one. Nothing is imported; `require` still needs the real package."""
+    token = _ASSUMED.set({**_ASSUMED.get(), **modules})
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
 
 
 def install_hint(module: str) -> str:

@@ -156,16 +156,26 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_loading_a_different_architecture_lists_the_differences(tmp_path):
+    from megatron_bridge.training.checkpointing.compat import check_architecture
+
     ckpt = str(tmp_path / "ckpt")
     run(config(save=ckpt, iters=2))
     other = config(load=ckpt, iters=4)
     other.model = tiny_model(hidden_size=96, ffn_hidden_size=128)
-    with pytest.raises(CheckpointMismatchError) as err:
-        pretrain(other, forward_step)
-    message = str(err.value)
-    assert "model.hidden_size: checkpoint 64, config 96" in message
-    assert "model.ffn_hidden_size: checkpoint 256, config 128" in message
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(other, forward_step)  # refused at validation: no process group, no model
+    assert err.value.errors == [
+        f"checkpoint.load: {ckpt!r} holds a GPTModelProvider (2 layers, hidden size 64, 4 attention heads), but the "
+        "config's model is a GPTModelProvider (2 layers, hidden size 96, 4 attention heads) (hidden_size: checkpoint "
+        "64, config 96; kv_channels: checkpoint 16, config 24; ffn_hidden_size: checkpoint 256, config 128) (point it "
+        "at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe))"
+    ]
     assert not torch.distributed.is_initialized()
+    # loading checks again, with the values derived since (the vocabulary size from the tokenizer)
+    with pytest.raises(CheckpointMismatchError) as err:
+        check_architecture(os.path.join(ckpt, "iter_0000002"), other.model)
+    assert "model.hidden_size: checkpoint 64, config 96" in str(err.value)
+    assert "model.ffn_hidden_size: checkpoint 256, config 128" in str(err.value)
 
 
 def test_ckpt_step_and_iteration_directory(tmp_path):

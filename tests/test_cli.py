@@ -287,6 +287,33 @@ def test_error_in_a_fresh_process_exits_2_without_traceback(tmp_path):
     assert proc.stderr == f"mbridge pretrain: error: config file {missing!r} does not exist\n"
 
 
+@pytest.mark.timeout(300)
+def test_dry_run_resolves_for_the_gpus_it_plans_for():
+    """TransformerEngine is taken as installed on the GPUs a dry run plans for, whatever this
+    machine has: tensor-parallel overlap stays on, and the output says what it resolved for.
+    `--no-te` resolves for local layers: the overlap is turned off, said once."""
+    argv = ["pretrain", "--recipe", "llama3_8b_pretrain_config", "--recipe-arg", "tensor_model_parallel_size=2",
+            "--recipe-arg", "sequence_parallel=true", "--recipe-arg", "tp_comm_overlap=true"]  # fmt: skip
+    proc = cli_process(*argv, "--dry-run", timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "overlap turned off" not in proc.stderr
+    assert printed_config(proc.stdout)["model"]["tp_comm_overlap"] is True
+    resolved_for = summary(proc.stdout)["resolved for"]
+    assert resolved_for.startswith("TransformerEngine layers on the H100 80GB GPUs")
+    assert resolved_for.endswith("installed on this machine too)") or resolved_for.endswith(
+        "where it is assumed installed (this machine has none); --no-te resolves for megatron-core's local layers"
+    )
+
+    proc = cli_process(*argv, "--plan-only", "--no-te", "--gpu", "h200-141gb", timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    warning = "comm_overlap: tensor-parallel overlap turned off: TransformerEngine layers are not in use (TransformerEngine is not installed)"
+    assert proc.stderr.count(warning) == 1, proc.stderr
+    assert proc.stdout.rstrip().endswith(
+        "(world size 8: the recipe's world size; resolved for megatron-core local layers "
+        "(--no-te: TransformerEngine taken as not installed on the GPUs))"
+    )
+
+
 def test_python_dash_m_runs_the_cli():
     proc = cli_process("recipes")
     assert proc.returncode == 0, proc.stderr

@@ -121,6 +121,19 @@ def test_finetuning_file_problems(tmp_path, tok_dir):
         "tokenizer.chat_template: the tokenizer has no chat template (set tokenizer.chat_template to a Jinja template) "
         "(set tokenizer.chat_template, or use a tokenizer whose files have one)"
     ]
+    # a template that hides earlier answers: the first conversation shows it, before anything is built
+    two_turns = {"messages": good["messages"] + [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}
+    write_jsonl(root / "training.jsonl", [two_turns])
+    chat_tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role + ': ' }}{{ '(earlier answer)' if m.role == 'assistant' and not loop.last "
+        "else m.content }}{{ '\\n' }}{% endfor %}"
+    )
+    assert problems(sft(root, tokenizer=chat_tokenizer))[0] == [
+        f"tokenizer.chat_template: {root}/training.jsonl line 1: the assistant turn at messages[1] appears in the whole "
+        "conversation neither as the template renders it when it is the last turn nor as that without its reasoning "
+        "(up to </think>), so its tokens cannot be located; use a template that marks assistant text with "
+        "{% generation %} blocks (set tokenizer.chat_template to a template that renders this conversation)"
+    ]
 
 
 def test_a_hub_id_without_a_local_copy(monkeypatch, tmp_path):

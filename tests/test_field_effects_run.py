@@ -252,6 +252,58 @@ def test_sample_based_warmup_stable_decay_schedule():
     assert all("learning-rate" in m for _, m in recorder.logged)
 
 
+@pytest.mark.timeout(300)
+def test_batch_size_rampup_with_train_iters_ends_the_schedules_with_the_run(tmp_path):
+    """Iteration-based training with a ramp 4 -> 6 -> 8 over 40 samples: 12 iterations consume 68
+    samples (megatron-core's calculator, stepped as the train loop steps it), not 12 x 8 = 96. The
+    LR reaches min_lr and the weight decay its end value at the last iteration, not before; a run
+    stopped mid-ramp resumes at the batch size of the samples it had consumed."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 1, False, 0, 4, 2, 40)
+    consumed = [0]
+    for _ in range(12):
+        calculator.update(consumed[-1], consistency_check=True)
+        consumed.append(consumed[-1] + calculator.get_current_global_batch_size())
+    assert consumed[-1] == 68 and consumed[6] == 26  # the 6th iteration is the first of batch 6
+
+    class Schedules(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, state, metrics):
+            groups = state.optimizer.param_groups
+            wd = max(g["weight_decay"] for g in groups)
+            self.seen.append((state.train_state.consumed_train_samples, metrics["learning_rate"], wd))
+
+    def run(exit_interval=None):
+        cfg = tiny_config(
+            train=TrainingConfig(
+                train_iters=12, global_batch_size=8, micro_batch_size=2, rampup_batch_size=[4, 2, 40],
+                exit_interval=exit_interval,
+            ),
+            validation=ValidationConfig(eval_interval=None, eval_iters=0),
+            scheduler=SchedulerConfig(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1),
+            checkpoint=CheckpointConfig(save=str(tmp_path) if exit_interval else None, load=str(tmp_path)),
+        )
+        schedules = Schedules()
+        pretrain(cfg, forward_step, callbacks=[schedules])
+        return cfg, schedules.seen
+
+    cfg, first = run(exit_interval=7)
+    assert [c for c, _, _ in first] == consumed[1:8]
+    cfg, rest = run()
+    seen = first + rest
+    assert cfg.scheduler.lr_decay_steps == cfg.scheduler.wd_incr_steps == 68
+    assert [c for c, _, _ in seen] == consumed[1:]
+    top, low = cfg.optimizer.lr, cfg.optimizer.min_lr
+    lrs = [lr for _, lr, _ in seen]
+    assert lrs == pytest.approx([low + (top - low) * (1 - c / 68) for c in consumed[1:]], rel=1e-6)
+    assert lrs[-1] == pytest.approx(low, rel=1e-9) and lrs[-2] > low * 1.1
+    wds = [wd for _, _, wd in seen]
+    assert wds[-1] == pytest.approx(0.1, rel=1e-9) and wds[-2] < 0.1 * 0.95
+
+
 # ---------------------------------------------------------------------- logging
 @contextlib.contextmanager
 def logging_restored(*names):

@@ -100,7 +100,14 @@ def test_export_in_another_dtype(tmp_path):
     assert sorted(original) == sorted(exported)
     assert all(t.dtype == torch.bfloat16 for t in exported.values())
     assert all(torch.equal(exported[k], original[k].to(torch.bfloat16)) for k in original)
-    assert json.loads(open(os.path.join(out, "config.json")).read())["torch_dtype"] == "bfloat16"
+    written = json.loads(open(os.path.join(out, "config.json")).read())
+    assert written["dtype"] == written["torch_dtype"] == "bfloat16"  # transformers 5's key and the earlier one
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(out).save_pretrained(tmp_path / "resaved")  # what the installed transformers writes
+    resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    keys = {"dtype", "torch_dtype"} & set(resaved)
+    assert keys and all(resaved[k] == written[k] for k in keys)
 
 
 def test_a_model_trained_here_exports_with_a_config_json_of_its_own(tmp_path):

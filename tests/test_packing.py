@@ -74,12 +74,12 @@ def model_parallel():
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("positions", ["rope", "learned_absolute"])
-def test_packed_and_unpacked_give_the_same_per_sample_loss(model_parallel, positions):
-    provider = tiny_model(seq_length=64, vocab_size=128, position_embedding_type=positions, **cpu_backend.CPU_MODEL_SETTINGS)
+def packed_and_alone_losses(provider):
+    """Per-sample losses of 8 samples (9-41 tokens) run alone and packed into 64-token sequences."""
     provider.finalize()
     torch.manual_seed(0)
-    model = provider.provide(pre_process=True, post_process=True).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = provider.provide(pre_process=True, post_process=True).to(device).eval()
     gen = torch.Generator().manual_seed(1)
     samples = []
     for n in (9, 30, 17, 5, 41, 12, 23, 3):
@@ -92,12 +92,12 @@ def test_packed_and_unpacked_give_the_same_per_sample_loss(model_parallel, posit
         return float((losses * mask).sum() / mask.sum())
 
     with torch.no_grad():
-        unpacked = []
+        alone = []
         for ids, flags in samples:
-            tokens = torch.tensor(ids[:-1]).unsqueeze(0)
-            labels = torch.tensor(ids[1:]).unsqueeze(0)
-            losses = model(tokens, torch.arange(len(ids) - 1).unsqueeze(0), None, labels=labels)
-            unpacked.append(per_sample(losses[0], torch.tensor(flags[1:], dtype=torch.float32)))
+            tokens = torch.tensor(ids[:-1]).unsqueeze(0).to(device)
+            labels = torch.tensor(ids[1:]).unsqueeze(0).to(device)
+            losses = model(tokens, torch.arange(len(ids) - 1, device=device).unsqueeze(0), None, labels=labels).cpu()
+            alone.append(per_sample(losses[0], torch.tensor(flags[1:], dtype=torch.float32)))
 
         packed = PackedSamples.from_samples(samples, 64, seed=0)
         ds = PackedSFTDataset(packed, 64, len(packed), seed=0, pad_id=0)
@@ -105,12 +105,38 @@ def test_packed_and_unpacked_give_the_same_per_sample_loss(model_parallel, posit
         for b in range(len(packed)):
             item = ds[b]
             batch = ds.collate_fn([item])
-            losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])[0]
+            inputs = [batch[k].to(device) for k in ("tokens", "position_ids", "attention_mask", "labels")]
+            losses = model(*inputs[:3], labels=inputs[3])[0].cpu()
             for i, (a, z) in zip(packed.bin(b), zip(item["bounds"], item["bounds"][1:])):
                 found[int(i)] = per_sample(losses[a:z], batch["loss_mask"][0, a:z])
     assert len(packed) < len(samples)
-    for i, expected in enumerate(unpacked):
-        assert abs(found[i] - expected) < 1e-5, (i, found[i], expected)
+    return [found[i] for i in range(len(samples))], alone
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned_absolute"])
+def test_packed_and_unpacked_give_the_same_per_sample_loss(model_parallel, positions):
+    provider = tiny_model(seq_length=64, vocab_size=128, position_embedding_type=positions, **cpu_backend.CPU_MODEL_SETTINGS)
+    packed, alone = packed_and_alone_losses(provider)
+    for i, (found, expected) in enumerate(zip(packed, alone)):
+        assert abs(found - expected) < 1e-5, (i, found, expected)
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused"])
+def test_packing_keeps_samples_apart_with_a_sliding_window(model_parallel, backend):
+    """A Mistral-like model (grouped-query attention, an 8-token window on alternate layers) on
+    local layers, SDPA (auto) and megatron-core's unfused attention: each sample's loss is the
+    same packed as alone (megatron-core's own window mask would replace the packing mask)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from factories import tiny_llama_model
+
+    provider = tiny_llama_model(
+        seq_length=64, vocab_size=128, num_layers=3, window_size=(7, 0), window_attn_skip_freq=3,
+        attention_backend=AttnBackend[backend], **cpu_backend.CPU_MODEL_SETTINGS,
+    )  # fmt: skip
+    packed, alone = packed_and_alone_losses(provider)
+    for i, (found, expected) in enumerate(zip(packed, alone)):
+        assert abs(found - expected) < 1e-5, (i, found, expected)
 
 
 def test_the_packed_cache_is_reused_for_the_same_data_only(tmp_path):

@@ -336,6 +336,15 @@ def test_merged_and_hf_peft_logits_match(run, base, tmp_path, request):
     with torch.no_grad():
         theirs = hf(TOKENS).logits
     assert (theirs - adapted).abs().max() < 1e-4
+    assert adapter_config["base_model_name_or_path"] == base  # no Hugging Face origin: our base checkpoint
+
+    # mbridge hf export: the adapters folded into a Hugging Face model (config.json written here)
+    from transformers import AutoModelForCausalLM
+
+    assert mbridge(["hf", "export", path, str(tmp_path / "folded")]) == 0
+    folded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "folded"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (folded(TOKENS).logits - adapted).abs().max() < 1e-4
 
 
 def test_export_splits_fused_projections_and_refuses_experts():

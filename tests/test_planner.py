@@ -331,6 +331,7 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
         (["--plan-only", "--gpu", "h100"], "invalid choice: 'h100'"),
         (["--mfu", "0.3"], "--mfu only applies to --dry-run and --plan-only"),
         (["--gpu", "a100-80gb"], "--gpu only applies to --dry-run and --plan-only"),
+        (["--no-te"], "--no-te only applies to --dry-run and --plan-only"),
         (["--dry-run", "--json"], "--json only applies to --plan-only"),
         (
             ["--plan-only", "ddp.use_megatron_fsdp=true"],

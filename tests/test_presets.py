@@ -108,15 +108,39 @@ def test_mixed_precision_config_checks():
 
 
 # ---------------------------------------------------------------------- comm overlap
-def test_tp_overlap_turned_off_with_a_reason(caplog):
+def test_tp_overlap_turned_off_with_a_reason_said_once_per_config(caplog):
     cfg = tiny_config(comm_overlap=CommOverlapConfig(tp_comm_overlap=True))
     with caplog.at_level(logging.WARNING):
         runtime_config_update(cfg)
+        runtime_config_update(cfg)  # resolving the same config again repeats nothing
     assert cfg.model.tp_comm_overlap is False
-    assert "tensor-parallel overlap turned off: tensor_model_parallel_size=1 (needs >= 2); sequence_parallel is off; " in (
-        caplog.text
-    )
-    assert "TransformerEngine layers are not in use" in caplog.text
+    assert caplog.messages == [
+        "comm_overlap: tensor-parallel overlap turned off: tensor_model_parallel_size=1 (needs >= 2); "
+        "sequence_parallel is off; TransformerEngine layers are not in use (transformer_impl='local')"
+    ]
+
+
+def test_tp_overlap_follows_where_transformer_engine_is_taken_as_installed(caplog):
+    """A config resolved for machines with TransformerEngine (a dry run for GPUs) keeps the
+    overlap; resolved for machines without it, it is turned off, saying why."""
+    from megatron_bridge import extras
+
+    def resolved(installed):
+        model = tiny_model(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine")
+        cfg = tiny_config(model=model, comm_overlap=CommOverlapConfig(tp_comm_overlap=True))
+        with extras.assume_installed(transformer_engine=installed):
+            runtime_config_update(cfg, world_size=2)
+        return cfg
+
+    with caplog.at_level(logging.WARNING):
+        assert resolved(True).model.tp_comm_overlap is True
+        assert not caplog.messages
+        assert resolved(False).model.tp_comm_overlap is False
+    assert caplog.messages == [
+        "comm_overlap: tensor-parallel overlap turned off: TransformerEngine layers are not in use "
+        "(TransformerEngine is not installed)"
+    ]
+    assert extras.is_installed("transformer_engine") == extras.installed_here("transformer_engine")  # outside the block
 
 
 @pytest.mark.parametrize(

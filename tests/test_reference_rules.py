@@ -11,11 +11,12 @@ from megatron_bridge.training.config import (
     ConfigValidationError,
     DistributedDataParallelConfig,
     FinetuningDatasetConfig,
+    OptimizerConfig,
     SchedulerConfig,
     TrainingConfig,
     runtime_config_update,
 )
-from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+from megatron_bridge.training.mixed_precision import PRESETS, get_mixed_precision_config
 
 
 def errors_of(cfg, **kw):
@@ -47,6 +48,54 @@ def test_fp8_param_without_fp8_param_gather_is_refused():
     (message,) = errors_of(tiny_config(mixed_precision=mp))  # reported once: finalized by its preset rule only
     assert message.startswith("mixed_precision.fp8_param: fp8_param=True but fp8_param_gather=False")
     assert "set both to the same value" in message
+
+
+FP8_GATHERING_PRESETS = [n for n in PRESETS if get_mixed_precision_config(n).fp8_param_gather]
+
+
+def test_fp8_presets_gather_parameters_in_fp8_only_with_the_distributed_optimizer(caplog):
+    """megatron-core gathers parameters only in its distributed optimizer: without it, a preset
+    leaves FP8 parameter gathering off (and says so); with it, whichever section turns it on
+    (ddp or optimizer: they are synced before the preset), the preset turns gathering on."""
+    assert len(FP8_GATHERING_PRESETS) == 6  # every FP8 preset but the two sub-channel ones
+    for name in FP8_GATHERING_PRESETS:
+        cfg = tiny_config(mixed_precision=name)
+        with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+            runtime_config_update(cfg, world_size=1)
+        assert not (cfg.ddp.fp8_param_gather or cfg.model.fp8_param or cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag), name
+        assert cfg.model.fp8 is not None  # still an FP8 run
+        assert f"mixed_precision {name!r}: FP8 parameter gathering left off (it needs the distributed optimizer" in caplog.text
+        cfg = tiny_config(mixed_precision=name, optimizer=OptimizerConfig(lr=3e-3, use_distributed_optimizer=True))
+        runtime_config_update(cfg, world_size=1)
+        assert cfg.ddp.use_distributed_optimizer and cfg.ddp.fp8_param_gather and cfg.model.fp8_param, name
+        # the preset is re-applied when the distributed optimizer is turned off again
+        cfg.optimizer.use_distributed_optimizer = False
+        runtime_config_update(cfg, world_size=1)
+        assert not (cfg.ddp.fp8_param_gather or cfg.model.fp8_param), name
+
+
+@pytest.mark.parametrize(
+    "asked, where",
+    [
+        ({"mixed_precision.fp8_param_gather": True}, "mixed_precision.fp8_param_gather"),
+        ({"ddp.fp8_param_gather": True}, "ddp.fp8_param_gather"),
+        ({"model.fp8_param": True}, "model.fp8_param"),
+    ],
+)
+def test_fp8_param_gather_the_user_asked_for_needs_the_distributed_optimizer(asked, where):
+    from megatron_bridge.config.overrides import process_config_with_overrides
+
+    cfg = tiny_config(mixed_precision="bf16_with_fp8_current_scaling_mixed")
+    process_config_with_overrides(cfg, cli_overrides=[f"{key}={str(value).lower()}" for key, value in asked.items()])
+    (message,) = errors_of(cfg, world_size=1)
+    assert message == (
+        f"{where}: True asks for parameters gathered in FP8, which needs the distributed optimizer "
+        "(megatron-core gathers parameters only there), but ddp.use_distributed_optimizer=False "
+        f"(set ddp.use_distributed_optimizer=True, or {where}=False)"
+    )
+    cfg.ddp.use_distributed_optimizer = True
+    runtime_config_update(cfg, world_size=1)
+    assert cfg.ddp.fp8_param_gather and cfg.model.fp8_param
 
 
 def test_model_fp8_param_and_ddp_fp8_param_gather_must_agree():
@@ -116,6 +165,48 @@ def test_an_accepted_rampup_runs_through_megatron_cores_calculator():
     assert sorted(set(run([8, 8, 300]))) == [8, 16, 24, 32]
     with pytest.raises(AssertionError, match="not divisible"):
         run([4, 4, 300])
+
+
+def _consumed_by_calculator(iterations, gbs, rampup):
+    """Samples consumed after each iteration, megatron-core's calculator stepped as the loop steps it."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    calc = RampupBatchsizeNumMicroBatchesCalculator(gbs, 1, 1, False, 0, *rampup)
+    consumed = [0]
+    for _ in range(iterations):
+        calc.update(consumed[-1], consistency_check=False)
+        consumed.append(consumed[-1] + calc.get_current_global_batch_size())
+    return consumed
+
+
+@pytest.mark.parametrize(
+    "gbs, rampup",
+    [(32, [16, 8, 5000]), (8, [4, 2, 40]), (48, [3, 3, 1000]), (40, [8, 16, 777]), (10, [1, 1, 7])],
+)
+def test_samples_after_iterations_match_megatron_cores_calculator(gbs, rampup):
+    from megatron_bridge.training.config.run_rules import samples_after
+
+    consumed = _consumed_by_calculator(1200, gbs, rampup)
+    assert [samples_after(n, gbs, rampup) for n in range(1201)] == consumed
+
+
+def test_iteration_based_schedule_with_rampup_covers_the_samples_consumed():
+    """1000 iterations of the ramp 16 -> 32 in steps of 8 over 5000 samples consume 28,656
+    samples, not 1000 x 32 = 32,000: the decay, the weight-decay ramp, the warmup (its first 50
+    iterations) and WSD's final phase (the last 100 iterations of the decay) are sized in those."""
+    consumed = _consumed_by_calculator(1000, 32, [16, 8, 5000])
+    assert consumed[1000] == 28656
+    train = TrainingConfig(train_iters=1000, global_batch_size=32, micro_batch_size=8, rampup_batch_size=[16, 8, 5000])
+    scheduler = SchedulerConfig(lr_decay_style="WSD", lr_warmup_iters=50, lr_wsd_decay_iters=100)
+    cfg = tiny_config(train=train, scheduler=scheduler)
+    runtime_config_update(cfg, world_size=1)
+    s = cfg.scheduler
+    assert (s.lr_decay_steps, s.wd_incr_steps, s.lr_warmup_steps) == (28656, 28656, consumed[50])
+    assert s.wsd_decay_steps == 28656 - consumed[900] == 3200
+    # lr_decay_iters and max_steps count iterations of the ramp too
+    cfg = tiny_config(train=train, scheduler=SchedulerConfig(lr_decay_iters=300, max_steps=1200))
+    runtime_config_update(cfg, world_size=1)
+    assert (cfg.scheduler.lr_decay_steps, cfg.scheduler.wd_incr_steps) == (consumed[300], 28656 + 200 * 32)
 
 
 def _finetuning(tmp_path, cp=2, **model):

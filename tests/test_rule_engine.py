@@ -35,13 +35,18 @@ def test_runtime_config_update_takes_every_rule_in_the_printed_order(capsys, cap
     cfg = tiny_config(mixed_precision="bf16_mixed")
     with caplog.at_level(logging.DEBUG, logger="megatron_bridge.config.rules"):
         runtime_config_update(cfg, world_size=1, device="cpu")
-    assert taken(caplog) == [name for _, name, _ in printed]
+    assert taken(caplog) == [name for _, name, notes in printed if "only on cuda" not in notes]
     assert cfg.model.bf16 and cfg.model.use_cpu_initialization  # the preset and the CPU rule ran
 
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="megatron_bridge.config.rules"):
-        runtime_config_update(tiny_config(), world_size=1)  # not on CPU: no CPU adaptation
+        runtime_config_update(tiny_config(), world_size=1, device="cuda")  # a GPU run: no CPU adaptation
     assert taken(caplog) == [name for _, name, notes in printed if "only on cpu" not in notes]
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="megatron_bridge.config.rules"):
+        runtime_config_update(tiny_config(), world_size=1)  # for no device (a dry run)
+    assert taken(caplog) == [name for _, name, notes in printed if "only on" not in notes]
 
 
 def test_validate_takes_only_the_rules_not_marked_runtime_only(capsys, caplog):

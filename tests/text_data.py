@@ -17,6 +17,60 @@ CHATML = (
 )
 """A ChatML-style template (the one the chat tests render with)."""
 
+QWEN3 = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{#- The last real user query; tool results come back as user turns wrapped in <tool_response>. #}
+{%- set ns = namespace(last_query=messages|length - 1, searching=true) %}
+{%- for i in range(messages|length - 1, -1, -1) %}
+    {%- set m = messages[i] %}
+    {%- if ns.searching and m.role == 'user' and m.content is string
+          and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) %}
+        {%- set ns.last_query = i %}
+        {%- set ns.searching = false %}
+    {%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- set content = m.content if m.content is string else '' %}
+    {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif m.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if m.reasoning_content is string %}
+            {%- set reasoning = m.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {#- Reasoning is shown only after the last user query: earlier turns lose it. #}
+        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {%- for call in (m.tool_calls or []) %}
+            {%- set f = call.function if call.function else call %}
+            {%- if content or not loop.first %}{{- '\\n' }}{%- endif %}
+            {{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
+            {{- f.arguments if f.arguments is string else f.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+"""A chat template that renders as Qwen3's own (ChatML turns; an assistant turn after the last
+user query shows its reasoning in <think>...</think>, the last one an empty block if it has none;
+earlier assistant turns lose their reasoning; tool calls and tool responses; `enable_thinking`)."""
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 

@@ -6,8 +6,8 @@
 Shape on a GPU: Llama-shaped, about 1.2B parameters (16 layers, hidden 2048, 32 heads, 8 key/value
 groups, SwiGLU 8192, vocabulary 128256, tied embeddings), sequence 4096, bf16 with fp32 main
 parameters and gradient reduction, micro batch 1, global batch 8 (8 micro batches per step).
-TransformerEngine layers when TE imports; megatron-core's local layers otherwise, then with
-selective recompute of the attention scores (unfused attention would otherwise keep them all).
+TransformerEngine layers when TE imports; megatron-core's local layers otherwise, with the core
+attention pretrain() chooses there (SDPA: no score matrix, so no selective recompute).
 
 Three variants, alternating fresh processes per round: the hand-written loop (GPTModel + DDP +
 get_megatron_optimizer + the pipeline schedule's forward_backward_func, as bench_loops.py),
@@ -72,8 +72,6 @@ def model_fields(shape: dict, te: bool, cuda: bool) -> dict:
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, transformer_impl="transformer_engine" if te else "local",
     )  # fmt: skip
-    if cuda and not te:
-        fields["recompute_granularity"] = "selective"
     if not cuda:  # the settings the CPU backend applies to pretrain()'s model
         fields.update(
             use_cpu_initialization=True,
@@ -138,11 +136,13 @@ def handwritten(shape: dict, iters: int) -> dict:
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(**model_fields(shape, te, cuda))
-    spec = (
-        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        if te
-        else gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    )
+    if te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:  # the core attention pretrain() builds for these layers
+        from megatron_bridge.models.attention import replace_core_attention
+        from megatron_bridge.models.sdpa_attention import SDPAttention
+
+        spec = replace_core_attention(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), SDPAttention)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -376,8 +376,8 @@ def report(runs: dict, shape: dict, args: argparse.Namespace, cuda: bool) -> Non
     tokens = shape["gbs"] * shape["seq"]
     te = runs["handwritten"][0]["te"]
     print(
-        f"device: {device}; layers: {'TransformerEngine' if te else 'megatron-core local'}"
-        f"{' (selective recompute)' if cuda and not te else ''}; shape: {shape}"
+        f"device: {device}; layers: {'TransformerEngine' if te else 'megatron-core local, SDPA core attention'}"
+        f"; shape: {shape}"
     )
     medians = {}
     for variant, results in runs.items():

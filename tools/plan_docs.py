@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100-80gb")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
+    from megatron_bridge.cli.dry_run import for_target
     from megatron_bridge.planning import plan
     from megatron_bridge.planning.inputs import PlanningError
     from megatron_bridge.training.config import runtime_config_update
@@ -81,7 +82,8 @@ def main() -> None:
 
     gpu_flag = "" if args.gpu == "h100-80gb" else f" --gpu {args.gpu}"
     lines = [INTRO]
-    with tempfile.TemporaryDirectory() as tmp:
+    # resolved and planned as `--plan-only` does: for GPUs with TransformerEngine, whatever this machine has
+    with tempfile.TemporaryDirectory() as tmp, for_target(True):
         stand_ins = dict(dataset_root=tmp, pretrained_checkpoint=tmp)
         for name in list_recipes():
             fn = get_recipe(name)
@@ -99,7 +101,9 @@ def main() -> None:
             lines += section(f"{name} on {fn.world_size} GPUs", command, planned)
     squeeze = dict(tensor_model_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
     cfg = get_recipe("llama3_70b_pretrain_config")(**squeeze)
-    runtime_config_update(cfg, world_size=8)
+    with for_target(True):
+        runtime_config_update(cfg, world_size=8)
+        squeezed = plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config")
     command = (
         "mbridge pretrain --recipe llama3_70b_pretrain_config --plan-only --world-size 8 "
         "--recipe-arg tensor_model_parallel_size=1 --recipe-arg sequence_parallel=false "
@@ -116,7 +120,7 @@ def main() -> None:
     lines += section(
         "llama3_70b_pretrain_config on 8 GPUs, TP 1",
         command,
-        plan(cfg, gpu=args.gpu, label="llama3_70b_pretrain_config"),
+        squeezed,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

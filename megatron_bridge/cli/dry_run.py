@@ -1,5 +1,11 @@
 """`--dry-run`: resolve a config as a real run at a given world size would, without a process
-group, and print it with the sizes it implies."""
+group, and print it with the sizes it implies.
+
+A dry run resolves for the GPUs it plans for, not for this machine: TransformerEngine is taken
+as installed there (GPU recipes use its layers; a login node rarely has it), so what depends on it
+(tensor-parallel communication overlap, the layers the plan counts) is what the run will get.
+`--no-te` resolves for GPUs without it (megatron-core's local layers). The output says which.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +20,16 @@ if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
 
-def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False) -> None:
+def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, target_te: bool = True) -> None:
     """`runtime_config_update` at `world_size`. Unlike a real CPU run, the model is not adapted
-    for CPU: the config is checked as written, for the machines it targets. With `finetuning`,
-    what `finetune()` requires is reported with the config's problems, in one report."""
+    for CPU: the config is checked as written, for the machines it targets, which have
+    TransformerEngine if `target_te`. With `finetuning`, what `finetune()` requires is reported
+    with the config's problems, in one report."""
     from megatron_bridge.config.errors import ConfigValidationError, Problems
     from megatron_bridge.training.config import runtime_config_update
 
-    with config_errors_are_usage_errors(f"the config does not resolve at world size {world_size}: "):
+    problem_prefix = f"the config does not resolve at world size {world_size}: "
+    with config_errors_are_usage_errors(problem_prefix), for_target(target_te):
         problems = Problems()
         try:
             runtime_config_update(cfg, world_size=world_size)
@@ -32,6 +40,33 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False) -
 
             check_pretrained_weights(cfg, problems)
         problems.raise_if_any()
+
+
+def for_target(target_te: bool) -> Any:
+    """The context in which a config is resolved and planned for GPUs that have TransformerEngine
+    (`target_te`) or not, whatever this machine has."""
+    from megatron_bridge import extras
+
+    return extras.assume_installed(transformer_engine=target_te)
+
+
+def layers_note(cfg: "ConfigContainer", options: "PlanOptions") -> str:
+    """Which layers the config was resolved for, and why: one line for the output."""
+    from megatron_bridge.extras import installed_here
+    from megatron_bridge.planning.devices import GPUS
+
+    impl = cfg.model.transformer_impl
+    if impl != "transformer_engine":
+        return f"megatron-core local layers (model.transformer_impl={impl!r})"
+    if not options.target_te:
+        return "megatron-core local layers (--no-te: TransformerEngine taken as not installed on the GPUs)"
+    gpus = GPUS[options.gpu].name if options.gpu in GPUS else options.gpu
+    if installed_here("transformer_engine"):
+        return f"TransformerEngine layers on the {gpus} GPUs (installed on this machine too)"
+    return (
+        f"TransformerEngine layers on the {gpus} GPUs, where it is assumed installed (this machine "
+        "has none); --no-te resolves for megatron-core's local layers"
+    )
 
 
 def human(n: float) -> str:
@@ -74,6 +109,8 @@ class PlanOptions:
     gpu: str = "h100-80gb"
     mfu: Optional[float] = None
     as_json: bool = False
+    target_te: bool = True
+    """Resolve and plan for GPUs with TransformerEngine (False: `--no-te`)."""
 
 
 def make_plan(cfg: "ConfigContainer", label: str, options: PlanOptions) -> Any:
@@ -84,7 +121,8 @@ def make_plan(cfg: "ConfigContainer", label: str, options: PlanOptions) -> Any:
     from megatron_bridge.planning import DEFAULT_MFU, PlanningError, plan
 
     try:
-        return plan(cfg, gpu=options.gpu, mfu=options.mfu or DEFAULT_MFU, label=label)
+        with for_target(options.target_te):
+            return plan(cfg, gpu=options.gpu, mfu=options.mfu or DEFAULT_MFU, label=label)
     except PlanningError as exc:
         print(f"mbridge: no plan: {exc}", file=sys.stderr)
         return None
@@ -94,16 +132,17 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
                   options: Optional[PlanOptions] = None, finetuning: bool = False) -> None:
     """Resolve `cfg` at `world_size`, print its YAML, then the summary and the plan as YAML
     comments (so the output is still a loadable config)."""
-    resolve(cfg, world_size, finetuning)
+    options = options or PlanOptions()
+    resolve(cfg, world_size, finetuning, options.target_te)
     print(cfg.to_yaml(), end="")
     print(f"# ---- dry run of {label} at world size {world_size} ({world_source}) ----")
-    rows = summary(cfg, world_size)
+    rows = [("resolved for", layers_note(cfg, options))] + summary(cfg, world_size)
     width = max(len(k) for k, _ in rows) + 1
     for key, text in rows:
         print(f"# {key + ':':<{width}} {text}")
     for line in machine_problems(cfg):
         print(f"# would fail on this machine: {line}")
-    result = make_plan(cfg, label, options or PlanOptions())
+    result = make_plan(cfg, label, options)
     if result is not None:
         print("# ---- " + "\n# ".join(result.text()))
     check_data_on_this_machine(cfg, width)  # last: unusable data ends the dry run with an error
@@ -112,11 +151,17 @@ def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, la
 def machine_problems(cfg: "ConfigContainer") -> list[str]:
     """What a run of `cfg` would trip over on this machine (not in the config itself): output
     directories that cannot be written, too little space for a checkpoint, settings that need a
-    GPU or TransformerEngine."""
+    GPU, TransformerEngine or a grouped GEMM, context parallelism on local layers."""
     from megatron_bridge.config import status
+    from megatron_bridge.models.attention import layer_problems
+    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
     from megatron_bridge.training import preflight
 
     found = [str(p) for p in preflight.check_outputs(cfg, create=False)] + status.machine_problems(cfg)
+    found += [str(p) for p in layer_problems(cfg.model)]
+    experts = machine_decision(cfg.model)
+    if experts.refused:
+        found.append(f"model.moe_grouped_gemm: {experts.message} ({GROUPED_GEMM_FIX})")
     warning = preflight.free_space_warning(cfg)
     return found + ([warning] if warning else [])
 
@@ -124,7 +169,7 @@ def machine_problems(cfg: "ConfigContainer") -> list[str]:
 def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label: str, options: PlanOptions,
                finetuning: bool = False) -> None:
     """`--plan-only`: resolve `cfg` at `world_size` and print only its plan (text or JSON)."""
-    resolve(cfg, world_size, finetuning)
+    resolve(cfg, world_size, finetuning, options.target_te)
     result = make_plan(cfg, label, options)
     if result is None:
         raise UsageError(f"{label}: the planner cannot plan this config (see above)")
@@ -132,7 +177,7 @@ def print_plan(cfg: "ConfigContainer", world_size: int, world_source: str, label
         print(json.dumps(result.to_json(), indent=2))
     else:
         print("\n".join(result.text()))
-        print(f"(world size {world_size}: {world_source})")
+        print(f"(world size {world_size}: {world_source}; resolved for {layers_note(cfg, options)})")
 
 
 def check_data_on_this_machine(cfg: "ConfigContainer", width: int) -> None:

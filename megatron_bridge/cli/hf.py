@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
         "export",
         help="a checkpoint of ours -> a Hugging Face directory (safetensors, config.json, tokenizer)",
         description="Write the model weights of a megatron_bridge checkpoint as a Hugging Face model directory: "
-        "sharded safetensors with an index, config.json and the tokenizer files.",
+        "sharded safetensors with an index, config.json and the tokenizer files. The adapters of a LoRA/DoRA "
+        "checkpoint are folded into its base weights (W + alpha/dim B A; DoRA rescaled per row).",
     )
     exp.add_argument("ckpt", metavar="CKPT", help="a checkpoint save directory, or one of its iter_* directories")
     exp.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face directory to create (replaced if it exists)")
@@ -54,6 +55,12 @@ def register(subparsers: Any) -> None:
         help="weights dtype (default: the Hugging Face model the checkpoint came from, else its training dtype)",
     )
     exp.add_argument("--step", type=int, metavar="N", help="export iteration N instead of the latest")
+    exp.add_argument(
+        "--base",
+        metavar="DIR",
+        help="for a LoRA/DoRA checkpoint: its base weights, a checkpoint or Hugging Face directory (default: the "
+        "one the adapters record)",
+    )
     exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file, e.g. 5GB, 500MB (default: %(default)s)")
     _layout(exp)
     exp.set_defaults(handler=run_export)
@@ -115,7 +122,7 @@ def run_export(args: argparse.Namespace) -> int:
     tp, pp, ep = _sizes(args)
     stats = _config_errors(
         export_checkpoint, args.ckpt, args.out_dir, dtype=args.dtype, step=args.step, tp=tp, pp=pp, ep=ep,
-        max_shard_bytes=parse_size(args.max_shard_size),
+        max_shard_bytes=parse_size(args.max_shard_size), base=args.base,
     )  # fmt: skip
     if _last_rank():
         print(f"exported {args.ckpt} -> {args.out_dir} ({stats['tensors']} tensors in {stats['files']} files)")

@@ -39,7 +39,10 @@ def register(subparsers: Any) -> None:
     export.add_argument("checkpoint", metavar="CKPT", help="checkpoint of a LoRA/DoRA run")
     export.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the adapter files to")
     export.add_argument(
-        "--base-model", metavar="NAME", help="base_model_name_or_path to record (default: the base checkpoint's path)"
+        "--base-model",
+        metavar="NAME",
+        help="base_model_name_or_path to record (default: the Hugging Face directory of the base weights, which "
+        "AutoPeftModelForCausalLM loads; else the base checkpoint's path)",
     )
     export.set_defaults(handler=run_export, command="peft export")
     for sub in (merge, export):

@@ -90,6 +90,13 @@ def register(subparsers: Any) -> None:
         "--log-dir", default="slurm_logs", help="directory of the job's output files (default: slurm_logs)"
     )
     res.add_argument("--gpu", default="h100-80gb", help="GPU the plan in the script header is made for")
+    res.add_argument(
+        "--no-te",
+        dest="target_te",
+        action="store_false",
+        help="check the config for GPU nodes without TransformerEngine (megatron-core's local layers); by default "
+        "it is taken as installed there",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="script to write (default: JOB_NAME.sbatch; '-': stdout)")
     p.set_defaults(handler=run)
 
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from megatron_bridge.cli import source
-    from megatron_bridge.cli.dry_run import resolve
+    from megatron_bridge.cli.dry_run import for_target, resolve
     from megatron_bridge.cli.errors import config_errors_are_usage_errors
     from megatron_bridge.config.errors import Problems
     from megatron_bridge.launch.slurm import SlurmJob, render
@@ -150,14 +157,16 @@ def run(args: argparse.Namespace) -> int:
     with config_errors_are_usage_errors("the config cannot be requeued: "):
         problems.raise_if_any()
     world = args.nodes * args.gpus_per_node
-    resolve(cfg, world)
+    target_te = args.target_te and not args.cpu  # resolved for the nodes the job runs on, not for this machine
+    resolve(cfg, world, target_te=target_te)
     job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")
     notes = [
         "Written by: mbridge slurm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
         f"{args.nodes} nodes x {args.gpus_per_node} {'processes' if args.cpu else 'GPUs'} = {world} ranks",
     ]
     if not args.cpu:
-        notes += _plan_notes(cfg, args.gpu, job_name)
+        with for_target(target_te):
+            notes += _plan_notes(cfg, args.gpu, job_name)
     job = SlurmJob(
         command=_command(args, mode, extra),
         nodes=args.nodes,

@@ -91,8 +91,9 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
     check.add_argument(
         "--dry-run",
         action="store_true",
-        help="resolve the config as a run would (no process group, no CPU adaptation), print it and the "
-        "derived sizes (data-parallel size, microbatches, scheduler steps, parameters, tokens/step), exit",
+        help="resolve the config as a run on the GPUs would (no process group, no CPU adaptation, TransformerEngine "
+        "taken as installed there unless --no-te), print it and the derived sizes (data-parallel size, "
+        "microbatches, scheduler steps, parameters, tokens/step), exit",
     )
     check.add_argument(
         "--world-size",
@@ -124,6 +125,13 @@ def add_parser(subparsers: Any, cmd: str, summary: str, description: str, tiny: 
         "--json", action="store_true", help="with --plan-only: print the plan as JSON, one record per rank layout"
     )
     check.add_argument(
+        "--no-te",
+        dest="target_te",
+        action="store_false",
+        help="resolve and plan for GPUs without TransformerEngine (megatron-core's local layers); by default "
+        "TransformerEngine is taken as installed on the GPUs, whatever this machine has",
+    )
+    check.add_argument(
         "--help-config",
         nargs="?",
         const="",
@@ -150,7 +158,8 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         raise UsageError(
             "--world-size only applies to --dry-run and --plan-only (a real run uses the processes launched)"
         )
-    for flag, given in (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None)):
+    shaping = (("--gpu", args.gpu is not None), ("--mfu", args.mfu is not None), ("--no-te", not args.target_te))
+    for flag, given in shaping:
         if given and not checking:
             raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")
     if args.json and not args.plan_only:
@@ -173,7 +182,7 @@ def run(args: argparse.Namespace, cmd: str) -> int:
             from megatron_bridge.cli.recipe_loader import world_size_of
 
             world, why = default_world_size(world_size_of(fn, cfg))
-        options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json)
+        options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json, target_te=args.target_te)
         if args.plan_only:
             print_plan(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune")
         else:

@@ -184,17 +184,37 @@ def check_finetuning_data(cfg: "ConfigContainer", tokenizer: Any, report: DataRe
                 continue
             if tokenizer is not None:
                 try:
-                    ChatRenderer(tokenizer)
+                    renderer = ChatRenderer(tokenizer)
                 except ChatFormatError as exc:
                     p.add("tokenizer.chat_template", str(exc), "set tokenizer.chat_template, or use a tokenizer whose files have one")
                     continue
         problem = first_problem(source, fmt, null_vocab)
+        if problem is None and fmt.kind == CHAT and tokenizer is not None:
+            problem = first_row_rendering_problem(source, fmt, renderer)
         if problem is not None:
             where, message = problem
             fix = {
                 "tokenizer.tokenizer_type": "use a HuggingFaceTokenizer (tokenizer.tokenizer_model=DIR) for text, or write token ids",
+                "tokenizer.chat_template": "set tokenizer.chat_template to a template that renders this conversation",
             }.get(where, "fix or remove that row")
             p.add(where, message, fix)
+
+
+def first_row_rendering_problem(source: Any, fmt: Any, renderer: Any) -> Optional[tuple[str, str]]:
+    """(config path, message) when the chat template cannot render the first conversation with its
+    assistant turns located: a template the whole split would fail on, found before the build."""
+    from megatron_bridge.data.chat import ChatFormatError
+    from megatron_bridge.data.hf_local import DataSourceError
+
+    try:
+        for location, record in source.records(fmt.columns()):
+            renderer.assistant_spans(record[fmt.messages])
+            return None
+    except ChatFormatError as exc:
+        return "tokenizer.chat_template", f"{location}: {exc}"
+    except DataSourceError:
+        return None  # reported by the row checks
+    return None
 
 
 def dry_run_lines(cfg: "ConfigContainer") -> tuple[list[str], Optional[ConfigValidationError]]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
+from megatron_bridge.models.attention import core_attention_choice
 from megatron_bridge.training.child_processes import worker_pool
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def build_finetuning_datasets(data: "FinetuningDatasetConfig", tokenizer: Any, c
             from megatron_bridge.data.packing import packed_dataset
 
             key = json.dumps([source.identity(), str(fmt), dict(tokenizer.unique_identifiers), data.seq_length, limit], sort_keys=True, default=str)
-            attention = "cu_seqlens" if model is not None and model.transformer_impl == "transformer_engine" else "mask"
+            attention = "cu_seqlens" if model is not None and core_attention_choice(model).kind == "te" else "mask"
             datasets.append(packed_dataset(tokenized, key, source, split, specs, data, wanted[split], pad_id_of(tokenizer), attention))
         else:
             datasets.append(SFTDataset(tokenized(), data.seq_length, wanted[split], data.seed, pad_id_of(tokenizer), pad_multiple, pad_to))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Any, Callable, Literal, Optional, Union
+import os
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
@@ -22,6 +25,12 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     (ffn_hidden_size, kv_channels, init methods, ...). `provide()` builds the `GPTModel` for one
     pipeline stage.
     """
+
+    attention_backend: AttnBackend = AttnBackend.auto
+    """Core attention. auto: TransformerEngine's choice in TE layers; in local layers PyTorch SDPA
+    where it serves the config, else megatron-core's unfused DotProductAttention (logged).
+    unfused/local: DotProductAttention in local layers. flash/fused: those TE kernels in TE layers,
+    SDPA in local layers (refused where SDPA cannot serve the config)."""
 
     fp16_lm_cross_entropy: bool = False
     """Compute the cross entropy of the output layer in fp16."""
@@ -169,6 +178,14 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
         self._check_layer_fields(p)
+        from megatron_bridge.models.attention import check_attention, core_attention_recompute
+
+        check_attention(self, p)
+        derived, note = core_attention_recompute(self)
+        for name, value in derived.items():
+            self._derive(name, value)
+        if note:
+            logger.info(note)
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             self._derive("pipeline_dtype", self.params_dtype)
         if not p:
@@ -237,11 +254,18 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+        from megatron_bridge.models.attention import core_attention_choice, core_attention_module, replace_core_attention
         from megatron_bridge.models.layers.spec_edits import apply_layer_fields
 
-        spec = get_gpt_decoder_block_spec(
-            self, use_transformer_engine=self.uses_transformer_engine(), normalization=self.normalization, vp_stage=vp_stage
-        )
+        te = self.uses_transformer_engine()
+        spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
+        if not te:
+            choice = core_attention_choice(self)
+            if not vp_stage:  # one line per model, not per virtual pipeline stage
+                logger.info("%s", choice)
+            module = core_attention_module(self, choice)
+            if module is not None:
+                spec = replace_core_attention(spec, module)
         return self.adjust_layer_spec(apply_layer_fields(self, spec), vp_stage)
 
     def adjust_layer_spec(self, spec: Any, vp_stage: Optional[int] = None) -> Any:
@@ -276,9 +300,16 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         if self.num_moe_experts:
             _router_gating_without_te()
+        from megatron_bridge.models.attention import te_layers
+
+        spec = self.layer_spec(vp_stage)
+        with _te_attention_variables(te_layers(self)):
+            return self._gpt_model(GPTModel, spec, pre_process, post_process, vp_stage)
+
+    def _gpt_model(self, GPTModel: type, spec: Any, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
         return GPTModel(
             config=self,
-            transformer_layer_spec=self.layer_spec(vp_stage),
+            transformer_layer_spec=spec,
             vocab_size=self.padded_vocab_size(),
             max_sequence_length=self.seq_length,
             pre_process=pre_process,
@@ -295,6 +326,26 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
         )
+
+
+_TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextlib.contextmanager
+def _te_attention_variables(te: bool) -> Iterator[None]:
+    """megatron-core's GPTModel sets TransformerEngine's attention variables from
+    attention_backend, and asserts when an earlier model of the process set them otherwise.
+    Local layers do not read them: around their build the environment stays as it was."""
+    if te:
+        yield
+        return
+    saved = {name: os.environ.pop(name) for name in _TE_ATTENTION_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        for name in _TE_ATTENTION_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
 
 
 def _router_gating_without_te() -> None:

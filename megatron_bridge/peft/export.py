@@ -81,10 +81,42 @@ def peft_config(peft: Any, modules: list[str], num_layers: int, base_model: Opti
     }
 
 
+def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
+    """The Hugging Face directory holding exactly the weights at `path`, as an absolute path: `path`
+    itself when it is one; for a checkpoint of ours, the directory it was imported from (`mbridge hf
+    import`, weights only), or for a PEFT checkpoint, that of its frozen base. None when there is
+    none (a model trained or merged here has no Hugging Face counterpart)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
+    from megatron_bridge.training.checkpointing import layout
+
+    if not path or depth <= 0:
+        return None
+    if is_hf_directory(path):
+        return os.path.abspath(path)
+    try:
+        directory, _ = layout.resolve(path)
+        common = dist_checkpointing.load_common_state_dict(directory)
+    except (OSError, ValueError, CheckpointingException):
+        return None
+    record = common.get("peft")
+    if record:  # the adapters' base is recorded with an absolute path
+        base = record.get("pretrained_iteration_dir") or record.get("pretrained_checkpoint")
+    elif common.get("weights_only"):
+        base = run_config_value(directory, "checkpoint", "pretrained_checkpoint")
+    else:
+        return None
+    return hf_base_model(base, depth - 1)
+
+
 def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = None) -> list[str]:
     """Write the adapters of the PEFT checkpoint `checkpoint` to `out_dir` in the peft format;
     returns the files written. `base_model` goes into the config as `base_model_name_or_path`
-    (default: the base checkpoint the adapters were trained on)."""
+    (default: the Hugging Face directory of the base weights the adapters were trained on, so
+    `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads both; without one, the base
+    checkpoint of ours)."""
     from megatron_bridge.extras import require
     from megatron_bridge.peft.merge import read_adapter_checkpoint
 
@@ -92,8 +124,9 @@ def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = N
     directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
     state = to_peft_state(read_adapter_tensors(directory), cfg.model)
     modules = sorted({k[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for k in state})
-    base = base_model if base_model is not None else common["peft"].get("pretrained_checkpoint")
-    config = peft_config(cfg.peft, modules, cfg.model.num_layers, base)
+    if base_model is None:
+        base_model = hf_base_model(directory) or common["peft"].get("pretrained_checkpoint")
+    config = peft_config(cfg.peft, modules, cfg.model.num_layers, base_model)
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS_FILE)
     safetensors_torch.save_file(state, weights, metadata={"format": "pt"})

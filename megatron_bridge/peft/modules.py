@@ -189,12 +189,21 @@ class AdaptedLinear(torch.nn.Module):
         without the adapter path)."""
         if self.merged:
             return
+        self.base_layer.weight.copy_(self.merged_weight())
+        self.merged = True
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """This rank's part of the folded weight, W + scale * B @ A (DoRA: each row rescaled to
+        its magnitude), computed in fp32 and returned in `dtype` (default: W's); the layer is
+        unchanged."""
         weight = self.base_layer.weight
+        if self.merged:
+            return weight.detach().to(dtype or weight.dtype)
         merged = weight.float() + self.delta_weight().float()
         if self.dora:
             merged = merged * (self.lora_magnitude.float() / self.weight_norm().float()).unsqueeze(1)
-        weight.copy_(merged.to(weight.dtype))
-        self.merged = True
+        return merged.to(dtype or weight.dtype)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

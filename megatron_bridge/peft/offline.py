@@ -81,11 +81,18 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
 
 def load_weights(model: Any, directory: str, part: str = "all", step: Optional[int] = None) -> tuple[str, int]:
     """Load `part` (see `state_dict.MODEL_PARTS`) of the checkpoint at `directory` (a save
-    directory or one `iter_*` directory) into `model`; returns the iteration directory and number."""
+    directory or one `iter_*` directory) into `model`; returns the iteration directory and number.
+    A Hugging Face directory provides the base weights (`part` 'all' or 'base'), as iteration 0."""
     from megatron.core import dist_checkpointing
 
+    from megatron_bridge.models.hf.files import is_hf_directory
     from megatron_bridge.training.checkpointing import layout, state_dict
 
+    if is_hf_directory(directory) and part != "adapters":
+        from megatron_bridge.models.hf.load import load_hf_weights
+
+        load_hf_weights([model], directory)
+        return directory, 0
     iteration_dir, iteration = layout.resolve(directory, step)
     template = state_dict.model_state(model, part)
     loaded = dist_checkpointing.load({"model": template}, iteration_dir)

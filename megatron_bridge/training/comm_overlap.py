@@ -92,10 +92,12 @@ class CommOverlapConfig(ConfigBase):
                 reasons.append(f"tensor_model_parallel_size={tp} (needs >= 2)")
             if not model.sequence_parallel:
                 reasons.append("sequence_parallel is off")
-            if model.transformer_impl != "transformer_engine" or not is_installed("transformer_engine"):
-                reasons.append("TransformerEngine layers are not in use")
+            if model.transformer_impl != "transformer_engine":
+                reasons.append(f"TransformerEngine layers are not in use (transformer_impl={model.transformer_impl!r})")
+            elif not is_installed("transformer_engine"):
+                reasons.append("TransformerEngine layers are not in use (TransformerEngine is not installed)")
             if reasons:
-                logger.warning("comm_overlap: tensor-parallel overlap turned off: %s", "; ".join(reasons))
+                self._warn_once("comm_overlap: tensor-parallel overlap turned off: " + "; ".join(reasons))
                 tp_overlap = False
 
         if pp > 1 and vp > 1:
@@ -130,6 +132,13 @@ class CommOverlapConfig(ConfigBase):
             "ddp": ddp_values,
             "optimizer": {k: v for k, v in optimizer_values.items() if v is not None},
         }
+
+    def _warn_once(self, message: str) -> None:
+        """Warn about this config once: resolving it again (a dry run, then the run) repeats nothing."""
+        said = self.__dict__.setdefault("_warned", set())
+        if message not in said:
+            said.add(message)
+            logger.warning("%s", message)
 
     def apply(self, model: Any, ddp: Any, optimizer: Any, problems: Problems) -> None:
         """Apply `planned()` values to fields the user did not set explicitly on the targets."""

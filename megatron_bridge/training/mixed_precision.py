@@ -3,7 +3,10 @@
 A preset is applied by `runtime_config_update`. It never overwrites a field the user set
 explicitly: where the user's value contradicts the preset, validation reports it. Fields of the
 FP8 group are applied only when the preset trains in FP8 (likewise FP4, and loss scaling with
-FP16); otherwise the target keeps its own value.
+FP16); otherwise the target keeps its own value. A named preset's FP8 parameter gathering
+(`fp8_param_gather`) is turned on only with the distributed optimizer, the one megatron-core
+optimizer that gathers parameters; the user's own `fp8_param_gather=True` is kept, and refused
+by validation without the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class MixedPrecisionConfig(ConfigBase):
     """Keep parameters in FP8 (default: fp8_param_gather; must equal it when set)."""
 
     fp8_param_gather: bool = False
-    """All-gather parameters in FP8 with the distributed optimizer."""
+    """All-gather parameters in FP8; needs the distributed optimizer (a named preset's True applies
+    only with it)."""
 
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     """Reuse the gradient buffer for the MXFP8 parameter all-gather."""
@@ -143,6 +147,14 @@ class MixedPrecisionConfig(ConfigBase):
         """
         changed: list[str] = []
         preset = self._preset_values()
+        if preset.get("fp8_param_gather") and not self._fp8_param_gather_asked(model, ddp):
+            # megatron-core gathers parameters (in FP8 or not) only in its distributed optimizer
+            if ddp is not None and not ddp.use_distributed_optimizer:
+                preset.update(fp8_param_gather=False, fp8_param=False, reuse_grad_buf_for_mxfp8_param_ag=False)
+                logger.info(
+                    "mixed_precision %r: FP8 parameter gathering left off (it needs the distributed optimizer, "
+                    "ddp.use_distributed_optimizer=True)", name,
+                )
         for section, target in (("model", model), ("optimizer", optimizer), ("ddp", ddp)):
             if target is None:
                 continue
@@ -157,6 +169,14 @@ class MixedPrecisionConfig(ConfigBase):
             changed += set_unless_user_set(target, values, problems, section, clash, _short)
         if changed:
             logger.info("mixed_precision %r set %s", name, ", ".join(changed))
+
+    def _fp8_param_gather_asked(self, model: ConfigBase, ddp: Optional[ConfigBase]) -> bool:
+        """Whether the user asked for FP8 parameter gathering: on this config, ddp or the model."""
+        asked = [(self, "fp8_param_gather"), (ddp, "fp8_param_gather"), (model, "fp8_param")]
+        return any(
+            target is not None and getattr(target, "is_explicit", lambda _: False)(name) and getattr(target, name)
+            for target, name in asked
+        )
 
     def _preset_values(self) -> dict:
         """The fields this preset sets, by name: FP8/FP4 details only with FP8/FP4 on, loss
@@ -228,25 +248,36 @@ def _short(value: object) -> str:
 
 
 # ---------------------------------------------------------------------- presets
+def _as_preset(cfg: MixedPrecisionConfig) -> MixedPrecisionConfig:
+    """`cfg` with its values counted as the framework's, not the user's: presets apply them as
+    defaults (FP8 parameter gathering, for one, only with the distributed optimizer)."""
+    for name in cfg.explicit_fields():
+        cfg.mark_explicit(name, False)
+    return cfg
+
+
 def fp32() -> MixedPrecisionConfig:
     """Full fp32 training."""
-    return MixedPrecisionConfig(fp32=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, grad_reduce_in_fp32=True)
+    cfg = MixedPrecisionConfig(fp32=True, params_dtype=torch.float32, pipeline_dtype=torch.float32, grad_reduce_in_fp32=True)
+    return _as_preset(cfg)
 
 
 def bf16_mixed() -> MixedPrecisionConfig:
     """bf16 parameters and compute, fp32 main weights and gradient reduction."""
-    return MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+    cfg = MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+    return _as_preset(cfg)
 
 
 def fp16_mixed() -> MixedPrecisionConfig:
     """fp16 parameters and compute with dynamic loss scaling."""
-    return MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+    cfg = MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+    return _as_preset(cfg)
 
 
 def _with(base: Callable[[], MixedPrecisionConfig], **fp_fields) -> MixedPrecisionConfig:
     cfg = base()
     for key, value in fp_fields.items():
-        setattr(cfg, key, value)
+        cfg.apply_default(key, value)
     return cfg
 
 
@@ -352,7 +383,7 @@ def get_mixed_precision_config(name_or_config: Union[str, MixedPrecisionConfig])
     if cached is None or cached[0] is not factory:
         cached = _PROTOTYPES[key] = (factory, factory())
     # Every field is a scalar or dtype, so a shallow copy is independent of the prototype.
-    return copy.copy(cached[1])
+    return _as_preset(copy.copy(cached[1]))  # a registered factory's values are the framework's too
 
 
 _PROTOTYPES: dict[str, tuple[Callable[[], MixedPrecisionConfig], MixedPrecisionConfig]] = {}

@@ -35,6 +35,17 @@ def resolve_config(cfg: ConfigContainer) -> str:
     return device
 
 
+def refuse_what_the_layers_cannot_run(cfg: ConfigContainer) -> None:
+    """Raise `ConfigValidationError` for settings the layers built here cannot run (context
+    parallelism on local layers), before any process group or model exists."""
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.models.attention import layer_problems
+
+    found = layer_problems(cfg.model)
+    if found:
+        raise ConfigValidationError(found)
+
+
 # megatron-core logs these at WARNING level although nothing is wrong.
 _ROUTINE_MESSAGES = {
     "megatron.core.rerun_state_machine": ("RerunStateMachine initialized in mode", "Setting RerunStateMachine mode"),
@@ -278,6 +289,7 @@ def setup(
     die_with_parent()
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
     field_status.refuse_on_this_machine(cfg)  # settings that need a GPU or TransformerEngine
+    refuse_what_the_layers_cannot_run(cfg)
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()

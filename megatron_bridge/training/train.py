@@ -167,6 +167,8 @@ def _loop(run: Run, profiler: Any) -> Stop:
     flops_per_sample = flops_per_token(cfg.model) * cfg.model.seq_length
     if cfg.logger.log_energy:
         run.energy_meter = EnergyMeter(state.device)
+    # A resumed run continues a batch-size ramp-up at the samples its checkpoint had consumed.
+    update_num_microbatches(ts.consumed_train_samples, consistency_check=True)
     while ts.step < t.train_iters:
         run.callbacks.on_step_start(state)
         profiler.step_start(ts.step)

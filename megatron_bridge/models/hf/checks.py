@@ -27,11 +27,12 @@ PATH = "checkpoint.pretrained_checkpoint"
 
 
 def _starts_from_hf(cfg: "ConfigContainer") -> bool:
-    """The run's weights come from a Hugging Face directory (it does not resume its own)."""
+    """The run's weights come from a Hugging Face directory: it does not resume its own, or it
+    is a PEFT run (whose base weights are loaded again on resuming)."""
     from megatron_bridge.training.checkpointing.layout import has_checkpoint
 
     c = cfg.checkpoint
-    return is_hf_directory(c.pretrained_checkpoint) and not has_checkpoint(c.load)
+    return is_hf_directory(c.pretrained_checkpoint) and (cfg.peft is not None or not has_checkpoint(c.load))
 
 
 def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:

@@ -111,7 +111,11 @@ def checkpoint_provider(directory: str) -> Any:
     if not os.path.isfile(path):
         raise ConfigValidationError(_no_config(directory))
     data = load_yaml_file(path) or {}
-    return from_dict(data.get("model") or {}, GPTModelProvider)
+    provider = from_dict(data.get("model") or {}, GPTModelProvider)
+    if provider.vocab_size is not None and "vocab_size" in provider.derived_fields():
+        # derived from the run's tokenizer, which is not loaded here: the weights have this size
+        provider.apply_default("vocab_size", provider.vocab_size)
+    return provider
 
 
 def _no_config(directory: str):
@@ -122,24 +126,61 @@ def _no_config(directory: str):
 
 
 def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step: Optional[int] = None,
-                      tp: int = 1, pp: int = 1, ep: int = 1, max_shard_bytes: Optional[int] = None) -> dict:
+                      tp: int = 1, pp: int = 1, ep: int = 1, max_shard_bytes: Optional[int] = None,
+                      base: Optional[str] = None) -> dict:
     """Write the model weights of our checkpoint `ckpt` (a save directory or one iter_*
     directory) as a Hugging Face directory `out_dir` in `dtype` (None: the dtype of the Hugging
-    Face model it came from, else of its training weights)."""
+    Face model it came from, else of its training weights). The adapters of a LoRA/DoRA
+    checkpoint are folded into the base weights they record (or those in `base`)."""
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare, stored_dtype
     from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, write_hf_weights
     from megatron_bridge.training.checkpointing.layout import resolve
 
     directory, _ = resolve(ckpt, step)
     provider = checkpoint_provider(directory)
-    origin = hf_origin(directory)
+    peft, base_dir = _adapters_of(directory, base)
+    origin = hf_origin(directory) or hf_origin(base_dir)
     with model_parallel(tp=tp, pp=pp, ep=ep) as device:
         model = prepare(provider, device, params_dtype=stored_dtype(provider), bf16=False, fp16=False)
         chunks = build_chunks(model, device)
-        load_checkpoint_weights(chunks, directory)
+        if peft is None:
+            load_checkpoint_weights(chunks, directory)
+        else:
+            _load_adapted(chunks, peft, base_dir, directory)
         hf, dtype = export_config(model, origin, dtype)
         return write_hf_weights(chunks, out_dir, hf, dtype, tokenizer_source=_tokenizer_source(origin, directory),
                                 origin=origin, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)  # fmt: skip
+
+
+def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str]]:
+    """(PEFT config, base weights) of a LoRA/DoRA checkpoint iteration `directory`; (None, None)
+    for a checkpoint that holds whole weights."""
+    from megatron_bridge.peft.apply import saved_with_peft
+    from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
+
+    if not saved_with_peft(directory):
+        return None, None
+    _, _, cfg, common = read_adapter_checkpoint(directory)
+    return cfg.peft, base_of(cfg, common, base)
+
+
+def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str) -> None:
+    """Wrap `chunks` with the adapters of `peft`, fill the base weights from `base_dir` (ours or
+    a Hugging Face directory) and the adapters from `adapters_dir`; the writer folds them in."""
+    from megatron_bridge.models.hf.files import is_hf_directory
+    from megatron_bridge.models.hf.load import load_hf_weights
+    from megatron_bridge.models.hf.runtime import load_checkpoint_weights
+    from megatron_bridge.peft.apply import apply_peft
+    from megatron_bridge.training.checkpointing.layout import resolve
+
+    for chunk in chunks:
+        apply_peft(chunk, peft)
+    if is_hf_directory(base_dir):
+        load_hf_weights(chunks, base_dir)
+    else:
+        load_checkpoint_weights(chunks, resolve(base_dir)[0], "base")
+    load_checkpoint_weights(chunks, adapters_dir, "adapters")
+    logger.info("folding the adapters of %s into the base weights of %s", adapters_dir, base_dir)
 
 
 def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
@@ -168,4 +209,39 @@ def save_run(run: Any) -> Optional[str]:
     if tokenizer is None and cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
         tokenizer = cfg.tokenizer.tokenizer_model
     write_hf_weights(run.state.model, out_dir, hf, dtype, tokenizer_source=tokenizer, origin=origin)
+    if cfg.peft is not None:
+        save_run_adapters(cfg, step, out_dir + ADAPTER_SUFFIX)
     return out_dir
+
+
+ADAPTER_SUFFIX = "_adapter"
+"""`save_hf` in a LoRA/DoRA run: `<save>/hf_iter_NNNNNNN` holds the model with the adapters folded
+in, `<save>/hf_iter_NNNNNNN_adapter` the adapters alone in the peft library's format."""
+
+
+def save_run_adapters(cfg: Any, step: int, out_dir: str) -> None:
+    """Write the adapters of the PEFT run's checkpoint of iteration `step` to `out_dir` in the
+    peft format (rank 0; written under a temporary name, then renamed). Adapters that have no
+    peft-format counterpart (on MoE experts) are left out with a warning: the folded model is
+    complete without them."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_bridge.peft.export import export_adapters
+    from megatron_bridge.training.checkpointing.layout import iteration_dir
+
+    if dist.get_rank() == 0:
+        checkpoint = iteration_dir(cfg.checkpoint.save, step)
+        staging = out_dir + ".incomplete"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            export_adapters(checkpoint, staging)
+        except (ValueError, OSError) as exc:  # UnmappedModuleError is a ValueError
+            shutil.rmtree(staging, ignore_errors=True)
+            logger.warning("the adapters were not written in the peft format: %s", exc)
+        else:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            os.rename(staging, out_dir)
+            logger.info("saved the adapters in the peft format to %s", out_dir)
+    dist.barrier()

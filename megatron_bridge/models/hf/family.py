@@ -253,6 +253,7 @@ class HFFamily:
             "tie_word_embeddings": p.share_embeddings_and_output_weights,
             "attention_dropout": p.attention_dropout,
             "initializer_range": p.init_method_std,
+            "dtype": dtype,
             "torch_dtype": dtype,
             "use_cache": True,
         }

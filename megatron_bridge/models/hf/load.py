@@ -50,9 +50,11 @@ def check_hf_directory(directory: str, problems: Problems, weights: bool = True)
 def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mapping.Rule, mapping.Partition]]:
     """(global name, parameter, rule, partition) for every parameter of one model chunk (the bare
     GPTModel inside DDP/Float16Module wrappers) of the model config.json `hf` describes. The
-    partition follows from the shapes: the part this rank holds against the whole parameter."""
+    partition follows from the shapes: the part this rank holds against the whole parameter.
+    LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
     from megatron.core import parallel_state as ps
 
+    from megatron_bridge.peft.apply import is_adapter_key
     from megatron_bridge.training.checkpointing.state_dict import unwrap
 
     arch = mapping.architecture(hf)
@@ -61,6 +63,8 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     rename = mapping.global_names(model, arch.num_experts, expert_rank)
     out = []
     for local, param in model.named_parameters():
+        if is_adapter_key(local):
+            continue
         name = rename(local)
         entry = mapping.entry_for(arch, name)
         if entry is None:

@@ -85,6 +85,8 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
     if device == "cpu":
         for name, value in CPU_MODEL_SETTINGS.items():
             p.apply_default(name, value)
+    else:
+        _adapt_expert_mlp(p)
     if params_dtype is not None:
         p.apply_default("params_dtype", params_dtype)
     p.apply_default("perform_initialization", initialize)
@@ -92,6 +94,20 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
         p.apply_default(name, value)
     p.finalize()
     return p
+
+
+def _adapt_expert_mlp(provider: Any) -> None:
+    """Grouped-GEMM experts on a GPU without a grouped GEMM: sequential experts where the
+    grouped GEMM was a default, a config error where it was asked for (see models.experts)."""
+    from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
+
+    decision = machine_decision(provider)
+    if decision.refused:
+        raise ConfigValidationError(ConfigProblem("model.moe_grouped_gemm", decision.message, GROUPED_GEMM_FIX))
+    if decision.message is not None:
+        provider.apply_default("moe_grouped_gemm", decision.grouped_gemm)
+        logger.info(decision.message)
 
 
 def build_chunks(provider: Any, device: str) -> list[Any]:
@@ -119,18 +135,20 @@ def stored_dtype(provider: Any) -> Any:
     return provider.params_dtype
 
 
-def load_checkpoint_weights(chunks: list[Any], directory: str) -> None:
-    """Fill `chunks` from the model weights of our checkpoint iteration directory `directory`
-    (resharded to this layout by dist_checkpointing)."""
+def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all") -> None:
+    """Fill `chunks` (or `part` of their weights, see `state_dict.MODEL_PARTS`) from our checkpoint
+    iteration directory `directory` (resharded to this layout by dist_checkpointing)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
+    from megatron_bridge.training.checkpointing.state_dict import load_model_state, model_state
+
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    template = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
+    template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
     loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),
                                      strict="assume_ok_unexpected")  # fmt: skip
     for key, chunk in zip(keys, chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
+        load_model_state(chunk, loaded[key], part)
 
 
 def _own_storage(sd: dict, chunks: list[Any]) -> None:

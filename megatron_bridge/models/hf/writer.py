@@ -44,6 +44,8 @@ class _Item:
     """Tensor-parallel group to gather over (None: not split)."""
     writer: bool
     """This rank writes the result (tensor-parallel rank 0 of the group)."""
+    adapter: Any = None
+    """The LoRA/DoRA adapter on the layer whose weight this is: written folded in."""
 
 
 @dataclass
@@ -63,6 +65,14 @@ def torch_dtype(name: str):
     return getattr(torch, key)
 
 
+def dtype_entries(dtype: Any) -> dict[str, str]:
+    """config.json's weights dtype under both of its keys: `dtype`, which transformers 5 writes
+    and reads first, and `torch_dtype`, which earlier releases and other readers of config.json
+    use."""
+    name = str(dtype).replace("torch.", "")
+    return {"dtype": name, "torch_dtype": name}
+
+
 def _items(chunks: list[Any], hf: dict) -> list[_Item]:
     """The parameters this rank gathers or writes: dense ones from data-parallel rank 0, expert
     ones from expert-data-parallel rank 0; dense first, then experts (same order on every rank
@@ -73,8 +83,11 @@ def _items(chunks: list[Any], hf: dict) -> list[_Item]:
     dense_writer = dense_owner and ps.get_tensor_model_parallel_rank() == 0
     expert_owner = ps.get_expert_data_parallel_rank() == 0 if mapping.architecture(hf).num_experts else False
     expert_writer = expert_owner and ps.get_expert_tensor_parallel_rank() == 0
+    from megatron_bridge.peft.apply import adapters
+
     dense, experts = [], []
     for chunk in chunks:
+        adapted = {id(a.base_layer.weight): a for a in adapters(chunk)}
         for name, param, rule, part in named_global_parameters(chunk, hf):
             is_expert = mapping.is_expert(name)
             if not (expert_owner if is_expert else dense_owner):
@@ -85,7 +98,8 @@ def _items(chunks: list[Any], hf: dict) -> list[_Item]:
             else:
                 group = ps.get_tensor_model_parallel_group() if split else None
             writer = expert_writer if is_expert else dense_writer
-            (experts if is_expert else dense).append(_Item(name, param, part, rule, group, writer))
+            item = _Item(name, param, part, rule, group, writer, adapted.get(id(param)))
+            (experts if is_expert else dense).append(item)
     return dense + experts
 
 
@@ -145,7 +159,9 @@ def _gather(item: _Item) -> Optional[list[Any]]:
     import torch
     import torch.distributed as dist
 
-    local = item.param.detach()
+    # An adapted weight is folded in here, one layer at a time, in fp32 (rounded once, to the
+    # output dtype); DoRA's row norms of a row-parallel layer are summed over its group first.
+    local = item.adapter.merged_weight(torch.float32) if item.adapter is not None else item.param.detach()
     if item.group is None:
         return [local.cpu()] if item.writer else None
     parts = [torch.empty_like(local) for _ in range(item.part.size)] if item.writer else None
@@ -196,8 +212,7 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     total = sum(len(t) for _, t in plan.files)
     if rank == 0:
         config = dict(hf_config)
-        config.pop("dtype", None)
-        config["torch_dtype"] = str(dtype).replace("torch.", "")
+        config.update(dtype_entries(dtype))
         with open(os.path.join(staging, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         if len(names) > 1:

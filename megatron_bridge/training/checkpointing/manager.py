@@ -191,20 +191,25 @@ class DefaultCheckpointManager:
         return iteration
 
     def _load_peft(self, run: "Run") -> int:
-        """A PEFT run: the base weights from `pretrained_checkpoint`, then, when `load` holds a
-        checkpoint of this run, its adapters and training state (`ckpt_step` picks the iteration
-        of the checkpoint resumed from, else of the base)."""
+        """A PEFT run: the base weights from `pretrained_checkpoint` (a checkpoint of ours or a
+        Hugging Face directory), then, when `load` holds a checkpoint of this run, its adapters
+        and training state (`ckpt_step` picks the iteration of the checkpoint resumed from, else
+        of the base)."""
         from megatron.core import dist_checkpointing
 
         c = self.ckpt
         resume = layout.has_checkpoint(c.load)
-        base_dir, base_iteration = layout.resolve(c.pretrained_checkpoint, None if resume else c.ckpt_step)
-        if dist_checkpointing.load_common_state_dict(base_dir).get("peft"):
-            raise ConfigValidationError(ConfigProblem(
-                "checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
-                "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
-            ))  # fmt: skip
-        self._restore(run, base_dir, base_iteration, False, "base")
+        if is_hf_directory(c.pretrained_checkpoint):
+            base_dir, base_iteration = c.pretrained_checkpoint, 0
+            self._load_hf(run, base_dir, "base weights")
+        else:
+            base_dir, base_iteration = layout.resolve(c.pretrained_checkpoint, None if resume else c.ckpt_step)
+            if dist_checkpointing.load_common_state_dict(base_dir).get("peft"):
+                raise ConfigValidationError(ConfigProblem(
+                    "checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
+                    "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
+                ))  # fmt: skip
+            self._restore(run, base_dir, base_iteration, False, "base")
         self._peft_base = (base_dir, base_iteration)
         if not resume:
             from megatron_bridge.peft.apply import base_weights_loaded
@@ -269,15 +274,16 @@ class DefaultCheckpointManager:
             kind = f"resumed from {what}" if resume else f"loaded {what or 'weights of '}"
             logger.info("%siteration %d in %s%s", kind, iteration, directory, _spread_note(strategy))
 
-    def _load_hf(self, run: "Run", path: str) -> int:
-        """Weights only, from a Hugging Face directory (checked before the model was built)."""
+    def _load_hf(self, run: "Run", path: str, what: str = "weights") -> int:
+        """Weights only, from a Hugging Face directory (checked before the model was built); in
+        an adapted model, its base weights."""
         from megatron_bridge.models.hf.load import load_hf_weights
 
         load_hf_weights(run.state.model, path)
         run.state.optimizer.reload_model_params()
         _barrier()
         if run.state.is_logging_rank:
-            logger.info("loaded weights of the Hugging Face model in %s", path)
+            logger.info("loaded %s of the Hugging Face model in %s", what, path)
         return 0
 
     def _load_strategy(self, directory: str):

@@ -124,7 +124,9 @@ class CheckpointConfig(ConfigBase):
     save_hf: bool = False
     """At the end of training, also write the model as a Hugging Face directory (sharded
     safetensors with an index, config.json, tokenizer files) next to the final checkpoint:
-    `<save>/hf_iter_NNNNNNN`. Alias: `save_hf_weights`."""
+    `<save>/hf_iter_NNNNNNN`. In a LoRA/DoRA run that is the model with the adapters folded in,
+    and `<save>/hf_iter_NNNNNNN_adapter` holds the adapters in the peft format. Alias:
+    `save_hf_weights`."""
 
     save_hf_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = None
     """dtype of the weights `save_hf` writes (None: that of the Hugging Face model the run

@@ -52,27 +52,36 @@ def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> Non
 
 
 def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
-    """The distributed optimizer and overlapped parameter gathering are one setting that lives in
-    two sections (ddp and optimizer). The side the user set explicitly wins; if neither was set
-    explicitly, "on" wins. Each change is logged."""
-    for name in ("use_distributed_optimizer", "overlap_param_gather"):
-        ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
-        if ddp_value == opt_value:
-            continue
-        ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
-        if ddp_explicit and opt_explicit:
-            problems.add(
-                f"optimizer.{name}",
-                f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
-                "set both to the same value (or only one of them)",
-            )
-            continue
-        if ddp_explicit or (not opt_explicit and ddp_value):
-            value, target, changed = ddp_value, cfg.optimizer, "optimizer"
-        else:
-            value, target, changed = opt_value, cfg.ddp, "ddp"
-        logger.info("setting %s.%s=%s to match the other section", changed, name, value)
-        target.apply_default(name, value)
+    """The distributed optimizer is one setting that lives in two sections (ddp and optimizer).
+    The side the user set explicitly wins; if neither was set explicitly, "on" wins. Synced before
+    the presets, which depend on it; each change is logged."""
+    _sync_ddp_and_optimizer(cfg, problems, "use_distributed_optimizer")
+
+
+def sync_overlap_param_gather(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Overlapped parameter gathering lives in ddp and optimizer, like the distributed optimizer;
+    synced after the communication-overlap preset has set it."""
+    _sync_ddp_and_optimizer(cfg, problems, "overlap_param_gather")
+
+
+def _sync_ddp_and_optimizer(cfg: "ConfigContainer", problems: Problems, name: str) -> None:
+    ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
+    if ddp_value == opt_value:
+        return
+    ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
+    if ddp_explicit and opt_explicit:
+        problems.add(
+            f"optimizer.{name}",
+            f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
+            "set both to the same value (or only one of them)",
+        )
+        return
+    if ddp_explicit or (not opt_explicit and ddp_value):
+        value, target, changed = ddp_value, cfg.optimizer, "optimizer"
+    else:
+        value, target, changed = opt_value, cfg.ddp, "ddp"
+    logger.info("setting %s.%s=%s to match the other section", changed, name, value)
+    target.apply_default(name, value)
 
 
 # ---------------------------------------------------------------------- batch sizes
@@ -277,6 +286,15 @@ def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     hf_checks.check_save_hf(cfg, problems)
 
 
+def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The checkpoints of ours that the run loads weights from were saved with the config's model
+    architecture (their run_config.yaml against the model section): a mismatch is reported
+    before the model is built."""
+    from megatron_bridge.training.checkpointing.compat import check_loaded_architectures
+
+    check_loaded_architectures(cfg, problems)
+
+
 def _null_tokenizer_vocab(cfg: "ConfigContainer"):
     tok = cfg.tokenizer
     if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
@@ -372,7 +390,11 @@ def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Scheduler lengths in samples, from iteration- or sample-based settings."""
+    """Scheduler lengths in samples, from iteration- or sample-based settings. Lengths given in
+    iterations become the samples those iterations consume, which with a batch-size ramp-up is
+    fewer than iterations x global_batch_size: the schedules end when the run does."""
+    from megatron_bridge.training.config.run_rules import samples_after
+
     s, t = cfg.scheduler, cfg.train
     gbs = t.global_batch_size
     if not gbs or (t.train_iters is None and t.train_samples is None):
@@ -387,9 +409,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
             "give scheduler lengths in samples (lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)",
         )
         total = t.train_samples
-        decay = s.lr_decay_samples or total
-        warmup = s.lr_warmup_samples
-        wsd = s.lr_wsd_decay_samples
+        decay_length, warmup_length = s.lr_decay_samples or total, s.lr_warmup_samples
+        wsd_length = s.lr_wsd_decay_samples
+        decay, warmup, wsd = decay_length, warmup_length, wsd_length
     else:
         sample_fields = [n for n in SAMPLE_FIELDS if getattr(s, n)]
         problems.check(
@@ -398,29 +420,34 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
             f"iteration-based training (train.train_iters) with sample-based scheduler fields {sample_fields}",
             "give scheduler lengths in iterations (lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)",
         )
+        rampup = t.rampup_batch_size if not problems.at("train.rampup_batch_size") else None
         length = s.max_steps or t.train_iters
-        total = length * gbs
-        decay = (s.lr_decay_iters or length) * gbs
-        warmup = s.lr_warmup_iters * gbs
-        wsd = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+        decay_length, warmup_length = s.lr_decay_iters or length, s.lr_warmup_iters
+        wsd_length = s.lr_wsd_decay_iters
+        total = samples_after(length, gbs, rampup)
+        decay = samples_after(decay_length, gbs, rampup)
+        warmup = samples_after(warmup_length, gbs, rampup)
+        # WSD's final phase is the end of the decay: the samples of its last lr_wsd_decay_iters iterations
+        wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
         warmup = int(s.lr_warmup_fraction * decay)
+        warmup_length = decay_length if warmup >= decay else warmup_length  # shown only when not shorter
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
-    unit, per = ("samples", 1) if sample_based else ("iterations", gbs)  # lengths reported as the user gave them
+    unit = "samples" if sample_based else "iterations"  # lengths reported as the user gave them
     if s.lr_decay_style != "constant":
         problems.check(
             warmup < decay,
             "scheduler.lr_warmup_samples" if sample_based else "scheduler.lr_warmup_iters",
-            f"warmup ({warmup // per} {unit}) is not shorter than the decay ({decay // per} {unit})",
+            f"warmup ({warmup_length} {unit}) is not shorter than the decay ({decay_length} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
         problems.check(
-            wsd <= decay,
+            wsd_length <= decay_length,
             "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
-            f"the WSD decay phase ({wsd // per} {unit}) is longer than the whole decay ({decay // per} {unit})",
+            f"the WSD decay phase ({wsd_length} {unit}) is longer than the whole decay ({decay_length} {unit})",
             "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
         )

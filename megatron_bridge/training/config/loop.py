@@ -25,7 +25,8 @@ class TrainingConfig(ConfigBase):
     micro_batch_size x data-parallel size (the quotient is the number of microbatches)."""
 
     rampup_batch_size: Optional[list[int]] = None
-    """Batch size ramp-up as [start_batch_size, batch_size_increment, ramp_up_samples]."""
+    """Batch size ramp-up as [start_batch_size, batch_size_increment, ramp_up_samples]. With
+    train_iters, schedule lengths in iterations are sized in the samples those iterations consume."""
 
     decrease_batch_size_if_needed: bool = False
     """Lower the global batch size when the data-parallel size changes (e.g. after a failure)."""

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Optional
 
+from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
 
 if TYPE_CHECKING:
@@ -39,6 +40,36 @@ def sample_based_train_iters(train_samples: int, global_batch_size: int, rampup_
     return iterations
 
 
+def samples_after(iterations: int, global_batch_size: int, rampup_batch_size: Optional[list[int]]) -> int:
+    """Samples consumed by the first `iterations` iterations. With a ramp-up, each iteration's
+    batch is the one megatron-core's `RampupBatchsizeNumMicroBatchesCalculator` gives for the
+    samples consumed before it (start + increment x int(consumed / samples per increment) while
+    consumed <= the ramp's samples, then global_batch_size)."""
+    if rampup_batch_size is None or iterations <= 0:
+        return max(iterations, 0) * global_batch_size
+    start, increment, rampup_samples = rampup_batch_size
+    per_increment = rampup_samples / ((global_batch_size - start) // increment)
+    consumed = done = 0
+    while done < iterations and consumed <= rampup_samples:
+        step = int(consumed / per_increment)
+        size = start + step * increment
+
+        def same_size(j: int, c0: int = consumed, size: int = size, step: int = step) -> bool:
+            c = c0 + j * size
+            return c <= rampup_samples and int(c / per_increment) == step
+
+        # Iterations at this size: the batch stays while the consumed count keeps the same
+        # ramp step (a monotone condition, so the last such iteration is found by bisection).
+        low, high = 0, (rampup_samples - consumed) // size + 1  # same_size(low), not same_size(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if same_size(mid) else (low, mid)
+        run = min(low + 1, iterations - done)
+        consumed += run * size
+        done += run
+    return consumed + (iterations - done) * global_batch_size
+
+
 def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
     """model.fp8_param (parameters stored in FP8) and ddp.fp8_param_gather (gathered in FP8) are one
     decision in Megatron-LM (`--fp8-param-gather` sets both); disagreeing, the gathered buffers
@@ -50,6 +81,32 @@ def check_fp8_param_sync(cfg: "ConfigContainer", problems: Problems) -> None:
         "ddp.fp8_param_gather",
         f"{ddp_value} but model.fp8_param={model_value}",
         "set both alike (mixed_precision.fp8_param_gather sets both)",
+    )
+
+
+def check_fp8_param_gather_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Gathering parameters in FP8 (Megatron-LM's `--fp8-param-gather`) happens in the
+    distributed optimizer's parameter all-gather; megatron-core's plain optimizer has no such
+    path. A named preset turns it on only with the distributed optimizer, so what is left here
+    was set by the user."""
+    if not cfg.ddp.fp8_param_gather or cfg.ddp.use_distributed_optimizer:
+        return
+    mp = cfg.mixed_precision
+    set_by_user = [
+        where
+        for where, section, name in (
+            ("mixed_precision.fp8_param_gather", mp, "fp8_param_gather"),
+            ("ddp.fp8_param_gather", cfg.ddp, "fp8_param_gather"),
+            ("model.fp8_param", cfg.model, "fp8_param"),
+        )
+        if isinstance(section, ConfigBase) and section.is_explicit(name) and getattr(section, name)
+    ]
+    where = (set_by_user or ["ddp.fp8_param_gather"])[0]
+    problems.add(
+        where,
+        "True asks for parameters gathered in FP8, which needs the distributed optimizer (megatron-core "
+        "gathers parameters only there), but ddp.use_distributed_optimizer=False",
+        f"set ddp.use_distributed_optimizer=True, or {where}=False",
     )
 
 

@@ -18,6 +18,7 @@ from megatron_bridge.config.base import finalize_into
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.training.config import checks, run_rules as run_schedule
 
 if TYPE_CHECKING:
@@ -144,11 +145,13 @@ _PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 RULES: tuple[Rule, ...] = (
     Rule("environment variables", "setup", apply_env_vars, validate=False),
     Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
+    Rule("expert MLP", "adapt", adapt_expert_mlp, validate=False, device="cuda"),
+    Rule("distributed optimizer", "sync", checks.sync_distributed_optimizer),
     Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
     Rule("data-parallel size", "derive", derive_data_parallel_size, inputs=("world_size",)),
     Rule("communication overlap", "preset", apply_comm_overlap, validate=False),
     Rule("deprecated training fields", "alias", checks.apply_deprecated_training_fields),
-    Rule("distributed optimizer", "sync", checks.sync_distributed_optimizer),
+    Rule("overlapped parameter gather", "sync", checks.sync_overlap_param_gather),
     Rule("pretrained model's tokenizer", "preset", checks.apply_pretrained_defaults),
     Rule("sections", "finalize", finalize_sections, inputs=("presets",)),
     Rule("evaluation batch sizes", "derive", checks.derive_eval_batch_sizes),
@@ -161,10 +164,12 @@ RULES: tuple[Rule, ...] = (
     Rule("deterministic mode", "check", checks.check_deterministic_mode),
     Rule("adapters", "check", checks.check_peft),
     Rule("Hugging Face weights", "check", checks.check_hugging_face),
+    Rule("checkpoint architecture", "check", checks.check_checkpoint_architecture),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
     Rule("data blends and phases", "check", check_data_rules),
     Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
+    Rule("fp8 parameter gather optimizer", "check", run_schedule.check_fp8_param_gather_optimizer),
     Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
