@@ -14,6 +14,14 @@ from typing import Callable
 
 from megatron_bridge.training.config import ConfigContainer
 from recipes._base import RECIPES
+from recipes.gemma import (
+    gemma3_1b_lora_finetune_config,
+    gemma3_1b_pretrain_config,
+    gemma3_4b_lora_finetune_config,
+    gemma3_4b_pretrain_config,
+    gemma3_27b_lora_finetune_config,
+    gemma3_27b_pretrain_config,
+)
 from recipes.llama import (
     llama2_7b_pretrain_config,
     llama3_8b_finetune_config,
@@ -60,6 +68,12 @@ def get_recipe(name: str) -> Callable[..., ConfigContainer]:
 
 __all__ = [
     "UnknownRecipeError",
+    "gemma3_1b_lora_finetune_config",
+    "gemma3_1b_pretrain_config",
+    "gemma3_27b_lora_finetune_config",
+    "gemma3_27b_pretrain_config",
+    "gemma3_4b_lora_finetune_config",
+    "gemma3_4b_pretrain_config",
     "get_recipe",
     "list_recipes",
     "llama2_7b_pretrain_config",

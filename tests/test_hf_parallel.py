@@ -44,12 +44,14 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["olmo2", "phi3", "gemma3", "gemma2"])
 def test_tensor_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name):
-    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP) and
-    Phi-3 (fused qkv_proj and gate_up_proj): TP2 gives the logits of one process, and the TP2
-    checkpoint exports bit-identical from one process. For OLMo 2 the same processes also check
-    the qk-norm's gradients over two ranks (scripts/projection_norm_tp.py)."""
+    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
+    Phi-3 (fused qkv_proj and gate_up_proj), Gemma 3 (RoPE base per layer type, zero-centered
+    norms, scaled embeddings) and Gemma 2 (soft-capped scores and vocabulary-split logits): TP2
+    gives the logits of one process, and the TP2 checkpoint exports bit-identical from one
+    process. For OLMo 2 the same processes also check the qk-norm's gradients over two ranks
+    (scripts/projection_norm_tp.py)."""
     from megatron_bridge.cli.main import main
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

@@ -87,6 +87,7 @@ FIELD_RANGES: dict[str, str] = {
     "num_query_groups": SIZE, "ffn_hidden_size": SIZE, "kv_channels": SIZE, "vocab_size": SIZE,
     "moe_ffn_hidden_size": SIZE, "moe_shared_expert_intermediate_size": SIZE, "num_moe_experts": SIZE,
     "moe_router_topk": SIZE, "make_vocab_size_divisible_by": SIZE, "rotary_base": "[1, inf)",
+    "local_rotary_base": "[1, inf)", "attention_logit_softcap": POSITIVE, "output_logit_softcap": POSITIVE,
     "rotary_percent": "(0, 1]", "layernorm_epsilon": POSITIVE, "init_method_std": POSITIVE,
     "embedding_init_method_std": POSITIVE, "seq_len_interpolation_factor": POSITIVE,
     "rope_scaling_factor": POSITIVE, "softmax_scale": POSITIVE, "glu_linear_offset": ANY,
