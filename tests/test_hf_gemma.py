@@ -61,6 +61,7 @@ def test_gemma3_reads_the_transformers_5_and_4_layouts_alike(tmp_path):
         p = from_config_json(tmp_path, data)
         assert type(p) is M.Gemma3ModelProvider and is_gelu_tanh(p.activation_func)
         assert {k: getattr(p, k) for k in GEMMA3_FIELDS} == GEMMA3_FIELDS
+        assert p.scale_embeddings and p.layernorm_zero_centered_gamma and p.local_rotary_base == 10000
         p.finalize()
     # the published pattern (5 window layers per global one) as megatron-core's every-Nth rule,
     # any other one per layer; no window layer: no window and no local base

@@ -27,6 +27,10 @@ PUBLISHED = {
     M.Qwen3MoEModelProvider30B_A3B: (30.5e9, 3.3e9),
     M.Olmo2ModelProvider7B: (7.30e9, None),
     M.Phi3ModelProviderMini: (3.82e9, None),
+    # Gemma 3 text decoders: the technical report's embedding + non-embedding parameters
+    M.Gemma3ModelProvider1B: (1.000e9, None),
+    M.Gemma3ModelProvider4B: (3.884e9, None),
+    M.Gemma3ModelProvider27B: (27.016e9, None),
 }
 
 
@@ -69,6 +73,9 @@ def test_tiny_gpt_has_a_few_hundred_thousand_parameters():
         (M.Qwen3MoEModelProvider30B_A3B, 151936),
         (M.Olmo2ModelProvider7B, 100352),
         (M.Phi3ModelProviderMini, 32064),
+        (M.Gemma3ModelProvider1B, 262144),
+        (M.Gemma3ModelProvider4B, 262208),
+        (M.Gemma3ModelProvider27B, 262208),
         (M.TinyGPTModelProvider, 256),
     ],
 )
@@ -165,8 +172,10 @@ MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_grouped_gemm=False, mo
         lambda: M.Qwen3MoEModelProvider(**{**SMALL, "kv_channels": 32}, **MOE),
         lambda: M.Olmo2ModelProvider(**SMALL),
         lambda: M.Phi3ModelProvider(**SMALL, rotary_percent=0.5),
+        lambda: M.Gemma3ModelProvider(**SMALL, kv_channels=32, window_size=(7, 0), window_attn_skip_freq=2),
+        lambda: M.Gemma2ModelProvider(**SMALL, kv_channels=32, window_size=(7, 0)),
     ],
-    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3"],
+    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3", "gemma3", "gemma2"],
 )
 def test_count_matches_built_model(model_parallel, make):
     provider = make()
@@ -184,8 +193,9 @@ def test_count_matches_built_model(model_parallel, make):
 def test_family_modules_import_nothing_heavy():
     """The family modules are plain data: importing them adds no import beyond what gpt_provider.py
     already needs (megatron-core's TransformerConfig, which brings torch)."""
-    allowed = ("__future__", "typing", "torch.nn.functional", "megatron_bridge.config.base", "megatron_bridge.models.")
-    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3):
+    allowed = ("__future__", "typing", "dataclasses", "functools", "torch.nn.functional", "megatron_bridge.config.base",
+               "megatron_bridge.config.errors", "megatron_bridge.models.")  # fmt: skip
+    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3, M.gemma):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

@@ -144,6 +144,17 @@ def check_attention(config: Any, problems: Problems) -> None:
     )
 
 
+def window_layers(config: Any) -> list[bool]:
+    """Per layer (from the first), whether it has `config.window_size` (by
+    `window_attn_skip_freq`, as megatron-core's attention decides it)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    return [
+        is_layer_window_attention(config.window_size, config.window_attn_skip_freq, number)
+        for number in range(1, config.num_layers + 1)
+    ]
+
+
 def _explicit(config: Any, name: str) -> bool:
     is_explicit = getattr(config, "is_explicit", None)
     return bool(is_explicit and is_explicit(name))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from megatron_bridge.config.base import config_dataclass
 from megatron_bridge.config.errors import show
+from megatron_bridge.models.attention import window_layers
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.hf.family import HFFamily, causal_window, rope_scaling_of
 from megatron_bridge.models.hf.mapping import Copy, Mapped
@@ -260,13 +261,6 @@ def window_layer_pattern(sliding: list[bool]) -> Optional[Union[int, list[int]]]
         if all(s == (number % every != 0) for number, s in enumerate(sliding, 1)):
             return every
     return [int(s) for s in sliding]
-
-
-def window_layers(p: Any) -> list[bool]:
-    """Per layer, whether it has the provider's window (as megatron-core decides it)."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    return [is_layer_window_attention(p.window_size, p.window_attn_skip_freq, n) for n in range(1, p.num_layers + 1)]
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
