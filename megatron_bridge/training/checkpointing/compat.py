@@ -29,6 +29,9 @@ ARCHITECTURE_FIELDS = (
     "num_moe_experts",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "input_layernorms",
+    "output_layernorms",
+    "qk_layernorm_per_head",
 )
 """Model fields that decide the shapes and meaning of the weights."""
 
