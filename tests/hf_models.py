@@ -85,7 +85,12 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
 def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    from transformers import AutoConfig
+
+    # Soft-capped attention scores (Gemma 2) exist only in transformers' eager attention
+    softcapped = getattr(AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None) is not None
+    extra = {"attn_implementation": "eager"} if softcapped else {}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits
@@ -117,7 +122,8 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
-        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq).expand(batch, seq)}])
+        tokens = tokens.to(device)  # the model's device; the logits come back as a CPU copy
+        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq, device=device).expand(batch, seq)}])
 
         def step(data_iterator, module):
             item = next(data_iterator)
@@ -129,7 +135,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
             micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
         last = parallel_state.is_pipeline_last_stage()
-    return out[0] if last else None
+    return out[0].cpu() if last else None
 
 
 def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
