@@ -52,10 +52,10 @@ def gemma3_1b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
 
 @recipe(world_size=8, seq_length=8192, **LORA_DEFAULTS)
 def gemma3_4b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
-    """Gemma 3 4B (text) LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all
-    projections.
+    """Gemma 3 4B (text) LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32.
 
-    The base weights stay frozen; checkpoints hold only the adapters."""
+    Adapters on all four projections; the base weights stay frozen; checkpoints hold only the
+    adapters."""
     return lora_finetune_config(Gemma3ModelProvider4B(), opts)
 
 

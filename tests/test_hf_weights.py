@@ -231,7 +231,8 @@ def test_unsupported_architecture_is_a_config_error(tmp_path, capsys, no_model_b
         GPTModelProvider.from_hf(directory)
     assert main(["hf", "import", directory, str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
-    assert f"{directory}/config.json: architectures=['GPT2LMHeadModel'] is not supported (convert one of: LlamaForCausalLM" in err
+    assert f"{directory}/config.json: architectures=['GPT2LMHeadModel'] is not supported (convert one of: Gemma2ForCausalLM, " in err
+    assert ", LlamaForCausalLM, " in err
 
 
 def test_weight_files_that_disagree_with_their_index_or_config_name_file_and_tensor(tmp_path):

@@ -123,7 +123,7 @@ def test_unknown_recipe_names_the_closest_ones():
 
 
 def test_unrelated_recipe_name_lists_all_recipes():
-    with pytest.raises(ValueError, match="unknown recipe 'gpt5'; available: llama2_7b_pretrain_config, "):
+    with pytest.raises(ValueError, match="unknown recipe 'gpt5'; available: gemma3_1b_lora_finetune_config, "):
         recipes.get_recipe("gpt5")
 
 

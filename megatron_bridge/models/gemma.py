@@ -321,6 +321,8 @@ class GemmaFamily(HFFamily):
         layers = hf.get("num_hidden_layers")
         types = hf.get("layer_types")
         read.used("layer_types")
+        if self.window_pattern_field is not None:
+            read.used(self.window_pattern_field)  # layer_types, where given, wins (as in transformers)
         if types is None:
             every = self.window_pattern
             if self.window_pattern_field is not None:
