@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.training.config import (
     ConfigContainer,
@@ -107,3 +109,61 @@ def one_process_group():
                 dist.destroy_process_group()
 
     return group()
+
+
+def backend_for(ranks: int) -> str:
+    """The process-group backend of a test job of `ranks` processes on this machine, asked for
+    explicitly (never `auto`): NCCL on the GPUs when each rank can have its own, else gloo on
+    CPU. Runs whose results are compared use the backend of the largest among them."""
+    import torch
+
+    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
+
+
+def backend_overrides(ranks: int) -> list[str]:
+    """`backend_for(ranks)` as a command-line config override."""
+    return [f"dist.distributed_backend={backend_for(ranks)}"]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The source tree these tests belong to."""
+
+
+def source_tree_env(**extra: str) -> dict:
+    """This process's environment for a subprocess that must import this source tree: the tree
+    first on PYTHONPATH, what PYTHONPATH held kept after it (where the dependencies may be, when
+    the project runs from source), and no launcher variables of an enclosing torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def on_cpu(cfg):
+    """`cfg` as a CPU run on every machine (gloo: GPUs, where there are any, stay unused); for
+    tests of what a CPU run does. Returns `cfg`."""
+    cfg.dist.distributed_backend = "gloo"
+    return cfg
+
+
+def missing_packages(*modules: str) -> list[str]:
+    """Those of `modules` (optional packages) that are not installed, checked without importing."""
+    import importlib.util
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ImportError:
+            return False
+
+    return [m for m in modules if not installed(m)]
+
+
+def needs(*modules: str) -> None:
+    """Skip the calling test, naming what is missing, unless every module in `modules` (optional
+    packages) is installed."""
+    import pytest
+
+    missing = missing_packages(*modules)
+    if missing:
+        pytest.skip(f"needs the optional package(s) {', '.join(missing)}, not installed here")

@@ -96,10 +96,12 @@ def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1) -> Optional[torch.Tensor]:
+def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                    backend: str = "auto") -> Optional[torch.Tensor]:
     """Logits of our megatron-core model loaded from `source` (a Hugging Face directory, or a
-    checkpoint of ours) under the current launch (TP x PP x EP ranks); the full vocabulary
-    (padding rows included) on the last pipeline stage, None elsewhere."""
+    checkpoint of ours) under the current launch (TP x PP x EP ranks, `backend`: see
+    `model_parallel`); the full vocabulary (padding rows included) on the last pipeline stage, as
+    a CPU tensor, None elsewhere. `tokens` may be on any device: they go where the model is."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -118,12 +120,12 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         provider = checkpoint_provider(directory)
         load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
-        tokens = tokens.to(device)  # the model's device; the logits come back as a CPU copy
-        data = iter([{"tokens": tokens, "position_ids": torch.arange(seq, device=device).expand(batch, seq)}])
+        on_model = next(chunks[0].parameters()).device
+        data = iter([{"tokens": tokens.to(on_model), "position_ids": torch.arange(seq, device=on_model).expand(batch, seq)}])
 
         def step(data_iterator, module):
             item = next(data_iterator)
@@ -135,7 +137,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
             micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
         )  # fmt: skip
         last = parallel_state.is_pipeline_last_stage()
-    return out[0].cpu() if last else None
+    return out[0].float().cpu() if last else None
 
 
 def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:

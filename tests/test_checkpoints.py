@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_config, tiny_model
+from factories import on_cpu, tiny_config, tiny_model
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
@@ -252,12 +252,12 @@ def test_custom_manager_class_outside_the_allowlist_is_refused(tmp_path):
 def test_async_save_on_cpu_uses_a_worker_per_save(tmp_path, caplog):
     ckpt = tmp_path / "ckpt"
     with caplog.at_level("INFO", logger="megatron_bridge"):
-        losses, _ = run(config(save=str(ckpt), iters=6, save_interval=3, async_save=True))
+        losses, _ = run(on_cpu(config(save=str(ckpt), iters=6, save_interval=3, async_save=True)))
     assert "checkpoint.use_persistent_ckpt_worker=False (the persistent worker needs CUDA)" in caplog.text
     assert complete_iterations(str(ckpt)) == [3, 6] and read_tracker(str(ckpt)) == 6
-    resumed, state = run(config(load=str(ckpt), iters=6))
+    resumed, state = run(on_cpu(config(load=str(ckpt), iters=6)))
     assert state.train_state.step == 6 and resumed == []
-    explicit = config(save=str(ckpt), iters=6, async_save=True, use_persistent_ckpt_worker=True)
+    explicit = on_cpu(config(save=str(ckpt), iters=6, async_save=True, use_persistent_ckpt_worker=True))
     with pytest.raises(ConfigValidationError, match="the persistent async checkpoint worker needs CUDA"):
         pretrain(explicit, forward_step)
 
@@ -311,3 +311,34 @@ def test_pretrain_then_finetune_on_jsonl_with_the_loss_on_answers(tmp_path):
     # only answer tokens count, and they follow a learnable rule (the prompts are noise)
     assert sum(losses.values[-5:]) / 5 < sum(losses.values[:5]) / 5 - 1.0
     assert len(read_examples(str(data / "training.jsonl"), "input", "output", 48)) == 48
+
+
+def test_writer_results_come_back_without_a_helper_process(tmp_path, monkeypatch):
+    """The checkpoint writer's results: straight from this process, and over a pipe from a forked
+    background writer, however large and even after that writer has exited; no manager process
+    is started for them (it cost seconds on a job's first save)."""
+    import multiprocessing as mp
+    import queue
+
+    import psutil
+
+    from megatron_bridge.training.checkpointing import results_queue
+
+    results = results_queue.ForkedResultsQueue()
+    results.put({"rank": 0})
+    assert results.get_nowait() == {"rank": 0}
+    large = {"items": list(range(200_000))}  # megabytes: more than a pipe holds
+    writer = mp.get_context("fork").Process(target=results.put, args=(large,))
+    writer.start()
+    writer.join(timeout=60)
+    assert writer.exitcode == 0
+    assert results.get_nowait() == large
+    monkeypatch.setattr(results_queue, "RESULT_WAIT_SECONDS", 0.1)
+    with pytest.raises(queue.Empty):
+        results.get_nowait()
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    run(config(save=str(tmp_path / "ckpt"), iters=2))
+    started = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not [c for c in started if "spawn_main" in " ".join(c)], started
+    assert read_tracker(str(tmp_path / "ckpt")) == 2

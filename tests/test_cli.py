@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import recipes
+from factories import source_tree_env
 from megatron_bridge.cli.main import SUBCOMMANDS, _subcommand_module, main
 from megatron_bridge.models import count_parameters
 
@@ -29,9 +30,7 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def cli_process(*argv: str, cwd: str = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m megatron_bridge argv` in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
+    env = source_tree_env()
     return subprocess.run(
         [sys.executable, "-m", "megatron_bridge", *argv],
         cwd=cwd,

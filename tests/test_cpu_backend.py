@@ -1,4 +1,5 @@
-"""The CPU backend: what it replaces, that it restores exactly, and that it stays off with CUDA."""
+"""The CPU backend: what it replaces, that it restores exactly, and that it stays off with CUDA
+unless the run trains on CPU (activated for "cpu", it works on every machine)."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_activate_then_deactivate_restores_exactly():
 
     before_cuda = {name: getattr(torch.cuda, name, None) for name in cpu_backend.CUDA_STAND_INS}
     before_tracker = mrandom.CudaRNGStatesTracker
-    assert cpu_backend.activate() is True
+    assert cpu_backend.activate("cpu") is True
     assert torch.cuda.current_device() == "cpu"
     assert mrandom.CudaRNGStatesTracker is not before_tracker
     cpu_backend.deactivate()
@@ -37,7 +38,7 @@ def test_never_activates_where_cuda_is_available(monkeypatch):
 
 
 def test_cuda_device_arguments_run_on_cpu_while_active():
-    with cpu_backend.active():
+    with cpu_backend.active("cpu"):
         a = torch.zeros(3, device="cuda")
         b = torch.ones(2, device=torch.device("cuda", 0)).cuda()
         c = torch.arange(4).to("cuda")
@@ -46,15 +47,21 @@ def test_cuda_device_arguments_run_on_cpu_while_active():
         assert torch.randn(2).type() == "torch.cuda.FloatTensor"  # megatron asserts this type
         with torch.cuda.stream(torch.cuda.Stream()):
             torch.cuda.synchronize()
+    assert torch.randn(2).type() == "torch.FloatTensor"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour: without a GPU, CUDA tensors fail")
+def test_cuda_device_arguments_fail_again_after_deactivation():
+    with cpu_backend.active():
+        torch.zeros(1, device="cuda")
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
-    assert torch.randn(2).type() == "torch.FloatTensor"
 
 
 def test_rng_tracker_forks_cpu_generator_states():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    with cpu_backend.active():
+    with cpu_backend.active("cpu"):
         tracker = get_cuda_rng_tracker()
         tracker.add("stream-a", 123)
         torch.manual_seed(0)
@@ -88,6 +95,7 @@ def test_sequence_parallel_and_determinism_stats_are_refused_on_cpu():
     from megatron_bridge.training.setup import resolve_config
 
     cfg = tiny_config(model=tiny_model(tensor_model_parallel_size=2, sequence_parallel=True))
+    cfg.dist.distributed_backend = "gloo"  # a CPU run, also where GPUs are visible
     cfg.rerun_state_machine.rerun_mode = "report_determinism_stats"
     with pytest.raises(ConfigValidationError) as err:
         resolve_config(cfg)

@@ -1,4 +1,5 @@
-"""pretrain() under torchrun with 2 processes on CPU (gloo): DP=2, TP=2, PP=2."""
+"""pretrain() under torchrun with 2 processes (`factories.backend_for(2)`: gloo on CPU unless there
+is a GPU per process): DP=2, TP=2, PP=2. One-process runs compared with them use the same backend."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import backend_for
 
 from megatron_bridge.training.distributed import free_port
 
@@ -26,7 +28,7 @@ def run(tmp_path, name, *args, nproc=1, timeout=300):
             str(SCRIPT),
         ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([*cmd, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([*cmd, *args, "--backend", backend_for(2), "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"{name}.rank{r}").read_text()) for r in range(nproc)]
     return results, proc.stdout + proc.stderr
@@ -90,7 +92,7 @@ def test_one_rank_raising_stops_both_quickly_with_its_error(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", str(SCRIPT), "--iters", "50", "--fail-at", "5", "--fail-rank", "1",
-        "--timeout-minutes", "1", "--out", str(tmp_path / "o"),
+        "--timeout-minutes", "1", "--backend", backend_for(2), "--out", str(tmp_path / "o"),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     start = time.time()

@@ -10,15 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from factories import source_tree_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def run_example(name: str, *argv: str) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
+    env = source_tree_env()
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", name), *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
@@ -32,6 +31,8 @@ def _arguments(key: str, directory) -> tuple[str, ...]:
         text = directory / "corpus.txt"
         text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
         return ("custom_dataset.py", "--text", str(text), "--dir", str(directory), "--train-iters", "6")
+    if key == "eval_callback":
+        return ("eval_callback.py", "--dir", str(directory), "--train-iters", "20", "--every", "10")
     iters = {"optimizer_groups": "4", "extra_metric": "5", "callback": "20"}[key]
     return (f"{key}.py", "--dir", str(directory), "--train-iters", iters)
 
@@ -42,7 +43,7 @@ def runs(tmp_path_factory):
     directory, a future of its output)."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     jobs = {}
-    for key in ("custom_dataset", "optimizer_groups", "extra_metric", "callback"):
+    for key in ("custom_dataset", "optimizer_groups", "extra_metric", "callback", "eval_callback"):
         directory = tmp_path_factory.mktemp(key)
         jobs[key] = (directory, pool.submit(run_example, *_arguments(key, directory)))
     yield jobs
@@ -92,3 +93,22 @@ def test_callback(runs):
     assert len(record["train_losses"]) == 20
     assert record["step"] in (10, 20)
     assert f"best validation loss {record['best_validation_loss']:.4f} at iteration {record['step']}" in out
+
+
+def test_held_out_evaluation_callback(runs):
+    """The callback's last held-out loss is what `mbridge eval` gives the checkpoint of that
+    iteration, and training on the counting sequences lowers it."""
+    tmp_path, job = runs["eval_callback"]
+    out = job.result()
+    run = tmp_path / "example_eval_callback"
+    history = json.loads((run / "held_out_history.json").read_text())
+    assert [h["iteration"] for h in history] == [10, 20]
+    assert history[1]["loss"] < history[0]["loss"]
+    assert f"held-out loss {history[1]['loss']:.6f}" in out and "at iteration 20" in out
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge", "eval", str(run / "checkpoints"), "--data", str(run / "held_out.jsonl"), "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert abs(json.loads(proc.stdout.splitlines()[-1])["loss"] - history[1]["loss"]) < 1e-6

@@ -286,6 +286,7 @@ def test_nccl_settings_reach_megatron_core_and_are_refused_on_cpu(monkeypatch, t
     nccl_settings = tmp_path / "nccl.yaml"
     nccl_settings.write_text("dp:\n  max_ctas: 4\n")
     cfg = tiny_config()
+    cfg.dist.distributed_backend = "gloo"  # refused on a CPU run, also where GPUs are visible
     cfg.dist.use_sharp = True
     cfg.dist.high_priority_stream_groups = ["dp"]
     cfg.dist.nccl_communicator_config_path = str(nccl_settings)

@@ -16,7 +16,7 @@ import signal
 import time
 
 import pytest
-from factories import one_process_group, tiny_config
+from factories import needs, one_process_group, tiny_config
 
 from megatron_bridge.training.config import (
     FaultToleranceConfig,
@@ -53,6 +53,7 @@ def rank_monitor(tmp_path, monkeypatch):
 def test_calc_ft_timeouts_stores_timeouts_computed_from_the_run(tmp_path, monkeypatch):
     """With `calc_ft_timeouts` the section timeouts are computed from the observed durations
     after a save and go into the fault-tolerance state that checkpoints store."""
+    needs("nvidia_resiliency_ext")
     from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance
 
     def run_steps(config):
@@ -161,6 +162,7 @@ def nvrx_report(relative, individual):
 def test_nvrx_straggler_settings(monkeypatch, caplog):
     """nvidia-resiliency-ext's detector profiles kernels with CUPTI (GPUs): a stand-in gives the
     report; the thresholds, logging and stopping act on the real report."""
+    needs("nvidia_resiliency_ext")
     import nvidia_resiliency_ext.straggler as straggler
 
     from megatron_bridge.training.resiliency.stragglers import StragglerDetected, StragglerMonitor
@@ -207,6 +209,7 @@ def seconds(value):
 
 def test_inprocess_restart_settings_reach_the_wrapper(tmp_path, monkeypatch):
     """The in-process restart run (tests/test_resiliency.py) is driven by this wrapper."""
+    needs("nvidia_resiliency_ext")
     import torch
 
     from megatron_bridge.training.resiliency.inprocess import _launcher_environment, build_wrapper

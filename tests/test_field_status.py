@@ -251,6 +251,8 @@ def test_gpu_only_settings_are_refused_before_the_build_on_a_cpu_machine():
 
     cfg = tiny_config()
     cfg.model.enable_cuda_graph = True
+    on_cpu = field_status.machine_problems(cfg, device="cpu")  # a gloo run: refused on every machine
+    assert len(on_cpu) == 1 and on_cpu[0].startswith("model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) (")
     found = field_status.machine_problems(cfg)
     if torch.cuda.is_available():
         assert found == []

@@ -1,5 +1,6 @@
-"""Hugging Face weights under torchrun with 2 processes (gloo, CPU): TP=2, PP=2 and EP=2 loads
-give the logits of one process; import and export split over ranks stay bit-identical."""
+"""Hugging Face weights under torchrun with 2 processes (`factories.backend_for(2)`: gloo on CPU
+unless there is a GPU per process): TP=2, PP=2 and EP=2 loads give the logits of one process;
+import and export split over ranks stay bit-identical."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import backend_for
 from hf_models import family_configs, in_subprocess_env, megatron_logits, random_tokens, save_tiny
 from test_hf_weights import assert_bit_identical, read_all
 
@@ -37,9 +39,10 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
     directory = save_tiny(name, str(tmp_path / name), max_shard_size="100KB")
     vocab = family_configs()[name].vocab_size
     out = tmp_path / "logits.pt"
-    torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), *layout, "--out", str(out))
+    backend = backend_for(2)
+    torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), *layout, "--backend", backend, "--out", str(out))
     parallel = torch.load(out)
-    single = megatron_logits(directory, random_tokens(vocab))
+    single = megatron_logits(directory, random_tokens(vocab), backend=backend)
     assert parallel.shape[:2] == single.shape[:2]
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
 
@@ -76,8 +79,9 @@ def test_tensor_parallel_import_and_pipeline_parallel_export_are_exact(tmp_path)
 
     source = save_tiny("qwen3_moe", str(tmp_path / "hf"), max_shard_size="100KB")
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "exported")
-    torchrun("-m", "megatron_bridge", "hf", "import", source, ckpt, "--tp", "2")
-    output = torchrun("-m", "megatron_bridge", "hf", "export", ckpt, out, "--pp", "2", "--max-shard-size", "100KB")
+    backend = ["--backend", backend_for(2)]
+    torchrun("-m", "megatron_bridge", "hf", "import", source, ckpt, "--tp", "2", *backend)
+    output = torchrun("-m", "megatron_bridge", "hf", "export", ckpt, out, "--pp", "2", "--max-shard-size", "100KB", *backend)
     assert f"exported {ckpt} -> {out}" in output
     assert_bit_identical(read_all(source), read_all(out))
     AutoModelForCausalLM.from_pretrained(out)

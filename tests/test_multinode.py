@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import backend_for
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.training.distributed import free_port
@@ -49,7 +50,7 @@ def test_two_nodes_on_localhost_train_like_one_node(tmp_path):
     """Two torchrun processes (--nnodes 2, 1 process each) form one data-parallel job: global
     ranks 0 and 1 with node-local rank 0 on both, only the last global rank logs, and both nodes
     write their shards of the checkpoint."""
-    train = [SCRIPTS / "train_tiny.py", "--iters", "6"]
+    train = [SCRIPTS / "train_tiny.py", "--iters", "6", "--backend", backend_for(2)]
     port, ckpt = free_port(), tmp_path / "ckpt"
     nodes = [
         subprocess.Popen(

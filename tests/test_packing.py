@@ -67,7 +67,7 @@ def model_parallel():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    with one_process_group(), cpu_backend.active():
+    with one_process_group(), cpu_backend.active("cpu"):  # a gloo group: the model is on CPU on every machine
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(7)
         yield

@@ -45,10 +45,16 @@ def config(iters=10, peft=None, pretrained=None, save=None, load=None, exit_inte
     return cfg
 
 
+def on_model(model):
+    """TOKENS and their positions on the device of `model`."""
+    device = next(model.parameters()).device
+    return TOKENS.to(device), torch.arange(TOKENS.shape[1], device=device).expand_as(TOKENS)
+
+
 def logits(model):
-    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    """fp32 logits of `model` for TOKENS, as a CPU tensor."""
     with torch.no_grad():
-        return model(TOKENS, positions, None)
+        return model(*on_model(model), None).float().cpu()
 
 
 class Record(Callback):
@@ -215,8 +221,8 @@ def test_moe_expert_adapters_start_as_the_base_and_train(monkeypatch):
             ".local_experts." in n for n in names
         )  # layers x fc x experts x (A, B)
         assert torch.equal(logits(adapted), expected)
-        positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
-        adapted(TOKENS, positions, None, labels=TOKENS).mean().backward()
+        tokens, positions = on_model(adapted)
+        adapted(tokens, positions, None, labels=tokens).mean().backward()
         assert all(p.grad is not None for n, p in adapted.named_parameters() if n.endswith("lora_B"))
 
 

@@ -1,5 +1,6 @@
-"""LoRA/DoRA fine-tuning under torchrun with 2 processes on CPU (gloo): TP=2 (also with sequence
-parallelism), PP=2 and DP=2 with the distributed optimizer give what one process gives."""
+"""LoRA/DoRA fine-tuning under torchrun with 2 processes (`factories.backend_for(2)`: gloo on CPU
+unless there is a GPU per process): TP=2 (also with sequence parallelism), PP=2 and DP=2 with the
+distributed optimizer give what one process (on the same backend) gives."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import tiny_config, tiny_llama_model
+from factories import backend_for, tiny_config, tiny_llama_model
 
 from megatron_bridge.peft.export import read_adapter_tensors
 from megatron_bridge.training.checkpointing import layout
@@ -32,7 +33,7 @@ def run(tmp_path, name, *args, nproc=1, timeout=400):
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    proc = subprocess.run([*cmd, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([*cmd, *args, "--backend", backend_for(2), "--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((tmp_path / f"{name}.rank{r}").read_text()) for r in range(nproc)], proc.stdout + proc.stderr
 

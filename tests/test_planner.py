@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from factories import backend_for
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.planning import plan
@@ -66,6 +67,8 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         str(out),
         "--layouts",
         *LAYOUTS,
+        "--backend",
+        backend_for(2),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from factories import tiny_config
+from factories import on_cpu, tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.models.param_count import flops_per_token
@@ -111,7 +111,7 @@ def test_params_norm_is_off_by_default():
 
 
 def test_progress_without_a_checkpoint_directory_and_energy_on_cpu_are_config_errors():
-    cfg = tiny_config(logger=LoggerConfig(log_progress=True, log_energy=True))
+    cfg = on_cpu(tiny_config(logger=LoggerConfig(log_progress=True, log_energy=True)))
     with pytest.raises(ConfigValidationError) as err:
         pretrain(cfg, forward_step)
     assert (

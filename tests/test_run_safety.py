@@ -52,6 +52,23 @@ def _session_processes(sid):
     return found
 
 
+def _process_tree(pid):
+    """The process `pid` and its descendants (torchrun starts each rank in a session of its own)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _alive(processes):
+    found = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def _kill_session(proc):
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -255,3 +272,46 @@ def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
     output = "".join(lines) + rest
     assert job.returncode == 130, output[-2000:]
     assert "mbridge pretrain: interrupted." in output and "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killing_the_launcher_stops_every_process_of_the_job(tmp_path):
+    """torchrun killed with -9: both ranks notice their launcher is gone and stop as on SIGTERM
+    (the recipe's SIGTERM handler saves a checkpoint first); their tracker helper ends with them."""
+    from factories import backend_overrides
+
+    from megatron_bridge.training.distributed import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
+        "--dir", str(tmp_path), "train.train_iters=100000", "logger.log_interval=1", *backend_overrides(2),
+    ]  # fmt: skip
+    env = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, job_processes = [], []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if " 3/100000 |" in line:
+                break
+        job_processes = _process_tree(job.pid)
+        assert len(job_processes) >= 4, [p.name() for p in job_processes]  # torchrun, 2 ranks, the tracker worker
+        job.send_signal(signal.SIGKILL)  # torchrun only
+        killed = time.time()
+        while _alive(job_processes) and time.time() < killed + 30:
+            time.sleep(0.2)
+        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in _alive(job_processes)]
+    finally:
+        if not job_processes and job.poll() is None:
+            job_processes = _process_tree(job.pid)
+        for p in _alive(job_processes):
+            p.kill()
+        _kill_session(job)
+    output = "".join(lines) + job.stdout.read()
+    assert left == [], f"processes of the job remain 30 s after the launcher was killed: {left}\n{output[-3000:]}"
+    assert "is gone: stopping as on SIGTERM" in output, output[-3000:]
+    assert "exit signal received" in output, output[-3000:]
+    saved = read_tracker(str(tmp_path / "tiny_gpt_pretrain" / "checkpoints"))
+    assert saved is not None and saved >= 3

@@ -15,7 +15,7 @@ import time
 import zipfile
 
 import pytest
-from factories import tiny_config
+from factories import needs, tiny_config
 
 from megatron_bridge.training.config import CheckpointConfig, LoggerConfig, TrainingConfig, ValidationConfig
 from megatron_bridge.training.gpt_step import forward_step
@@ -156,6 +156,7 @@ def console_losses(text):
 # ---------------------------------------------------------------------- end to end
 @pytest.mark.timeout(300)
 def test_all_four_trackers_record_the_same_metrics(offline, caplog):
+    needs("mlflow", "wandb", "comet_ml")
     tmp = offline
     cfg = tiny_config(
         train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2),
@@ -223,6 +224,7 @@ def test_all_four_trackers_record_the_same_metrics(offline, caplog):
 
 @pytest.mark.timeout(300)
 def test_mlflow_run_is_marked_failed_when_training_raises(offline):
+    needs("mlflow")
     from mlflow import MlflowClient
 
     def fails_at_iteration_2(state, data_iterator, model):
@@ -263,6 +265,7 @@ def test_trackers_in_the_training_process_and_metric_groups_off_by_default(offli
 # ---------------------------------------------------------------------- errors
 @pytest.mark.timeout(120)
 def test_comet_online_without_api_key_fails_at_setup_with_the_fix(offline):
+    needs("comet_ml")
     cfg = tiny_config(
         train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=2),
         logger=LoggerConfig(comet_project="tiny", comet_experiment_name="online"),
@@ -295,6 +298,7 @@ def test_missing_backend_package_names_the_extra(monkeypatch, module, cls, kwarg
 
 
 def test_mlflow_params_respect_the_length_and_key_limits():
+    needs("mlflow")
     from mlflow.utils import validation
 
     from megatron_bridge.training.loggers import mlflow_tracker as mt
@@ -314,6 +318,7 @@ def test_mlflow_params_respect_the_length_and_key_limits():
 
 @pytest.mark.timeout(120)
 def test_mlflow_logs_checkpoints_as_artifacts_when_asked(offline):
+    needs("mlflow")
     from mlflow import MlflowClient
 
     from megatron_bridge.training.loggers.mlflow_tracker import MlflowTracker
@@ -354,6 +359,7 @@ def test_tracker_process_that_dies_does_not_stop_training(tmp_path, caplog):
 
 @pytest.mark.timeout(120)
 def test_tracker_process_reports_a_backend_that_could_not_start(tmp_path):
+    needs("mlflow")
     from megatron_bridge.training.loggers.process import TrackerProcess
 
     spec = TrackerSpec(

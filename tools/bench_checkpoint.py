@@ -2,6 +2,10 @@
 `dist_checkpointing.save/load` of the same sharded state, side by side in one process.
 
     python tools/bench_checkpoint.py [--rounds 3] [--layers 8] [--hidden 512] [--dir /tmp/bench_ckpt]
+    python tools/bench_checkpoint.py --tiny-only     # just the tiny-model line
+
+First, in a fresh process: the save time of the tiny recipe's model (360k parameters), its first
+save (what a short run's final save costs: nothing is set up yet) and the median of the next ones.
 
 Builds a GPT (model + Adam state) with megatron_bridge's setup, then alternates (same number of writer
 threads on both sides): the manager's save
@@ -27,6 +31,48 @@ def dir_megabytes(path: str) -> float:
     return total / 1e6
 
 
+def tiny_save_times(directory: str, saves: int = 5) -> list[float]:
+    """Seconds of each of `saves` saves of the tiny recipe's model (after one training step), in
+    this process: the first one is the first save this process makes."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_bridge.cli.source import build_config
+    from megatron_bridge.training.checkpointing.manager import DefaultCheckpointManager
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.runner import _shutdown
+    from megatron_bridge.training.setup import setup
+    from megatron_bridge.training.train import train_step
+
+    shutil.rmtree(directory, ignore_errors=True)
+    overrides = ["train.train_iters=1", "logger.tensorboard_dir=null", "validation.eval_iters=0"]
+    cfg = build_config("tiny_gpt_pretrain_config", (), {"dir": directory}, None, overrides)
+    run = setup(cfg, forward_step)
+    try:
+        train_step(run, get_forward_backward_func())
+        manager = DefaultCheckpointManager(cfg)
+        times = []
+        for r in range(saves):
+            run.state.train_state.step = r + 1
+            start = time.perf_counter()
+            manager.save(run, "benchmark")
+            times.append(time.perf_counter() - start)
+    finally:
+        _shutdown(run.state)
+        shutil.rmtree(directory, ignore_errors=True)
+    return times
+
+
+def tiny_line(directory: str) -> str:
+    """The tiny-model line, measured in a fresh process (a first save pays for any set-up)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--tiny-only", "--dir", directory],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.strip().splitlines()[-1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -34,7 +80,15 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--dir", default="/tmp/bench_ckpt")
     p.add_argument("--writers", type=int, default=1, help="writer threads per rank, for both (checkpoint.storage_writers_per_rank)")
+    p.add_argument("--tiny-only", action="store_true", help="only the tiny-model save line (in this process)")
     args = p.parse_args()
+    if args.tiny_only:
+        times = tiny_save_times(os.path.join(args.dir, "tiny"))
+        later = statistics.median(times[1:])
+        print(f"tiny-model save (360k parameters): first {times[0]:.3f} s, then median {later:.3f} s "
+              f"({', '.join(f'{t:.3f}' for t in times)})")  # fmt: skip
+        return
+    print(tiny_line(os.path.join(args.dir, "tiny")), flush=True)
 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy

@@ -70,6 +70,13 @@ def _layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: all processes / (pp x ep))")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size, for mixture-of-experts models (default: 1)")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="process-group backend: nccl runs on the GPUs (one process per GPU), gloo on the CPU; auto: nccl "
+        "where GPUs are visible, else gloo (default: %(default)s)",
+    )
 
 
 def parse_size(text: str) -> int:
@@ -110,7 +117,7 @@ def run_import(args: argparse.Namespace) -> int:
     if not is_hf_directory(args.hf_dir):
         raise UsageError(f"{args.hf_dir!r} is not a Hugging Face model directory (config.json and model.safetensors[.index.json])")
     tp, pp, ep = _sizes(args)
-    directory = _config_errors(import_hf, args.hf_dir, args.out_dir, tp=tp, pp=pp, ep=ep, dtype=args.dtype)
+    directory = _config_errors(import_hf, args.hf_dir, args.out_dir, tp=tp, pp=pp, ep=ep, dtype=args.dtype, backend=args.backend)
     if _last_rank():
         print(f"imported {args.hf_dir} -> {directory} (fine-tune with checkpoint.pretrained_checkpoint={args.out_dir})")
     return 0
@@ -122,7 +129,7 @@ def run_export(args: argparse.Namespace) -> int:
     tp, pp, ep = _sizes(args)
     stats = _config_errors(
         export_checkpoint, args.ckpt, args.out_dir, dtype=args.dtype, step=args.step, tp=tp, pp=pp, ep=ep,
-        max_shard_bytes=parse_size(args.max_shard_size), base=args.base,
+        max_shard_bytes=parse_size(args.max_shard_size), base=args.base, backend=args.backend,
     )  # fmt: skip
     if _last_rank():
         print(f"exported {args.ckpt} -> {args.out_dir} ({stats['tensors']} tensors in {stats['files']} files)")

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from megatron_bridge.cli.common import add_debug_flag
 from megatron_bridge.cli.errors import EXIT_USAGE, UsageError
 
-SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "peft", "slurm", "hf", "data")
+SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "peft", "slurm", "hf", "data", "generate", "evaluate")
 """Modules of `megatron_bridge.cli` that each add one subcommand (`register(subparsers)`).
 A module that does not exist (yet) is skipped."""
 
@@ -29,6 +29,8 @@ Train megatron-core models from typed, validated configs.
   mbridge peft merge|export CKPT OUT                fold LoRA/DoRA adapters in, or write them for `peft`
   mbridge hf import|export ...                      Hugging Face model directories in and out
   mbridge data preprocess|inspect ...               text to indexed datasets (.bin/.idx), and a look at one
+  mbridge generate SOURCE --prompt TEXT             text from a Hugging Face model or a checkpoint
+  mbridge eval SOURCE --data FILE                   loss, perplexity, multiple-choice accuracy on a data file
 
 `mbridge COMMAND --help` describes each command."""
 

@@ -143,7 +143,22 @@ def run(args: argparse.Namespace) -> int:
         "is not set: a preempted job would start over when requeued",
         "set checkpoint.save=DIR",
     )
+    backend = cfg.dist.distributed_backend
+    problems.check(
+        not (args.cpu and backend == "nccl"),
+        "dist.distributed_backend",
+        "'nccl' trains on GPUs, but --cpu asks for nodes without GPUs",
+        "leave it unset with --cpu (the script sets gloo), or drop --cpu",
+    )
+    problems.check(
+        args.cpu or backend != "gloo",
+        "dist.distributed_backend",
+        f"'gloo' trains on CPU, but the script asks for {args.gpus_per_node} GPUs per node",
+        "add --cpu (no GPUs requested), or leave it unset to train on the GPUs",
+    )
     extra = ["train.exit_signal_handler=true"]
+    if args.cpu and backend == "auto":
+        extra.append("dist.distributed_backend=gloo")  # CPU nodes that show a GPU must not pick NCCL
     if ckpt.save and not ckpt.load:
         extra.append(f"checkpoint.load={ckpt.save}")
     elif ckpt.save:

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from megatron_bridge.config.annotations import values_equal
 from megatron_bridge.config.base import ConfigBase
@@ -253,28 +253,32 @@ def check_unsupported(config: Any, problems: Problems) -> None:
             problems.add(name, f"{name}={value!r} is not supported: {why.reason}", "leave it at its default")
 
 
-def machine_problems(cfg: Any) -> list[str]:
-    """Settings of `cfg` this machine cannot run (no GPU, no TransformerEngine), as messages."""
-    return [str(p) for p in _machine_problems(cfg)]
+def machine_problems(cfg: Any, device: Optional[str] = None) -> list[str]:
+    """Settings of `cfg` this machine cannot run (no GPU, no TransformerEngine), as messages.
+    `device`: where the run trains ("cpu" also on a machine with GPUs); default: a GPU if any."""
+    return [str(p) for p in _machine_problems(cfg, device)]
 
 
-def refuse_on_this_machine(cfg: Any) -> None:
-    """Raise `ConfigValidationError` listing the settings this machine cannot run."""
-    found = _machine_problems(cfg)
+def refuse_on_this_machine(cfg: Any, device: Optional[str] = None) -> None:
+    """Raise `ConfigValidationError` listing the settings this machine cannot run (on `device`)."""
+    found = _machine_problems(cfg, device)
     if found:
         raise ConfigValidationError(found)
 
 
-def _machine_problems(cfg: Any) -> list[ConfigProblem]:
+def _machine_problems(cfg: Any, device: Optional[str]) -> list[ConfigProblem]:
     from megatron_bridge.extras import is_installed
 
+    has_gpu = _has_gpu()
+    on_gpu = has_gpu if device is None else device == "cuda"
     found = []
     for section_name, section in sections(cfg):
         for name, value, why in unsupported_settings(section):
             if why.needs == "transformer_engine" and not is_installed("transformer_engine"):
                 fix = "pip install transformer-engine, or leave it unset"
-            elif why.needs == "gpu" and not _has_gpu():
-                fix = "run on a machine with a GPU, or leave it unset"
+            elif why.needs == "gpu" and not on_gpu:
+                where = "train on the GPUs (dist.distributed_backend=auto or nccl)" if has_gpu else "run on a machine with a GPU"
+                fix = f"{where}, or leave it unset"
             else:
                 continue
             found.append(ConfigProblem(f"{section_name}.{name}", f"{name}={value!r} {why.reason}", fix))

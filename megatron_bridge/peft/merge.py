@@ -96,6 +96,7 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
@@ -115,6 +116,7 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
         ft_state=None,
         **extra,
     )
+    use_results_queue(persistent_worker=False)  # no helper process for the writer's results
     dist_checkpointing.save(sd, staging, TorchDistSaveShardedStrategy("torch_dist", 1))
     cfg.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
     if os.path.isdir(final):

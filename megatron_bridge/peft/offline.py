@@ -60,8 +60,8 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
     from megatron_bridge.training.distributed import init_model_parallel, init_process_group, teardown
 
     cfg = unsplit_config(cfg)
-    _, created = init_process_group(cfg)
-    activated = cpu_backend.activate()
+    device, created = init_process_group(cfg)
+    activated = cpu_backend.activate(device)
     try:
         init_model_parallel(cfg)
         torch.manual_seed(cfg.rng.seed)

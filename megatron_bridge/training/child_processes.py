@@ -1,11 +1,10 @@
 """Helper processes that die with the trainer.
 
-megatron-core's checkpoint writer forks processes (a background saver, one writer per bucket)
-and keeps a `multiprocessing` manager for their results. If the trainer is killed with SIGKILL,
-nothing tells them to stop: they were re-parented to init and lived on, holding hundreds of MB
-each. Here every process forked by the trainer asks Linux to SIGKILL it when its parent dies
-(`PR_SET_PDEATHSIG`), and the results manager, a spawned process (forking a server from a
-trainer whose libraries run threads can crash it), does the same when it starts.
+megatron-core's checkpoint writer forks processes (a background saver, one writer per bucket).
+If the trainer is killed with SIGKILL, nothing tells them to stop: they were re-parented to init
+and lived on, holding hundreds of MB each. Here every process forked by the trainer asks Linux to
+SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`); spawned helpers (worker pools, the results
+manager of a persistent checkpoint worker) do the same when they start.
 
 Some helpers must outlive their parent on purpose: nvidia-resiliency-ext's restart monitor is
 a daemon made by a double fork, whose middle process exits at once. They are started inside
@@ -26,7 +25,6 @@ _PR_SET_PDEATHSIG = 1
 _installed = False
 _parent_pid = 0
 _exempt = False
-_results_manager: Any = None
 
 
 def _load_prctl() -> Optional[Callable[..., int]]:
@@ -42,7 +40,8 @@ def _load_prctl() -> Optional[Callable[..., int]]:
 _prctl = _load_prctl()
 
 
-def _die_when_parent_dies(parent_pid: int) -> None:
+def die_when_parent_dies(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when `parent_pid`, its parent, dies (exit at once if it has)."""
     if _prctl is None:
         return
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -57,7 +56,7 @@ def _before_fork() -> None:
 
 def _in_child() -> None:
     if not _exempt:
-        _die_when_parent_dies(_parent_pid)
+        die_when_parent_dies(_parent_pid)
 
 
 def die_with_parent() -> None:
@@ -68,21 +67,6 @@ def die_with_parent() -> None:
         return
     os.register_at_fork(before=_before_fork, after_in_child=_in_child)
     _installed = True
-
-
-def install_checkpoint_results_queue() -> None:
-    """Give megatron-core's checkpoint writer a results queue whose manager process dies with
-    this one (megatron-core's own outlived a killed trainer)."""
-    global _results_manager
-    die_with_parent()
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        _results_manager = SyncManager(ctx=mp.get_context("spawn"))
-        _results_manager.start(initializer=_die_when_parent_dies, initargs=(os.getpid(),))
-        filesystem_async._results_queue = _results_manager.Queue()
 
 
 @contextlib.contextmanager
@@ -104,7 +88,7 @@ def tie_children_to_parent() -> None:
 
 
 def _start_worker(parent_pid: int, initializer: Callable[..., None], initargs: tuple) -> None:
-    _die_when_parent_dies(parent_pid)
+    die_when_parent_dies(parent_pid)
     initializer(*initargs)
 
 

@@ -10,8 +10,10 @@ that gradients are `torch.cuda.FloatTensor`. `activate()` makes these work on CP
 3. a `TorchFunctionMode`, entered on the activating thread, that turns CUDA device arguments into
    "cpu", makes `Tensor.cuda()` a no-op, and reports `torch.cuda.*` tensor types.
 
-It is activated only when a run trains on CPU (never where CUDA is available), and
-`deactivate()` restores exactly what `activate()` replaced.
+It is activated when a run trains on CPU: always where no GPU is visible, and on a machine with
+GPUs when the run asks for CPU (`dist.distributed_backend=gloo`); then `torch.cuda.is_available()`
+and `device_count()` report no GPU, so megatron-core takes its CPU paths. `deactivate()` restores
+exactly what `activate()` replaced.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ CUDA_STAND_INS: dict[str, Callable[..., Any]] = {
     "set_stream": _returning(None, "set_stream"),
     "get_rng_state": _returning(torch.get_rng_state, "get_rng_state"),
     "set_rng_state": _set_rng_state,
+    "is_available": _returning(False, "is_available"),  # a CPU run on a GPU machine: no GPU for megatron-core
+    "device_count": _returning(0, "device_count"),
     "memory_stats": _returning(dict, "memory_stats"),
     "memory_allocated": _returning(0, "memory_allocated"),
     "max_memory_allocated": _returning(0, "max_memory_allocated"),
@@ -211,12 +215,14 @@ def is_active() -> bool:
     return _BACKEND.active
 
 
-def activate() -> bool:
-    """Install the CPU stand-ins (no-op where CUDA is available or already active).
+def activate(device: Optional[str] = None) -> bool:
+    """Install the CPU stand-ins. `device` is the device the caller trains on: "cpu" activates
+    even where CUDA is available (a gloo run on a GPU machine), "cuda" never does, and None
+    activates only where no GPU is visible. A no-op when already active.
 
     Returns whether this call activated the backend.
     """
-    if _BACKEND.active or not needed():
+    if _BACKEND.active or device == "cuda" or (device is None and not needed()):
         return False
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -266,9 +272,9 @@ def deactivate() -> None:
 
 
 @contextlib.contextmanager
-def active():
-    """Context manager: the CPU backend is active inside (if needed on this machine)."""
-    activated = activate()
+def active(device: Optional[str] = None):
+    """Context manager: the CPU backend is active inside (as `activate(device)` decides)."""
+    activated = activate(device)
     try:
         yield
     finally:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
@@ -22,12 +24,73 @@ def resolve_backend(requested: str) -> str:
     """`auto` -> nccl when CUDA is available, else gloo."""
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "dist.distributed_backend='nccl' needs CUDA GPUs, and none is available "
-            "(use 'gloo' or 'auto' to train on CPUs)"
-        )
     return requested
+
+
+def launch_problem(
+    visible_gpus: int,
+    local_rank: int,
+    local_world_size: int,
+    backend: str,
+    gpu_per_process: bool = False,
+    setting: str = "dist.distributed_backend",
+) -> Optional[ConfigProblem]:
+    """Why a process launched this way cannot train with `backend` (auto, nccl or gloo) on a
+    machine with `visible_gpus` GPUs, or None.
+
+    NCCL puts each process on the GPU of its local rank, so a machine needs as many visible GPUs
+    as it runs processes. `gpu_per_process`: the launcher gave each process only its own GPU
+    (`dist.external_gpu_device_mapping`), so one visible GPU is enough. `setting` is where the
+    caller's users choose the backend (the problem's path; `setting=gloo` trains on CPU).
+    """
+    if backend == "gloo" or (backend == "auto" and visible_gpus < 1):
+        return None
+    shown = "nccl" if backend == "nccl" else "auto (nccl where GPUs are visible)"
+    if gpu_per_process and visible_gpus >= 1:
+        return None
+    processes = f"{local_world_size} process{'es' if local_world_size != 1 else ''}"
+    gpus = f"{visible_gpus} visible GPU{'s' if visible_gpus != 1 else ''}"
+    on_gpus = (
+        f"launch one process per GPU (torchrun --nproc_per_node={visible_gpus})" if visible_gpus else "run where GPUs are visible"
+    )
+    way_out = f"{on_gpus}, or set {setting}=gloo to train on CPU"
+    if local_world_size > visible_gpus or visible_gpus < 1:
+        return ConfigProblem(
+            setting,
+            f"{shown} needs one GPU per process, but this machine runs {processes} (LOCAL_WORLD_SIZE) "
+            f"and has {gpus} (torch.cuda.device_count())",
+            way_out,
+        )
+    if local_rank >= visible_gpus:
+        return ConfigProblem(
+            setting,
+            f"{shown} puts each process on the GPU of its local rank, but local rank {local_rank} is past "
+            f"the {gpus} (devices 0 to {visible_gpus - 1})",
+            way_out,
+        )
+    return None
+
+
+def checked_backend(
+    requested: str, local_rank: int, gpu_per_process: bool = False, setting: str = "dist.distributed_backend"
+) -> str:
+    """The backend (nccl or gloo) this process uses for `requested` (auto, nccl or gloo); raises
+    `ConfigValidationError` when this launch cannot use it on this machine (`launch_problem`,
+    with the local world size torchrun gives)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problem = launch_problem(
+        torch.cuda.device_count(), local_rank, local_world, requested, gpu_per_process, setting
+    )
+    if problem is not None:
+        raise ConfigValidationError(problem)
+    return resolve_backend(requested)
+
+
+def run_backend(dist_config) -> str:
+    """`checked_backend` of a training run's `dist` settings."""
+    return checked_backend(
+        dist_config.distributed_backend, cuda_device_index(dist_config), dist_config.external_gpu_device_mapping
+    )
 
 
 def free_port() -> int:
@@ -63,7 +126,7 @@ def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = Non
     Returns (device, created): device is "cuda" or "cpu"; created tells whether this call made
     the group (and so the caller must destroy it).
     """
-    backend = resolve_backend(cfg.dist.distributed_backend)
+    backend = run_backend(cfg.dist)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(cuda_device_index(cfg.dist))

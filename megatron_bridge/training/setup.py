@@ -18,8 +18,9 @@ from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.training.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, resolve_backend
+from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
+from megatron_bridge.training.launcher_watch import stop_when_launcher_dies
 from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
@@ -29,8 +30,10 @@ logger = logging.getLogger("megatron_bridge")
 
 
 def resolve_config(cfg: ConfigContainer) -> str:
-    """Adapt `cfg` to the device it will train on, then `runtime_config_update`; returns the device."""
-    device = "cuda" if resolve_backend(cfg.dist.distributed_backend) == "nccl" else "cpu"
+    """Adapt `cfg` to the device it will train on, then `runtime_config_update`; returns the device.
+    A launch that cannot use the backend on this machine (more processes than GPUs for NCCL) is
+    refused here, before anything is built."""
+    device = "cuda" if run_backend(cfg.dist) == "nccl" else "cpu"
     runtime_config_update(cfg, device=device)
     return device
 
@@ -285,10 +288,11 @@ def setup(
     from megatron_bridge.training.loggers import build_tracker
     from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 
-    resolve_config(cfg)
+    device = resolve_config(cfg)
     die_with_parent()
+    stop_when_launcher_dies()
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
-    field_status.refuse_on_this_machine(cfg)  # settings that need a GPU or TransformerEngine
+    field_status.refuse_on_this_machine(cfg, device)  # settings that need a GPU or TransformerEngine
     refuse_what_the_layers_cannot_run(cfg)
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
@@ -298,7 +302,7 @@ def setup(
     check_outputs_and_lock(cfg, state)
     internal_callbacks = _start_resiliency(cfg, state)
     if state.device == "cpu":
-        state.cpu_backend_activated = cpu_backend.activate()
+        state.cpu_backend_activated = cpu_backend.activate(device="cpu")
         torch.set_num_threads(cpu_threads(state.world_size))
     init_model_parallel(cfg)
     state.tp_communicators = initialize_tp_communicators(cfg.model, cfg.train.micro_batch_size)

@@ -23,6 +23,7 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--backend", default="auto", help="process-group backend (tests: factories.backend_for)")
     p.add_argument("--out", required=True)
     p.add_argument("--import-to", help="then import the directory into a checkpoint here, in the same layout")
     p.add_argument("--check-projection-norm", action="store_true", help="then run projection_norm_tp.py's check")
@@ -32,15 +33,15 @@ def main():
     from megatron_bridge.training.distributed import resolve_backend
 
     # One process group for every step (a group made again on torchrun's store finds stale peers).
-    dist.init_process_group(resolve_backend("auto"))
-    logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep)
+    dist.init_process_group(resolve_backend(args.backend))
+    logits = megatron_logits(args.hf, random_tokens(args.vocab), tp=args.tp, pp=args.pp, ep=args.ep, backend=args.backend)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank == world - 1:
         torch.save(logits, args.out)
     if args.import_to:
         from megatron_bridge.models.hf.convert import import_hf
 
-        import_hf(args.hf, args.import_to, tp=args.tp, pp=args.pp, ep=args.ep)
+        import_hf(args.hf, args.import_to, tp=args.tp, pp=args.pp, ep=args.ep, backend=args.backend)
     if args.check_projection_norm:
         from projection_norm_tp import check_projection_norm
 

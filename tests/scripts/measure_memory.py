@@ -147,7 +147,7 @@ class Measure(Callback):
         }
 
 
-def run_layout(name):
+def run_layout(name, backend):
     model_fields, ddp_fields, precision = LAYOUTS[name]
     cfg = tiny_config(
         train=TrainingConfig(train_iters=1, global_batch_size=4, micro_batch_size=1),
@@ -160,6 +160,7 @@ def run_layout(name):
         setattr(cfg.ddp, key, value)
     cfg.mixed_precision = precision
     cfg.logger.log_interval = 1
+    cfg.dist.distributed_backend = backend
     recorder = Measure()
     pretrain(cfg, forward_step, callbacks=[recorder])
     return recorder.result
@@ -169,6 +170,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="tests: factories.backend_for")
     args = p.parse_args()
     # megatron-core 0.16 without TransformerEngine leaves this name undefined, and MoE routing
     # reads it (a NameError); the non-TE code path expects None.
@@ -177,8 +179,8 @@ def main():
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     # One process group for all layouts: pretrain() joins it and leaves it up between runs.
-    dist.init_process_group("gloo")
-    results = {name: run_layout(name) for name in args.layouts}
+    dist.init_process_group(args.backend)
+    results = {name: run_layout(name, args.backend) for name in args.layouts}
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

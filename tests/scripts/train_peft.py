@@ -59,6 +59,7 @@ def main():
     p.add_argument("--pretrained", required=True)
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
+    p.add_argument("--backend", default="auto", help="dist.distributed_backend (tests: factories.backend_for)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cls = LoRA if args.method == "lora" else DoRA
@@ -77,6 +78,7 @@ def main():
         allow_sequence_parallel_on_cpu()
         cfg.model.sequence_parallel = True
     cfg.logger.log_interval = 1
+    cfg.dist.distributed_backend = args.backend
     if args.dist_opt:
         cfg.ddp.use_distributed_optimizer = True
     recorder = RecordLosses()

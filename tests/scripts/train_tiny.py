@@ -79,6 +79,7 @@ def main():
         "--step-sleep", type=float, default=0.0,
         help="seconds to sleep after each step (on the first attempt only: a restarted job runs at full speed)",
     )  # fmt: skip
+    p.add_argument("--backend", default="auto", help="dist.distributed_backend (tests: factories.backend_for)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = tiny_config(
@@ -94,6 +95,7 @@ def main():
     cfg.logger.log_interval = 1
     cfg.logger.log_params_norm = True
     cfg.dist.distributed_timeout_minutes = args.timeout_minutes
+    cfg.dist.distributed_backend = args.backend
     if args.dist_opt:
         cfg.ddp.use_distributed_optimizer = True
     cfg.checkpoint.save = args.save

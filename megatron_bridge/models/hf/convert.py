@@ -64,10 +64,12 @@ def export_config(provider: Any, origin: Optional[str], dtype: Optional[str]) ->
 
 
 # ---------------------------------------------------------------------- HF -> ours
-def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: Optional[str] = None) -> str:
+def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: Optional[str] = None,
+              backend: str = "auto") -> str:
     """Convert the Hugging Face directory `hf_dir` into a weights-only checkpoint of ours in
     `out_dir` (load it with `checkpoint.pretrained_checkpoint`). Everything is checked before
-    the model is built. Returns the iteration directory written."""
+    the model is built. `backend`: see `runtime.model_parallel`. Returns the iteration directory
+    written."""
     import torch.distributed as dist
 
     from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
@@ -86,7 +88,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
     problems.raise_if_any()
     hf = read_hf_config(hf_dir)
     weights_dtype = torch_dtype(dtype or default_dtype(provider, hf))
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
         chunks = build_chunks(prepare(provider, device, params_dtype=weights_dtype), device)
         load_hf_weights(chunks, hf_dir, map_files=True)  # the model is only written out again
         if weights_dtype != provider.params_dtype:
@@ -127,11 +129,12 @@ def _no_config(directory: str):
 
 def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step: Optional[int] = None,
                       tp: int = 1, pp: int = 1, ep: int = 1, max_shard_bytes: Optional[int] = None,
-                      base: Optional[str] = None) -> dict:
+                      base: Optional[str] = None, backend: str = "auto") -> dict:
     """Write the model weights of our checkpoint `ckpt` (a save directory or one iter_*
     directory) as a Hugging Face directory `out_dir` in `dtype` (None: the dtype of the Hugging
     Face model it came from, else of its training weights). The adapters of a LoRA/DoRA
-    checkpoint are folded into the base weights they record (or those in `base`)."""
+    checkpoint are folded into the base weights they record (or those in `base`). `backend`: see
+    `runtime.model_parallel`."""
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare, stored_dtype
     from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, write_hf_weights
     from megatron_bridge.training.checkpointing.layout import resolve
@@ -140,7 +143,7 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     provider = checkpoint_provider(directory)
     peft, base_dir = _adapters_of(directory, base)
     origin = hf_origin(directory) or hf_origin(base_dir)
-    with model_parallel(tp=tp, pp=pp, ep=ep) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
         model = prepare(provider, device, params_dtype=stored_dtype(provider), bf16=False, fp16=False)
         chunks = build_chunks(model, device)
         if peft is None:

@@ -18,19 +18,21 @@ logger = logging.getLogger("megatron_bridge")
 
 @contextlib.contextmanager
 def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None, seed: int = 1234,
-                   timeout_minutes: int = 30) -> Iterator[str]:
-    """Join the launcher's process group (or create a one-process one), run megatron-core's CUDA
-    calls on the CPU where there is no GPU, set up tensor/pipeline/expert parallel state; undo
-    it all on exit. Yields the device ("cuda" or "cpu")."""
+                   timeout_minutes: int = 30, backend: str = "auto") -> Iterator[str]:
+    """Join the launcher's process group (or create a one-process one) with `backend` (auto:
+    nccl on GPUs where they are visible, else gloo on CPU), run megatron-core's CUDA calls on the
+    CPU for gloo, set up tensor/pipeline/expert parallel state; undo it all on exit. Yields the
+    device ("cuda" or "cpu"). A launch with more processes than GPUs for NCCL raises
+    `ConfigValidationError` before anything is set up."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port, resolve_backend
+    from megatron_bridge.training.distributed import checked_backend, free_port
 
-    backend = resolve_backend("auto")
+    backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
     device = "cuda" if backend == "nccl" else "cpu"
     created = activated = False
     if device == "cuda":
@@ -47,7 +49,7 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
         created = True
     try:
         if device == "cpu":
-            activated = cpu_backend.activate()
+            activated = cpu_backend.activate(device)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
@@ -188,6 +190,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
 
     from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
     from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
@@ -204,6 +207,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
         checkpoint_version=state_dict.CHECKPOINT_VERSION, iteration=iteration, layout=state_dict.layout(),
         saved_rng=False, saved_optimizer=False, saved_rerun=False, weights_only=True,
     )  # fmt: skip
+    use_results_queue(persistent_worker=False)  # no helper process for the writer's results
     dist_checkpointing.save(sd, staging, TorchDistSaveShardedStrategy("torch_dist", 1))
     dist.barrier()
     if rank == 0:

@@ -1,13 +1,22 @@
-"""Checkpoints: saved so that no crash can corrupt the latest, resumed exactly, resharded on load."""
+"""Checkpoints: saved so that no crash can corrupt the latest, resumed exactly, resharded on load.
 
-from megatron_bridge.training.checkpointing.compat import CheckpointMismatchError
+The on-disk layout (`layout`) imports nothing heavy; the manager and the architecture check load
+megatron-core, on first use of their names."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from megatron_bridge.training.checkpointing.layout import TRACKER_FILE, has_checkpoint, read_tracker, resolve
-from megatron_bridge.training.checkpointing.manager import (
-    CheckpointManager,
-    Checkpointer,
-    DefaultCheckpointManager,
-    make_manager,
-)
+
+_LAZY = {
+    "CheckpointMismatchError": "compat",
+    "CheckpointManager": "manager",
+    "Checkpointer": "manager",
+    "DefaultCheckpointManager": "manager",
+    "make_manager": "manager",
+}
 
 __all__ = [
     "CheckpointManager",
@@ -20,3 +29,9 @@ __all__ = [
     "read_tracker",
     "resolve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

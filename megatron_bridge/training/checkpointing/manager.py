@@ -18,8 +18,8 @@ import torch
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.training.checkpointing import layout, state_dict
-from megatron_bridge.training.child_processes import install_checkpoint_results_queue
 from megatron_bridge.training.checkpointing.compat import check_architecture
+from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -90,7 +90,7 @@ class DefaultCheckpointManager:
             model_part="adapters" if self.config.peft is not None else "all",
             peft_base=self._peft_base,
         )
-        install_checkpoint_results_queue()
+        use_results_queue(persistent_worker=self.ckpt.async_save and self.ckpt.use_persistent_ckpt_worker)
         with _space_errors(self.config, iteration):
             if self.ckpt.async_save:
                 request = dist_checkpointing.save(sd, staging, self._save_strategy(), async_sharded_save=True)

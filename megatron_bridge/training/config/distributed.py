@@ -16,7 +16,8 @@ class DistributedInitConfig(ConfigBase):
 
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend: `nccl` (GPUs), `gloo` (CPUs), or `auto` (nccl when CUDA is available,
-    else gloo). The backend decides the device: nccl trains on GPUs, gloo on CPUs."""
+    else gloo). The backend decides the device: nccl trains on GPUs, one per process; gloo trains
+    on CPUs, also on a machine with GPUs."""
 
     distributed_timeout_minutes: int = 10
     """Timeout for collectives; a rank that waits longer fails instead of hanging."""

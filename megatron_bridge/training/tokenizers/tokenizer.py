@@ -35,6 +35,10 @@ class NullTokenizer:
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
 
+    def encode(self, text: str) -> list[int]:
+        """The default encoding of `text`: its ids (there are no special tokens to add)."""
+        return self.tokenize(text)
+
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(i) for i in ids)
 
@@ -110,6 +114,11 @@ class HuggingFaceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's default encoding of `text`: with the special tokens its post-processor
+        adds (a beginning-of-sequence token, for many), as `transformers`' `tokenizer(text)` gives."""
+        return self._tok.encode(text).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text; uses the tokenizer's own threads unless disabled

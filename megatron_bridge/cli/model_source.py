@@ -1,0 +1,48 @@
+"""The model-source argument and options `mbridge generate` and `mbridge eval` share, and the
+errors of theirs that are the user's to fix (reported without a traceback, exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from typing import Iterator
+
+SOURCE_HELP = (
+    "a Hugging Face model directory (with config.json), or a checkpoint directory of ours: a save directory "
+    "(its latest iteration) or one iter_N directory; a LoRA/DoRA checkpoint is loaded on the base its run recorded"
+)
+
+
+def add_source_arguments(p: argparse.ArgumentParser, batch_size: int) -> None:
+    p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint iteration to load (default: the latest)")
+    p.add_argument("--base", metavar="DIR", help="base model of a LoRA/DoRA checkpoint (default: the one its run recorded)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json (default: the source's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the dtype they are stored in)")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default: the number of processes under torchrun)")
+    p.add_argument("--batch-size", type=int, default=batch_size, metavar="N", help="sequences run together (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (see the command's description)")
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    return dict(step=args.step, base=args.base, tokenizer=args.tokenizer, tp=args.tp, dtype=args.dtype)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """A bad source, prompt, data file or option becomes a `UsageError`; anything else keeps
+    its traceback (it is a bug)."""
+    from megatron_bridge.cli.errors import UsageError
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.inference.errors import DataError, PromptError, SourceError
+
+    try:
+        yield
+    except (SourceError, PromptError, DataError, ConfigValidationError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def prints() -> bool:
+    """Whether this process writes the results (the first rank under torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0

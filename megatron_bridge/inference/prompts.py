@@ -1,0 +1,100 @@
+"""Prompts: read from a JSONL file, rendered with the chat template when asked, and tokenized.
+
+A prompt is a string, or a conversation (a list of `{"role", "content"}` messages, which is
+always rendered with the chat template). A prompts file has one per line: `{"prompt": "..."}`,
+`{"messages": [...]}` or a JSON string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+from megatron_bridge.inference.errors import PromptError
+
+Prompt = Union[str, list]
+
+
+def read_prompts(path: str) -> list[Prompt]:
+    """The prompts of a JSONL file, in order; a bad line is an error naming it."""
+    prompts: list[Prompt] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PromptError(f"{where}: not JSON ({exc.msg})") from None
+                if isinstance(row, dict) and "messages" in row:
+                    row = row["messages"]
+                elif isinstance(row, dict) and "prompt" in row:
+                    row = row["prompt"]
+                elif isinstance(row, dict):
+                    raise PromptError(f'{where}: expected {{"prompt": ...}} or {{"messages": [...]}}, found keys {sorted(row)}')
+                prompts.append(check_prompt(row, where))
+    except OSError as exc:
+        raise PromptError(f"--prompts {path!r}: {exc.strerror or exc}") from None
+    if not prompts:
+        raise PromptError(f"--prompts {path!r} holds no prompts")
+    return prompts
+
+
+def check_prompt(prompt: Any, where: str) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        from megatron_bridge.data.chat import check_messages
+
+        problem = check_messages(prompt + [{"role": "assistant", "content": ""}], where)
+        if problem:
+            raise PromptError(problem)
+        return prompt
+    raise PromptError(f"{where}: a prompt is a string or a list of messages, not {type(prompt).__name__}")
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length: int, describe: str) -> list[list[int]]:
+    """Token ids of each prompt: a conversation (or any prompt with `chat`) rendered with the
+    tokenizer's chat template, plain text with the tokenizer's default encoding. A prompt that
+    leaves no room for a new token in the model's `seq_length` is an error."""
+    renderer = None
+    if chat or any(isinstance(p, list) for p in prompts):
+        renderer = chat_renderer(tokenizer, describe)
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if renderer is not None:
+            from megatron_bridge.data.chat import ChatFormatError
+
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            try:
+                text = renderer.render(messages, add_generation_prompt=True)
+            except ChatFormatError as exc:
+                raise PromptError(f"prompt {i + 1}: {exc}") from None
+            ids = tokenizer.tokenize(text)  # the template writes the special tokens itself
+        else:
+            ids = tokenizer.encode(prompt)
+        if not ids:
+            raise PromptError(f"prompt {i + 1} is empty (it encodes to no tokens)")
+        if len(ids) >= seq_length:
+            raise PromptError(
+                f"prompt {i + 1} has {len(ids)} tokens, longer than the model's sequence length allows: it takes "
+                f"{seq_length} tokens in all, and at least one must be left for a new token (shorten the prompt)"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+def chat_renderer(tokenizer: Any, describe: str) -> Any:
+    from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(
+            f"the tokenizer of {describe} has no chat template, which --chat and conversation prompts need "
+            "(give a tokenizer with one, e.g. --tokenizer DIR, or a plain prompt without --chat)"
+        )
+    try:
+        return ChatRenderer(tokenizer)
+    except ChatFormatError as exc:
+        raise PromptError(str(exc)) from None

@@ -1,0 +1,195 @@
+"""What a model source is, checked before anything is built.
+
+A source is a Hugging Face model directory (recognized by its `config.json`) or a directory of
+our checkpoints: a save directory (its latest iteration, or `step`) or one `iter_N` directory.
+A checkpoint of a LoRA/DoRA run holds only adapters; its base is the checkpoint the run recorded
+(or `base` when given). Everything here reads files only: no torch, no megatron-core, so a wrong
+path is reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_bridge.inference.errors import SourceError
+
+HF, CHECKPOINT, ADAPTERS = "hf", "checkpoint", "adapters"
+CONFIG_FILE = "config.json"
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+HF_ASSETS_DIR = "hf"
+"""Inside an imported checkpoint's iteration directory: the Hugging Face config and tokenizer."""
+
+CHECKPOINT_FILES = (".metadata", "metadata.json", "common.pt")
+"""Files every complete torch_dist checkpoint iteration directory holds (besides its shards)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A checked model source."""
+
+    path: str
+    """As given."""
+
+    kind: str
+    """`hf`, `checkpoint` (complete weights of ours) or `adapters` (a LoRA/DoRA run's)."""
+
+    directory: str
+    """The Hugging Face directory, or the checkpoint's iteration directory."""
+
+    iteration: Optional[int] = None
+    """The checkpoint's iteration (None for a Hugging Face directory)."""
+
+    base: Optional["ModelSource"] = None
+    """For adapters: the weights they were trained on."""
+
+    def describe(self) -> str:
+        if self.kind == HF:
+            return f"Hugging Face model {self.directory}"
+        what = "adapters" if self.kind == ADAPTERS else "checkpoint"
+        text = f"{what} {self.directory} (iteration {self.iteration})"
+        return f"{text} on {self.base.describe()}" if self.base is not None else text
+
+    @property
+    def hf_assets(self) -> Optional[str]:
+        """The directory with the config.json/tokenizer of the Hugging Face model the weights
+        came from (the source itself, or the `hf/` assets an import saved), if any."""
+        if self.kind == HF:
+            return self.directory
+        assets = os.path.join(self.directory, HF_ASSETS_DIR)
+        if os.path.isfile(os.path.join(assets, CONFIG_FILE)):
+            return assets
+        return self.base.hf_assets if self.base is not None else None
+
+
+def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -> ModelSource:
+    """The source at `path`, checked: a Hugging Face directory, or a complete checkpoint of ours
+    (with its base when it holds adapters). Raises `SourceError` saying what is wrong."""
+    if not os.path.exists(path):
+        raise SourceError(f"{path!r} does not exist (give a Hugging Face model directory or a checkpoint directory)")
+    if not os.path.isdir(path):
+        raise SourceError(f"{path!r} is a file; a model source is a Hugging Face model directory or a checkpoint directory")
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        if step is not None:
+            raise SourceError(f"--step picks a checkpoint iteration, but {path!r} is a Hugging Face model directory")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHTS):
+            raise SourceError(
+                f"{path!r} has a config.json but no weights (model.safetensors or model.safetensors.index.json): "
+                "the Hugging Face model is incomplete"
+            )
+        return ModelSource(path, HF, path)
+    directory, iteration = _iteration(path, step)
+    check_complete(directory)
+    config = read_run_config(directory)
+    if config.get("peft") is None:
+        return ModelSource(path, CHECKPOINT, directory, iteration)
+    return ModelSource(path, ADAPTERS, directory, iteration, base=_base_of(directory, config, base))
+
+
+def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
+    from megatron_bridge.training.checkpointing import layout
+
+    try:
+        return layout.resolve(path, step)
+    except (FileNotFoundError, ValueError) as exc:
+        unfinished = sorted(n for n in os.listdir(path) if n.startswith("iter_") and n.endswith(layout.INCOMPLETE_SUFFIX))
+        if unfinished and step is None and layout.read_tracker(path) is None:
+            raise SourceError(
+                f"no complete checkpoint in {path!r}: only {', '.join(unfinished)}, a save that did not finish "
+                "(the run stopped while writing it)"
+            ) from None
+        raise SourceError(f"{exc} (a model source is a Hugging Face directory with config.json, or a checkpoint directory)") from None
+
+
+def check_complete(directory: str) -> None:
+    """Raise `SourceError` unless `directory` is a complete checkpoint iteration: its metadata,
+    its run config, and every shard file its metadata names, at least as long as recorded."""
+    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+
+    missing = [name for name in (*CHECKPOINT_FILES, RUN_CONFIG_FILE) if not os.path.isfile(os.path.join(directory, name))]
+    if missing:
+        raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # a torn .metadata file raises whatever unpickling hits
+        raise SourceError(f"the checkpoint {directory!r} is incomplete: its .metadata cannot be read ({exc})") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            raise SourceError(f"the checkpoint {directory!r} is incomplete: shard {name} is missing")
+        if os.path.getsize(file) < size:
+            raise SourceError(
+                f"the checkpoint {directory!r} is incomplete: shard {name} has {os.path.getsize(file)} bytes, "
+                f"its metadata needs {size}"
+            )
+
+
+def read_run_config(directory: str) -> dict[str, Any]:
+    """The run_config.yaml of a checkpoint iteration directory, as plain data."""
+    import yaml
+
+    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+
+    path = os.path.join(directory, RUN_CONFIG_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SourceError(f"the checkpoint {directory!r} has an unreadable {RUN_CONFIG_FILE} ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise SourceError(f"{path} describes no model: the checkpoint was not written by megatron_bridge")
+    return data
+
+
+def _base_of(directory: str, config: dict, given: Optional[str]) -> ModelSource:
+    """The base weights of the adapters in `directory`: `given`, else what the run recorded."""
+    if given is not None:
+        base = resolve(given)
+        if base.kind == ADAPTERS:
+            raise SourceError(f"--base {given!r} holds adapters too; the base is a complete model")
+        return base
+    import torch
+
+    common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
+    record = common.get("peft") or {}
+    configured = (config.get("checkpoint") or {}).get("pretrained_checkpoint")
+    candidates = [c for c in (record.get("pretrained_iteration_dir"), record.get("pretrained_checkpoint"), configured) if c]
+    for candidate in candidates:
+        if os.path.isdir(candidate):
+            base = resolve(candidate)
+            if base.kind != ADAPTERS:
+                return base
+    recorded = candidates[0] if candidates else None
+    where = f"{recorded!r}, which is not there" if recorded else "no base recorded"
+    raise SourceError(
+        f"{directory!r} holds only the adapters of a {record.get('method', 'PEFT')} run, and their base model is "
+        f"missing ({where}); give the base checkpoint or Hugging Face directory with --base DIR"
+    )
+
+
+def read_json(path: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{path} cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path} holds no JSON object")
+    return data
+
+
+def declared_seq_length(source: ModelSource) -> Optional[int]:
+    """The sequence length the model was built for, read from its files (no model built)."""
+    if source.kind == HF:
+        value = read_json(os.path.join(source.directory, CONFIG_FILE)).get("max_position_embeddings", 4096)
+        return int(value) if isinstance(value, int) else None  # 4096: what the conversion assumes
+    value = (read_run_config(source.directory).get("model") or {}).get("seq_length")
+    return int(value) if isinstance(value, int) else None

@@ -1,0 +1,52 @@
+"""Test-only: tiny Hugging Face models with a tokenizer (for generation and evaluation), their
+transformers references, and `mbridge` run in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from hf_models import family_configs, in_subprocess_env, save_tiny
+from text_data import train_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 320
+"""The models' vocabulary: the tokenizer's 300 ids and padding rows, as real models have."""
+
+
+def tiny_hf_model(name: str, directory, chat_template=None) -> str:
+    """The tiny `name` model (fp32, random weights) with a 300-token BPE tokenizer."""
+    config = family_configs()[name]
+    config.vocab_size = VOCAB
+    save_tiny(name, str(directory), config=config)
+    train_tokenizer(str(directory), vocab_size=300, chat_template=chat_template)
+    return str(directory)
+
+
+def hf_tokenizer(directory: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+
+
+def transformers_model(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, float64."""
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(tokens).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0]
+
+
+def mbridge(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python -m megatron_bridge ARGS` in a fresh process (this checkout first on the path)."""
+    env = in_subprocess_env()
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "megatron_bridge", *args], capture_output=True, text=True, timeout=timeout, env=env)
