@@ -22,6 +22,12 @@ from recipes.gemma import (
     gemma3_27b_lora_finetune_config,
     gemma3_27b_pretrain_config,
 )
+from recipes.gpt_oss import (
+    gpt_oss_20b_lora_finetune_config,
+    gpt_oss_20b_pretrain_config,
+    gpt_oss_120b_lora_finetune_config,
+    gpt_oss_120b_pretrain_config,
+)
 from recipes.llama import (
     llama2_7b_pretrain_config,
     llama3_8b_finetune_config,
@@ -75,6 +81,10 @@ __all__ = [
     "gemma3_4b_lora_finetune_config",
     "gemma3_4b_pretrain_config",
     "get_recipe",
+    "gpt_oss_120b_lora_finetune_config",
+    "gpt_oss_120b_pretrain_config",
+    "gpt_oss_20b_lora_finetune_config",
+    "gpt_oss_20b_pretrain_config",
     "list_recipes",
     "llama2_7b_pretrain_config",
     "llama31_405b_pretrain_config",

@@ -147,7 +147,7 @@ def test_iteration_and_sample_scheduler_fields_do_not_mix():
 
 def test_weight_decay_range():
     errors = problems_of(tiny_config(scheduler=SchedulerConfig(start_weight_decay=-0.1, end_weight_decay=0.1)))
-    assert "scheduler.start_weight_decay: -0.1 is outside the allowed range [0, inf) (choose a value in that range)" in errors
+    assert "scheduler.start_weight_decay: -0.1 is outside the allowed range [0, 10] (choose a value in that range)" in errors
     assert (
         "scheduler.end_weight_decay: constant weight decay but start (-0.1) != end (0.1) "
         "(set weight_decay_incr_style='linear' or 'cosine', or make them equal)"
@@ -157,7 +157,7 @@ def test_weight_decay_range():
     )
     assert "start_weight_decay (0.1) exceeds end_weight_decay (0.01)" in only_problem(shrinking)
     negative = tiny_config(optimizer=OptimizerConfig(lr=1e-3, weight_decay=-1.0))
-    assert "optimizer.weight_decay: -1.0 is outside the allowed range [0, inf) (choose a value in that range)" in problems_of(negative)
+    assert "optimizer.weight_decay: -1.0 is outside the allowed range [0, 10] (choose a value in that range)" in problems_of(negative)
 
 
 def test_weight_decay_schedule_defaults_to_optimizer_weight_decay():
@@ -430,3 +430,35 @@ def test_out_of_range_defaults_are_still_reported():
     ]
     provider.num_layers = 2
     assert ranges.check(provider, Problems()) is True
+
+
+# ---------------------------------------------------------------------- absurd magnitudes, environment variables
+@pytest.mark.parametrize(
+    "section, field, value, allowed",
+    [
+        ("optimizer", "min_lr", 1e30, "[0, 10]"), ("optimizer", "decoupled_lr", 11.0, "[0, 10]"),
+        ("optimizer", "initial_loss_scale", 2.0**65, "(0, 2**64]"), ("optimizer", "loss_scale_window", 1e30, "[1, 2**31)"),
+        ("model", "softmax_scale", 1e30, "(0, 100]"), ("model", "moe_aux_loss_coeff", 1e30, "[0, 100]"),
+        ("model", "embedding_init_method_std", 1e30, "(0, 10]"), ("model", "rope_scaling_factor", 1e30, "(0, 1000]"),
+        ("model", "moe_input_jitter_eps", 2.0, "[0, 1]"), ("scheduler", "end_weight_decay", 1e30, "[0, 10]"),
+    ],
+)  # fmt: skip
+def test_absurd_magnitudes_are_outside_the_declared_ranges(section, field, value, allowed):
+    cfg = tiny_config()
+    setattr(getattr(cfg, section), field, value)
+    assert f"{section}.{field}: {value!r} is outside the allowed range {allowed} (choose a value in that range)" in (
+        problems_of(cfg)
+    )
+
+
+def test_validate_refuses_env_vars_that_load_code_and_sets_none_of_them(monkeypatch):
+    monkeypatch.delenv("MB_TEST_FINE", raising=False)
+    monkeypatch.delenv("PYTHONSTARTUP", raising=False)
+    cfg = tiny_config()
+    cfg.env_vars = {"MB_TEST_FINE": "1", "PYTHONSTARTUP": "/tmp/x.py", "GIT_CONFIG_KEY_0": "core.fsmonitor"}
+    with pytest.raises(ConfigValidationError) as err:
+        cfg.validate()
+    assert "env_vars.PYTHONSTARTUP: may not be set from a config: Python runs this file at interactive start" in str(err.value)
+    assert "env_vars.GIT_CONFIG_KEY_0: may not be set from a config: git takes settings" in str(err.value)
+    problems_of(cfg)
+    assert "MB_TEST_FINE" not in os.environ and "PYTHONSTARTUP" not in os.environ  # all of them, or none

@@ -118,6 +118,18 @@ def test_unwritable_save_paths_are_refused_before_the_model_is_built(tmp_path, n
         undo()
 
 
+def test_a_name_longer_than_the_filesystem_allows_is_refused_before_writing(tmp_path):
+    from megatron_bridge.training.preflight import unwritable_reason
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = str(tmp_path / ("n" * (limit + 1)) / "checkpoints")
+    for create in (False, True):
+        assert unwritable_reason(path, create) == (
+            f"{path}: the name {'n' * 40!r}... is {limit + 1} bytes, over the {limit} bytes its filesystem allows"
+        )
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.timeout(120)
 def test_unwritable_tracker_directory_is_refused(tmp_path, no_model_building):
     a_file = tmp_path / "a_file"

@@ -481,6 +481,32 @@ def test_missing_empty_and_invalid_yaml_files(tmp_path):
         from_yaml(tmp_path / "bad.yaml", ConfigContainer)
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train: {train_iters: 5}\noptimizer: {lr: 0.1}\ntrain: {train_iters: 6}\n",
+         "line 3: key 'train' is given twice in the same mapping (lines 1 and 3)"),
+        ("train:\n  train_iters: 5\n  global_batch_size: 8\n  train_iters: 6\n",
+         "line 4: key 'train_iters' is given twice in the same mapping (lines 2 and 4)"),
+        ("env_vars:\n  - {A: 1}\n  - A: 1\n    B: [x, {C: 1, C: 2}]\n",
+         "line 4: key 'C' is given twice in the same mapping (lines 4 and 4)"),
+        ("env_vars: {A: 1, 'A': 2}\n", "line 1: key 'A' is given twice in the same mapping (lines 1 and 1)"),
+    ],
+)  # fmt: skip
+def test_a_key_given_twice_in_a_yaml_mapping_is_refused(tmp_path, text, message):
+    (tmp_path / "dup.yaml").write_text(text)
+    with pytest.raises(ConfigValidationError) as err:
+        from_yaml(tmp_path / "dup.yaml", ConfigContainer)
+    assert f"dup.yaml, {message}; only one value can count (keep one of them)" in str(err.value)
+
+
+def test_the_same_key_in_different_mappings_and_repeated_merge_keys_are_fine():
+    from megatron_bridge.config.yaml_input import parse
+
+    text = "a: &x {k: 1}\nb: &y {k: 2}\nc:\n  <<: *x\n  <<: *y\n  k: 3\nd: [{k: 1}, {k: 2}]\nk: {k: {k: 4}}\n"
+    assert parse(text) == {"a": {"k": 1}, "b": {"k": 2}, "c": {"k": 3}, "d": [{"k": 1}, {"k": 2}], "k": {"k": {"k": 4}}}
+
+
 def test_yaml_is_read_with_a_safe_loader(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")

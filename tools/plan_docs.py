@@ -25,9 +25,9 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   buffer and the rank's shard of fp32 main parameters and Adam moments, padding included;
   precision-aware optimizer dtypes, TP/PP/EP/ETP splits and vocabulary padding. For megatron-core's
   local layers these are exact: `tests/test_planner.py` trains eight layouts (TP 2, PP 2, PP 2 with
-  virtual stages, distributed optimizer with DP 2, MoE with EP 2, bf16 with fp32 main parameters,
-  several padded buckets, OLMo 2's norms at TP 2) under torchrun and compares with the bytes of
-  the actual tensors on every rank;
+  virtual stages, distributed optimizer with DP 2, MoE with EP 2 and GPT-OSS's biases and attention
+  sinks, bf16 with fp32 main parameters, several padded buckets, OLMo 2's norms at TP 2) under
+  torchrun and compares with the bytes of the actual tensors on every rank;
 - **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
   grouped-query attention, gated MLPs, fused attention, MoE; recompute none/selective/full,
   sequence and context parallelism) times the micro batches a stage holds in the 1F1B schedule

@@ -112,6 +112,7 @@ def class_default(f: dataclasses.Field) -> Any:
 def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: Any, has_value: bool) -> list[str]:
     """Lines describing field `f`: `name: type = value  (class default: ...)`, then its docstring."""
     from megatron_bridge.config.base import values_equal
+    from megatron_bridge.config.secrets import conceal
 
     default = class_default(f)
     default_text = "required" if default is _NO_DEFAULT else show_value(default)
@@ -120,7 +121,8 @@ def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: A
     elif default is not _NO_DEFAULT and values_equal(value, default):
         head = f"{f.name}: {type_name(types[f.name])} = {show_value(value)}  (class default)"
     else:
-        head = f"{f.name}: {type_name(types[f.name])} = {show_value(value)}  (class default: {default_text})"
+        shown = show_value(conceal(value, f.name))  # credentials and values from the environment
+        head = f"{f.name}: {type_name(types[f.name])} = {shown}  (class default: {default_text})"
     doc = field_docs(cls).get(f.name, "")
     return [f"  {head}", *(f"      {line}" for line in doc.splitlines())]
 
@@ -168,6 +170,7 @@ def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
     from megatron_bridge.config.annotations import field_types
     from megatron_bridge.config.annotations import section_classes
+    from megatron_bridge.config.secrets import conceal
 
     container = type(cfg)
     types = field_types(container)
@@ -177,7 +180,7 @@ def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
         value = getattr(cfg, f.name)
         cls, section = _section_of(value, types[f.name])
         if cls is None:
-            kind = f"{show_value(value)} ({type_name(types[f.name])})"
+            kind = f"{show_value(conceal(value, f.name))} ({type_name(types[f.name])})"
         elif section is None:
             names = [c.__name__ for c in section_classes(types[f.name])]
             kind = f"None ({' or '.join(names)})"

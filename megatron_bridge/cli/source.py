@@ -51,8 +51,13 @@ def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), value
 
 
 def check_file(path: str) -> None:
+    """A `UsageError` unless `path` is a regular file, saying what it is instead."""
     if not os.path.isfile(path):
-        raise UsageError(f"config file {path!r} does not exist")
+        from megatron_bridge.config.paths import file_kind
+
+        kind = file_kind(path)
+        what = "does not exist" if kind == "missing" else f"is {kind}, not a YAML file"
+        raise UsageError(f"config file {path!r} {what}")
 
 
 def build_config(

@@ -219,7 +219,9 @@ def is_logging_rank() -> bool:
 
 def outputs_line(cfg: Any) -> str:
     """`checkpoints: DIR | tensorboard: DIR` of a finished run."""
-    ckpt = cfg.checkpoint.save or "not saved (checkpoint.save is unset)"
-    tb = cfg.logger.tensorboard_dir or "off (logger.tensorboard_dir is unset)"
+    from megatron_bridge.config.secrets import scrub
+
+    ckpt = scrub(cfg.checkpoint.save) if cfg.checkpoint.save else "not saved (checkpoint.save is unset)"
+    tb = scrub(cfg.logger.tensorboard_dir) if cfg.logger.tensorboard_dir else "off (logger.tensorboard_dir is unset)"
     return f"checkpoints: {ckpt} | tensorboard: {tb}"
 

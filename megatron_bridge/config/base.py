@@ -20,7 +20,7 @@ import functools
 from abc import ABCMeta
 from typing import Any, ClassVar
 
-from megatron_bridge.config import ranges
+from megatron_bridge.config import paths, ranges
 from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.targets import register_config_class
@@ -284,6 +284,7 @@ def finalize_into(config: Any, problems: Problems) -> None:
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
         config._restore_derived()
+        paths.check(config, problems)
         if ranges.check(config, problems):
             config._finalize(problems)
         status.check_unsupported(config, problems)

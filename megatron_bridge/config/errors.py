@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from megatron_bridge.config.secrets import scrub
+
 MAX_REPORTED = 100
 """Problems listed in an error message; the rest are counted ("and N more")."""
 
@@ -46,7 +48,7 @@ class ConfigValidationError(ValueError):
         lines = [header, *(f"  - {e}" for e in self.errors[:MAX_REPORTED])]
         if count > MAX_REPORTED:
             lines.append(f"  ... and {count - MAX_REPORTED} more")
-        super().__init__("\n".join(lines))
+        super().__init__(scrub("\n".join(lines)))  # values read from the environment are not repeated
 
     def __reduce__(self):
         return (type(self), (self.problems,))

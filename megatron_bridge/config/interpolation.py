@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.apply import NO_VALUE, Override
 from megatron_bridge.config.errors import show
+from megatron_bridge.config.secrets import remember_environment_reads
 from megatron_bridge.config.serialization import ConfigEncoder, class_info
 
 _INTERPOLATION = re.compile(r"\$\{([^{}]*)")
@@ -65,8 +66,9 @@ def resolve_interpolations(
 ) -> tuple[Any, list[Override]]:
     """The file data and overrides with `${...}` resolved by OmegaConf against the config
     sections they refer to, the file and the overrides (so a later override of a referenced key
-    is seen, as with Hydra). An unresolvable value is reported as (path, message, fix, source)
-    and dropped; so is one whose interpolations nest too deeply (OmegaConf recurses over them)."""
+    is seen, as with Hydra); with `config` None, `data` is a whole config and refers to itself.
+    An unresolvable value is reported as (path, message, fix, source) and dropped; so is one
+    whose interpolations nest too deeply (OmegaConf recurses over them)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -80,13 +82,15 @@ def resolve_interpolations(
     data = _walk(data, "", lambda path, v: shallow(path, v, file_label)) if data else data
     overrides = [o for o in overrides if o.value is NO_VALUE or shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
     refs = []
-    for text in strings([data, *(o.value for o in overrides)]):
+    texts = [text for text in strings([data, *(o.value for o in overrides)]) if "${" in text]
+    for text in texts:
         for ref in _INTERPOLATION.findall(text):
             ref = ref.split(":", 1)[1] if ":" in ref else ref  # `oc.select:model.x,1`: look at the arguments
             refs += [part.strip() for part in ref.split(",")]
-    tree = OmegaConf.create(_referenced(config, refs))
+    remember_environment_reads(texts)  # what the config is written with puts `${oc.env:VAR}` back
+    tree = OmegaConf.create(_referenced(config, refs) if config is not None else {})
     if data:
-        tree = OmegaConf.merge(tree, OmegaConf.create(dict(data)))
+        tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
     for o in overrides:
         if o.op != "delete":
             try:

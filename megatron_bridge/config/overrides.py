@@ -109,7 +109,13 @@ def primitive(text: str) -> Any:
     if low in ("true", "false"):
         return low == "true"
     if _INT.fullmatch(text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            digits = sum(c.isdigit() for c in text)
+            raise OverrideSyntaxError(
+                f"an integer of {digits:,} digits is larger than any setting", "use a number of sensible size"
+            ) from None
     if _FLOAT.fullmatch(text):
         return float(text.replace(".", "") if low.lstrip("+-").startswith((".inf", ".nan")) else text)
     return re.sub(r"\\(.)", r"\1", text) if "\\" in text and "${" not in text else text

@@ -51,7 +51,7 @@ class Range:
 
 
 def _num(x: float) -> str:
-    for power in (63, 31, 32):
+    for power in (63, 31, 32, 64):
         if x == 2**power:
             return f"2**{power}"
     return str(int(x)) if float(x).is_integer() else repr(x)
@@ -80,36 +80,47 @@ SIZE = "[1, 2**31)"  # larger model sizes and counts are not real configurations
 COUNT = "[0, 2**31)"
 SEED = "[0, 2**32)"
 ANY = "(-inf, inf)"
+# Upper bounds where a larger value is never a real setting and breaks the run (a NaN loss at
+# the first steps, a timer or sleep that overflows):
+LEARNING_RATE = "[0, 10]"
+WEIGHT_DECAY = "[0, 10]"
+WEIGHT_STD = "(0, 10]"  # standard deviation of initial weights
+LOSS_WEIGHT = "[0, 100]"  # coefficient of an auxiliary loss
+SECONDS = "(0, 31536000]"  # durations in seconds: at most a year
 
 FIELD_RANGES: dict[str, str] = {
     # ---- model sizes (0 is megatron-core's "unset" default for some; the model checks report it)
     "num_layers": SIZE, "hidden_size": SIZE, "num_attention_heads": SIZE, "seq_length": SIZE,
     "num_query_groups": SIZE, "ffn_hidden_size": SIZE, "kv_channels": SIZE, "vocab_size": SIZE,
     "moe_ffn_hidden_size": SIZE, "moe_shared_expert_intermediate_size": SIZE, "num_moe_experts": SIZE,
-    "moe_router_topk": SIZE, "make_vocab_size_divisible_by": SIZE, "rotary_base": "[1, inf)",
-    "local_rotary_base": "[1, inf)", "attention_logit_softcap": POSITIVE, "output_logit_softcap": POSITIVE,
-    "rotary_percent": "(0, 1]", "layernorm_epsilon": POSITIVE, "init_method_std": POSITIVE,
-    "embedding_init_method_std": POSITIVE, "seq_len_interpolation_factor": POSITIVE,
-    "rope_scaling_factor": POSITIVE, "softmax_scale": POSITIVE, "glu_linear_offset": ANY,
-    "activation_func_clamp_value": POSITIVE, "qk_clip_threshold": POSITIVE, "mtp_loss_scaling_factor": NON_NEGATIVE,
-    "moe_router_topk_scaling_factor": POSITIVE, "moe_expert_capacity_factor": POSITIVE,
+    "moe_router_topk": SIZE, "make_vocab_size_divisible_by": SIZE, "rotary_base": "[1, 1e12]",
+    "local_rotary_base": "[1, 1e12]", "attention_logit_softcap": "(0, 1000]", "output_logit_softcap": "(0, 1000]",
+    "rotary_percent": "(0, 1]", "layernorm_epsilon": "(0, 1]", "init_method_std": WEIGHT_STD,
+    "embedding_init_method_std": WEIGHT_STD, "seq_len_interpolation_factor": "(0, 1000]",
+    "rope_scaling_factor": "(0, 1000]", "yarn_rotary_scaling_factor": "[1, 1000]",
+    "yarn_original_max_position_embeddings": SIZE, "yarn_beta_fast": "(0, 1000]", "yarn_beta_slow": "(0, 1000]",
+    "yarn_mscale": "[0, 100]", "yarn_mscale_all_dim": "[0, 100]", "softmax_scale": "(0, 100]", "glu_linear_offset": ANY,
+    "activation_func_clamp_value": POSITIVE, "qk_clip_threshold": POSITIVE, "mtp_loss_scaling_factor": LOSS_WEIGHT,
+    "moe_aux_loss_coeff": LOSS_WEIGHT, "moe_z_loss_coeff": LOSS_WEIGHT, "dsa_indexer_loss_coeff": LOSS_WEIGHT,
+    "moe_input_jitter_eps": PROBABILITY,
+    "moe_router_topk_scaling_factor": "(0, 1000]", "moe_expert_capacity_factor": "(0, 1000]",
     "virtual_pipeline_model_parallel_size": SIZE, "expert_tensor_parallel_size": SIZE,
     "num_layers_in_first_pipeline_stage": COUNT, "num_layers_in_last_pipeline_stage": COUNT,
-    "fp8_margin": ANY, "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
+    "fp8_margin": "[-128, 128]", "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
     "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)",
     "train_samples": "[1, 2**63)",
-    "exit_duration_in_mins": POSITIVE, "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
+    "exit_duration_in_mins": "(0, 5256000]", "exit_interval": "[1, 2**63)", "log_interval": "[1, 2**63)", "eval_interval": "[1, 2**63)",
     "save_interval": "[1, 2**63)", "train_sync_interval": "[1, 2**63)", "tensorboard_log_interval": "[1, 2**63)",
     "profiling_interval": "[1, 2**63)", "non_persistent_save_interval": "[1, 2**63)",
-    "lr": NON_NEGATIVE, "min_lr": NON_NEGATIVE, "decoupled_lr": NON_NEGATIVE, "decoupled_min_lr": NON_NEGATIVE,
-    "lr_warmup_init": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "start_weight_decay": NON_NEGATIVE,
-    "end_weight_decay": NON_NEGATIVE, "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": POSITIVE,
-    "sgd_momentum": "[0, 1)", "muon_momentum": "[0, 1)", "muon_extra_scale_factor": POSITIVE,
-    "clip_grad": NON_NEGATIVE, "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE,
-    "min_loss_scale": POSITIVE, "loss_scale_window": "[1, inf)", "hysteresis": "[1, 2**31)",
-    "spiky_loss_factor": "(1, inf)", "mid_level_dataset_surplus": NON_NEGATIVE,
+    "lr": LEARNING_RATE, "min_lr": LEARNING_RATE, "decoupled_lr": LEARNING_RATE, "decoupled_min_lr": LEARNING_RATE,
+    "lr_warmup_init": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "start_weight_decay": WEIGHT_DECAY,
+    "end_weight_decay": WEIGHT_DECAY, "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "(0, 1]",
+    "sgd_momentum": "[0, 1)", "muon_momentum": "[0, 1)", "muon_extra_scale_factor": "(0, 1000]",
+    "clip_grad": "[0, 1e6]", "loss_scale": "(0, 2**32]", "initial_loss_scale": "(0, 2**64]",
+    "min_loss_scale": "(0, 2**32]", "loss_scale_window": "[1, 2**31)", "hysteresis": "[1, 2**31)",
+    "spiky_loss_factor": "(1, inf)", "mid_level_dataset_surplus": "[0, 10]",
     # ---- process groups, checkpoints, logging
     "most_recent_k": "[-1, 2**31)", "storage_writers_per_rank": SIZE, "distributed_timeout_minutes": "[1, 2**31)",
     "distributed_timeout_seconds_after_init": "[1, 2**31)", "bucket_size": "[1, 2**63)",
@@ -117,10 +128,11 @@ FIELD_RANGES: dict[str, str] = {
     "peak_tflops_per_device": POSITIVE, "straggler_ctrlr_port": "[1, 65535]", "straggler_minmax_count": SIZE,
     "report_time_interval": POSITIVE, "gpu_relative_perf_threshold": PROBABILITY,
     "gpu_individual_perf_threshold": PROBABILITY, "num_gpu_perf_scores_to_print": COUNT,
-    "token_dtype_code": "[1, 16]", "simulated_fault_base_delay": NON_NEGATIVE,
+    "token_dtype_code": "[1, 16]",
     "sequence_parallel_size": COUNT, "window_size": "[-1, 2**31)", "min_offloaded_tensor_size": "[0, 2**63)",
-    "error_injection_rate": COUNT, "monitor_thread_interval": POSITIVE, "monitor_process_interval": POSITIVE,
-    "progress_watchdog_interval": POSITIVE, "heartbeat_interval": POSITIVE, "max_iterations": "[1, 2**63)",
+    "error_injection_rate": COUNT, "monitor_thread_interval": SECONDS, "monitor_process_interval": SECONDS,
+    "progress_watchdog_interval": SECONDS, "heartbeat_interval": SECONDS, "max_iterations": "[1, 2**63)",
+    "simulated_fault_base_delay": "[0, 31536000]",
 }  # fmt: skip
 
 NAME_RULES: tuple[tuple[str, str], ...] = (
@@ -130,7 +142,7 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     (r"^num_|_layers$|_count$|_topk|_len$|_length$|_limit$|_workers$|_freq$", COUNT),
     (r"_iters$|_samples$|_steps$|_step$|_step_start$|_step_end$|_interval$|_rank$|_ranks$|_iterations$|_faults$",
      "[0, 2**63)"),
-    (r"_timeout$|_interval$|_time$|_wait$", POSITIVE),
+    (r"_timeout$|_interval$|_time$|_wait$", SECONDS),
     (r"_coeff$|_eps$|_factor$|_alpha$", NON_NEGATIVE),
 )
 

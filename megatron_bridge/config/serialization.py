@@ -46,6 +46,7 @@ from megatron_bridge.config.annotations import (
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
+from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of as object_path
 from megatron_bridge.config.targets import register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
@@ -174,8 +175,9 @@ class ConfigEncoder(Encoder):
 
 def to_dict(obj: Any) -> dict[str, Any]:
     """Plain nested data for a config (`_target_` class paths, readable values); see the module
-    docstring. `from_dict` turns it back into an equal config."""
-    return ConfigEncoder().value(obj)
+    docstring. `from_dict` turns it back into an equal config. Secrets are concealed
+    (`config.secrets`): every writer and printer of configs goes through here."""
+    return conceal(ConfigEncoder().value(obj))
 
 
 class _YamlDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
@@ -393,12 +395,38 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
     """
     if not isinstance(data, Mapping):
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
+    problems = Problems()
+    data = _resolved(data, problems, source)
+    if not problems:
+        try:
+            return ConfigDecoder().section(data, (cls,) if cls is not None else ())
+        except DecodeError as exc:
+            exc.report(problems, source=source)
+    problems.raise_if_any()
+
+
+def _resolved(data: Mapping, problems: Problems, source: str) -> Mapping:
+    """`data` with its `${...}` interpolations resolved (a written config holds `${oc.env:VAR}`
+    where a value came from the environment); problems are added to `problems`."""
+    from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
+
+    if not has_interpolation(data, []):
+        return data
+
+    def report(path: str, message: str, fix: str, where: str) -> None:
+        problems.add(path, f"{message} [{where}]" if where else message, fix)
+
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
-        return ConfigDecoder().section(data, (cls,) if cls is not None else ())
-    except DecodeError as exc:
-        problems = Problems()
-        exc.report(problems, source=source)
-        problems.raise_if_any()
+        resolved, _ = resolve_interpolations(None, data, [], report, source)
+    except RecursionError:  # OmegaConf recurses over nested interpolations
+        problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
+        return data
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
+        problems.add("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}")
+        return data
+    return resolved
 
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:

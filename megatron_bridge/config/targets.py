@@ -48,6 +48,7 @@ _BUILTINS: dict[str, tuple[str, ...]] = {
         "kaiming_normal_", "zeros_", "ones_", "constant_", "orthogonal_",
     ),
     "megatron.core.activations": ("squared_relu", "quick_gelu", "fast_gelu"),
+    "megatron_bridge.models.activations": ("quick_gelu",),
     "signal": ("Signals",),
 }  # fmt: skip
 _loaded: set[str] = set()
@@ -145,9 +146,7 @@ def resolve(name: Any) -> Any:
     if obj is None:
         obj = _public_alias(name)
     if obj is None:
-        dtype = sys.modules["torch"].dtype if "torch" in sys.modules else ()
-        public = {name_of(o) for o in _OBJECTS.values() if not isinstance(o, dtype)} | set(_builtin_names())
-        hint = difflib.get_close_matches(name, sorted(n for n in public if n), n=3, cutoff=0.6)
+        hint = difflib.get_close_matches(name, _public_names(), n=3, cutoff=0.6)
         closest = f" (closest: {', '.join(hint)})" if hint else ""
         raise TargetNotAllowedError(
             f"{name!r} is not a name configs may use{closest}",
@@ -155,6 +154,18 @@ def resolve(name: Any) -> Any:
             "megatron_bridge.config.targets.register_target(obj)",
         )
     return obj
+
+
+def _public_names() -> list[str]:
+    """Every registered name configs may use (torch dtypes aside), for 'closest' hints.
+
+    Looking up a public name may register more objects (built-in names of a module imported
+    meanwhile, classes of a lazily exported module), so the objects are listed first and the
+    registry is never iterated while it can change."""
+    dtype = sys.modules["torch"].dtype if "torch" in sys.modules else ()
+    objects = [o for o in list(_OBJECTS.values()) if not isinstance(o, dtype)]
+    names = {name_of(o) for o in objects} | set(_builtin_names())
+    return sorted(n for n in names if n)
 
 
 def _exported(module_name: str, attr: str) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -64,7 +64,9 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     if not os.path.exists(name):
         raise FileNotFoundError(f"config file {name!r} does not exist")
     if not os.path.isfile(name):
-        raise _error(name, "is not a regular file", "give the path of a YAML file")
+        from megatron_bridge.config.paths import file_kind
+
+        raise _error(name, f"is {file_kind(name)}, not a regular file", "give the path of a YAML file")
     size = os.path.getsize(name)
     if size > MAX_BYTES:
         raise _error(
@@ -113,15 +115,32 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
     return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
 
 
+class _Mapping:
+    """An open mapping during the event pass: the line of each key seen, and whether the next
+    node is a key."""
+
+    __slots__ = ("lines", "at_key")
+
+    def __init__(self) -> None:
+        self.lines: dict[str, int] = {}
+        self.at_key = True
+
+
 def _check_structure(text: str, source: str) -> None:
     """One pass over the parser events (iterative: no recursion, whatever the input)."""
     nodes = 0
     open_anchors: dict[str, int] = {}  # anchor -> node count when it opened
     sizes: dict[str, int] = {}  # anchor -> expanded size of its node
     stack: list[Union[str, None]] = []  # the anchor of each open collection, innermost last
+    mappings: list[Union[_Mapping, None]] = []  # each open collection: its keys if a mapping
     try:
         for event in yaml.parse(text, Loader=YamlLoader):
             line = event.start_mark.line + 1 if event.start_mark is not None else None
+            parent = mappings[-1] if mappings else None
+            if parent is not None and isinstance(event, yaml.NodeEvent):  # a key or a value of `parent`
+                if parent.at_key and isinstance(event, yaml.ScalarEvent):
+                    _check_new_key(parent, event.value, line, source)
+                parent.at_key = not parent.at_key
             if isinstance(event, yaml.AliasEvent):
                 anchor = event.anchor
                 if anchor in open_anchors:
@@ -135,12 +154,14 @@ def _check_structure(text: str, source: str) -> None:
             elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
                 nodes += 1
                 stack.append(event.anchor)
+                mappings.append(_Mapping() if isinstance(event, yaml.MappingStartEvent) else None)
                 if len(stack) > MAX_DEPTH:
                     raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", line)
                 if event.anchor:
                     open_anchors[event.anchor] = nodes - 1
             elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
                 anchor = stack.pop()
+                mappings.pop()
                 if anchor:
                     sizes[anchor] = nodes - open_anchors.pop(anchor)
             else:
@@ -154,3 +175,16 @@ def _check_structure(text: str, source: str) -> None:
                 )
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
+
+
+def _check_new_key(mapping: _Mapping, key: str, line: Optional[int], source: str) -> None:
+    """Refuse `key` if `mapping` already has it: YAML loaders silently keep the last value."""
+    first = mapping.lines.get(key)
+    if first is not None and key != "<<":  # merge keys may repeat
+        raise _error(
+            source,
+            f"key {key!r} is given twice in the same mapping (lines {first} and {line}); only one value can count",
+            "keep one of them",
+            line,
+        )
+    mapping.lines[key] = line if line is not None else 0

@@ -51,6 +51,7 @@ _FAMILIES = {
         "Gemma3ModelProvider4B",
         "Gemma3ModelProvider27B",
     ),
+    "megatron_bridge.models.gpt_oss": ("GptOssModelProvider", "GptOssModelProvider20B", "GptOssModelProvider120B"),
     "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),
     "megatron_bridge.models.phi3": ("Phi3ModelProvider", "Phi3ModelProviderMini"),
     "megatron_bridge.models.qwen": (

@@ -40,6 +40,8 @@ class PlanInputs:
     gated: bool
     linear_bias: bool
     qkv_bias: bool
+    attention_sinks: bool
+    """A learned softmax offset per head (softmax_type='learnable')."""
     qk_layernorm: bool
     qk_norm_per_head: bool
     input_norms: bool
@@ -213,6 +215,7 @@ class PlanInputs:
             gated=bool(m.gated_linear_unit),
             linear_bias=bool(m.add_bias_linear),
             qkv_bias=bool(m.add_bias_linear or getattr(m, "add_qkv_bias", False)),
+            attention_sinks=getattr(m, "softmax_type", "vanilla") == "learnable",
             qk_layernorm=bool(m.qk_layernorm),
             qk_norm_per_head=bool(m.qk_layernorm_per_head),
             input_norms=bool(m.input_layernorms),

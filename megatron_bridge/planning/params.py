@@ -138,6 +138,8 @@ def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
     attn: list[tuple[str, int]] = []
     if not te:
         attn += input_norm("input_layernorm")
+    if inp.attention_sinks:
+        attn += [("self_attention.core_attention.softmax_offset", inp.heads // tp)]
     attn += row("self_attention.linear_proj", h, q_out, bias)
     qkv = col("self_attention.linear_qkv", q_out + kv_out, h, inp.qkv_bias)
     attn += fused_norm(qkv, "self_attention.linear_qkv") if te else qkv
@@ -159,7 +161,8 @@ def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
         return tuple(params + made(mlp))
 
     # Mixture of experts: router, routed experts (local to this EP rank, split by ETP), shared experts.
-    params += made(input_norm("pre_mlp_layernorm") + [("mlp.router.weight", inp.num_experts * h)])
+    router = [("mlp.router.weight", inp.num_experts * h)] + ([("mlp.router.bias", inp.num_experts)] if bias else [])
+    params += made(input_norm("pre_mlp_layernorm") + router)
     local = inp.num_experts // inp.ep
     expert_parallel = inp.ep > 1
     f, etp = inp.moe_ffn, inp.etp

@@ -1,4 +1,4 @@
-"""Checks of where a run writes, done before the model is built.
+"""Checks of where a run writes (and the checkpoint it resumes from), done before the model is built.
 
 A save directory that cannot be written would otherwise be found at the first save, which with
 most recipes comes after hours of training. Every output directory the config names is checked:
@@ -69,6 +69,9 @@ def unwritable_reason(path: str, create: bool) -> Optional[str]:
             existing = os.path.dirname(existing)
         if existing and not os.path.isdir(existing):
             return f"{path} lies under {existing}, which is a file, not a directory"
+    long_name = _name_too_long(path, existing)
+    if long_name:
+        return long_name
     if not create:
         if not os.access(existing, os.W_OK | os.X_OK):
             return f"{existing} is not writable by this user"
@@ -88,9 +91,32 @@ def unwritable_reason(path: str, create: bool) -> Optional[str]:
     return None
 
 
+def _name_too_long(path: str, existing: str) -> Optional[str]:
+    """Why a name in `path` is longer than the filesystem of its nearest existing directory
+    `existing` stores, or None."""
+    try:
+        limit = os.pathconf(existing or "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in path.split(os.sep):
+        size = len(os.fsencode(part))
+        if size > limit:
+            return f"{path}: the name {part[:40]!r}... is {size} bytes, over the {limit} bytes its filesystem allows"
+    return None
+
+
 def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
-    """A problem for each output directory of this rank that cannot be written."""
+    """A problem for each output directory of this rank that cannot be written, and for a
+    `checkpoint.load` that is not a directory (a run would silently start from scratch)."""
     problems = []
+    load = cfg.checkpoint.load
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        from megatron_bridge.config.paths import file_kind
+
+        problems.append(ConfigProblem(
+            "checkpoint.load", f"{load} is {file_kind(load)}, not a checkpoint directory",
+            "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
+        ))  # fmt: skip
     for field, path in output_dirs(cfg, logging_rank):
         why = unwritable_reason(path, create)
         if why:

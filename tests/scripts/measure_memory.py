@@ -29,7 +29,9 @@ MOE = dict(
     moe_ffn_hidden_size=48,
     moe_grouped_gemm=False,
     moe_token_dispatcher_type="allgather",
-    add_bias_linear=False,
+    # GPT-OSS's parameters beyond the usual: biases on attention, router and experts, attention sinks
+    add_bias_linear=True,
+    softmax_type="learnable",
 )
 
 LAYOUTS = {

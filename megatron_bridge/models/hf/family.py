@@ -148,8 +148,7 @@ class HFFamily:
         kw.update(self.read_activation(read))
         read.expect("mlp_bias", False, "the providers have no MLP biases")
         kw.update(self.read_rotary_fraction(read))
-        if "quantization_config" in read.hf:
-            read.refuse("quantization_config", "quantized weights are not converted", "start from unquantized weights")
+        self.read_quantization(read)
         kw.update(self.read_rope(read))
         return kw
 
@@ -159,6 +158,12 @@ class HFFamily:
 
         read.expect("hidden_act", "silu", "only SiLU-gated MLPs are converted")
         return {"activation_func": F.silu}
+
+    def read_quantization(self, read: "ConfigReader") -> None:
+        """Quantized weights (`quantization_config`) are refused: the model computes in floating
+        point."""
+        if "quantization_config" in read.hf:
+            read.refuse("quantization_config", "quantized weights are not converted", "start from unquantized weights")
 
     def read_rotary_fraction(self, read: "ConfigReader") -> dict[str, Any]:
         """The fraction of each head that rotary embeddings rotate (`rotary_percent`)."""
@@ -218,6 +223,7 @@ class HFFamily:
             "position_embedding_type": "rope",
             "add_bias_linear": False,
             "rotary_percent": 1.0,
+            "rotary_interleaved": False,
             "add_qkv_bias": False,
             "qk_layernorm": False,
             "qk_layernorm_per_head": True,
@@ -231,6 +237,9 @@ class HFFamily:
             "scale_embeddings": False,
             "attention_logit_softcap": None,
             "output_logit_softcap": None,
+            "softmax_type": "vanilla",
+            "activation_func_clamp_value": None,
+            "glu_linear_offset": 0.0,
             "num_moe_experts": no_experts,
             "moe_shared_expert_intermediate_size": None,
         }

@@ -115,6 +115,7 @@ def run_config_value(directory: str, section: str, name: str) -> Any:
     """`section.name` of the run_config.yaml in checkpoint iteration `directory` (None if absent)."""
     import yaml
 
+    from megatron_bridge.config.secrets import restore_environment
     from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
@@ -122,5 +123,5 @@ def run_config_value(directory: str, section: str, name: str) -> Any:
         return None
     with open(path, encoding="utf-8") as f:
         saved = yaml.safe_load(f) or {}
-    value = (saved.get(section) or {}).get(name)
+    value = restore_environment((saved.get(section) or {}).get(name))  # `${oc.env:VAR}` as written
     return value if isinstance(value, str) else None

@@ -13,6 +13,9 @@
 * `embedding_scale`: word embeddings times sqrt(hidden_size) (`scale_embeddings`, Gemma).
 * `softcap`: soft-capped attention scores and output logits (`attention_logit_softcap`,
   `output_logit_softcap`, Gemma 2).
+* `expert_bias.BiasedSequentialMLP`: megatron-core's sequential experts for experts with biases
+  (GPT-OSS), whose own in-place weighted bias add fails under autograd; put in place of
+  `SequentialMLP` whenever the experts have biases.
 * `spec_edits`: editing a built decoder block spec layer by layer, and `apply_layer_fields`,
   which builds the provider fields `input_layernorms`, `output_layernorms`,
   `qk_layernorm_per_head`, `layernorm_zero_centered_gamma` and `local_rotary_base` into the spec

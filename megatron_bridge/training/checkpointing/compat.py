@@ -43,15 +43,16 @@ class CheckpointMismatchError(ValueError):
 def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     """`model.<field>: checkpoint X, config Y` for each architecture field that differs; empty if
     the checkpoint has no run_config.yaml."""
-    from megatron_bridge.config.serialization import to_dict
+    from megatron_bridge.config.serialization import ConfigEncoder
 
     path = os.path.join(checkpoint_dir, RUN_CONFIG_FILE)
     if not os.path.isfile(path):
         return []
+    from megatron_bridge.config.secrets import restore_environment
     from megatron_bridge.config.yaml_input import load_file
 
-    saved = (load_file(path) or {}).get("model", {})
-    current = to_dict(model)
+    saved = restore_environment((load_file(path) or {}).get("model", {}))
+    current = ConfigEncoder().value(model)  # the values themselves: both sides as this process sees them
     differences = []
     for name in ARCHITECTURE_FIELDS:
         if name in saved and name in current and saved[name] != current[name]:

@@ -30,7 +30,8 @@ class CheckpointConfig(ConfigBase):
     """Save RNG states."""
 
     load: Optional[str] = None
-    """Directory to resume from: its latest complete checkpoint, or `ckpt_step`."""
+    """Directory to resume from: its latest complete checkpoint, or `ckpt_step` (a directory
+    without checkpoints starts the run from scratch; a file is refused before the run starts)."""
 
     load_optim: bool = True
     """Load optimizer state when resuming."""

@@ -15,6 +15,7 @@ from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.secrets import printable
 from megatron_bridge.training.config.logger import LoggerConfig
 from megatron_bridge.training.config.loop import TrainingConfig, ValidationConfig
 from megatron_bridge.training.config.optimizer import OptimizerConfig, OptimizerConfigOverrideProvider
@@ -151,7 +152,10 @@ class ConfigContainer(ConfigBase):
     """In-process restart with nvidia-resiliency-ext."""
 
     env_vars: dict[str, Any] = field(default_factory=dict)
-    """Environment variables set (if not already set) by runtime_config_update."""
+    """Environment variables set (if not already set) by runtime_config_update. Variables that
+    make a process load code (PYTHONPATH, LD_PRELOAD, BASH_ENV, ...) are refused: set those in
+    the launching environment. Values named like credentials (`*_TOKEN`, `*_KEY`, ...) are
+    written to saved configs as `<redacted>`; give them as `${oc.env:VAR}` to keep a reference."""
 
     recipe_world_size: Optional[int] = None
     """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use
@@ -229,7 +233,7 @@ class ConfigContainer(ConfigBase):
             diff = non_default_values(section)
             if diff:
                 report[f.name] = diff
-                lines = ", ".join(f"{k}={v[0]!r} (default {v[1]!r})" for k, v in diff.items())
+                lines = ", ".join(f"{k}={printable(k, v[0])} (default {v[1]!r})" for k, v in diff.items())
                 logger.info("%s: %s", f.name, lines)
         return report
 

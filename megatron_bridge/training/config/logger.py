@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.secrets import REDACTED
 
 
 @config_dataclass(kw_only=True)
@@ -97,7 +98,8 @@ class LoggerConfig(ConfigBase):
     """The Comet ML workspace. If not set, uses the default workspace for the API key."""
 
     comet_api_key: Optional[str] = None
-    """The Comet ML API key. Can also be set via COMET_API_KEY environment variable."""
+    """The Comet ML API key; also read from the COMET_API_KEY environment variable. Written
+    configs hold `<redacted>` in its place, or `${oc.env:VAR}` where it was given that way."""
 
     comet_tags: Optional[list[str]] = None
     """Optional list of tags to apply to the Comet ML experiment."""
@@ -158,3 +160,9 @@ class LoggerConfig(ConfigBase):
                 "set logger.comet_experiment_name",
             )
             p.require_package("comet_ml", "comet_project", "Comet logging")
+        p.check(
+            self.comet_api_key != REDACTED,
+            "comet_api_key",
+            f"is {REDACTED!r}: the config was written without the credential",
+            "give the key again, e.g. logger.comet_api_key=${oc.env:COMET_API_KEY}, or set COMET_API_KEY",
+        )

@@ -10,7 +10,15 @@ from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 
 
-UNCATCHABLE_SIGNALS = (signal.SIGKILL, signal.SIGSTOP)
+PREEMPTION_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+    if hasattr(signal, name)
+)
+"""Signals `train.exit_signal` may be: those schedulers and users send to stop a job (SIGTERM
+from Slurm, PBS and Kubernetes, SIGUSR1/SIGUSR2 as advance notice with Slurm's --signal, LSF
+and SGE, SIGXCPU at a CPU-time limit, SIGHUP when the session ends, SIGINT from Ctrl-C). Others
+also arrive in normal operation (SIGCHLD whenever a helper process exits, SIGALRM, SIGWINCH,
+...) and would stop a healthy run; SIGKILL and SIGSTOP cannot be caught."""
 
 
 @config_dataclass(kw_only=True)
@@ -47,7 +55,8 @@ class TrainingConfig(ConfigBase):
     """Number of samples to train for; train_iters is derived as train_samples / global_batch_size."""
 
     exit_interval: Optional[int] = None
-    """Save (if a save directory is set) and exit when the iteration is a multiple of this."""
+    """Save (if a save directory is set) and exit when the iteration is a multiple of this
+    (None: never)."""
 
     exit_duration_in_mins: Optional[float] = None
     """Save and exit after this many minutes of training."""
@@ -56,7 +65,8 @@ class TrainingConfig(ConfigBase):
     """On `exit_signal`, save a checkpoint and exit cleanly at the next iteration boundary."""
 
     exit_signal: signal.Signals = signal.SIGTERM
-    """The signal that triggers a save-and-exit when exit_signal_handler is on."""
+    """The signal that triggers a save-and-exit when exit_signal_handler is on: SIGTERM, SIGINT,
+    SIGHUP, SIGUSR1, SIGUSR2 or SIGXCPU (signals that ask a job to stop)."""
 
     exit_signal_handler_for_dataloader: bool = False
     """Also install the exit signal handler in dataloader worker processes."""
@@ -138,11 +148,18 @@ class TrainingConfig(ConfigBase):
                 ):
                     self._derive("train_iters", iters)
         p.check(
-            self.exit_signal not in UNCATCHABLE_SIGNALS,
+            self.exit_signal in PREEMPTION_SIGNALS,
             "exit_signal",
-            f"{self.exit_signal.name} cannot be caught, so no checkpoint could be saved on it",
-            "use a signal a process can handle, e.g. SIGTERM or SIGUSR1",
+            f"{_signal_name(self.exit_signal)} "
+            + ("cannot be caught, so no checkpoint could be saved on it"
+               if self.exit_signal in (signal.SIGKILL, signal.SIGSTOP)
+               else "is not a stop request: processes also get it in normal operation, which would stop a healthy run"),
+            f"use one of {', '.join(s.name for s in PREEMPTION_SIGNALS)}",
         )
+
+
+def _signal_name(sig: object) -> str:
+    return sig.name if isinstance(sig, signal.Signals) else repr(sig)
 
 
 @config_dataclass(kw_only=True)

@@ -18,15 +18,14 @@ from megatron_bridge.config.base import finalize_into
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
+from megatron_bridge.config.secrets import printable
 from megatron_bridge.models.experts import adapt_expert_mlp
-from megatron_bridge.training.config import checks, run_rules as run_schedule
+from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
 
 logger = logging.getLogger(__name__)
-
-_SCALARS = (str, int, float, bool)
 
 
 def runtime_config_update(
@@ -56,22 +55,29 @@ def validate_into(cfg: "ConfigContainer", problems: Problems) -> None:
     run_rules([rule for rule in RULES if rule.validate], cfg, problems, {})
 
 
-# ---------------------------------------------------------------------- rules only runtime_config_update takes
+# ---------------------------------------------------------------------- rules
+def check_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
+    """`env_vars` holds names and scalar values the environment can take, within the size the
+    operating system passes on, and no variable that makes a process load code (PYTHONPATH,
+    LD_PRELOAD, BASH_ENV, ...; `training.config.env_vars` lists them with the reasons)."""
+    env_vars.check(cfg.env_vars, problems.at("env_vars"))
+
+
 def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Set `env_vars` in the environment; variables the environment already has win."""
-    p = problems.at("env_vars")
-    if not isinstance(cfg.env_vars, dict):
-        p.add("", f"must be a mapping of names to values, got {type(cfg.env_vars).__name__}", "use {NAME: value}")
+    """Set `env_vars` in the environment (all of them, or none when one is refused); variables
+    the environment already has win."""
+    if not cfg.env_vars:
+        return
+    refused = Problems()
+    env_vars.check(cfg.env_vars, refused)  # reported by the check rule
+    if refused:
         return
     for name, value in cfg.env_vars.items():
-        if not isinstance(name, str) or not name.strip() or "=" in name:
-            p.add(repr(name), "is not a valid environment variable name", "use a non-empty name without '='")
-            continue
-        if not isinstance(value, _SCALARS):
-            p.add(name, f"value {value!r} is not a string or number", "give a scalar value")
-            continue
         if name in os.environ and os.environ[name] != str(value):
-            logger.info("env_vars.%s=%r not applied: the environment already has %r", name, value, os.environ[name])
+            logger.info(
+                "env_vars.%s=%s not applied: the environment already has %s",
+                name, printable(name, value), printable(name, os.environ[name]),
+            )  # fmt: skip
         os.environ.setdefault(name, str(value))
 
 
@@ -167,6 +173,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint architecture", "check", checks.check_checkpoint_architecture),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
+    Rule("environment variables", "check", check_env_vars),
     Rule("data blends and phases", "check", check_data_rules),
     Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
     Rule("fp8 parameter gather optimizer", "check", run_schedule.check_fp8_param_gather_optimizer),

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from megatron_bridge.config.secrets import conceal_argv
 from megatron_bridge.training.loggers.base import MultiTracker, NullTracker, Tracker
 
 if TYPE_CHECKING:
@@ -110,11 +112,15 @@ def build_tracker(cfg: "ConfigContainer", is_logging_rank: bool) -> Tracker:
 
         return TrackerProcess(specs)
     trackers: list[Tracker] = []
+    argv = sys.argv
     try:
+        sys.argv = conceal_argv(argv)  # backends record the command line (credentials given as overrides)
         for spec in specs:
             trackers.append(instantiate(spec))
     except Exception:
         with contextlib.suppress(Exception):  # the error that stopped the start matters more
             MultiTracker(trackers).close(failed=True)
         raise
+    finally:
+        sys.argv = argv
     return trackers[0] if len(trackers) == 1 else MultiTracker(trackers)

@@ -1,0 +1,87 @@
+"""Checks of the paths a config names, from their text alone (the filesystem is checked where
+the run writes: `training.preflight`).
+
+A field named like a path (`save`, `load`, `tensorboard_dir`, `save_config_filepath`, ...) whose
+default is None takes None for "off"; an empty string there is not a path (it would name the
+current directory, or nothing, depending on who reads it), so it is refused. A path component
+longer than `NAME_MAX` bytes is refused too: no common filesystem stores such a name, and the
+run would fail where it first creates the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import stat
+from typing import Any
+
+from megatron_bridge.config.annotations import field_types, real_arms
+from megatron_bridge.config.errors import Problems, show
+
+NAME_MAX = 255
+"""Longest file or directory name, in bytes, on the filesystems runs write to (ext4, XFS,
+Lustre, GPFS, NFS)."""
+
+_PATH_NAME = re.compile(r"(^|_)(dir|directory|logdir|path|filepath|save|load|checkpoint|uri)$")
+
+
+@functools.lru_cache(maxsize=None)
+def path_fields(cls: type) -> tuple[str, ...]:
+    """The fields of config class `cls` that hold a path whose absence is None."""
+    fields = cls.__dataclass_fields__
+    return tuple(
+        name
+        for name, tp in field_types(cls).items()
+        if _PATH_NAME.search(name) and str in real_arms(tp) and fields[name].default is None
+    )
+
+
+def too_long_component(path: str) -> str:
+    """The first component of `path` longer than NAME_MAX bytes, or ''."""
+    if len(path) <= NAME_MAX:  # no component can be longer (a character is at least one byte)
+        return ""
+    return next((part for part in path.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX), "")
+
+
+_BY_CLASS: dict[type, tuple[str, ...]] = {}
+"""`path_fields` by class, looked up without a call: `check` runs for every section of every update."""
+
+
+def check(obj: Any, problems: Problems) -> None:
+    """Add a problem for each path field of config `obj` that is empty or has a component too
+    long for a filesystem."""
+    names = _BY_CLASS.get(obj.__class__)
+    if not names:
+        if names is None:
+            _BY_CLASS[obj.__class__] = path_fields(obj.__class__)
+            check(obj, problems)
+        return
+    values = obj.__dict__
+    for name in names:
+        value = values.get(name)
+        if value.__class__ is not str or (value and len(value) <= NAME_MAX and not value[0].isspace()):
+            continue  # the common case: unset, or a short path
+        if not value.strip():
+            problems.add(name, f"{show(value)} is not a path", "give a path, or null to turn it off")
+            continue
+        part = too_long_component(value)
+        if part:
+            size = len(part.encode(errors="surrogateescape"))
+            problems.add(
+                name,
+                f"the name {show(part[:40] + '...')} in it is {size:,} bytes, over the {NAME_MAX} bytes a "
+                "filesystem allows for one file or directory name",
+                "use shorter names",
+            )
+
+
+def file_kind(path: str) -> str:
+    """What `path` is, for messages: 'a directory', 'a regular file', 'a FIFO (named pipe)', ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "missing" if not os.path.lexists(path) else "a broken link"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "a special file")
