@@ -156,4 +156,7 @@ def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> t
 
 
 def in_subprocess_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    """The environment of a subprocess of these tests (see `factories.source_tree_env`)."""
+    from factories import source_tree_env
+
+    return source_tree_env()
