@@ -278,3 +278,31 @@ def test_window_layers_rotate_with_the_local_base_and_global_layers_with_the_mod
         cos, sin = rotary(x, positions, layer_type)
         assert torch.allclose(ours.cpu().squeeze().cos(), cos[0], atol=1e-6) and torch.allclose(ours.cpu().squeeze().sin(), sin[0], atol=1e-6)
     assert not torch.allclose(local.cpu(), table.cpu())
+
+
+@pytest.mark.timeout(400)
+def test_mbridge_eval_gives_the_loss_of_transformers(tmp_path):
+    """`mbridge eval` (a fresh process each) on the Gemma 3 and Gemma 2 directories: transformers'
+    mean next-token loss of documents longer than the window (each truncated to the model's
+    sequence length, as eval does by default)."""
+    import concurrent.futures
+
+    from inference_models import hf_tokenizer, mbridge, tiny_hf_model, transformers_logprobs, transformers_model
+    from text_data import documents, write_jsonl
+
+    docs = documents(6, seed=3, sentences=(2, 5))
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    names = ("gemma3", "gemma2")
+    models = {name: tiny_hf_model(name, tmp_path / name) for name in names}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {n: pool.submit(mbridge, "eval", models[n], "--data", str(tmp_path / "docs.jsonl"), "--json") for n in names}
+        for name in names:
+            hf, tok = transformers_model(models[name]), hf_tokenizer(models[name])
+            encoded = [tok.encode(d).ids[: family_configs()[name].max_position_embeddings] for d in docs]
+            assert max(len(ids) for ids in encoded) > 4 * family_configs()[name].sliding_window
+            loss = -sum(transformers_logprobs(hf, ids).sum().item() for ids in encoded)
+            count = sum(len(ids) - 1 for ids in encoded)
+            proc = runs[name].result()
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            line = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert line["tokens"] == count and abs(line["loss"] - loss / count) / (loss / count) < 1e-4, (name, line, loss / count)
