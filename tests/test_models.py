@@ -4,6 +4,7 @@ count checked against megatron-core models actually built."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 
 import pytest
@@ -95,7 +96,10 @@ def test_llama_family_architecture():
     assert not M.Llama3ModelProvider70B().rope_scaling
     llama31 = M.Llama31ModelProvider405B()
     assert llama31.rope_scaling and llama31.rope_scaling_factor == 8.0 and llama31.seq_length == 131072
-    assert M.MistralModelProvider7B().window_size == (4096, 0)
+    assert M.MistralModelProvider7B().window_size == (4095, 0)  # 4096 tokens seen, as published
+    from megatron_bridge.models.mistral import MistralFamily
+
+    assert MistralFamily().hf_config(M.MistralModelProvider7B(), "bfloat16")["sliding_window"] == 4096
 
 
 def test_qwen_family_architecture():
@@ -201,7 +205,7 @@ def test_family_modules_import_nothing_heavy():
     already needs (megatron-core's TransformerConfig, which brings torch)."""
     allowed = ("__future__", "typing", "dataclasses", "functools", "torch.nn.functional", "megatron_bridge.config.base",
                "megatron_bridge.config.errors", "megatron_bridge.models.")  # fmt: skip
-    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3, M.gpt_oss, M.gemma):
+    for module in map(importlib.import_module, M.family_modules()):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

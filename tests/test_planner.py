@@ -277,6 +277,14 @@ def test_every_recipe_plans_and_llama3_8b_fits_on_8_h100(tmp_path):
     assert p.fits and 0 < rank.margin < 2**30
 
 
+def test_fp8_parameters_are_planned_at_one_byte_per_linear_weight():
+    cfg = resolved("llama3_8b_pretrain_config", overrides=["mixed_precision=bf16_with_fp8_current_scaling_mixed"])
+    assert cfg.model.fp8_param and cfg.ddp.use_distributed_optimizer  # the preset keeps FP8 parameters here
+    (rank,) = plan(cfg).ranks
+    embeddings = 2 * 128256 * 4096  # input and output embeddings stay in bf16
+    assert rank.state.params == pytest.approx(embeddings * 2 + (8.03e9 - embeddings), rel=0.01)
+
+
 def test_config_that_does_not_fit_gets_ranked_fixes_that_fit_when_applied():
     """llama3_70b on 8 GPUs with TP=1: each printed fix, applied to the config as its overrides
     (and world size), resolves, and re-planning it fits with the estimate the fix showed."""
