@@ -281,28 +281,32 @@ def test_window_layers_rotate_with_the_local_base_and_global_layers_with_the_mod
 
 
 @pytest.mark.timeout(400)
-def test_mbridge_eval_gives_the_loss_of_transformers(tmp_path):
-    """`mbridge eval` (a fresh process each) on the Gemma 3 and Gemma 2 directories: transformers'
-    mean next-token loss of documents longer than the window (each truncated to the model's
-    sequence length, as eval does by default)."""
+def test_eval_gives_the_loss_of_transformers(tmp_path):
+    """`mbridge eval` (a fresh process) on the Gemma 3 directory and `evaluate()` (what it runs)
+    on the Gemma 2 one: transformers' mean next-token loss of documents longer than the window
+    (each truncated to the model's sequence length, as eval does by default)."""
     import concurrent.futures
 
     from inference_models import hf_tokenizer, mbridge, tiny_hf_model, transformers_logprobs, transformers_model
     from text_data import documents, write_jsonl
 
+    from megatron_bridge.inference import evaluate
+
     docs = documents(6, seed=3, sentences=(2, 5))
-    write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
-    names = ("gemma3", "gemma2")
-    models = {name: tiny_hf_model(name, tmp_path / name) for name in names}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        runs = {n: pool.submit(mbridge, "eval", models[n], "--data", str(tmp_path / "docs.jsonl"), "--json") for n in names}
-        for name in names:
-            hf, tok = transformers_model(models[name]), hf_tokenizer(models[name])
-            encoded = [tok.encode(d).ids[: family_configs()[name].max_position_embeddings] for d in docs]
-            assert max(len(ids) for ids in encoded) > 4 * family_configs()[name].sliding_window
-            loss = -sum(transformers_logprobs(hf, ids).sum().item() for ids in encoded)
-            count = sum(len(ids) - 1 for ids in encoded)
-            proc = runs[name].result()
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            line = json.loads(proc.stdout.strip().splitlines()[-1])
-            assert line["tokens"] == count and abs(line["loss"] - loss / count) / (loss / count) < 1e-4, (name, line, loss / count)
+    data = str(tmp_path / "docs.jsonl")
+    write_jsonl(data, [{"text": d} for d in docs])
+    models = {name: tiny_hf_model(name, tmp_path / name) for name in ("gemma3", "gemma2")}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        cli = pool.submit(mbridge, "eval", models["gemma3"], "--data", data, "--json")
+        ours = {"gemma2": evaluate(models["gemma2"], data)}
+        proc = cli.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours["gemma3"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, result in ours.items():
+        hf, tok, config = transformers_model(models[name]), hf_tokenizer(models[name]), family_configs()[name]
+        encoded = [tok.encode(d).ids[: config.max_position_embeddings] for d in docs]
+        assert max(len(ids) for ids in encoded) > 4 * config.sliding_window
+        loss = -sum(transformers_logprobs(hf, ids).sum().item() for ids in encoded)
+        count = sum(len(ids) - 1 for ids in encoded)
+        tokens, mean = (result["tokens"], result["loss"]) if isinstance(result, dict) else (result.tokens, result.loss)
+        assert tokens == count and abs(mean - loss / count) / (loss / count) < 1e-4, (name, mean, loss / count)
