@@ -1,7 +1,7 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`) through the Hugging Face bridge: config.json both ways,
 refusals by field, multi-token-prediction layers left out, the rotary row layouts, the expert
 bias kept in fp32, the published models' parameter counts, LoRA adapters that `peft` loads, and
-evaluation and greedy generation against transformers.
+`mbridge eval` and greedy generation against transformers.
 Logits, round trips, TP2 and EP2 are in test_hf_weights / test_hf_parallel (parametrized over the
 tiny families)."""
 
@@ -304,26 +304,33 @@ def test_lora_adapters_on_latent_attention_load_in_peft_with_our_logits(tmp_path
 
 @pytest.mark.timeout(400)
 def test_eval_loss_and_greedy_tokens_are_those_of_transformers(tmp_path):
-    """`evaluate()` on the Hugging Face directory gives transformers' mean next-token loss, and
-    `generate()` its greedy tokens (MLA with YaRN and group-limited routing, KV cache)."""
-    from inference_models import hf_tokenizer, tiny_hf_model, transformers_logprobs, transformers_model
+    """`mbridge eval` (a fresh process) on the Hugging Face directory gives transformers' mean
+    next-token loss, and `generate()` its greedy tokens (MLA with YaRN and group-limited routing,
+    KV cache)."""
+    import concurrent.futures
+
+    from inference_models import hf_tokenizer, mbridge, tiny_hf_model, transformers_logprobs, transformers_model
     from text_data import documents, write_jsonl
 
-    from megatron_bridge.inference import evaluate, generate
+    from megatron_bridge.inference import generate
 
     model = tiny_hf_model("deepseek_v3", tmp_path / "hf")
     docs = documents(6, seed=7, sentences=(1, 4))
-    write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
-    hf, tok = transformers_model(model), hf_tokenizer(model)
-    total = count = 0
-    for doc in docs:  # each truncated to the model's sequence length, as evaluate() does by default
-        ids = tok.encode(doc).ids[: family_configs()["deepseek_v3"].max_position_embeddings]
-        total -= transformers_logprobs(hf, ids).sum().item()
-        count += len(ids) - 1
-    result = evaluate(model, str(tmp_path / "docs.jsonl"))
-    assert result.tokens == count and abs(result.loss - total / count) / (total / count) < 1e-4
+    data = str(tmp_path / "docs.jsonl")
+    write_jsonl(data, [{"text": d} for d in docs])
     prompts = ["The cat sees", "A farmer builds a green house"]
-    out = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        cli = pool.submit(mbridge, "eval", model, "--data", data, "--json")
+        out = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+        proc = cli.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    hf, tok = transformers_model(model), hf_tokenizer(model)
+    # each document truncated to the model's sequence length, as eval does by default
+    encoded = [tok.encode(d).ids[: family_configs()["deepseek_v3"].max_position_embeddings] for d in docs]
+    loss = -sum(transformers_logprobs(hf, ids).sum().item() for ids in encoded)
+    count = sum(len(ids) - 1 for ids in encoded)
+    assert result["tokens"] == count and abs(result["loss"] - loss / count) / (loss / count) < 1e-4
     for prompt, got in zip(prompts, out):
         ids = torch.tensor([tok.encode(prompt).ids])
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
