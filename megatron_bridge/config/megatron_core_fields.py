@@ -58,6 +58,11 @@ _RANGES_BY_CLASS: dict[str, tuple[tuple[str, str], ...]] = {  # class -> (range,
         (ANY, "glu_linear_offset"),
         (SEED, "inference_sampling_seed"),
     ),
+    "MLATransformerConfig": (
+        (SIZE, "q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim original_max_position_embeddings"),
+        (FACTOR, "rotary_scaling_factor beta_fast beta_slow"),
+        ("[0, 100]", "mscale mscale_all_dim"),
+    ),
     "BlendedMegatronDatasetConfig": (
         (SEED, "random_seed"),
         (COUNT, "num_dataset_builder_threads"),

@@ -3,7 +3,8 @@
 The family providers load on first use: each defines dataclasses over megatron-core's large
 `TransformerConfig`, and the config layer needs only `GPTModelProvider`.
 
-Adding a family: one module here (`megatron_bridge/models/<family>.py`) holds its providers (the
+Adding a family: one module here (`megatron_bridge/models/<family>.py`, or a package when it is
+long: `models.deepseek` keeps its Hugging Face family in `models.deepseek.hf`) holds its providers (the
 architecture as plain defaults, published sizes as subclasses) and, for a Hugging Face
 architecture, an `HFFamily` subclass decorated with `@register` (`models.hf.family`,
 `models.hf.registry`): its `architecture`/`model_type`, how config.json becomes provider fields
@@ -15,7 +16,8 @@ defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIE
 find it there. Layer structure megatron-core's specs lack is built from `models.layers` by provider
 fields (`input_layernorms`, `output_layernorms`, `qk_layernorm_per_head`); a family's provider can
 edit the built spec further in `adjust_layer_spec`. `models.olmo2` is a family with layers of its
-own, `models.phi3` one whose Hugging Face files fuse projections.
+own, `models.phi3` one whose Hugging Face files fuse projections, `models.gemma` one with a RoPE
+base per layer type and soft-capping.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.param_count import ParameterCount, count_parameters, flops_per_token
 
 _FAMILIES = {
+    "megatron_bridge.models.deepseek": ("DeepSeekModelProvider", "DeepSeekV3ModelProvider", "MoonlightModelProvider16B"),
     "megatron_bridge.models.llama": (
         "LlamaModelProvider",
         "Llama2ModelProvider",
@@ -42,6 +45,13 @@ _FAMILIES = {
         "MistralModelProvider7B",
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
+    ),
+    "megatron_bridge.models.gemma": (
+        "Gemma2ModelProvider",
+        "Gemma3ModelProvider",
+        "Gemma3ModelProvider1B",
+        "Gemma3ModelProvider4B",
+        "Gemma3ModelProvider27B",
     ),
     "megatron_bridge.models.gpt_oss": ("GptOssModelProvider", "GptOssModelProvider20B", "GptOssModelProvider120B"),
     "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),

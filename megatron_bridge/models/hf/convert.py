@@ -56,6 +56,10 @@ def default_dtype(provider: Any, hf: Optional[dict]) -> str:
 def export_config(provider: Any, origin: Optional[str], dtype: Optional[str]) -> tuple[dict, str]:
     """(config.json to write, dtype) for exporting `provider`'s weights."""
     hf = origin_config(provider, origin)
+    if hf is not None:
+        from megatron_bridge.models.hf.registry import family_for_config
+
+        hf = family_for_config(hf).exported_config(hf)
     dtype = dtype or default_dtype(provider, hf)
     from megatron_bridge.models.hf.writer import torch_dtype
 
