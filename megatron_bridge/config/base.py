@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from megatron_bridge.config import paths, ranges
 from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
 from megatron_bridge.config.targets import register_config_class
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is

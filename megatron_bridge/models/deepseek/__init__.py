@@ -19,9 +19,8 @@ from typing import Any, Callable, List, Literal, Optional, Union
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_bridge.config.base import config_dataclass
+from megatron_bridge.config.base import config_dataclass, field
 from megatron_bridge.config.errors import Problems, show
-from megatron_bridge.config.fields import field
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 
 logger = logging.getLogger("megatron_bridge")
