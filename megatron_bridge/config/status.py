@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_bridge.config.annotations import values_equal
-from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 
 USED = "used"
@@ -171,24 +170,29 @@ GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reac
 
 
 # ---------------------------------------------------------------------- lookups
+def _config_base() -> type:
+    # config.base runs the unsupported-field check of this module in every finalize, so this
+    # module reads ConfigBase when it first needs it rather than importing it.
+    from megatron_bridge.config.base import ConfigBase
+
+    return ConfigBase
+
+
 @functools.cache
 def declaring_class(cls: type, name: str) -> type:
     """The first of our config classes (from the base down) that has field `name`."""
+    ours = _config_base()
     for klass in reversed(cls.__mro__):
-        if issubclass(klass, ConfigBase) and name in getattr(klass, "__dataclass_fields__", {}):
+        if issubclass(klass, ours) and name in getattr(klass, "__dataclass_fields__", {}):
             return klass
     return cls
 
 
 @functools.cache
 def from_megatron_core(cls: type, name: str) -> bool:
-    """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
-    return any(
-        not issubclass(k, ConfigBase)
-        and k.__module__.startswith("megatron.")
-        and name in getattr(k, "__dataclass_fields__", {})
-        for k in cls.__mro__
-    )
+    """True if `name` is a field of a megatron-core dataclass that `cls` inherits from (ours live in
+    megatron_bridge, never in a `megatron.` module)."""
+    return any(k.__module__.startswith("megatron.") and name in getattr(k, "__dataclass_fields__", {}) for k in cls.__mro__)
 
 
 @functools.cache
@@ -293,7 +297,8 @@ def _has_gpu() -> bool:
 
 def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
     """(name, section) for each config section of a container (nested config values included)."""
+    ours = _config_base()
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name, None)
-        if isinstance(value, ConfigBase):
+        if isinstance(value, ours):
             yield f.name, value
