@@ -15,7 +15,7 @@ from factories import on_cpu, tiny_config, tiny_model
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
-from megatron_bridge.training.checkpointing.layout import complete_iterations
+from megatron_bridge.runtime.checkpointing.layout import complete_iterations
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,

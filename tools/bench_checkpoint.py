@@ -94,7 +94,8 @@ def main() -> None:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.runtime.checkpointing import layout
+    from megatron_bridge.training.checkpointing import state_dict
     from megatron_bridge.training.checkpointing.manager import DefaultCheckpointManager
     from megatron_bridge.training.config import (
         CheckpointConfig,

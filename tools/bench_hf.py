@@ -144,7 +144,7 @@ def phase_export(hf_dir: str, ckpt: str, out: str, repeat: int) -> dict:
     from megatron_bridge.models.hf import convert
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare
     from megatron_bridge.models.hf.writer import write_hf_weights
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     directory = resolve(ckpt)[0]
     provider = convert.checkpoint_provider(directory)

@@ -88,7 +88,7 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
 
 
 def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
-    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.runtime.checkpointing import layout
 
     try:
         return layout.resolve(path, step)
@@ -105,7 +105,7 @@ def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
 def check_complete(directory: str) -> None:
     """Raise `SourceError` unless `directory` is a complete checkpoint iteration: its metadata,
     its run config, and every shard file its metadata names, at least as long as recorded."""
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
     missing = [name for name in (*CHECKPOINT_FILES, RUN_CONFIG_FILE) if not os.path.isfile(os.path.join(directory, name))]
     if missing:
@@ -134,7 +134,7 @@ def read_run_config(directory: str) -> dict[str, Any]:
     """The run_config.yaml of a checkpoint iteration directory, as plain data."""
     import yaml
 
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
     try:

@@ -67,7 +67,7 @@ def saved_with_peft(path: Any) -> Optional[bool]:
 
     import yaml
 
-    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.runtime.checkpointing import layout
 
     try:
         directory, _ = layout.resolve(path)

@@ -90,7 +90,7 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
-    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.runtime.checkpointing import layout
 
     if not path or depth <= 0:
         return None

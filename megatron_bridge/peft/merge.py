@@ -22,7 +22,7 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     ValueError if it holds no adapters."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.runtime.checkpointing import layout
     from megatron_bridge.training.config import ConfigContainer
 
     directory, iteration = layout.resolve(path)
@@ -95,7 +95,9 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.runtime.checkpointing import layout
+
+    from megatron_bridge.training.checkpointing import state_dict
     from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out, iteration)

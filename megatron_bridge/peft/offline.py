@@ -86,7 +86,8 @@ def load_weights(model: Any, directory: str, part: str = "all", step: Optional[i
     from megatron.core import dist_checkpointing
 
     from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.runtime.checkpointing import layout
+    from megatron_bridge.training.checkpointing import state_dict
 
     if is_hf_directory(directory) and part != "adapters":
         from megatron_bridge.models.hf.load import load_hf_weights

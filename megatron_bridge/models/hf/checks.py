@@ -29,7 +29,7 @@ PATH = "checkpoint.pretrained_checkpoint"
 def _starts_from_hf(cfg: "ConfigContainer") -> bool:
     """The run's weights come from a Hugging Face directory: it does not resume its own, or it
     is a PEFT run (whose base weights are loaded again on resuming)."""
-    from megatron_bridge.training.checkpointing.layout import has_checkpoint
+    from megatron_bridge.runtime.checkpointing.layout import has_checkpoint
 
     c = cfg.checkpoint
     return is_hf_directory(c.pretrained_checkpoint) and (cfg.peft is not None or not has_checkpoint(c.load))

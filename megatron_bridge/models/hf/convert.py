@@ -81,7 +81,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
         weights_only_config,
     )
     from megatron_bridge.models.hf.writer import torch_dtype
-    from megatron_bridge.training.checkpointing.layout import iteration_dir
+    from megatron_bridge.runtime.checkpointing.layout import iteration_dir
 
     problems = Problems(hf_dir)
     provider = check_hf_directory(hf_dir, problems)
@@ -106,7 +106,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
 def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
     from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
     from megatron_bridge.config.serialization import from_dict, load_yaml_file
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
@@ -137,7 +137,7 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     `runtime.model_parallel`."""
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare, stored_dtype
     from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, write_hf_weights
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     directory, _ = resolve(ckpt, step)
     provider = checkpoint_provider(directory)
@@ -174,7 +174,7 @@ def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str
     from megatron_bridge.models.hf.load import load_hf_weights
     from megatron_bridge.models.hf.runtime import load_checkpoint_weights
     from megatron_bridge.peft.apply import apply_peft
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     for chunk in chunks:
         apply_peft(chunk, peft)
@@ -232,7 +232,7 @@ def save_run_adapters(cfg: Any, step: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from megatron_bridge.peft.export import export_adapters
-    from megatron_bridge.training.checkpointing.layout import iteration_dir
+    from megatron_bridge.runtime.checkpointing.layout import iteration_dir
 
     if dist.get_rank() == 0:
         checkpoint = iteration_dir(cfg.checkpoint.save, step)

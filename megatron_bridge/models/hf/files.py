@@ -103,7 +103,7 @@ def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
 
 
 def _iteration_dir(path: str) -> Optional[str]:
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     try:
         return resolve(path)[0]
@@ -116,7 +116,7 @@ def run_config_value(directory: str, section: str, name: str) -> Any:
     import yaml
 
     from megatron_bridge.config.secrets import restore_environment
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
     path = os.path.join(directory, RUN_CONFIG_FILE)
     if not os.path.isfile(path):

@@ -189,7 +189,8 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
-    from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.runtime.checkpointing import layout
+    from megatron_bridge.training.checkpointing import state_dict
     from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)

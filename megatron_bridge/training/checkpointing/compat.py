@@ -8,7 +8,7 @@ import os
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
-from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
+from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -65,7 +65,7 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
     loads, as the checkpoint manager chooses them: a resumable `load`, else `pretrained_checkpoint`;
     a PEFT run loads both (the base, then its adapters)."""
     from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.training.checkpointing.layout import has_checkpoint
+    from megatron_bridge.runtime.checkpointing.layout import has_checkpoint
 
     c = cfg.checkpoint
     resume = bool(c.load) and has_checkpoint(c.load)
@@ -83,7 +83,7 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
     architecture, by its run_config.yaml: checked before any model is built. Fields the config
     leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading."""
     from megatron_bridge.config.serialization import to_dict
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     current = to_dict(cfg.model)
     for field, path, step in loaded_checkpoints(cfg):

@@ -17,7 +17,8 @@ import torch
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models.hf.files import is_hf_directory
-from megatron_bridge.training.checkpointing import layout, state_dict
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
 from megatron_bridge.training.checkpointing.results_queue import use_results_queue
 

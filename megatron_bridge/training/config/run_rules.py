@@ -260,7 +260,7 @@ def _saved_run_config(load: str, step: Optional[int]) -> Optional[dict]:
     if not os.path.isdir(load):  # the common case of a first run, answered with one stat
         return None
     from megatron_bridge.config.yaml_input import load_file
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE, resolve
+    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE, resolve
 
     try:
         directory, _ = resolve(load, step)
