@@ -322,7 +322,7 @@ def test_writer_results_come_back_without_a_helper_process(tmp_path, monkeypatch
 
     import psutil
 
-    from megatron_bridge.training.checkpointing import results_queue
+    from megatron_bridge.runtime.checkpointing import results_queue
 
     results = results_queue.ForkedResultsQueue()
     results.put({"rank": 0})

@@ -98,7 +98,7 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron_bridge.runtime.checkpointing import layout
 
     from megatron_bridge.training.checkpointing import state_dict
-    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
+    from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX

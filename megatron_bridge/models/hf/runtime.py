@@ -191,7 +191,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
     from megatron_bridge.runtime.checkpointing import layout
     from megatron_bridge.training.checkpointing import state_dict
-    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
+    from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX

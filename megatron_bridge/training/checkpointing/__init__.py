@@ -1,8 +1,7 @@
 """Checkpoints: saved so that no crash can corrupt the latest, resumed exactly, resharded on load.
 
 The on-disk layout (`megatron_bridge.runtime.checkpointing.layout`) imports nothing heavy; the
-manager and the architecture check load
-megatron-core, on first use of their names."""
+manager and the architecture check load megatron-core, on first use of their names."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
-from megatron_bridge.training.checkpointing.results_queue import use_results_queue
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
