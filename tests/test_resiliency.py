@@ -8,7 +8,7 @@ import torch
 from factories import backend_for, needs, on_cpu, tiny_config
 
 from megatron_bridge.training.callbacks import Callback
-from megatron_bridge.training.child_processes import die_with_parent
+from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,

@@ -18,7 +18,7 @@ import torch
 
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
 from megatron_bridge.models.attention import core_attention_choice
-from megatron_bridge.training.child_processes import worker_pool
+from megatron_bridge.runtime.child_processes import worker_pool
 
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts

@@ -28,7 +28,7 @@ import numpy as np
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit, open_arrow, select_split
 from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
-from megatron_bridge.training.child_processes import worker_pool
+from megatron_bridge.runtime.child_processes import worker_pool
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""

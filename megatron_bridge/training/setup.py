@@ -15,7 +15,7 @@ from megatron_bridge.config import status as field_status
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback, CallbackList
-from megatron_bridge.training.child_processes import die_with_parent
+from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend

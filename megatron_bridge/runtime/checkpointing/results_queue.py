@@ -74,7 +74,7 @@ def use_results_queue(persistent_worker: bool) -> None:
     if _manager_queue is None:
         from multiprocessing.managers import SyncManager
 
-        from megatron_bridge.training.child_processes import die_with_parent, die_when_parent_dies
+        from megatron_bridge.runtime.child_processes import die_with_parent, die_when_parent_dies
 
         die_with_parent()
         # Spawned, not forked: forking a server from a trainer whose libraries run threads can crash it.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 
 from megatron_bridge.extras import is_installed, require
-from megatron_bridge.training.child_processes import children_may_outlive_parent, tie_children_to_parent
+from megatron_bridge.runtime.child_processes import children_may_outlive_parent, tie_children_to_parent
 
 if TYPE_CHECKING:
     from megatron_bridge.training.callbacks import Callback
