@@ -318,7 +318,7 @@ def test_tensor_parallel_generation_under_torchrun_equals_one_process(models):
 
     from hf_models import in_subprocess_env
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "megatron_bridge", "generate", models["llama"],

@@ -108,7 +108,7 @@ def handwritten(shape: dict, iters: int) -> dict:
 
     import megatron_bridge  # noqa: F401  (same warning filters as pretrain)
     from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     cuda = torch.cuda.is_available()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

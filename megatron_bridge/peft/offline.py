@@ -57,7 +57,7 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
 
     from megatron_bridge.peft.apply import apply_peft
     from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import init_model_parallel, init_process_group, teardown
+    from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
 
     cfg = unsplit_config(cfg)
     device, created = init_process_group(cfg)

@@ -10,7 +10,7 @@ import torch
 from megatron_bridge.training import cpu_backend
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
-from megatron_bridge.training.distributed import abort, teardown
+from megatron_bridge.runtime.distributed import abort, teardown
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run, Stop, run_evaluation, train
 

@@ -18,7 +18,7 @@ from megatron_bridge.training.callbacks import Callback, CallbackList
 from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
+from megatron_bridge.runtime.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
 from megatron_bridge.training.launcher_watch import stop_when_launcher_dies
 from megatron_bridge.training.progress import ProgressFile

@@ -30,7 +30,7 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import checked_backend, free_port
+    from megatron_bridge.runtime.distributed import checked_backend, free_port
 
     backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
     device = "cuda" if backend == "nccl" else "cpu"

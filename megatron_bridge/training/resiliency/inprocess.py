@@ -41,7 +41,7 @@ def _launcher_environment():
     if "RANK" in os.environ:
         yield
         return
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     saved = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
