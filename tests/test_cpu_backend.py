@@ -6,7 +6,7 @@ import torch
 from factories import tiny_config, tiny_model
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 
 
 @pytest.fixture(autouse=True)

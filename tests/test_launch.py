@@ -11,7 +11,7 @@ import torch
 from factories import tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.distributed import launch_problem, run_backend
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -10,7 +10,7 @@ from factories import one_process_group, tiny_model
 from text_data import documents, train_tokenizer
 
 from megatron_bridge.data.packing import PackedSamples, PackedSFTDataset, block_causal_mask, pack, packed_dataset
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (warning filters)
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import free_port
 
     cuda = torch.cuda.is_available()

@@ -107,7 +107,7 @@ def handwritten(shape: dict, iters: int) -> dict:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (same warning filters as pretrain)
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import free_port
 
     cuda = torch.cuda.is_available()

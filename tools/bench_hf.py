@@ -104,7 +104,7 @@ def phase_direct_import(hf_dir: str, out: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from safetensors.torch import load_file
 
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import free_port
 
     start = time.perf_counter()

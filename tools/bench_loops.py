@@ -32,7 +32,7 @@ def handwritten(iters: int) -> dict:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (same warning filters as pretrain)
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     """A copy of `cfg` whose model is laid out for one CPU process."""
     from megatron_bridge.config.errors import Problems
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
 
     cfg = copy.deepcopy(cfg)
     m = cfg.model
@@ -56,7 +56,7 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_bridge.peft.apply import apply_peft
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
 
     cfg = unsplit_config(cfg)

@@ -29,7 +29,7 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.runtime.distributed import checked_backend, free_port
 
     backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
@@ -73,7 +73,7 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
     `params_dtype`, random initialization only if `initialize` (weights are loaded anyway)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.training.cpu_backend import CPU_MODEL_SETTINGS
+    from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
 
     p = copy.copy(provider)
     p.apply_default("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())

@@ -116,7 +116,7 @@ def apply_comm_overlap(cfg: "ConfigContainer", problems: Problems) -> None:
 def adapt_to_cpu(cfg: "ConfigContainer", problems: Problems) -> None:
     """Make the config trainable on CPU: fused CUDA kernels off, megatron-core's local layers,
     CPU initialization (unless the user chose otherwise); refuse GPU-only tools."""
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
 
     cpu_backend.adapt_config(cfg, problems)
 
