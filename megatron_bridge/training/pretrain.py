@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
 from megatron_bridge.training.state import GlobalState
 

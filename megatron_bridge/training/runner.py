@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megatron_bridge.runtime import cpu_backend
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
 from megatron_bridge.runtime.distributed import abort, teardown
 from megatron_bridge.training.state import GlobalState

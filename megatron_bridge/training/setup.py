@@ -14,7 +14,7 @@ from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config import status as field_status
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.runtime import cpu_backend
-from megatron_bridge.training.callbacks import Callback, CallbackList
+from megatron_bridge.runtime.callbacks import Callback, CallbackList
 from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update

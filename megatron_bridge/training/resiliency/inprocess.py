@@ -17,7 +17,7 @@ from megatron_bridge.extras import is_installed, require
 from megatron_bridge.runtime.child_processes import children_may_outlive_parent, tie_children_to_parent
 
 if TYPE_CHECKING:
-    from megatron_bridge.training.callbacks import Callback
+    from megatron_bridge.runtime.callbacks import Callback
     from megatron_bridge.training.config import ConfigContainer
     from megatron_bridge.training.state import GlobalState
 

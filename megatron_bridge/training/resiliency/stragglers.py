@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.extras import require
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 
 if TYPE_CHECKING:
     from megatron_bridge.training.state import GlobalState
