@@ -279,7 +279,7 @@ def _write_jsonl(path, rows):
 
 def test_pretrain_then_finetune_on_jsonl_with_the_loss_on_answers(tmp_path):
     from megatron_bridge.data.finetuning import PromptAnswerDataset, read_examples
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     ckpt = str(tmp_path / "pretrained")
     run(config(save=ckpt, iters=10))

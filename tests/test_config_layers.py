@@ -103,7 +103,7 @@ def test_the_config_machinery_and_the_tokenizer_module_do_not_import_torch():
     code = (
         "import sys\n"
         + "".join(f"import megatron_bridge.config.{m}\n" for m in modules)
-        + "import megatron_bridge.training.tokenizers.tokenizer\n"
+        + "import megatron_bridge.runtime.tokenizers.tokenizer\n"
         + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)

@@ -104,7 +104,7 @@ def random_model(kind: str):
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     options = {"attention_backend": AttnBackend.unfused} if kind.endswith("unfused") else {}
     model = tiny_model(position_embedding_type=kind.split("-")[0], seq_length=48, vocab_size=64, **options)

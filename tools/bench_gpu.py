@@ -129,7 +129,7 @@ def handwritten(shape: dict, iters: int) -> dict:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     te = te_available() and cuda
     parallel_state.initialize_model_parallel()

@@ -52,7 +52,7 @@ def handwritten(iters: int) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)

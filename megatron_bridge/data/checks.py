@@ -46,7 +46,7 @@ def build_checked_tokenizer(cfg: "ConfigContainer") -> Any:
 
 
 def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Optional[Any]:
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
     tok = cfg.tokenizer
     if tok.tokenizer_type == "HuggingFaceTokenizer" and tok.tokenizer_model and not os.path.exists(tok.tokenizer_model):

@@ -223,7 +223,7 @@ def _init_worker(options: PreprocessOptions, threads: bool) -> None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a plain SIGTERM ends a worker (the main process handles its own)
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
     _WORKER["tokenizer"] = HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
     _WORKER["options"] = options
@@ -315,7 +315,7 @@ class _Terminated(Exception):
 
 def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
     """Preprocess `options.input`; returns what was written per key."""
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
     if options.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {options.workers}")

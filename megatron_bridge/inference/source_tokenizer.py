@@ -23,7 +23,7 @@ def _has_tokenizer_files(directory: Optional[str]) -> bool:
 def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optional[Any]:
     """The tokenizer to use with `source` (`override`: a tokenizer directory or tokenizer.json
     given by the user); None when the source names none."""
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
     try:
         if override is not None:
@@ -44,8 +44,8 @@ def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optio
 
 def _from_run_config(source: ModelSource) -> Optional[Any]:
     from megatron_bridge.config.serialization import from_dict
-    from megatron_bridge.training.tokenizers.config import TokenizerConfig
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
+    from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 
     data = read_run_config(source.directory)
     section = data.get("tokenizer") or {}

@@ -236,7 +236,7 @@ def weights_only_config(provider: Any, tokenizer_dir: Optional[str], origin: Opt
         OptimizerConfig,
         TrainingConfig,
     )
-    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+    from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 
     if tokenizer_dir:
         tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)

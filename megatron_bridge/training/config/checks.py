@@ -356,7 +356,7 @@ def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
     if vocab is not None:
         cfg.model._derive("vocab_size", vocab)
         return
-    from megatron_bridge.training.tokenizers.tokenizer import local_vocab_size
+    from megatron_bridge.runtime.tokenizers.tokenizer import local_vocab_size
 
     vocab = local_vocab_size(cfg.tokenizer)
     if vocab is not None:

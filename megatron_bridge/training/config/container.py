@@ -30,7 +30,7 @@ from megatron_bridge.training.config.resiliency import (
 from megatron_bridge.training.config.scheduler import SchedulerConfig
 from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
-from megatron_bridge.training.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 
 logger = logging.getLogger(__name__)
 
