@@ -71,10 +71,11 @@ class TargetNotAllowedError(ImportError):
         self.fix = fix
 
 
-def register_target(obj: Any, name: Optional[str] = None) -> Any:
+def register_target(obj: Any, name: Optional[str] = None, *, canonical: bool = False) -> Any:
     """Allow configs to name `obj` (a class or function) as `name` (default: its import path,
     `module.qualname`). Returns `obj`, so it works as a decorator. Call it from code, e.g. next to
-    the class; a config cannot call it."""
+    the class; a config cannot call it. With `canonical`, configs are written with `name` too (a
+    class's public import path, which stays when the module defining it moves)."""
     if name is None:
         module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
@@ -83,7 +84,10 @@ def register_target(obj: Any, name: Optional[str] = None) -> Any:
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
         raise ValueError(f"register_target: {name!r} is not a dotted name like 'pkg.mod.Name'")
     _BY_NAME[name] = obj
-    _NAME_OF.setdefault(id(obj), name)
+    if canonical:
+        _NAME_OF[id(obj)] = name
+    else:
+        _NAME_OF.setdefault(id(obj), name)
     _OBJECTS[id(obj)] = obj
     return obj
 

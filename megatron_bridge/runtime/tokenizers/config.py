@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.targets import register_target
 
 TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer")
 
@@ -87,3 +88,7 @@ class TokenizerConfig(ConfigBase):
         problems.check(
             self.vocab_extra_ids >= 0, "vocab_extra_ids", f"must be >= 0, got {self.vocab_extra_ids}", "use 0 or more"
         )
+
+
+# Its public import path (the API's, re-exported there): configs are written and read with it.
+register_target(TokenizerConfig, "megatron_bridge.training.tokenizers.config.TokenizerConfig", canonical=True)
