@@ -44,7 +44,7 @@ class InferenceModel:
         """A model of a running job (one of `state.model`, wrappers included) with its tokenizer.
         It must hold the whole model (pipeline-parallel size 1)."""
         from megatron_bridge.inference.source_tokenizer import stop_token_ids
-        from megatron_bridge.training.checkpointing.state_dict import unwrap
+        from megatron_bridge.runtime.checkpointing.weights import unwrap
 
         bare = unwrap(module)
         config = bare.config

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.peft import targets as tg
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 
 if TYPE_CHECKING:
     from megatron_bridge.peft.config import LoRA
@@ -238,13 +239,6 @@ def adapters(model: Any) -> Iterator[Any]:
 
 def has_adapters(model: Any) -> bool:
     return next(adapters(model), None) is not None
-
-
-def is_adapter_key(key: str) -> bool:
-    """Whether a (sharded) state-dict key names an adapter parameter."""
-    from megatron_bridge.peft.modules import ADAPTER_PARAMS
-
-    return key.rsplit(".", 1)[-1] in ADAPTER_PARAMS
 
 
 def trainable_counts(model: Any) -> tuple[int, int]:

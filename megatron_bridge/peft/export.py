@@ -25,7 +25,7 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_bridge.peft.apply import is_adapter_key
+    from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 
     reader = dcp.FileSystemReader(iteration_dir)
     metadata = reader.read_metadata().state_dict_metadata

@@ -95,9 +95,7 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_bridge.runtime.checkpointing import layout
-
-    from megatron_bridge.training.checkpointing import state_dict
+    from megatron_bridge.runtime.checkpointing import layout, weights
     from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out, iteration)
@@ -107,11 +105,11 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     os.makedirs(staging)
     sd: dict[str, Any] = {"model": model.sharded_state_dict()}
     sd.update(
-        checkpoint_version=state_dict.CHECKPOINT_VERSION,
+        checkpoint_version=weights.CHECKPOINT_VERSION,
         iteration=iteration,
         train_state=common.get("train_state"),
         opt_param_scheduler=common.get("opt_param_scheduler"),
-        layout=state_dict.layout(),
+        layout=weights.layout(),
         saved_rng=False,
         saved_optimizer=False,
         saved_rerun=False,

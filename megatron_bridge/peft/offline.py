@@ -80,14 +80,13 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
 
 
 def load_weights(model: Any, directory: str, part: str = "all", step: Optional[int] = None) -> tuple[str, int]:
-    """Load `part` (see `state_dict.MODEL_PARTS`) of the checkpoint at `directory` (a save
+    """Load `part` (see `weights.MODEL_PARTS`) of the checkpoint at `directory` (a save
     directory or one `iter_*` directory) into `model`; returns the iteration directory and number.
     A Hugging Face directory provides the base weights (`part` 'all' or 'base'), as iteration 0."""
     from megatron.core import dist_checkpointing
 
     from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.runtime.checkpointing import layout
-    from megatron_bridge.training.checkpointing import state_dict
+    from megatron_bridge.runtime.checkpointing import layout, weights
 
     if is_hf_directory(directory) and part != "adapters":
         from megatron_bridge.models.hf.load import load_hf_weights
@@ -95,7 +94,7 @@ def load_weights(model: Any, directory: str, part: str = "all", step: Optional[i
         load_hf_weights([model], directory)
         return directory, 0
     iteration_dir, iteration = layout.resolve(directory, step)
-    template = state_dict.model_state(model, part)
+    template = weights.model_state(model, part)
     loaded = dist_checkpointing.load({"model": template}, iteration_dir)
-    state_dict.load_model_state(model, loaded["model"], part)
+    weights.load_model_state(model, loaded["model"], part)
     return iteration_dir, iteration

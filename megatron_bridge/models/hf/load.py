@@ -54,8 +54,7 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.peft.apply import is_adapter_key
-    from megatron_bridge.training.checkpointing.state_dict import unwrap
+    from megatron_bridge.runtime.checkpointing.weights import is_adapter_key, unwrap
 
     arch = mapping.architecture(hf)
     model = unwrap(chunk)

@@ -138,12 +138,12 @@ def stored_dtype(provider: Any) -> Any:
 
 
 def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all") -> None:
-    """Fill `chunks` (or `part` of their weights, see `state_dict.MODEL_PARTS`) from our checkpoint
+    """Fill `chunks` (or `part` of their weights, see `weights.MODEL_PARTS`) from our checkpoint
     iteration directory `directory` (resharded to this layout by dist_checkpointing)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    from megatron_bridge.training.checkpointing.state_dict import load_model_state, model_state
+    from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
 
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
@@ -189,8 +189,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
-    from megatron_bridge.runtime.checkpointing import layout
-    from megatron_bridge.training.checkpointing import state_dict
+    from megatron_bridge.runtime.checkpointing import layout, weights
     from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)
@@ -205,7 +204,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     sd: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
     _own_storage(sd, chunks)
     sd.update(
-        checkpoint_version=state_dict.CHECKPOINT_VERSION, iteration=iteration, layout=state_dict.layout(),
+        checkpoint_version=weights.CHECKPOINT_VERSION, iteration=iteration, layout=weights.layout(),
         saved_rng=False, saved_optimizer=False, saved_rerun=False, weights_only=True,
     )  # fmt: skip
     use_results_queue(persistent_worker=False)  # no helper process for the writer's results
