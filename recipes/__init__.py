@@ -14,6 +14,12 @@ from typing import Callable
 
 from megatron_bridge.training.config import ConfigContainer
 from recipes._base import RECIPES
+from recipes.gpt_oss import (
+    gpt_oss_20b_lora_finetune_config,
+    gpt_oss_20b_pretrain_config,
+    gpt_oss_120b_lora_finetune_config,
+    gpt_oss_120b_pretrain_config,
+)
 from recipes.llama import (
     llama2_7b_pretrain_config,
     llama3_8b_finetune_config,
@@ -61,6 +67,10 @@ def get_recipe(name: str) -> Callable[..., ConfigContainer]:
 __all__ = [
     "UnknownRecipeError",
     "get_recipe",
+    "gpt_oss_120b_lora_finetune_config",
+    "gpt_oss_120b_pretrain_config",
+    "gpt_oss_20b_lora_finetune_config",
+    "gpt_oss_20b_pretrain_config",
     "list_recipes",
     "llama2_7b_pretrain_config",
     "llama31_405b_pretrain_config",

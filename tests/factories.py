@@ -125,6 +125,9 @@ def backend_overrides(ranks: int) -> list[str]:
     return [f"dist.distributed_backend={backend_for(ranks)}"]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for its processes: a test's subprocess must not inherit them."""
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The source tree these tests belong to."""
 
@@ -133,7 +136,7 @@ def source_tree_env(**extra: str) -> dict:
     """This process's environment for a subprocess that must import this source tree: the tree
     first on PYTHONPATH, what PYTHONPATH held kept after it (where the dependencies may be, when
     the project runs from source), and no launcher variables of an enclosing torchrun."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env

@@ -20,11 +20,15 @@ COMMON = dict(
     rms_norm_eps=1e-5,
 )
 MOE = dict(intermediate_size=48, num_experts_per_tok=2)
+# the ramp between beta_fast and beta_slow falls inside the 8 frequencies, off whole dimensions (truncate matters)
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 64, "truncate": False}  # fmt: skip
 
 
 def family_configs() -> dict:
     """name -> a transformers config of a tiny model of that family."""
     from transformers import (
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -48,6 +52,9 @@ def family_configs() -> dict:
         "olmo2": Olmo2Config(**COMMON),
         "phi3": Phi3Config(**COMMON, sliding_window=8, pad_token_id=0, eos_token_id=1),
         # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
+        # sinks, a 4-token window on every other layer, YaRN, stacked experts whose clamps bite (save_tiny)
+        "gpt_oss": GptOssConfig(**{**COMMON, **MOE}, head_dim=16, num_local_experts=4, sliding_window=4,
+                                rope_parameters=GPT_OSS_YARN),
         "phi3_partial": Phi3Config(**{**COMMON, "vocab_size": 250}, tie_word_embeddings=True, partial_rotary_factor=0.5,
                                      pad_token_id=0, eos_token_id=1),
     }
@@ -65,6 +72,10 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
         for pname, param in model.named_parameters():
             if "norm" in pname:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif pname.endswith("sinks"):  # attention sinks large enough to take much of each softmax row
+                param.copy_(torch.randn_like(param))
+            elif pname.endswith("experts.gate_up_proj"):  # GPT-OSS: gate and up values beyond the clamp at 7
+                param.mul_(8.0)
             elif pname.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -105,7 +116,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         provider = checkpoint_provider(directory)
         load = lambda chunks: load_checkpoint_weights(chunks, directory)  # noqa: E731
     batch, seq = tokens.shape
-    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp), backend=backend) as device:
         model = prepare(provider, device, parallel_output=False, seq_length=seq, moe_token_dispatcher_type="allgather")
         chunks = build_chunks(model, device)
         load(chunks)
@@ -115,7 +126,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
         def step(data_iterator, module):
             item = next(data_iterator)
             output = module(item["tokens"], item["position_ids"], None)
-            return output, lambda out, non_loss_data=False: out.detach().clone()
+            return output, lambda out, non_loss_data=False: out.detach().cpu().clone()
 
         out = get_forward_backward_func()(
             forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1, seq_length=seq,
@@ -130,4 +141,7 @@ def random_tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> t
 
 
 def in_subprocess_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    """The environment of a subprocess of these tests (see `factories.source_tree_env`)."""
+    from factories import source_tree_env
+
+    return source_tree_env()

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import torch
-from hf_models import family_configs, in_subprocess_env, save_tiny
+from factories import source_tree_env
+from hf_models import family_configs, save_tiny
 from text_data import train_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 320
 """The models' vocabulary: the tokenizer's 300 ids and padding rows, as real models have."""
 
@@ -45,8 +45,8 @@ def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0]
 
 
-def mbridge(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """`python -m megatron_bridge ARGS` in a fresh process (this checkout first on the path)."""
-    env = in_subprocess_env()
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "megatron_bridge", *args], capture_output=True, text=True, timeout=timeout, env=env)
+def mbridge(*args: str, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
+    """`python -m megatron_bridge ARGS` in a fresh process (this checkout first on the path;
+    `env` added to the environment)."""
+    return subprocess.run([sys.executable, "-m", "megatron_bridge", *args], capture_output=True, text=True,
+                          timeout=timeout, env=source_tree_env(**env))  # fmt: skip

@@ -75,6 +75,9 @@ CASES = {
     "packed": ({}, 1, True),
     "softmax_scale": ({"softmax_scale": 0.3}, 1, False),
     "query-key layer scaling, layer 3": ({"apply_query_key_layer_scaling": True}, 3, False),
+    "learned sinks": ({"softmax_type": "learnable"}, 1, False),
+    "learned sinks, window, packed": ({"softmax_type": "learnable", "window_size": (3, 0)}, 1, True),
+    "off-by-one": ({"softmax_type": "off-by-one", "num_query_groups": HEADS}, 1, False),
 }
 
 
@@ -85,12 +88,20 @@ def test_sdpa_computes_what_unfused_attention_computes(model_parallel, case):
     unfused_cls = WindowedDotProductAttention if config.window_size else DotProductAttention
     unfused = unfused_cls(config, layer, AttnMaskType.causal, "self")
     sdpa = SDPAttention(config, layer, AttnMaskType.causal, "self")
+    learned = fields.get("softmax_type") == "learnable"
+    if learned:  # sinks that take a good part of each softmax row, the same in both
+        with torch.no_grad():
+            unfused.softmax_offset.copy_(torch.tensor([2.0, -1.0, 0.5, 1.5]))
+            sdpa.softmax_offset.copy_(unfused.softmax_offset)
     q, k, v = qkv() if fields.get("num_query_groups") != HEADS else (qkv()[0], qkv()[0] * 0.5, qkv()[0] * 2)
     mask = block_causal_mask(PACKED_POSITIONS) if packed else None
     expected, got = run(unfused, q, k, v, mask), run(sdpa, q, k, v, mask)
     for name, a, b in zip(("output", "dq", "dk", "dv"), expected, got):
         assert a.shape == b.shape, name
         assert torch.allclose(a, b, atol=TOLERANCE, rtol=TOLERANCE), (name, (a - b).abs().max().item())
+    if learned:
+        a, b = unfused.softmax_offset.grad.cpu(), sdpa.softmax_offset.grad.cpu()
+        assert a.abs().min() > 1e-3 and torch.allclose(a, b, atol=TOLERANCE, rtol=TOLERANCE), (a, b)
 
 
 def test_window_semantics_are_megatron_cores(model_parallel):
@@ -170,7 +181,7 @@ def test_the_layer_spec_puts_the_chosen_core_attention_in_every_layer(model_para
             "auto, MoE": dict(moe),
             "unfused": dict(attention_backend=AttnBackend.unfused),
             "local, window": dict(attention_backend=AttnBackend.local, window_size=(4, 0)),
-            "learnable softmax": dict(softmax_type="learnable"),
+            "learned sinks": dict(softmax_type="learnable"),
         }.items():
             provider = tiny_model(vocab_size=128, **cpu_backend.CPU_MODEL_SETTINGS, **fields)
             provider.finalize()
@@ -179,10 +190,10 @@ def test_the_layer_spec_puts_the_chosen_core_attention_in_every_layer(model_para
         "auto, MoE": [SDPAttention, SDPAttention],
         "unfused": [DotProductAttention, DotProductAttention],
         "local, window": [WindowedDotProductAttention, WindowedDotProductAttention],
-        "learnable softmax": [DotProductAttention, DotProductAttention],
+        "learned sinks": [SDPAttention, SDPAttention],
     }
-    fallback = "core attention: unfused (local layers (transformer_impl='local'); SDPA cannot serve softmax_type='learnable'"
-    assert caplog.text.count(fallback) == 1
+    unfused = "core attention: unfused (local layers (transformer_impl='local'); model.attention_backend=unfused keeps"
+    assert caplog.text.count(unfused) == 1
 
 
 def test_core_attention_choice(monkeypatch):
@@ -198,8 +209,9 @@ def test_core_attention_choice(monkeypatch):
     assert choice(attention_backend=AttnBackend.flash).kind == "sdpa"
     found = choice(context_parallel_size=2)
     assert found.kind == "unfused" and "context parallelism (context_parallel_size=2)" in found.reason
-    found = choice(softmax_type="off-by-one")
-    assert found.kind == "unfused" and "softmax_type='off-by-one'" in found.reason
+    assert choice(softmax_type="off-by-one").kind == choice(softmax_type="learnable").kind == "sdpa"
+    found = choice(log_max_attention_logit=True)
+    assert found.kind == "unfused" and "qk_clip / log_max_attention_logit" in found.reason
     assert choice(transformer_layer_spec="x.y").kind == "unfused"
     mistral = core_attention_choice(MistralModelProvider7B())  # transformer_impl defaults to TE
     if not extras.is_installed("transformer_engine"):
@@ -215,8 +227,8 @@ def test_core_attention_choice(monkeypatch):
     [
         (dict(window_size=(4, 2)), "model.window_size: (4, 2): a GPT layer is causal, so a window cannot reach after the query"),
         (dict(window_size=(4, 0), window_attn_skip_freq=[1, 0, 1]), "model.window_attn_skip_freq: lists 3 layers, the model has num_layers=2"),
-        (dict(attention_backend=AttnBackend.flash, softmax_type="learnable"),
-         "model.attention_backend: 'flash' asks for a fused attention kernel; local layers have SDPA's, which cannot serve softmax_type='learnable'"),
+        (dict(attention_backend=AttnBackend.flash, log_max_attention_logit=True),
+         "model.attention_backend: 'flash' asks for a fused attention kernel; local layers have SDPA's, which cannot serve qk_clip"),
     ],
 )  # fmt: skip
 def test_attention_settings_no_core_attention_serves_are_refused(fields, expected):

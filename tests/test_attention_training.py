@@ -7,10 +7,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from factories import tiny_config, tiny_llama_model
 from megatron.core.transformer.enums import AttnBackend
 
 pytestmark = pytest.mark.timeout(300)
+# fp32 on the machine's device (a run picks the GPU where there is one): the CPU computes both the
+# same way up to rounding; GPU kernels sum in other orders, and 5 Adam steps carry the difference.
+TOLERANCE = 2e-4 if torch.cuda.is_available() else 1e-5
 
 
 def random_samples(num, packed):
@@ -83,4 +87,4 @@ def test_five_iterations_give_the_same_losses_with_sdpa_and_unfused_attention(ca
     sdpa, unfused = losses_of(AttnBackend.auto, case), losses_of(AttnBackend.unfused, case)
     assert len(sdpa) == 5 and all(math.isfinite(x) for x in sdpa)
     assert sdpa[-1] < sdpa[0]  # it trains
-    assert max(abs(a - b) for a, b in zip(sdpa, unfused)) < 1e-5, (sdpa, unfused)
+    assert max(abs(a - b) for a, b in zip(sdpa, unfused)) < TOLERANCE, (sdpa, unfused)

@@ -17,16 +17,25 @@ def always_inactive():
 
 
 def test_activate_then_deactivate_restores_exactly():
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils
 
     before_cuda = {name: getattr(torch.cuda, name, None) for name in cpu_backend.CUDA_STAND_INS}
     before_tracker = mrandom.CudaRNGStatesTracker
+    before_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+    before_masks = (utils.get_default_causal_mask, fused_softmax.get_default_causal_mask)
     assert cpu_backend.activate("cpu") is True
     assert torch.cuda.current_device() == "cpu"
     assert mrandom.CudaRNGStatesTracker is not before_tracker
+    assert mrandom._get_cuda_rng_state is not before_rng[0]
+    # built on "cuda" by megatron-core, also where recompute runs it inside backward()
+    assert fused_softmax.get_default_causal_mask(4).device.type == "cpu"
     cpu_backend.deactivate()
     assert {name: getattr(torch.cuda, name, None) for name in cpu_backend.CUDA_STAND_INS} == before_cuda
     assert mrandom.CudaRNGStatesTracker is before_tracker
+    assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) == before_rng
+    assert (utils.get_default_causal_mask, fused_softmax.get_default_causal_mask) == before_masks
 
 
 def test_never_activates_where_cuda_is_available(monkeypatch):

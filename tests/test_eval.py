@@ -162,6 +162,7 @@ def test_multiple_choice_and_cli(files, tmp_path):
 
 
 def test_data_errors_are_one_message(files, tmp_path):
+    from megatron_bridge.config.errors import ConfigValidationError
     from megatron_bridge.inference.errors import DataError
 
     path = tmp_path / "choices.jsonl"
@@ -170,6 +171,8 @@ def test_data_errors_are_one_message(files, tmp_path):
         evaluate(files["model"], str(path))
     with pytest.raises(DataError, match="--concat joins documents of text or indexed data, not choice data"):
         evaluate(files["model"], str(path), concat=True)
+    with pytest.raises(ConfigValidationError, match="backend: unknown process-group backend 'cpu'"):
+        evaluate(files["model"], str(path), backend="cpu")
     with pytest.raises(DataError, match="--seq-length 100000 is longer than the model's sequence length 16384"):
         evaluate(files["model"], files["text"], text_key="body", seq_length=100000)
     write_jsonl(path, [{"body": "text"}, {"body": 3}])

@@ -105,10 +105,9 @@ def test_held_out_evaluation_callback(runs):
     assert [h["iteration"] for h in history] == [10, 20]
     assert history[1]["loss"] < history[0]["loss"]
     assert f"held-out loss {history[1]['loss']:.6f}" in out and "at iteration 20" in out
-    env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_bridge", "eval", str(run / "checkpoints"), "--data", str(run / "held_out.jsonl"), "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=source_tree_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert abs(json.loads(proc.stdout.splitlines()[-1])["loss"] - history[1]["loss"]) < 1e-6

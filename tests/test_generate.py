@@ -237,8 +237,13 @@ def test_cli_json_and_text_output_and_user_errors(models, checkpoints, tmp_path)
         "no_template": ("generate", models["qwen3"], "--chat", "--prompt", "Hi!"),
         "no_prompt": ("generate", models["qwen3"]),
     }
+    visible = torch.cuda.device_count()
+    nproc = max(2, visible + 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         done = {key: pool.submit(mbridge, *args) for key, args in runs.items()}
+        # NCCL for more processes on this machine than it has GPUs: refused before the model is built
+        done["nccl"] = pool.submit(mbridge, "generate", models["qwen3"], "--prompt", "x", "--backend", "nccl",
+                                   LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
         procs = {key: future.result() for key, future in done.items()}
 
     proc = procs["json"]
@@ -258,6 +263,7 @@ def test_cli_json_and_text_output_and_user_errors(models, checkpoints, tmp_path)
         "too_long": "prompt 1 has",
         "no_template": "has no chat template, which --chat and conversation prompts need",
         "no_prompt": "give a prompt: --prompt TEXT",
+        "nccl": f"--backend: nccl needs one GPU per process, but this machine runs {nproc} processes",
     }
     for key, message in errors.items():
         proc = procs[key]
@@ -265,9 +271,11 @@ def test_cli_json_and_text_output_and_user_errors(models, checkpoints, tmp_path)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (key, proc.stderr[-2000:])
     assert "iter_0000003.incomplete, a save that did not finish" in procs["unfinished"].stderr
     assert "longer than the model's sequence length allows: it takes 64 tokens" in procs["too_long"].stderr
+    assert "or set --backend=gloo" in procs["nccl"].stderr
 
 
 def test_other_user_errors_are_one_message(models, tmp_path):
+    from megatron_bridge.config.errors import ConfigValidationError
     from megatron_bridge.inference.errors import PromptError
     from megatron_bridge.inference.model import load_model, tensor_parallel_size
     from megatron_bridge.inference.prompts import read_prompts
@@ -286,6 +294,8 @@ def test_other_user_errors_are_one_message(models, tmp_path):
         tensor_parallel_size(2)
     with pytest.raises(PromptError, match="prompt 2 is empty"):
         generate(llama, ["The cat", ""])
+    with pytest.raises(ConfigValidationError, match=r"backend: unknown process-group backend 'cuda' \(use one of \['auto', 'nccl', 'gloo'\]\)"):
+        generate(llama, "The cat", backend="cuda")
     lines = tmp_path / "prompts.jsonl"
     lines.write_text('{"prompt": "a"}\n{"question": "b"}\n')
     with pytest.raises(PromptError, match=r"prompts.jsonl:2: expected \{\"prompt\": ...\} or"):
@@ -316,17 +326,17 @@ def test_tensor_parallel_generation_under_torchrun_equals_one_process(models):
     import subprocess
     import sys
 
-    from hf_models import in_subprocess_env
+    from factories import backend_for, source_tree_env
 
     from megatron_bridge.runtime.distributed import free_port
 
+    backend = backend_for(2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "megatron_bridge", "generate", models["llama"],
-           *[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "12", "--ignore-eos", "--json"]  # fmt: skip
-    env = in_subprocess_env()
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+           *[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "12", "--ignore-eos", "--json",
+           "--backend", backend]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=source_tree_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    single = generate(models["llama"], PROMPTS, max_new_tokens=12, ignore_eos=True)
+    single = generate(models["llama"], PROMPTS, max_new_tokens=12, ignore_eos=True, backend=backend)
     assert [r["token_ids"] for r in lines] == [g.token_ids for g in single]

@@ -239,13 +239,14 @@ def test_lora_adapters_on_an_imported_model_load_in_peft_with_our_logits(tmp_pat
     assert set(written["target_modules"]) == (fused if name == "phi3" else separate)
 
     tokens = random_tokens(family_configs()[name].vocab_size)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     directory, _, run_cfg, _ = read_adapter_checkpoint(run)
     with single_process_model(run_cfg) as ours:
         load_weights(ours, base, "base")
         load_weights(ours, directory, "adapters")
+        device = next(ours.parameters()).device
         with torch.no_grad():
-            adapted = ours(tokens, positions, None)
+            on_model = tokens.to(device)
+            adapted = ours(on_model, torch.arange(tokens.shape[1], device=device).expand_as(on_model), None).float().cpu()
     hf_base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         plain = hf_base(tokens).logits

@@ -47,12 +47,22 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["olmo2", "phi3"])
-def test_tensor_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name):
-    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP) and
-    Phi-3 (fused qkv_proj and gate_up_proj): TP2 gives the logits of one process, and the TP2
-    checkpoint exports bit-identical from one process. For OLMo 2 the same processes also check
-    the qk-norm's gradients over two ranks (scripts/projection_norm_tp.py)."""
+@pytest.mark.parametrize(
+    "name, layout",
+    [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2", "--ep", "2"])],
+    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2"],
+)
+def test_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name, layout):
+    """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
+    Phi-3 (fused qkv_proj and gate_up_proj) and GPT-OSS (attention sinks split over TP, experts
+    stacked in one tensor per layer; on two processes TP2 for attention and EP2 for the experts,
+    megatron-core's expert parallelism across tensor-parallel ranks): the split model gives the
+    logits of one process, and the checkpoint imported in that layout exports bit-identical (from
+    one process; with EP also from the two ranks, each expert-parallel rank's slices gathered
+    into the stacked tensors). For OLMo 2 the same processes also check the qk-norm's gradients
+    over two ranks (scripts/projection_norm_tp.py)."""
+    from transformers import AutoModelForCausalLM
+
     from megatron_bridge.cli.main import main
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -61,15 +71,20 @@ def test_tensor_parallel_load_and_import_of_families_with_their_own_layers(tmp_p
     vocab = family_configs()[name].vocab_size
     out, ckpt, exported = tmp_path / "logits.pt", str(tmp_path / "ckpt"), str(tmp_path / "exported")
     check = ["--check-projection-norm"] if name == "olmo2" else []
-    output = torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), "--tp", "2", "--out", str(out),
-                      "--import-to", ckpt, *check)  # fmt: skip
+    export = ["--export-to", str(tmp_path / "exported_parallel")] if "--ep" in layout else []
+    backend = backend_for(2)
+    output = torchrun(str(SCRIPT), "--hf", directory, "--vocab", str(vocab), *layout, "--backend", backend,
+                      "--out", str(out), "--import-to", ckpt, *check, *export)  # fmt: skip
     parallel = torch.load(out)
-    single = megatron_logits(directory, random_tokens(vocab))
+    single = megatron_logits(directory, random_tokens(vocab), backend=backend)
     assert (parallel[..., :vocab] - single[..., :vocab]).abs().max().item() < 1e-5
     if check:
         assert output.count("input grad") == 4, output[-2000:]  # query and key norms on each rank
     assert main(["hf", "export", ckpt, exported]) == 0
     assert_bit_identical(read_all(directory), read_all(exported))
+    if export:
+        assert_bit_identical(read_all(directory), read_all(export[1]))
+        AutoModelForCausalLM.from_pretrained(export[1])
 
 
 def test_tensor_parallel_import_and_pipeline_parallel_export_are_exact(tmp_path):

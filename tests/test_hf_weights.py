@@ -59,7 +59,7 @@ def test_logits_match_transformers(tmp_path, name):
     assert (ours[..., :vocab] - reference).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "mixtral", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["llama_tied", "mixtral", "olmo2", "phi3", "gpt_oss"])
 def test_round_trip_through_import_and_export_is_bit_identical(tmp_path, capsys, name):
     from transformers import AutoModelForCausalLM
 
@@ -231,7 +231,9 @@ def test_unsupported_architecture_is_a_config_error(tmp_path, capsys, no_model_b
         GPTModelProvider.from_hf(directory)
     assert main(["hf", "import", directory, str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err
-    assert f"{directory}/config.json: architectures=['GPT2LMHeadModel'] is not supported (convert one of: LlamaForCausalLM" in err
+    from megatron_bridge.models.hf.registry import supported
+
+    assert f"{directory}/config.json: architectures=['GPT2LMHeadModel'] is not supported (convert one of: {supported()})" in err
 
 
 def test_weight_files_that_disagree_with_their_index_or_config_name_file_and_tensor(tmp_path):

@@ -25,7 +25,9 @@ OLMO_LIKE = dict(
 def model_parallel():
     from megatron.core import parallel_state
 
-    with one_process_group():
+    from megatron_bridge.training import cpu_backend
+
+    with one_process_group(), cpu_backend.active("cpu"):  # a gloo group: the model is on CPU on every machine
         parallel_state.initialize_model_parallel()
         yield
         parallel_state.destroy_model_parallel()

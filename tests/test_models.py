@@ -165,13 +165,18 @@ MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_grouped_gemm=False, mo
         lambda: M.Qwen3MoEModelProvider(**{**SMALL, "kv_channels": 32}, **MOE),
         lambda: M.Olmo2ModelProvider(**SMALL),
         lambda: M.Phi3ModelProvider(**SMALL, rotary_percent=0.5),
+        # attention sinks, biases on attention, router and experts
+        lambda: M.GptOssModelProvider(**{**SMALL, "kv_channels": 32}, **MOE, moe_router_topk=2),
     ],
-    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3"],
+    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3", "gpt_oss"],
 )
 def test_count_matches_built_model(model_parallel, make):
+    from megatron_bridge.training import cpu_backend
+
     provider = make()
     provider.finalize()
-    model = provider.provide(pre_process=True, post_process=True)
+    with cpu_backend.active():  # megatron-core allocates the attention sinks on the GPU (the CPU on a CPU machine)
+        model = provider.provide(pre_process=True, post_process=True)
     built = sum(p.numel() for p in model.parameters())
     count = count_parameters(provider)
     assert count.total == built
@@ -185,7 +190,7 @@ def test_family_modules_import_nothing_heavy():
     """The family modules are plain data: importing them adds no import beyond what gpt_provider.py
     already needs (megatron-core's TransformerConfig, which brings torch)."""
     allowed = ("__future__", "typing", "torch.nn.functional", "megatron_bridge.config.base", "megatron_bridge.models.")
-    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3):
+    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3, M.gpt_oss):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

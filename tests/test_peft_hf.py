@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from factories import tiny_config
+from factories import REPO, backend_for, source_tree_env, tiny_config
 from hf_models import save_tiny
 
 from megatron_bridge.cli.main import main as mbridge
@@ -30,7 +30,6 @@ from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
 pytestmark = pytest.mark.timeout(400)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 PEFT_ATOL = 1e-4  # fp32 throughout; the peft library computes the adapter path on its own
 
@@ -63,9 +62,7 @@ def train(cfg):
 
 
 def fresh_process(*argv, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["PYTHONPATH"] = REPO
-    return subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=REPO, env=source_tree_env(),
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
@@ -218,17 +215,17 @@ def test_dora_adapters_export_with_our_logits(dora_run, source, tmp_path):
 def test_dora_export_split_over_tensor_parallel_ranks(dora_run, tmp_path):
     """Under torchrun with TP 2, each rank folds its part (the row norms of row-parallel layers
     summed over both): the same weights as one process."""
-    from hf_models import in_subprocess_env
     from test_hf_weights import read_all
 
     from megatron_bridge.runtime.distributed import free_port
 
     save, _ = dora_run
     single, split = str(tmp_path / "single"), str(tmp_path / "tp2")
-    assert mbridge(["hf", "export", save, single]) == 0
+    backend = ["--backend", backend_for(2)]  # both on the backend of the larger run
+    assert mbridge(["hf", "export", save, single, *backend]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "megatron_bridge", "hf", "export", save, split, "--tp", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=in_subprocess_env(), cwd=REPO)
+           f"--master_port={free_port()}", "-m", "megatron_bridge", "hf", "export", save, split, "--tp", "2", *backend]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=source_tree_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = read_all(single), read_all(split)
     assert sorted(one) == sorted(two)

@@ -22,7 +22,10 @@ from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import get_recipe, list_recipes
 
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
-LAYOUTS = ("tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms")
+LAYOUTS = (
+    "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
+    "lora_tp2", "dora_dp2_distopt",
+)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +48,10 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Eight layouts trained for one iteration with pretrain() under torchrun (2 processes): the
-    bytes of parameters, gradient buffers, optimizer state (main copies + moments) and torch's
-    step counters equal the planner's on each rank, and so does the parameter list."""
+    """Eight layouts trained for one iteration with pretrain() under torchrun (2 processes), and
+    two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
+    buffers, optimizer state (main copies + moments) and torch's step counters equal the
+    planner's on each rank, and so does the parameter list (adapters after their base layer)."""
     out = tmp_path / "memory"
     env = {
         k: v
@@ -84,6 +88,14 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         a, b = (json.loads(Path(f"{out}.rank{r}").read_text())[layout]["measured"] for r in (0, 1))
         differing_shards += a != b
     assert differing_shards == 2
+    rank0 = json.loads(Path(f"{out}.rank0").read_text())
+    for layout in ("lora_tp2", "dora_dp2_distopt"):  # only adapters have gradients and optimizer state
+        peft, full = rank0[layout]["measured"], rank0["tp2"]["measured"]
+        assert 0 < peft["grads"] < full["grads"] / 2 and 0 < peft["optimizer"] < full["optimizer"] / 2
+        names = [n for n, _ in rank0[layout]["names"]]
+        assert any(n.endswith(".lora_A") for n in names) and any(n.endswith(".lora_magnitude") for n in names) == (
+            layout.startswith("dora")
+        )
 
 
 def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
@@ -115,8 +127,8 @@ def test_bucketed_layout_of_the_measured_config_has_several_padded_buckets():
 
 # ---------------------------------------------------------------------- activations
 def paper_inputs(**changes):
-    """The architecture of Korthikanti et al.: MHA, 4h GeLU MLP, dropout, LayerNorm, unfused
-    attention, 16-bit activations."""
+    """The architecture of Korthikanti et al.: MHA, 4h GeLU MLP, dropout, LayerNorm, no rotary
+    embedding, unfused attention with a 16-bit softmax, 16-bit activations."""
     cfg = resolved("llama2_7b_pretrain_config")
     inp = PlanInputs.from_config(cfg)
     base = dict(
@@ -131,6 +143,11 @@ def paper_inputs(**changes):
         hidden_dropout=0.1,
         attention_dropout=0.1,
         transformer_engine=False,
+        core_attention="unfused",
+        softmax_in_fp32=False,
+        rotary_dim=0,
+        norm_has_bias=True,
+        qk_layernorm=False,
         activation_bytes=2,
         tp=1,
         cp=1,
@@ -162,15 +179,24 @@ def test_activation_bytes_per_layer_reduce_to_the_closed_forms(t, setting, sp, c
     extra = dict(recompute_method="uniform", recompute_num_layers=1) if setting == "full" else {}
     inp = paper_inputs(tp=t, sequence_parallel=sp, recompute_granularity=setting, **extra)
     s, b, h, a = 2048, 2, 4096, 32
-    assert layer_bytes(inp) == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
+    # the paper leaves out the norms' fp32 mean and 1/std per token (8 bytes a token, two norms)
+    # and, unless the core attention is recomputed, the [s, s] causal mask megatron-core builds per layer
+    terms = layer_terms(inp)
+    stats = 2 * 8 * s * b / (t if sp else 1)
+    assert sum(v for k, v in terms.items() if "statistics" in k) == stats
+    mask = terms.get("causal mask (built by each layer)", 0)
+    assert mask == (0 if setting == "selective" else s * s)
+    kept = layer_bytes(inp) - (0 if setting == "full" else stats + mask)
+    assert kept == pytest.approx(closed_form(s, b, h, a, t), rel=1e-12)
 
 
 def test_activation_terms_for_a_modern_layer():
     """GQA, SwiGLU, no dropout, fused attention: Q/K/V shrink to the query groups, no masks, the
     attention scores are not kept; context parallelism splits every term."""
     inp = paper_inputs(
-        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True
-    )
+        query_groups=8, gated=True, ffn=14336, hidden_dropout=0.0, attention_dropout=0.0, transformer_engine=True,
+        core_attention="te", activation_fused=True,
+    )  # fmt: skip
     terms = layer_terms(inp)
     s, b = 2048, 2
     assert terms["Q, K, V"] == 2 * s * b * (4096 + 2 * 1024)
@@ -317,6 +343,57 @@ def test_plan_json_records_and_gpu_and_mfu(capsys):
     assert mbridge([*argv, "--mfu", "0.4"]) == 0
     faster = json.loads(capsys.readouterr().out)
     assert faster[0]["step_time_s"] == pytest.approx(records[0]["step_time_s"] / 2)
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose(capsys):
+    """For the GPUs it plans for: TE layers (TE taken as installed there); with --no-te, local
+    layers with SDPA (a fresh process, as a user runs it). Either way the line naming the
+    settings that choose."""
+    assert mbridge(["pretrain", "--recipe", "llama2_7b_pretrain_config", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: TransformerEngine, TransformerEngine's core attention" in out
+    assert "  to choose: model.transformer_impl=local plans megatron-core's local layers" in out
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "llama2_7b_pretrain_config", "--dry-run",
+           "--no-te"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "# resolved for:          megatron-core local layers (--no-te" in out.stdout
+    assert (
+        "# layers: megatron-core local, PyTorch SDPA core attention (TransformerEngine not installed, so local "
+        "layers; PyTorch SDPA serves this config" in out.stdout
+    )
+    assert "#   to choose: model.transformer_impl=transformer_engine plans TransformerEngine layers" in out.stdout
+    assert "model.attention_backend=unfused plans megatron-core's DotProductAttention" in out.stdout
+    assert "SDPA attention (no scores kept)" in out.stdout
+
+
+def test_plan_of_a_model_without_input_norms_offers_no_transformer_engine_layers(capsys, tmp_path):
+    """OLMo 2 (no norms before attention and MLP) is built on local layers only: its plan does not
+    suggest TE layers."""
+    assert mbridge(["pretrain", "--recipe", "olmo2_7b_pretrain_config", "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "layers: megatron-core local, PyTorch SDPA core attention" in out
+    assert "  to choose: model.attention_backend=unfused plans megatron-core's DotProductAttention (no " in out
+    assert "transformer_impl=transformer_engine" not in out
+
+
+def test_lora_recipe_is_planned_with_a_frozen_base(capsys, tmp_path):
+    argv = ["finetune", "--recipe", "llama3_8b_lora_finetune_config", "--plan-only", "--json",
+            "--recipe-arg", f"pretrained_checkpoint={tmp_path}",
+            "--recipe-arg", f"dataset_root={tmp_path}"]  # fmt: skip
+    assert mbridge(argv) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["peft"] == "lora" and record["layer_impl"] == "local"
+    # rank 16 on the four projections of 32 layers: 16 x (4096 + 6144) + 16 x (4096 + 4096) + 16 x (4096 + 28672)
+    # + 16 x (14336 + 4096) per layer
+    assert record["trainable_parameters"] == 32 * 16 * (4096 + 6144 + 4096 + 4096 + 4096 + 28672 + 14336 + 4096)
+    assert record["frozen_parameters"] > 8e9 and record["params_bytes"] > 2 * record["frozen_parameters"]
+    # gradients and Adam state (fp32 main params + moments, sharded over DP 8) for the adapters only
+    assert record["grads_bytes"] < 4 * record["trainable_parameters"] * 1.01
+    assert record["optimizer_bytes"] < 12 * record["trainable_parameters"] / 8 * 1.01
+    assert mbridge(argv[:-5] + argv[-4:]) == 0  # the text plan
+    assert "peft: LoRA rank 16 on 128 linear layers" in capsys.readouterr().out
 
 
 def test_dry_run_appends_the_plan_as_comments(capsys):

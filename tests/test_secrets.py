@@ -67,6 +67,20 @@ def test_environment_values_are_written_back_as_their_interpolation_and_read_aga
     assert "env_vars.API_TOKEN: cannot resolve '${oc.env:MB_TEST_SECRET}'" in str(err.value)
 
 
+def test_a_variable_since_unset_no_longer_rewrites_later_configs(tmp_path, monkeypatch):
+    """A long-lived process (a notebook, a test session) reads `/ckpt` from the environment once;
+    configs written after the variable is gone must keep their own `/ckpt` text and load again."""
+    monkeypatch.setenv("MB_TEST_SUFFIX", "/ckpt")
+    process_config_with_overrides(tiny_config(), None, ["checkpoint.save=${oc.env:MB_TEST_SUFFIX}/run"])
+    cfg = tiny_config()
+    cfg.checkpoint.save = str(tmp_path / "a" / "ckpt")
+    assert "${oc.env:MB_TEST_SUFFIX}" in cfg.to_dict()["checkpoint"]["save"]  # same environment: resolves back
+    monkeypatch.delenv("MB_TEST_SUFFIX")
+    assert cfg.to_dict()["checkpoint"]["save"] == str(tmp_path / "a" / "ckpt")
+    cfg.to_yaml(tmp_path / "cfg.yaml")
+    assert ConfigContainer.from_yaml(tmp_path / "cfg.yaml").checkpoint.save == str(tmp_path / "a" / "ckpt")
+
+
 def test_normal_values_round_trip_unchanged(tmp_path):
     cfg = tiny_config()
     cfg.env_vars = {"NCCL_DEBUG": "WARN", "N": 3}

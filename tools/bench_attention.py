@@ -3,6 +3,7 @@ unfused local `DotProductAttention`, side by side at a few sequence lengths.
 
     python tools/bench_attention.py [--seq 512 1024 2048] [--heads 16] [--groups 4] [--head-dim 64]
                                     [--batch 1] [--repeats 5] [--window N] [--dtype fp32|bf16]
+                                    [--softmax-type vanilla|off-by-one|learnable]
 
 Same query/key/value tensors ([s, b, heads, d], grouped-query key/value) into both modules,
 alternating; prints per length the median time of each (ms), unfused/SDPA, and the largest
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--window", type=int, default=None, help="sliding window (left) for both")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None)
+    parser.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla",
+                        help="attention sinks: none, a zero logit, or a learned logit per head (the same in both)")
     args = parser.parse_args()
 
     import torch
@@ -60,13 +63,14 @@ def main() -> None:
     h, g, d, b = args.heads, args.groups, args.head_dim, args.batch
     print(f"core attention fwd+bwd on {'GPU ' + torch.cuda.get_device_name() if cuda else 'CPU'} ({torch.get_num_threads()} threads), "
           f"{str(dtype).replace('torch.', '')}, batch {b}, {h} heads, {g} groups, head dim {d}, "
-          f"window {args.window}, median of {args.repeats}")  # fmt: skip
+          f"window {args.window}, softmax {args.softmax_type}, median of {args.repeats}")  # fmt: skip
     print(f"{'seq':>6} {'unfused ms':>11} {'sdpa ms':>9} {'unfused/sdpa':>13} {'max |out diff|':>15} {'max |dq diff|':>14}")
     for s in args.seq:
         config = GPTModelProvider(
             num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=g, seq_length=s,
             attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            window_size=(args.window, 0) if args.window else None, **({} if cuda else cpu_backend.CPU_MODEL_SETTINGS),
+            window_size=(args.window, 0) if args.window else None, softmax_type=args.softmax_type,
+            **({} if cuda else cpu_backend.CPU_MODEL_SETTINGS),
         )  # fmt: skip
         config.finalize()
         unfused_cls = WindowedDotProductAttention if args.window else DotProductAttention
@@ -74,6 +78,9 @@ def main() -> None:
             "unfused": unfused_cls(config, 1, AttnMaskType.causal, "self"),
             "sdpa": SDPAttention(config, 1, AttnMaskType.causal, "self"),
         }
+        if args.softmax_type == "learnable":
+            with torch.no_grad():
+                modules["sdpa"].softmax_offset.copy_(modules["unfused"].softmax_offset)
         gen = torch.Generator(device="cpu").manual_seed(s)
         q0 = torch.randn(s, b, h, d, generator=gen).to(device, dtype)
         k0 = torch.randn(s, b, g, d, generator=gen).to(device, dtype)

@@ -1,6 +1,7 @@
-"""pretrain() against a hand-written megatron-core loop on one GPU, with the planner's memory estimate.
+"""pretrain() against a hand-written megatron-core loop on one GPU, SDPA against unfused attention,
+LoRA, each with the planner's memory estimate.
 
-    python tools/bench_gpu.py [--rounds 2] [--iters 30] [--warmup 5]
+    python tools/bench_gpu.py [--rounds 2] [--iters 30] [--warmup 5] [--variants pretrain,unfused]
     python tools/bench_gpu.py --tiny          # tiny shape (automatic without CUDA): runs on CPU
 
 Shape on a GPU: Llama-shaped, about 1.2B parameters (16 layers, hidden 2048, 32 heads, 8 key/value
@@ -9,13 +10,22 @@ parameters and gradient reduction, micro batch 1, global batch 8 (8 micro batche
 TransformerEngine layers when TE imports; megatron-core's local layers otherwise, with the core
 attention pretrain() chooses there (SDPA: no score matrix, so no selective recompute).
 
-Three variants, alternating fresh processes per round: the hand-written loop (GPTModel + DDP +
-get_megatron_optimizer + the pipeline schedule's forward_backward_func, as bench_loops.py),
-pretrain() with no trackers, and pretrain() with every installed tracker (TensorBoard, W&B
-offline, MLflow on sqlite, Comet offline) logging every iteration. Prints per variant the median
-iteration time after warm-up, tokens/s and MFU (GPU), torch.cuda.max_memory_allocated next to the
-planner's estimate for the same config (without its fixed workspace allowance, which the
-allocator does not see), the pretrain()/hand-written ratio, and trackers on/off.
+Variants (`--variants`, in the order given, alternating fresh processes per round):
+  handwritten        GPTModel + DDP + get_megatron_optimizer + the pipeline schedule's
+                     forward_backward_func (as bench_loops.py)
+  pretrain           pretrain() with no trackers (attention_backend auto: SDPA on local layers)
+  pretrain+trackers  pretrain() with every installed tracker (TensorBoard, W&B offline, MLflow on
+                     sqlite, Comet offline) logging every iteration
+  unfused            pretrain() with attention_backend=unfused and selective recompute of the scores
+                     (megatron-core's local attention as it ran before SDPA)
+  lora               finetune() with LoRA rank 16 (alpha 32) on linear_qkv, linear_proj,
+                     linear_fc1 and linear_fc2, from a base saved by a one-iteration run first
+Each run prints its line as soon as it ends (median iteration time after warm-up, tokens/s and
+MFU on a GPU, torch.cuda.max_memory_allocated next to the planner's estimate for the same config
+without its fixed workspace allowance, which the allocator does not see), so a run cut short
+still leaves figures; then the medians over all rounds, pretrain()/hand-written, trackers on/off,
+unfused/SDPA and LoRA/full time per iteration. A variant that fails is reported and the others go
+on (exit status 1 at the end).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ TINY_SHAPE = dict(
     mbs=1,
     gbs=4,
 )
-VARIANTS = ("handwritten", "pretrain", "pretrain+trackers")
+VARIANTS = ("handwritten", "pretrain", "pretrain+trackers", "unfused", "lora")
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet": "comet_ml"}
 
 
@@ -212,28 +222,88 @@ def handwritten(shape: dict, iters: int) -> dict:
     return {"iteration_times": times, "max_allocated": peak_memory(), "te": te}
 
 
-def with_pretrain(shape: dict, iters: int, trackers: list[str], workdir: str) -> dict:
+def bench_config(shape: dict, variant: str, iters: int, te: bool, cuda: bool, workdir: str = ".", trackers=()):
+    """The `ConfigContainer` a pretrain()/finetune() variant runs (unresolved): the shape above,
+    bf16 mixed precision, mock data; `unfused` keeps megatron-core's DotProductAttention with
+    selective recompute of the scores, `lora`/`lora-base` are the adapted run and its base."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_bridge.models import GPTModelProvider
+    from megatron_bridge.peft import LoRA
+    from megatron_bridge.training.config import (
+        CheckpointConfig, ConfigContainer, LoggerConfig, MockGPTDatasetConfig, OptimizerConfig, SchedulerConfig,
+        TrainingConfig, ValidationConfig,
+    )  # fmt: skip
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    logger_fields = {}
+    if "tensorboard" in trackers:
+        logger_fields["tensorboard_dir"] = f"{workdir}/tb"
+    if "wandb" in trackers:
+        logger_fields.update(wandb_project="bench", wandb_exp_name="bench", wandb_save_dir=f"{workdir}/wandb")
+    if "mlflow" in trackers:
+        logger_fields.update(
+            mlflow_experiment="bench", mlflow_run_name="bench", mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db"
+        )
+    if "comet" in trackers:
+        logger_fields.update(
+            comet_project="bench", comet_experiment_name="bench", comet_offline_directory=f"{workdir}/comet"
+        )
+    fields = model_fields(shape, te, cuda)
+    for key in ("bf16", "params_dtype", "pipeline_dtype"):  # from the bf16_mixed preset
+        fields.pop(key)
+    if variant == "unfused":
+        fields.update(attention_backend=AttnBackend.unfused, recompute_granularity="selective")
+    base = os.path.join(workdir, "base")
+    cfg = ConfigContainer(
+        model=GPTModelProvider(
+            **fields,
+            seq_length=shape["seq"],
+            vocab_size=shape["vocab"],
+            position_embedding_type="rope",
+            rotary_base=500000,
+            share_embeddings_and_output_weights=True,
+        ),
+        train=TrainingConfig(
+            train_iters=1 if variant == "lora-base" else iters,
+            global_batch_size=shape["gbs"],
+            micro_batch_size=shape["mbs"],
+        ),
+        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, clip_grad=1.0),
+        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0),
+        dataset=MockGPTDatasetConfig(seq_length=shape["seq"], num_workers=0, split="1,0,0"),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=shape["vocab"]),
+        validation=ValidationConfig(eval_iters=0),
+        logger=LoggerConfig(log_interval=1 if trackers else max(1, iters), **logger_fields),
+        mixed_precision="bf16_mixed",
+    )
+    if variant == "lora-base":  # weights only: what the adapted run starts from
+        cfg.checkpoint = CheckpointConfig(save=base, save_optim=False, save_rng=False)
+    elif variant == "lora":
+        cfg.checkpoint = CheckpointConfig(pretrained_checkpoint=base)
+        cfg.peft = LoRA(dim=16, alpha=32)  # the four projections of every layer
+    return cfg
+
+
+def with_pretrain(shape: dict, variant: str, iters: int, trackers: list[str], workdir: str) -> dict:
+    """pretrain() (finetune() for `lora`) of `bench_config`, timed per iteration by a callback."""
     import torch
 
     from megatron_bridge.extras import is_installed
-    from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.planning import plan
+    from megatron_bridge.planning import activations, plan
+    from megatron_bridge.planning.adapters import local_adapted
     from megatron_bridge.planning.devices import GPUS
     from megatron_bridge.training.callbacks import Callback
-    from megatron_bridge.training.config import (
-        ConfigContainer, LoggerConfig, MockGPTDatasetConfig, OptimizerConfig, SchedulerConfig, TrainingConfig,
-        ValidationConfig,
-    )  # fmt: skip
+    from megatron_bridge.training.finetune import finetune
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
-    from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
     cuda = torch.cuda.is_available()
-    te = te_available() and cuda
+    te = te_available() and cuda and variant not in ("lora", "lora-base")  # adapters wrap local layers
 
     class Timing(Callback):
         def __init__(self):
-            self.times, self.start = [], 0.0
+            self.times, self.start, self.peak, self.layer_saved = [], 0.0, None, None
 
         def on_train_start(self, state):
             if cuda:
@@ -246,86 +316,96 @@ def with_pretrain(shape: dict, iters: int, trackers: list[str], workdir: str) ->
             synchronize()
             self.times.append(time.perf_counter() - self.start)
 
+        def on_train_end(self, state):
+            self.peak = peak_memory()  # before the probe below
+            if not te:
+                self.layer_saved = saved_by_first_layer(state.model[0], shape)
+
     used = [name for name in trackers if is_installed(TRACKER_MODULES[name])]
-    logger_fields = {}
-    if "tensorboard" in used:
-        logger_fields["tensorboard_dir"] = f"{workdir}/tb"
-    if "wandb" in used:
-        logger_fields.update(wandb_project="bench", wandb_exp_name="bench", wandb_save_dir=f"{workdir}/wandb")
-    if "mlflow" in used:
-        logger_fields.update(
-            mlflow_experiment="bench", mlflow_run_name="bench", mlflow_tracking_uri=f"sqlite:///{workdir}/mlflow.db"
-        )
-    if "comet" in used:
-        logger_fields.update(
-            comet_project="bench", comet_experiment_name="bench", comet_offline_directory=f"{workdir}/comet"
-        )
-    fields = model_fields(shape, te, cuda)
-    for key in ("bf16", "params_dtype", "pipeline_dtype"):  # from the bf16_mixed preset
-        fields.pop(key)
-    cfg = ConfigContainer(
-        model=GPTModelProvider(
-            **fields,
-            seq_length=shape["seq"],
-            vocab_size=shape["vocab"],
-            position_embedding_type="rope",
-            rotary_base=500000,
-            share_embeddings_and_output_weights=True,
-        ),
-        train=TrainingConfig(train_iters=iters, global_batch_size=shape["gbs"], micro_batch_size=shape["mbs"]),
-        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, clip_grad=1.0),
-        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0),
-        dataset=MockGPTDatasetConfig(seq_length=shape["seq"], num_workers=0, split="1,0,0"),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=shape["vocab"]),
-        validation=ValidationConfig(eval_iters=0),
-        logger=LoggerConfig(log_interval=1 if used else max(1, iters), **logger_fields),
-        mixed_precision="bf16_mixed",
-    )
+    cfg = bench_config(shape, variant, iters, te, cuda, workdir, used)
     timing = Timing()
-    pretrain(cfg, forward_step, callbacks=[timing])
+    (finetune if variant == "lora" else pretrain)(cfg, forward_step, callbacks=[timing])
+    if variant == "lora-base":
+        return {"iteration_times": timing.times, "max_allocated": None, "te": te}
     gpu = next(
         (g for g in GPUS.values() if cuda and g.name.split()[0] in torch.cuda.get_device_name()), GPUS["h100-80gb"]
     )
     p = plan(cfg, gpu=gpu.key, with_fixes=False)
     worst = p.worst
+    inp = p.inputs
+    layer_terms = activations.layer_terms(inp, False, None, inp.attention_masks[0], local_adapted(inp, 0))
     return {
         "iteration_times": timing.times,
-        "max_allocated": peak_memory(),
+        "max_allocated": timing.peak,
+        "layer_saved": timing.layer_saved,
+        "layer_planned": int(sum(layer_terms.values())),
         "te": te,
         "trackers": used,
         "planned_bytes": int(worst.total - worst.workspace),
         "planned_gpu": gpu.name,
+        "core_attention": p.inputs.core_attention,
+        "trainable": worst.state.trainable_elements,
     }
 
 
+def saved_by_first_layer(chunk, shape: dict) -> int:
+    """Bytes of the distinct tensors (parameters left out) that the first transformer layer of
+    the trained model keeps for backward, for one micro batch of the bench shape: the planner's
+    per-layer activation term, measured."""
+    import torch
+
+    model = chunk
+    while not hasattr(model, "decoder"):
+        model = model.module
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    first = model.decoder.layers[0]
+    weight = next(first.parameters())
+    hidden = torch.randn(shape["seq"], shape["mbs"], shape["hidden_size"], dtype=weight.dtype, device=weight.device)
+    hidden.requires_grad_(True)
+    rotary = model.rotary_pos_emb(shape["seq"]) if getattr(model, "rotary_pos_emb", None) is not None else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = first(hidden, attention_mask=None, rotary_pos_emb=rotary)
+    del out
+    return sum(saved.values())
+
+
 # ---------------------------------------------------------------------- driver
+def run_worker(variant: str, args: argparse.Namespace, workdir: str) -> dict:
+    """One variant in a fresh process: its result, or {"error": ...} (the bench goes on)."""
+    env = dict(
+        os.environ,
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_DIR=workdir,
+        MLFLOW_DISABLE_TELEMETRY="true",
+        COMET_ERROR_TRACKING_ENABLE="false",
+    )
+    command = [
+        sys.executable, os.path.abspath(__file__), "--worker", variant, "--iters", str(args.iters),
+        "--workdir", workdir, "--trackers", args.trackers,
+    ] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if out.returncode != 0 or line is None:
+        return {"error": f"exit {out.returncode}: {(out.stderr.strip() or out.stdout.strip())[-1500:]}"}
+    return json.loads(line[len("BENCH ") :])
+
+
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
-        env = dict(
-            os.environ,
-            WANDB_MODE="offline",
-            WANDB_SILENT="true",
-            WANDB_DIR=workdir,
-            MLFLOW_DISABLE_TELEMETRY="true",
-            COMET_ERROR_TRACKING_ENABLE="false",
-        )
-        command = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--worker",
-            variant,
-            "--iters",
-            str(args.iters),
-            "--workdir",
-            workdir,
-            "--trackers",
-            args.trackers,
-        ] + (["--tiny"] if args.tiny else [])
-        out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=workdir)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH ")), None)
-        if out.returncode != 0 or line is None:
-            raise SystemExit(f"{variant} failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        return json.loads(line[len("BENCH ") :])
+        if variant == "lora":  # the frozen base, saved by its own short run
+            base = run_worker("lora-base", args, workdir)
+            if "error" in base:
+                return {"error": f"saving the base failed, {base['error']}"}
+        return run_worker(variant, args, workdir)
 
 
 def main() -> None:
@@ -335,16 +415,25 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
     p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated variants to run, in this order, each round (default: %(default)s)",
+    )
+    p.add_argument(
         "--trackers",
         default=",".join(TRACKER_MODULES),
         help="trackers of the trackers-on variant, those installed of: %(default)s",
     )
-    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=VARIANTS + ("lora-base",), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
     unknown = set(filter(None, args.trackers.split(","))) - set(TRACKER_MODULES)
     if unknown:
         p.error(f"unknown trackers {sorted(unknown)}; choose from {', '.join(TRACKER_MODULES)}")
+    variants = [v for v in args.variants.split(",") if v]
+    wrong = [v for v in variants if v not in VARIANTS]
+    if wrong or not variants:
+        p.error(f"unknown variants {wrong}; choose from {', '.join(VARIANTS)}")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -355,39 +444,62 @@ def main() -> None:
             result = handwritten(shape, args.iters)
         else:
             trackers = args.trackers.split(",") if args.worker == "pretrain+trackers" else []
-            result = with_pretrain(shape, args.iters, trackers, args.workdir)
+            result = with_pretrain(shape, args.worker, args.iters, trackers, args.workdir)
         print("BENCH " + json.dumps(result), flush=True)
         return
     if args.warmup >= args.iters:
         raise SystemExit("--warmup must be smaller than --iters")
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for _ in range(args.rounds):
-        for variant in VARIANTS:
+    report = Report(shape, args, cuda)
+    print(report.header(), flush=True)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for variant in variants:
             runs[variant].append(run_variant(variant, args))
-    report(runs, shape, args, cuda)
-
-
-def report(runs: dict, shape: dict, args: argparse.Namespace, cuda: bool) -> None:
-    from megatron_bridge.training.metrics import peak_tflops_for
-
-    device = torch_device_name() if cuda else "CPU"
-    peak = peak_tflops_for(device) if cuda else None
-    flops_per_token = model_flops_per_token(shape)
-    tokens = shape["gbs"] * shape["seq"]
-    te = runs["handwritten"][0]["te"]
-    print(
-        f"device: {device}; layers: {'TransformerEngine' if te else 'megatron-core local, SDPA core attention'}"
-        f"; shape: {shape}"
-    )
-    medians = {}
+            print(report.line(f"{variant} ({r + 1}/{args.rounds})", runs[variant][-1:]), flush=True)
+    print("medians over all rounds:")
     for variant, results in runs.items():
-        times = [t for r in results for t in r["iteration_times"][args.warmup :]]
-        medians[variant] = statistics.median(times)
-        tps = tokens / medians[variant]
-        line = f"{variant:18s} median {medians[variant] * 1e3:9.2f} ms/iteration  {tps:12.0f} tokens/s"
-        if peak:
-            line += f"  MFU {tps * flops_per_token / (peak * 1e12):.3f}"
-        mem = [r["max_allocated"] for r in results if r["max_allocated"] is not None]
+        print(report.line(variant, results))
+    for line in report.comparisons(runs):
+        print(line)
+    rounds = f"{args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, fresh processes"
+    print(f"({rounds})", flush=True)
+    if any("error" in r for results in runs.values() for r in results):
+        raise SystemExit(1)
+
+
+class Report:
+    """The lines the bench prints: a header, one line per run or variant, the comparisons."""
+
+    def __init__(self, shape: dict, args: argparse.Namespace, cuda: bool):
+        from megatron_bridge.training.metrics import peak_tflops_for
+
+        self.shape, self.warmup, self.cuda = shape, args.warmup, cuda
+        self.device = torch_device_name() if cuda else "CPU"
+        self.peak = peak_tflops_for(self.device) if cuda else None
+        self.flops_per_token = model_flops_per_token(shape)
+        self.tokens = shape["gbs"] * shape["seq"]
+
+    def header(self) -> str:
+        layers = "TransformerEngine" if (self.cuda and te_available()) else "megatron-core local, SDPA core attention"
+        return (
+            f"device: {self.device}; layers: {layers}; unfused: megatron-core's DotProductAttention with selective "
+            f"recompute; lora: LoRA rank 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2; shape: {self.shape}"
+        )
+
+    def median(self, results: list[dict]) -> float | None:
+        times = [t for r in results if "error" not in r for t in r["iteration_times"][self.warmup :]]
+        return statistics.median(times) if times else None
+
+    def line(self, label: str, results: list[dict]) -> str:
+        errors = [r["error"] for r in results if "error" in r]
+        median = self.median(results)
+        if median is None:
+            return f"{label:18s} FAILED: {errors[0] if errors else 'no timed iterations'}"
+        tps = self.tokens / median
+        line = f"{label:18s} median {median * 1e3:9.2f} ms/iteration  {tps:12.0f} tokens/s"
+        if self.peak and not label.startswith("lora"):  # model FLOPs count weight gradients LoRA skips
+            line += f"  MFU {tps * self.flops_per_token / (self.peak * 1e12):.3f}"
+        mem = [r["max_allocated"] for r in results if r.get("max_allocated") is not None]
         if mem:
             line += f"  max allocated {max(mem) / 2**30:.2f} GiB"
         planned = [r["planned_bytes"] for r in results if "planned_bytes" in r]
@@ -395,16 +507,32 @@ def report(runs: dict, shape: dict, args: argparse.Namespace, cuda: bool) -> Non
             line += f"  planner {planned[0] / 2**30:.2f} GiB (measured/planned {max(mem) / planned[0]:.3f})"
         elif planned:
             line += f"  planner {planned[0] / 2**30:.4f} GiB (no CUDA: not measured)"
-        print(line)
-    print(f"ratio pretrain()/hand-written per iteration: {medians['pretrain'] / medians['handwritten']:.3f}")
-    used = runs["pretrain+trackers"][0].get("trackers") or ["none installed"]
-    print(
-        f"trackers on/off per iteration ({', '.join(used)}, logging every iteration): "
-        f"{medians['pretrain+trackers'] / medians['pretrain']:.3f}"
-    )
-    print(
-        f"({args.rounds} rounds x {args.iters} iterations, first {args.warmup} left out, alternating fresh processes)"
-    )
+        layer = next((r for r in results if r.get("layer_saved")), None)
+        if layer:
+            line += (
+                f"  layer 0 keeps {layer['layer_saved'] / 2**20:.2f} MiB for backward "
+                f"(planned {layer['layer_planned'] / 2**20:.2f})"
+            )
+        if errors:
+            line += f"  ({len(errors)} of {len(results)} runs failed)"
+        return line
+
+    def comparisons(self, runs: dict) -> list[str]:
+        m = {v: self.median(results) for v, results in runs.items()}
+        out = []
+        if m.get("pretrain") and m.get("handwritten"):
+            out.append(f"ratio pretrain()/hand-written per iteration: {m['pretrain'] / m['handwritten']:.3f}")
+        if m.get("pretrain") and m.get("pretrain+trackers"):
+            used = next((r["trackers"] for r in runs["pretrain+trackers"] if "trackers" in r), None)
+            out.append(
+                f"trackers on/off per iteration ({', '.join(used or ['none installed'])}, logging every iteration): "
+                f"{m['pretrain+trackers'] / m['pretrain']:.3f}"
+            )
+        if m.get("pretrain") and m.get("unfused"):
+            out.append(f"unfused/SDPA time per iteration: {m['unfused'] / m['pretrain']:.3f}")
+        if m.get("pretrain") and m.get("lora"):
+            out.append(f"LoRA/full training time per iteration: {m['lora'] / m['pretrain']:.3f}")
+        return out
 
 
 def torch_device_name() -> str:

@@ -25,13 +25,19 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   buffer and the rank's shard of fp32 main parameters and Adam moments, padding included;
   precision-aware optimizer dtypes, TP/PP/EP/ETP splits and vocabulary padding. For megatron-core's
   local layers these are exact: `tests/test_planner.py` trains eight layouts (TP 2, PP 2, PP 2 with
-  virtual stages, distributed optimizer with DP 2, MoE with EP 2, bf16 with fp32 main parameters,
-  several padded buckets, OLMo 2's norms at TP 2) under torchrun and compares with the bytes of
-  the actual tensors on every rank;
+  virtual stages, distributed optimizer with DP 2, MoE with EP 2 and GPT-OSS's biases and attention
+  sinks, bf16 with fp32 main parameters, several padded buckets, OLMo 2's norms at TP 2) under
+  torchrun and compares with the bytes of the actual tensors on every rank;
 - **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
-  grouped-query attention, gated MLPs, fused attention, MoE; recompute none/selective/full,
-  sequence and context parallelism) times the micro batches a stage holds in the 1F1B schedule
-  (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus the fp32 logits of the last stage;
+  grouped-query attention, gated MLPs, fused attention, MoE, LoRA/DoRA adapters, the norms a layer
+  has: before attention and MLP or not, after them, qk-norm per head or over whole projections; recompute
+  none/selective/full, sequence and context parallelism) times the micro batches a stage holds in
+  the 1F1B schedule (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus a working set:
+  for megatron-core's local layers the largest transient of a step (the score planes of the unfused
+  softmax backward, or the 16-bit and fp32 logits of the cross entropy) and the score buffer of
+  unfused attention, counted tensor by tensor as autograd keeps them (`tests/test_planner_activations.py`
+  checks a layer's saved tensors and the peak of a step on CPU); for TransformerEngine layers the
+  fp32 logits of the last stage;
 - a **fixed workspace allowance** of 4 GiB (CUDA context, NCCL/cuBLAS workspaces, fragmentation),
   shown as such: it is not derived from the config.
 
@@ -42,10 +48,18 @@ tokens/s at a stated MFU (`--mfu`, default 0.40), time to `train_iters` and tota
 pipeline bubble; DP, EP and expert-DP sizes. `--gpu` picks h100-80gb (default), h200-141gb,
 a100-80gb or b200-180gb; `--plan-only --json` prints one record per rank layout.
 
+Each plan says which layers it is for: what `provide()` builds on the GPUs planned for. As
+`--plan-only` does, these plans take TransformerEngine as installed there, so they are of TE
+layers, except for the recipes that ask for megatron-core's local layers (LoRA/DoRA, OLMo 2),
+planned with SDPA core attention; `--no-te` plans local layers, `model.attention_backend=unfused`
+megatron-core's unfused attention.
+LoRA/DoRA runs: a frozen 16-bit base without gradients or optimizer state, buffers and optimizer
+state for the adapters only (exact against the tensors of real runs in the tests).
+
 Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
-buffers (inside the workspace allowance). With `transformer_impl: transformer_engine` the plan
-assumes TE layers (fused attention keeps no attention scores); the parameter order, and so a few
-elements of alignment padding, is then TE's as far as it is known here.
+buffers (inside the workspace allowance). With TE layers the parameter order, and so a few
+elements of alignment padding, is TE's as far as it is known here, and the activations are those
+planned before local layers were told apart (not measured without TE).
 
 Regenerate this page with `python tools/plan_docs.py`.
 """

@@ -8,6 +8,8 @@ import contextlib
 import os
 from typing import Iterator
 
+from megatron_bridge.inference.model import BACKENDS
+
 SOURCE_HELP = (
     "a Hugging Face model directory (with config.json), or a checkpoint directory of ours: a save directory "
     "(its latest iteration) or one iter_N directory; a LoRA/DoRA checkpoint is loaded on the base its run recorded"
@@ -21,12 +23,17 @@ def add_source_arguments(p: argparse.ArgumentParser, batch_size: int) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json (default: the source's)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the dtype they are stored in)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default: the number of processes under torchrun)")
+    p.add_argument(
+        "--backend", choices=BACKENDS, default="auto",
+        help="process-group backend: nccl runs on the GPUs (one process per GPU), gloo on the CPU; auto: nccl where "
+        "GPUs are visible, else gloo (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=batch_size, metavar="N", help="sequences run together (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output (see the command's description)")
 
 
 def load_options(args: argparse.Namespace) -> dict:
-    return dict(step=args.step, base=args.base, tokenizer=args.tokenizer, tp=args.tp, dtype=args.dtype)
+    return dict(step=args.step, base=args.base, tokenizer=args.tokenizer, tp=args.tp, dtype=args.dtype, backend=args.backend)
 
 
 @contextlib.contextmanager

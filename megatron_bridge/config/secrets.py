@@ -47,7 +47,7 @@ _BOOKKEEPING = frozenset({"_target_", "_explicit_", "_implicit_", "_derived_"})
 _URL_PASSWORD = re.compile(r"(://[^/@:\s]+:)[^/@\s]+@")
 
 _FROM_ENVIRONMENT: dict[str, str] = {}
-"""Value read from the environment by a config interpolation -> `${oc.env:VAR}`."""
+"""Value read from the environment by a config interpolation -> the variable's name."""
 _EMBEDDED: list[str] = []
 """The keys of `_FROM_ENVIRONMENT` replaced inside longer strings, longest first."""
 
@@ -83,21 +83,45 @@ def remember_environment_reads(texts: Iterable[str]) -> None:
             continue
         for var in _ENV_READ.findall(text):
             value = os.environ.get(var)
-            if value and value not in _FROM_ENVIRONMENT:
-                _FROM_ENVIRONMENT[value] = "${oc.env:" + var + "}"
+            if value and _FROM_ENVIRONMENT.get(value) != var:
+                _FROM_ENVIRONMENT[value] = var
                 changed = True
     if changed:
-        _EMBEDDED[:] = sorted((v for v in _FROM_ENVIRONMENT if len(v) >= MIN_EMBEDDED_LENGTH), key=len, reverse=True)
+        _update_embedded()
+
+
+def _update_embedded() -> None:
+    _EMBEDDED[:] = sorted((v for v in _FROM_ENVIRONMENT if len(v) >= MIN_EMBEDDED_LENGTH), key=len, reverse=True)
+
+
+def _interpolation(value: str) -> str | None:
+    """`${oc.env:VAR}` for a remembered `value` while VAR still holds it. A variable since unset
+    or changed (a config built earlier in a long-lived process, a test's temporary environment)
+    is forgotten: writing its name would make configs that no longer resolve here."""
+    import os
+
+    var = _FROM_ENVIRONMENT.get(value)
+    if var is None:
+        return None
+    if os.environ.get(var) == value:
+        return "${oc.env:" + var + "}"
+    del _FROM_ENVIRONMENT[value]
+    _update_embedded()
+    return None
 
 
 def scrub(text: str) -> str:
     """`text` with values read from the environment replaced by their interpolation and URL
     passwords redacted (for log lines and messages)."""
     if text in _FROM_ENVIRONMENT:
-        return _FROM_ENVIRONMENT[text]
-    for value in _EMBEDDED:
+        whole = _interpolation(text)
+        if whole is not None:
+            return whole
+    for value in list(_EMBEDDED):
         if value in text:
-            text = text.replace(value, _FROM_ENVIRONMENT[value])
+            written = _interpolation(value)
+            if written is not None:
+                text = text.replace(value, written)
     if "://" in text and "@" in text:
         text = _URL_PASSWORD.sub(r"\1" + REDACTED + "@", text)
     return text

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from megatron_bridge.inference.corpora import CHOICE, FORMATS, INDEXED, SFT, TEXT
 from megatron_bridge.inference.errors import DataError
-from megatron_bridge.inference.model import InferenceModel, ModelLike
+from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike
 
 
 @dataclass
@@ -69,9 +69,10 @@ def evaluate(
     tokenizer: Optional[str] = None,
     tp: Optional[int] = None,
     dtype: Optional[str] = None,
+    backend: str = "auto",
 ) -> EvalResult:
     """Evaluate `model` (a model source, or a loaded `InferenceModel`; `step`, `base`,
-    `tokenizer`, `tp`, `dtype` as for `load_model`) on the file `data`: JSONL text (field
+    `tokenizer`, `tp`, `dtype`, `backend` as for `load_model`) on the file `data`: JSONL text (field
     `text_key`), an indexed dataset prefix, fine-tuning JSONL, or multiple-choice JSONL (the
     format is detected unless `data_format` names it). Sequences are truncated to `seq_length`
     tokens (default: the model's); `concat` scores text as pretraining windows instead of one
@@ -80,6 +81,7 @@ def evaluate(
 
     problems = Problems()
     problems.positive("batch_size", batch_size)
+    problems.check(backend in BACKENDS, "backend", f"unknown process-group backend {backend!r}", f"use one of {list(BACKENDS)}")
     problems.check(seq_length is None or seq_length >= 2, "seq_length", f"must be 2 or more, got {seq_length}", "e.g. 2048")
     problems.check(data_format is None or data_format in FORMATS, "data_format", f"unknown format {data_format!r}", f"use one of {list(FORMATS)}")
     problems.raise_if_any()
@@ -98,7 +100,7 @@ def evaluate(
     if fmt != INDEXED:
         require_tokenizer(tok, source, f"reading {fmt} data")
     sequences, items = _read(data, fmt, text_key, tok, _length(seq_length, declared_seq_length(source)), concat)
-    with load_model(source, tokenizer=tokenizer, tp=tp, dtype=dtype, preloaded_tokenizer=tok) as loaded:
+    with load_model(source, tokenizer=tokenizer, tp=tp, dtype=dtype, backend=backend, preloaded_tokenizer=tok) as loaded:
         return _score(loaded, data, fmt, sequences, items, batch_size)
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from megatron_bridge.inference.model import InferenceModel, ModelLike
+from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike
 from megatron_bridge.inference.errors import PromptError
 from megatron_bridge.inference.prompts import Prompt, encode_prompts
 from megatron_bridge.inference.sampling import Sampling
@@ -79,10 +79,11 @@ def generate(
     tokenizer: Optional[str] = None,
     tp: Optional[int] = None,
     dtype: Optional[str] = None,
+    backend: str = "auto",
 ) -> Generations:
     """Generate text for each prompt with `model`: a model source (Hugging Face directory, or a
-    checkpoint directory of ours; `step`, `base`, `tokenizer`, `tp` and `dtype` as for
-    `load_model`) or a loaded `InferenceModel`.
+    checkpoint directory of ours; `step`, `base`, `tokenizer`, `tp`, `dtype` and
+    `backend` as for `load_model`) or a loaded `InferenceModel`.
 
     Greedy unless `temperature` > 0 or `top_k`/`top_p` are given (see `Sampling`); `chat`
     renders plain prompts as a user message with the tokenizer's chat template; `stop` strings
@@ -95,6 +96,7 @@ def generate(
     problems.check(len(prompts) > 0, "prompts", "no prompt given", "give one or more prompts")
     problems.positive("max_new_tokens", max_new_tokens)
     problems.positive("batch_size", batch_size)
+    problems.check(backend in BACKENDS, "backend", f"unknown process-group backend {backend!r}", f"use one of {list(BACKENDS)}")
     problems.check(all(isinstance(s, str) and s for s in stop), "stop", f"stop strings must be non-empty, got {list(stop)}", "e.g. stop=['\\n\\n']")
     problems.raise_if_any()
     if isinstance(model, InferenceModel):
@@ -108,7 +110,7 @@ def generate(
     source = resolve(os.fspath(model), step, base)
     tok = require_tokenizer(load_tokenizer(source, tokenizer), source, "generating text")
     encoded = _encode(tok, prompts, chat, declared_seq_length(source), source.describe())
-    with load_model(source, tokenizer=tokenizer, tp=tp, dtype=dtype, preloaded_tokenizer=tok) as loaded:
+    with load_model(source, tokenizer=tokenizer, tp=tp, dtype=dtype, backend=backend, preloaded_tokenizer=tok) as loaded:
         return _generate_all(loaded, prompts, encoded, sampling, max_new_tokens, stop, ignore_eos, batch_size)
 
 

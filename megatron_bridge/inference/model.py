@@ -16,6 +16,9 @@ from typing import Any, Iterator, Optional, Union
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, resolve
 
+BACKENDS = ("auto", "nccl", "gloo")
+"""Process-group backends a model loads with: auto is nccl where GPUs are visible, else gloo."""
+
 
 @dataclass
 class InferenceModel:
@@ -109,18 +112,21 @@ def tensor_parallel_size(tp: Optional[int]) -> int:
 @contextlib.contextmanager
 def load_model(source: Union[str, os.PathLike, ModelSource], *, step: Optional[int] = None, base: Optional[str] = None,
                tokenizer: Optional[str] = None, tp: Optional[int] = None, dtype: Optional[str] = None,
-               preloaded_tokenizer: Any = None) -> Iterator[InferenceModel]:  # fmt: skip
+               backend: str = "auto", preloaded_tokenizer: Any = None) -> Iterator[InferenceModel]:  # fmt: skip
     """Build and load the model of `source` (a path, or a resolved `ModelSource`) for the block:
     process groups and the CPU backend live as long as it. `tokenizer` replaces the source's
     tokenizer; `dtype` (bf16, fp16, fp32) the weights' dtype (default: the dtype they are stored
-    in); `tp` the tensor-parallel size (default: the number of processes)."""
+    in); `tp` the tensor-parallel size (default: the number of processes); `backend` the
+    process-group backend (auto: nccl on the GPUs where they are visible, else gloo on the CPU).
+    More processes on a machine than visible GPUs with nccl is a `ConfigValidationError` before
+    anything is built."""
     from megatron_bridge.inference.source_tokenizer import load_tokenizer, stop_token_ids
     from megatron_bridge.models.hf.runtime import model_parallel
 
     src = source if isinstance(source, ModelSource) else resolve(os.fspath(source), step, base)
     tok = preloaded_tokenizer if preloaded_tokenizer is not None else load_tokenizer(src, tokenizer)
     size = tensor_parallel_size(tp)
-    with model_parallel(tp=size) as device:
+    with model_parallel(tp=size, backend=backend) as device:
         module, provider = _build(src, device, dtype)
         yield InferenceModel(module, tok, vocab_size=int(provider.vocab_size), seq_length=int(provider.seq_length),
                              stop_ids=stop_token_ids(src, tok), source=src)  # fmt: skip

@@ -43,6 +43,7 @@ _FAMILIES = {
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
     ),
+    "megatron_bridge.models.gpt_oss": ("GptOssModelProvider", "GptOssModelProvider20B", "GptOssModelProvider120B"),
     "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),
     "megatron_bridge.models.phi3": ("Phi3ModelProvider", "Phi3ModelProviderMini"),
     "megatron_bridge.models.qwen": (

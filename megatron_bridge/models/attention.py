@@ -70,8 +70,6 @@ def sdpa_unsupported(config: Any) -> Optional[str]:
         return f"torch {torch.__version__} has no scaled_dot_product_attention"
     if config.context_parallel_size > 1:
         return f"context parallelism (context_parallel_size={config.context_parallel_size})"
-    if config.softmax_type != "vanilla":
-        return f"softmax_type={config.softmax_type!r} (an offset in the softmax denominator, which SDPA has not)"
     if config.multi_latent_attention:
         return "multi-latent attention (multi_latent_attention=True)"
     if getattr(config, "experimental_attention_variant", None) is not None:

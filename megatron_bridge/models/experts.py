@@ -57,11 +57,16 @@ def decide_grouped_gemm(model: Any, *, te_layers: bool, grouped_gemm_installed: 
     grouped_gemm package. Pure: the caller says what the machine has."""
     if not model.num_moe_experts or not model.moe_grouped_gemm:
         return ExpertMLPDecision(bool(model.moe_grouped_gemm))
-    if grouped_gemm_source(te_layers, bool(model.moe_use_legacy_grouped_gemm), grouped_gemm_installed):
+    legacy = bool(model.moe_use_legacy_grouped_gemm)
+    source = grouped_gemm_source(te_layers, legacy, grouped_gemm_installed)
+    if source is not None and not (model.add_bias_linear and source == "the grouped_gemm package"):
         return ExpertMLPDecision(True)
-    missing = "the grouped_gemm package is not installed" + (
-        "" if te_layers else " and the layers are not TransformerEngine's"
-    )
+    if source is not None:  # megatron-core's legacy GroupedMLP has no expert biases
+        missing = "megatron-core's grouped GEMM without TransformerEngine (GroupedMLP) has no expert biases"
+    else:
+        missing = "the grouped_gemm package is not installed" + (
+            "" if te_layers else " and the layers are not TransformerEngine's"
+        )
     explicit = getattr(model, "is_explicit", None)
     if explicit is not None and explicit("moe_grouped_gemm"):
         return ExpertMLPDecision(True, f"moe_grouped_gemm=True needs a grouped GEMM, but {missing}", refused=True)

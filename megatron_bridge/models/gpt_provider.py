@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -44,8 +45,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
 
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Position encoding."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
+    """Position encoding: learned positions, rotary embeddings (rope), rotary embeddings with YaRN
+    context extension (yarn: the yarn_* fields), or none."""
 
     rotary_base: int = 10000
     """RoPE base period."""
@@ -61,6 +63,33 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
     rope_scaling_factor: float = 8.0
     """Scaling factor of Llama 3.1-style RoPE scaling."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN: how many times the context is extended beyond yarn_original_max_position_embeddings
+    (position_embedding_type='yarn')."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the context length the rotary frequencies were pretrained for."""
+
+    yarn_beta_fast: float = 32.0
+    """YaRN: dimensions rotating more often than this over the original context keep their
+    frequency."""
+
+    yarn_beta_slow: float = 1.0
+    """YaRN: dimensions rotating less often than this are interpolated by the scaling factor (a
+    linear ramp between the two)."""
+
+    yarn_mscale: Optional[float] = None
+    """YaRN attention scaling: with yarn_mscale_all_dim also set, cos and sin are scaled by
+    (0.1 * yarn_mscale * ln(factor) + 1) / (0.1 * yarn_mscale_all_dim * ln(factor) + 1); unset, by
+    0.1 * ln(factor) + 1."""
+
+    yarn_mscale_all_dim: Optional[float] = None
+    """YaRN attention scaling: the denominator's coefficient (see yarn_mscale)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: round the ramp's dimension bounds outward to whole dimensions (transformers'
+    `truncate`)."""
 
     input_layernorms: bool = True
     """Normalize the input of attention and of the MLP (pre-norm). False: only their outputs are
@@ -178,6 +207,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
         self._check_layer_fields(p)
+        self._check_expert_biases(p)
+        self._check_rotary(p)
+        self._check_activation(p)
         from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
@@ -232,6 +264,90 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "choose a TP size that divides num_query_groups",
         )
 
+    def expert_tensor_parallel(self, tp: int) -> Optional[int]:
+        """The expert tensor-parallel size this model is built with where the tensor-parallel size
+        is `tp`: the field where set; 1 for experts with biases (megatron-core splits no expert
+        with biases); else None (megatron-core's default: `tp`)."""
+        if self.expert_tensor_parallel_size is not None:
+            return self.expert_tensor_parallel_size
+        return 1 if self.num_moe_experts and self.add_bias_linear and tp > 1 else None
+
+    def _check_expert_biases(self, p: Problems) -> None:
+        """megatron-core adds an expert's output bias on every expert-tensor-parallel rank before
+        their partial outputs are summed, so it splits no expert with biases (expert_tensor_parallel_size
+        1); unset, that is derived."""
+        if not self.num_moe_experts or not self.add_bias_linear:
+            return
+        etp = self.expert_tensor_parallel(self.tensor_model_parallel_size)
+        if etp is not None and not self.is_explicit("expert_tensor_parallel_size"):
+            self._derive("expert_tensor_parallel_size", etp)
+        p.check(
+            etp in (None, 1),
+            "expert_tensor_parallel_size",
+            f"{etp}: megatron-core splits no expert with biases (add_bias_linear=True) over tensor-parallel ranks",
+            "set model.expert_tensor_parallel_size=1 (the experts are split over expert-parallel ranks instead)",
+        )
+
+    def _check_rotary(self, p: Problems) -> None:
+        """YaRN reads only its own fields; megatron-core scales every rotary embedding's cos and
+        sin by the yarn_* attention factor, so those fields stay at their defaults without it."""
+        if self.position_embedding_type != "yarn":
+            for f in dataclasses.fields(GPTModelProvider):
+                if f.name.startswith("yarn_") and getattr(self, f.name) != f.default:
+                    p.add(
+                        f.name,
+                        f"{getattr(self, f.name)!r} applies to YaRN only, but position_embedding_type="
+                        f"{self.position_embedding_type!r} (megatron-core would still scale the rotary embedding by it)",
+                        f"set model.position_embedding_type='yarn' or leave model.{f.name} at {f.default!r}",
+                    )
+            return
+        ignored = {
+            "rotary_percent": (self.rotary_percent == 1.0, "1.0"),
+            "rotary_interleaved": (not self.rotary_interleaved, "False"),
+            "seq_len_interpolation_factor": (self.seq_len_interpolation_factor is None, "None"),
+            "rope_scaling": (not self.rope_scaling, "False"),
+        }
+        for name, (fine, value) in ignored.items():
+            p.check(
+                fine,
+                name,
+                f"{getattr(self, name)!r} is not applied with position_embedding_type='yarn' (megatron-core's "
+                "YaRN embedding rotates whole heads, not interleaved, with its own scaling)",
+                f"set model.{name}={value}",
+            )
+        p.check(
+            self.yarn_rotary_scaling_factor >= 1.0,
+            "yarn_rotary_scaling_factor",
+            f"{self.yarn_rotary_scaling_factor} is below 1: YaRN extends the context",
+            "use a factor of at least 1",
+        )
+        p.check(
+            not self.apply_rope_fusion or self.yarn_rotary_scaling_factor == 1.0,
+            "apply_rope_fusion",
+            "TransformerEngine's fused rotary embedding cannot apply YaRN's attention scaling",
+            "set model.apply_rope_fusion=False",
+        )
+
+    def _check_activation(self, p: Problems) -> None:
+        """megatron-core's fused gated activations (bias_activation_fusion) clamp the first
+        projection's output before adding its bias, and the fused SwiGLU does not clamp at all;
+        unfused, the bias is added, then the clamp applied."""
+        if self.activation_func_clamp_value is None or not self.bias_activation_fusion:
+            return
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        why = None
+        if self.activation_func is not quick_gelu:
+            why = "megatron-core's fused kernel clamps only with its quick_gelu"
+        elif self.add_bias_linear:
+            why = "megatron-core's fused kernel clamps before adding the bias"
+        p.check(
+            why is None,
+            "bias_activation_fusion",
+            f"True with activation_func_clamp_value={self.activation_func_clamp_value}: {why}",
+            "set model.bias_activation_fusion=False",
+        )
+
     # ------------------------------------------------------------------ building
     def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
         """Vocabulary size after padding for efficient tensor-parallel splits."""
@@ -255,6 +371,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         from megatron_bridge.models.attention import core_attention_choice, core_attention_module, replace_core_attention
+        from megatron_bridge.models.layers.expert_bias import with_biased_experts
         from megatron_bridge.models.layers.spec_edits import apply_layer_fields
 
         te = self.uses_transformer_engine()
@@ -266,7 +383,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             module = core_attention_module(self, choice)
             if module is not None:
                 spec = replace_core_attention(spec, module)
-        return self.adjust_layer_spec(apply_layer_fields(self, spec), vp_stage)
+        return self.adjust_layer_spec(with_biased_experts(self, apply_layer_fields(self, spec)), vp_stage)
 
     def adjust_layer_spec(self, spec: Any, vp_stage: Optional[int] = None) -> Any:
         """Family hook: edit the decoder block spec (megatron-core's `TransformerBlockSubmodules`

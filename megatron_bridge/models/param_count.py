@@ -51,6 +51,8 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     kv_out = 2 * groups * kv
     attention = h * (q_out + kv_out) + (q_out + kv_out if qkv_bias else 0)
     attention += q_out * h + (h if bias else 0)
+    if getattr(m, "softmax_type", "vanilla") == "learnable":
+        attention += heads  # one sink logit per head
     if m.qk_layernorm:
         widths = 2 * kv if getattr(m, "qk_layernorm_per_head", True) else q_out + groups * kv
         attention += widths * (1 if m.normalization == "RMSNorm" else 2)
@@ -63,7 +65,7 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     moe_total = moe_active = 0
     if m.num_moe_experts:
         expert = mlp(m.moe_ffn_hidden_size or ffn)
-        router = h * m.num_moe_experts
+        router = (h + (1 if bias else 0)) * m.num_moe_experts
         shared = 0
         if m.moe_shared_expert_intermediate_size:
             shared = mlp(m.moe_shared_expert_intermediate_size)

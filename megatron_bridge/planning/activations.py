@@ -1,102 +1,193 @@
-"""Activation memory: what the backward pass keeps per layer, per micro batch, and how many micro
-batches a pipeline stage holds at once.
+"""Activation memory: what the backward pass keeps per layer and micro batch, how many micro
+batches a pipeline stage holds, and the working set on top of them at the stage's peak.
 
 The per-layer accounting follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022): every tensor a layer saves for its backward pass, counted by who
 saves it. For the architecture that paper assumes (multi-head attention, a 4h GeLU MLP, dropout,
-LayerNorm, attention scores materialized, 16-bit activations) the sum reduces to its closed forms,
-in bytes per layer for sequence s, micro batch b, width h, heads a, tensor-parallel size t:
+LayerNorm, no rotary embedding, 16-bit activations and softmax) the sum reduces to its closed
+forms, in bytes per layer for sequence s, micro batch b, width h, heads a, tensor-parallel size t
+(plus the per-token norm statistics the paper leaves out):
 
     no recompute             sbh (10 + 24/t + 5as/(ht))     with sequence parallel  sbh/t (34 + 5as/h)
     selective (core attn)    sbh (10 + 24/t)                with sequence parallel  34 sbh/t
     full (each layer)        2 sbh                          with sequence parallel  2 sbh/t
 
-The general form below covers grouped-query attention, gated MLPs, no dropout, RMSNorm, fused
-(flash) attention, mixture-of-experts layers, context parallelism and megatron-core's selective
-recompute modules. The tests check it against the closed forms.
+The general form below covers what megatron-core's layers really keep: grouped-query attention
+(the QKV projection's output stays alive as the storage of K and V, Q and K are new tensors after
+the rotary embedding, which keeps its cos/sin tables), gated MLPs (without the fused
+bias-activation kernel the SiLU output and a copy of the up projection are kept too), the core
+attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the norms a layer has
+(before attention and MLP or not, after them, qk-norm per head or over whole projections),
+mixture-of-experts layers, LoRA/DoRA adapters (`adapters.py`), context and sequence parallelism and megatron-core's
+selective recompute modules. `tests/test_planner_activations.py` compares it with the tensors
+autograd saves for one layer.
+
+At the peak a stage holds the saved tensors of its micro batches in flight, buffers kept for the
+whole run, and one working set: the largest of the transient tensors of the cross entropy (the
+logits, 16-bit and fp32) and of the backward of the last layer's core attention (for unfused
+attention, the score planes), together with what is alive at that moment (the tied output-layer
+weight gradient waits in autograd until the embedding's backward) and less what is already freed
+(the last layer's MLP block). With TransformerEngine layers the stage total is as it was planned
+before local layers were told apart (fp32 logits, one recomputed unit), not measured here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import repeat
 from typing import Optional
 
+from megatron_bridge.planning import core_attention
+from megatron_bridge.planning.adapters import activation_terms as adapter_terms
+from megatron_bridge.planning.adapters import local_adapted
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.params import Chunk
+
+MLP_BLOCK = (
+    "MLP norm input", "MLP norm statistics (fp32 per token)", "MLP input", "activation input",
+    "SiLU output of the gate", "up projection copy (x + glu_linear_offset)", "second MLP projection input",
+    "router logits and probabilities", "dispatched tokens", "expert activation input",
+    "expert SiLU outputs and up-projection copies", "expert second projection input", "combined expert outputs",
+    "shared expert activations", "MLP output norm input", "MLP output norm statistics (fp32 per token)",
+    "MLP residual dropout mask", "attention output norm input", "attention output norm statistics (fp32 per token)",
+    "output projection input",
+)  # fmt: skip
+"""Terms of a layer freed before its core attention's backward (that runs after the MLP's)."""
 
 
 def _selective(inp: PlanInputs, module: str) -> bool:
     return inp.recompute_granularity == "selective" and module in inp.recompute_modules
 
 
-@lru_cache(maxsize=512)
-def layer_terms(inp: PlanInputs, moe: bool = False, micro_batch: Optional[int] = None) -> dict[str, float]:
+def _norm_stats(inp: PlanInputs) -> int:
+    """fp32 bytes per token a norm keeps besides its input: mean and 1/std (LayerNorm) or 1/rms."""
+    return 8 if inp.norm_has_bias else 4
+
+
+def _output_norm(inp: PlanInputs, block: str, s: float, b: int, add) -> None:
+    """A norm after attention or the MLP (`output_layernorms`) keeps the projection's output, its
+    input; a local norm also its statistics."""
+    sp = inp.tp if inp.sequence_parallel else 1
+    add(f"{block} output norm input", inp.activation_bytes * s * b * inp.hidden / sp)
+    if not inp.transformer_engine:
+        add(f"{block} output norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+
+
+def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
+    """What the qk-norm over whole projections (`ProjectionNorm`, `qk_layernorm_per_head=False`)
+    keeps for Q and K: the fp32 copy of its input (with 16-bit activations; in fp32 it keeps the
+    input itself, one of the storages of Q and K), its normalized fp32 output, which the gradient
+    of its weight reads (not kept when the weight is frozen, as with PEFT), and one fp32 1/rms per
+    token for Q and one for K, over all heads (the same on every tensor-parallel rank)."""
+    width = (inp.heads + inp.query_groups) * inp.kv_channels / inp.tp
+    terms: dict[str, float] = {}
+    if inp.activation_bytes < 4:
+        terms["Q, K in fp32 (whole-projection norm input)"] = 4 * s * b * width
+    if inp.peft is None:
+        terms["Q, K normalized in fp32 (whole-projection norm)"] = 4 * s * b * width
+    terms["Q, K norm statistics (fp32 per token)"] = 2 * 4 * s * b
+    return terms
+
+
+@lru_cache(maxsize=1024)
+def layer_terms(
+    inp: PlanInputs,
+    moe: bool = False,
+    micro_batch: Optional[int] = None,
+    masked: bool = False,
+    adapted: tuple[str, ...] = (),
+) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, per micro batch, on one rank, without full
-    recompute; by tensor (zero-byte terms left out)."""
+    recompute; by tensor (zero-byte terms left out). `masked`: a mask tensor reaches its core
+    attention; `adapted`: its LoRA/DoRA-adapted linear layers."""
     s = inp.seq_length / inp.cp
     b = micro_batch if micro_batch is not None else inp.micro_batch_size
     h, t, e = inp.hidden, inp.tp, inp.activation_bytes
     sp = t if inp.sequence_parallel else 1  # tensors outside the TP region are split only with SP
     sbh = s * b * h
-    q_width = inp.heads * inp.kv_channels
-    kv_width = inp.query_groups * inp.kv_channels
-    a_local = inp.heads / t
+    d = inp.kv_channels
+    q_width, kv_width = inp.heads * d, inp.query_groups * d
+    local = not inp.transformer_engine
     terms: dict[str, float] = {}
 
     def add(name: str, value: float) -> None:
         if value:
             terms[name] = terms.get(name, 0.0) + value
 
+    def input_kept(linear: str) -> bool:
+        """A linear layer keeps its input for its weight gradient: with PEFT a frozen one does
+        not (megatron-core's LinearWithFrozenWeight), an adapted one does (its adapter's A)."""
+        return inp.peft is None or any(rel.endswith(linear) for rel in adapted)
+
     # --- attention block
+    norms_recomputed = _selective(inp, "layernorm") and inp.input_norms  # megatron-core skips identity norms
     if inp.input_norms:
         add("attention norm input", e * sbh / sp)
-    if not _selective(inp, "layernorm"):
+        if local:
+            add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+    if not norms_recomputed and input_kept("linear_qkv"):
         add("QKV projection input", e * sbh / sp)
-    add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
-    if not _selective(inp, "core_attn"):
-        if inp.transformer_engine:  # fused (flash) attention keeps only the softmax statistics
-            add("attention softmax statistics", 4 * a_local * s * b)
-        else:
-            keys = inp.seq_length  # with context parallelism each query chunk sees every key
-            add("attention softmax output", e * a_local * s * keys * b)
-            if inp.attention_dropout > 0:
-                add("attention dropout mask", a_local * s * keys * b)
-                add("attention dropout output", e * a_local * s * keys * b)
-    add("output projection input", e * s * b * q_width / t)
+    if not local:
+        add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
+    else:
+        for name, value in core_attention.input_terms(inp, s, b, masked).items():
+            add(name, value)
+        if inp.rotary_dim:
+            add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
+        if inp.qk_layernorm and inp.qk_norm_per_head:
+            add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
+    if inp.qk_layernorm and not inp.qk_norm_per_head:
+        for name, value in _projection_norm_terms(inp, s, b).items():
+            add(name, value)
+    for name, value in core_attention.saved_terms(inp, s, b, masked).items():
+        add(name, value)
+    if input_kept("linear_proj") or inp.core_attention == "sdpa":  # SDPA keeps its output, the same storage
+        add("output projection input", e * s * b * q_width / t)
     if inp.output_norms:
-        add("attention output norm input", e * sbh / sp)
+        _output_norm(inp, "attention", s, b, add)
     if inp.hidden_dropout > 0:
         add("attention residual dropout mask", sbh / sp)
 
     # --- MLP block
     if inp.input_norms:
         add("MLP norm input", e * sbh / sp)
+        if local:
+            add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
     gated = 2 if inp.gated else 1
+    unfused_glu = inp.gated and not inp.activation_fused  # keeps SiLU(gate) and a copy of the up half too
+    if not norms_recomputed and (moe or input_kept("mlp.linear_fc1")):
+        add("MLP input", e * sbh / sp)
     if not moe:
-        if not _selective(inp, "layernorm"):
-            add("MLP input", e * sbh / sp)
         if not _selective(inp, "mlp"):
             add("activation input", e * s * b * inp.ffn * gated / t)
-            add("second MLP projection input", e * s * b * inp.ffn / t)
+            if unfused_glu:
+                add("SiLU output of the gate", e * s * b * inp.ffn / t)
+                add("up projection copy (x + glu_linear_offset)", e * s * b * inp.ffn / t)
+            if input_kept("mlp.linear_fc2"):
+                add("second MLP projection input", e * s * b * inp.ffn / t)
     else:
         # Tokens spread evenly over the experts: each rank's experts see topk x its tokens.
         tokens = s * b * inp.topk
-        if not _selective(inp, "layernorm"):
-            add("MLP input", e * sbh / sp)
         add("router logits and probabilities", 2 * 4 * s * b * inp.num_experts)
         if not _selective(inp, "moe"):
             add("dispatched tokens", e * tokens * h)
             if not _selective(inp, "moe_act"):
                 add("expert activation input", e * tokens * inp.moe_ffn * gated / inp.etp)
+                if unfused_glu:
+                    add("expert SiLU outputs and up-projection copies", 2 * e * tokens * inp.moe_ffn / inp.etp)
             add("expert second projection input", e * tokens * inp.moe_ffn / inp.etp)
             add("combined expert outputs", e * tokens * h)
         if inp.shared_expert_ffn and not _selective(inp, "shared_experts"):
-            add("shared expert activations", e * s * b * inp.shared_expert_ffn * (gated + 1) / t)
+            kept = gated + 1 + (2 if unfused_glu else 0)
+            add("shared expert activations", e * s * b * inp.shared_expert_ffn * kept / t)
     if inp.output_norms:
-        add("MLP output norm input", e * sbh / sp)
+        _output_norm(inp, "MLP", s, b, add)
     if inp.hidden_dropout > 0:
         add("MLP residual dropout mask", sbh / sp)
+    for name, value in adapter_terms(inp, adapted, s, b).items():
+        add(name, value)
     return terms
 
 
@@ -114,22 +205,53 @@ def layer_input_bytes(inp: PlanInputs) -> float:
     return inp.activation_bytes * s * inp.micro_batch_size * inp.hidden / (inp.tp if inp.sequence_parallel else 1)
 
 
+def _kind(inp: PlanInputs, layer: int) -> tuple[bool, bool, tuple[str, ...]]:
+    """What makes layers keep different tensors: MoE or dense, a mask, the adapters."""
+    return inp.moe_layer_pattern[layer], inp.attention_masks[layer], local_adapted(inp, layer)
+
+
+def _terms_of(inp: PlanInputs, layer: int) -> dict[str, float]:
+    """`layer_terms` of global layer `layer` (its kind, mask and adapters)."""
+    moe, masked, adapted = _kind(inp, layer)
+    return layer_terms(inp, moe, None, masked, adapted)
+
+
+def _layers_bytes(inp: PlanInputs, layers: range) -> float:
+    """Sum of `layer_terms` over `layers`, one lookup per kind of layer."""
+    lo, hi = layers.start, layers.stop
+    adapters = (local_adapted(inp, j) for j in layers) if inp.peft else repeat(())
+    kinds = Counter(zip(inp.moe_layer_pattern[lo:hi], inp.attention_masks[lo:hi], adapters))
+    return sum(
+        n * sum(layer_terms(inp, moe, None, masked, adapted).values()) for (moe, masked, adapted), n in kinds.items()
+    )
+
+
 @dataclass
 class StageActivations:
-    """Activation bytes of one pipeline rank."""
+    """Activation bytes of one pipeline rank at its peak."""
 
     per_micro_batch: float
     """All layers and extras of this rank for one micro batch (all of its model chunks)."""
     in_flight: float
     """Micro batches whose activations are held at the peak (in units of whole micro batches)."""
-    output_layer: float
-    """Logits and loss of the last stage (held for one micro batch at a time)."""
-    recompute_working_set: float
-    """One recompute unit recomputed during backward (full recompute)."""
+    working: dict[str, float] = field(default_factory=dict)
+    """The transient tensors at the peak moment, by tensor (a negative term: freed by then)."""
+    moment: str = ""
+    """When the peak happens."""
+    buffers: dict[str, float] = field(default_factory=dict)
+    """Buffers allocated once and kept for the run."""
+
+    @property
+    def working_bytes(self) -> float:
+        return sum(self.working.values())
+
+    @property
+    def buffer_bytes(self) -> float:
+        return sum(self.buffers.values())
 
     @property
     def total(self) -> float:
-        return self.per_micro_batch * self.in_flight + self.output_layer + self.recompute_working_set
+        return self.per_micro_batch * self.in_flight + self.working_bytes + self.buffer_bytes
 
 
 def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
@@ -138,25 +260,21 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
     b, h, e = inp.micro_batch_size, inp.hidden, inp.activation_bytes
     sp = inp.tp if inp.sequence_parallel else 1
     layers = range(chunk.first_layer, chunk.first_layer + chunk.num_layers)
-    pattern = inp.moe_layer_pattern
     if inp.recompute_granularity == "full":
         n = inp.recompute_num_layers or 1
         if inp.recompute_method == "block":
             # the first n layers of the chunk keep their input only, the rest everything
-            total = sum(
-                layer_input_bytes(inp) if i < n else sum(layer_terms(inp, pattern[j]).values())
-                for i, j in enumerate(layers)
-            )
+            kept = range(chunk.first_layer + min(n, chunk.num_layers), chunk.first_layer + chunk.num_layers)
+            total = min(n, chunk.num_layers) * layer_input_bytes(inp) + _layers_bytes(inp, kept)
         else:
             units = -(-chunk.num_layers // n)
             total = units * layer_input_bytes(inp)
     else:
-        moe_layers = sum(pattern[chunk.first_layer : chunk.first_layer + chunk.num_layers])
-        total = (chunk.num_layers - moe_layers) * layer_bytes(inp, False) + moe_layers * layer_bytes(inp, True)
+        total = _layers_bytes(inp, layers)
     if chunk.pre_process and inp.hidden_dropout > 0:
         total += s * b * h / sp  # embedding dropout mask
-    if chunk.post_process:
-        total += 2 * e * s * b * h / sp  # final norm input, output layer input
+    if chunk.post_process:  # final norm input, output layer input (not kept when it is frozen)
+        total += (2 if inp.peft is None else 1) * e * s * b * h / sp
     return total
 
 
@@ -175,17 +293,76 @@ def in_flight_micro_batches(inp: PlanInputs, pp_rank: int) -> float:
     return chunks / inp.vp
 
 
+def _recompute_unit(inp: PlanInputs) -> int:
+    return 1 if inp.recompute_method == "block" else (inp.recompute_num_layers or 1)
+
+
+def _te_working(inp: PlanInputs, stage: list[Chunk]) -> tuple[dict[str, float], str]:
+    """TransformerEngine layers: fp32 logits on the last stage, plus one recomputed unit."""
+    s, b = inp.seq_length / inp.cp, inp.micro_batch_size
+    working: dict[str, float] = {}
+    moments = []
+    if any(c.post_process for c in stage):
+        working["logits in fp32 (cross entropy)"] = 4 * s * b * inp.padded_vocab / inp.tp
+        moments.append("cross entropy")
+    if inp.recompute_granularity == "full":
+        moe_any = any(inp.moe_layer_pattern)
+        working["recomputed layers"] = _recompute_unit(inp) * sum(layer_terms(inp, moe_any).values())
+        moments.append("a recomputed unit")
+    return working, " and ".join(moments)
+
+
+def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]:
+    """The transient tensors of each candidate peak moment of a stage of local layers."""
+    s, b, e = inp.seq_length / inp.cp, inp.micro_batch_size, inp.activation_bytes
+    vocab = s * b * inp.padded_vocab / inp.tp
+    moments: dict[str, dict[str, float]] = {}
+    last_chunk = stage[-1]
+    if any(c.post_process for c in stage):
+        if e < 4:
+            moments["cross entropy"] = {f"logits ({8 * e}-bit)": e * vocab, "logits in fp32 (cross entropy)": 4 * vocab}
+        else:
+            moments["cross entropy"] = {"logits (fp32)": 4 * vocab}
+    tied_grad = 0.0
+    holds_both = any(c.pre_process for c in stage) and any(c.post_process for c in stage)
+    if inp.tied_embeddings and holds_both and not inp.wgrad_fusion and inp.peft is None:
+        tied_grad = inp.param_bytes * inp.padded_vocab / inp.tp * inp.hidden
+        moments["output layer backward"] = {
+            f"logits gradient ({8 * e}-bit)": e * vocab,
+            "output-layer weight gradient (tied; held until the embedding's backward)": tied_grad,
+        }
+    if last_chunk.num_layers == 0:
+        return moments
+    last = last_chunk.first_layer + last_chunk.num_layers - 1
+    kept = _terms_of(inp, last)
+    core = core_attention.working_set(inp, s, b, inp.attention_masks[last])
+    moment: dict[str, float] = {}
+    if inp.recompute_granularity == "full":
+        unit = min(_recompute_unit(inp), last_chunk.num_layers)
+        recomputed = sum(sum(_terms_of(inp, j).values()) for j in range(last - unit + 1, last + 1))
+        moment["layers recomputed for their backward"] = recomputed
+    moment.update(core)
+    if tied_grad:
+        moment["output-layer weight gradient (tied; held until the embedding's backward)"] = tied_grad
+    freed = sum(v for k, v in kept.items() if k in MLP_BLOCK)
+    if freed and (core or inp.recompute_granularity == "full"):
+        moment["last layer's MLP block and output-projection input (freed by then)"] = -freed
+    if core or tied_grad:
+        moments["core attention backward of the last layer"] = moment
+    return moments
+
+
 def stage_activations(inp: PlanInputs, stage: list[Chunk]) -> StageActivations:
     """Peak activation bytes of the pipeline rank holding `stage` (its model chunks)."""
-    s = inp.seq_length / inp.cp
-    b = inp.micro_batch_size
     per_mb = sum(chunk_bytes(inp, c) for c in stage)
-    logits = 0.0
-    if any(c.post_process for c in stage):
-        logits = 4 * s * b * inp.padded_vocab / inp.tp  # fp32 logits of the cross entropy
-    working = 0.0
-    if inp.recompute_granularity == "full":
-        unit = 1 if inp.recompute_method == "block" else (inp.recompute_num_layers or 1)
-        moe_any = any(inp.moe_layer_pattern)
-        working = unit * sum(layer_terms(inp, moe_any).values())
-    return StageActivations(per_mb, in_flight_micro_batches(inp, stage[0].pp_rank), logits, working)
+    in_flight = in_flight_micro_batches(inp, stage[0].pp_rank)
+    if inp.transformer_engine:
+        working, moment = _te_working(inp, stage)
+        return StageActivations(per_mb, in_flight, working, moment)
+    s, b = inp.seq_length / inp.cp, inp.micro_batch_size
+    moments = _moments(inp, stage)
+    moment = max(moments, key=lambda k: sum(moments[k].values()), default="")
+    working = moments.get(moment, {})
+    has_layers = any(c.num_layers for c in stage)
+    buffers = core_attention.persistent(inp, s, b) if has_layers else {}
+    return StageActivations(per_mb, in_flight, working, moment, buffers)

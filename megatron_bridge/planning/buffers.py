@@ -93,7 +93,7 @@ def chunk_buffers(inp: PlanInputs, params: list[Param], first_chunk_of_rank: boo
     for expert, dp_size in ((False, dense_dp), (True, expert_dp)):
         groups: dict[tuple[int, int], list[Param]] = {}
         for p in params:
-            if p.expert != expert:
+            if p.expert != expert or not p.trainable:  # DDP leaves frozen parameters out
                 continue
             pb = 1 if p.fp8 else inp.param_bytes
             groups.setdefault((pb, grad_of(2 if p.fp8 else inp.param_bytes)), []).append(p)
@@ -127,6 +127,10 @@ class StateBytes:
     """torch's Adam keeps a 4-byte step counter per parameter tensor in host memory on GPUs."""
     owned_elements: int = 0
     """Parameter elements this rank's optimizer updates."""
+    trainable_elements: int = 0
+    """Parameter elements of this rank that train (all but a PEFT run's frozen base)."""
+    frozen_elements: int = 0
+    """Parameter elements of this rank that do not train (a PEFT run's base)."""
 
 
 def optimizer_bytes_per_element(inp: PlanInputs) -> tuple[int, int]:
@@ -166,10 +170,18 @@ def state_bytes(
             if inp.distributed_optimizer:
                 out.params += buf.numel * buf.param_bytes
                 shards[buf.expert] = _add_shards(shards[buf.expert], buf)
+        trained = params
+        if inp.peft is not None:  # the frozen base stays in its own 16-bit tensors
+            trained = [p for p in params if p.trainable]
+            frozen = [p for p in params if not p.trainable]
+            out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in frozen)
+            out.frozen_elements += sum(p.numel for p in frozen)
+        elements = sum(p.numel for p in trained)
+        out.trainable_elements += elements
         if not inp.distributed_optimizer:
-            out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in params)
-            owned += sum(p.numel for p in params)
-            pieces += len(params)
+            out.params += sum(p.numel * (1 if p.fp8 else inp.param_bytes) for p in trained)
+            owned += elements
+            pieces += len(trained)
     for expert, rank in ((False, dp_rank), (True, expert_dp_rank)):
         per_rank = shards[expert]
         if per_rank is None:

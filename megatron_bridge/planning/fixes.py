@@ -90,12 +90,14 @@ def _distributed_optimizer(inp: PlanInputs) -> Iterator[PlanInputs]:
 
 
 def _sequence_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
-    if inp.tp > 1 and not inp.sequence_parallel:
+    # megatron-core's local layers use torch norms, which refuse sequence parallelism
+    if inp.tp > 1 and not inp.sequence_parallel and inp.transformer_engine:
         yield inp.replace(sequence_parallel=True)
 
 
 def _recompute(inp: PlanInputs) -> Iterator[PlanInputs]:
-    if inp.recompute_granularity is None:
+    # selective recompute drops attention scores; SDPA keeps none
+    if inp.recompute_granularity is None and inp.core_attention != "sdpa":
         yield inp.replace(recompute_granularity="selective", recompute_modules=("core_attn",))
     if inp.recompute_granularity != "full":
         yield inp.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -109,16 +111,18 @@ def _micro_batch(inp: PlanInputs) -> Iterator[PlanInputs]:
 def _layouts(inp: PlanInputs) -> Iterator[PlanInputs]:
     """Other TP x PP x CP splits of the same world size (sequence parallel with TP > 1)."""
     sizes = [1, 2, 4, 8, 16, 32, 64]
+    te = inp.transformer_engine  # local layers have neither context nor sequence parallelism
+    max_cp = 16 if te else 1
     for tp in (t for t in sizes if t <= MAX_TP):
         for pp in sizes:
-            for cp in (c for c in sizes if c <= 16):
+            for cp in (c for c in sizes if c <= max_cp):
                 if (tp, pp, cp) == (inp.tp, inp.pp, inp.cp) or inp.world_size % (tp * pp * cp):
                     continue
                 slots = inp.num_layers + int(inp.embedding_in_pipeline_split) + int(inp.loss_in_pipeline_split)
                 keep_vp = pp > 1 and inp.vp and slots % pp == 0 and (slots // pp) % inp.vp == 0
                 vp = inp.vp if keep_vp else None
                 etp = tp if inp.etp == inp.tp else inp.etp
-                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1)
+                yield inp.replace(tp=tp, pp=pp, cp=cp, vp=vp, etp=etp, sequence_parallel=tp > 1 and te)
 
 
 def _expert_parallel(inp: PlanInputs) -> Iterator[PlanInputs]:
@@ -177,6 +181,9 @@ def changes(base: PlanInputs, new: PlanInputs) -> list[tuple[str, list[str]]]:
         if new.vp != base.vp:
             overrides.append(f"model.virtual_pipeline_model_parallel_size={new.vp if new.vp else 'null'}")
             desc += f" (virtual stages: {new.vp or 'none'})"
+        if new.cp == 1 and base.cp > 1 and base.transformer_engine and base.local_core_attention != "te":
+            # planned with TE layers because of CP (TE is not installed here): keep them explicitly
+            overrides.append("model.transformer_impl=transformer_engine")
         if new.etp != base.etp and new.is_moe:
             overrides.append(f"model.expert_tensor_parallel_size={new.etp}")
         out.append((desc + f", was TP {base.tp} x PP {base.pp} x CP {base.cp}", overrides))
@@ -297,8 +304,15 @@ def find_fixes(planner, current, limit: int = 5, depth: int = 3, beam: int = 3, 
             if ev.fits:
                 found.append(ev)
         if found:
-            return same[: limit - min(larger, len(found))] + _ranked(base, found)[:larger]
+            more = _ranked(base, found)[:larger]
+            return _without_supersets(same[: limit - len(more)] + more)
     return same
+
+
+def _without_supersets(fixes: list[Fix]) -> list[Fix]:
+    """`fixes` (in order) without any whose changes include all of another's."""
+    sets = [frozenset(f.overrides) for f in fixes]
+    return [f for f, own in zip(fixes, sets) if not any(other < own for other in sets)]
 
 
 def _ranked(base: PlanInputs, found: list) -> list[Fix]:

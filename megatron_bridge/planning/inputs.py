@@ -40,6 +40,8 @@ class PlanInputs:
     gated: bool
     linear_bias: bool
     qkv_bias: bool
+    attention_sinks: bool
+    """A learned softmax offset per head (softmax_type='learnable')."""
     qk_layernorm: bool
     qk_norm_per_head: bool
     input_norms: bool
@@ -76,6 +78,36 @@ class PlanInputs:
     embedding_in_pipeline_split: bool
     loss_in_pipeline_split: bool
     transformer_engine: bool
+    """TransformerEngine layers (see `layers_note` for why these layers)."""
+    # ---- what the layers keep for backward (megatron-core's local layers read these)
+    core_attention: str
+    """'te' (TransformerEngine's), 'sdpa' (PyTorch scaled_dot_product_attention) or 'unfused'
+    (megatron-core's DotProductAttention, which materializes the scores)."""
+    layers_note: str
+    """Why these layers and this core attention (for the plan's header)."""
+    local_core_attention: str
+    """The core attention of this config without context parallelism: 'sdpa' or 'unfused' on
+    local layers, 'te' where TransformerEngine layers are built anyway."""
+    softmax_in_fp32: bool
+    activation_fused: bool
+    """megatron-core's fused bias-activation (bias_activation_fusion): it keeps only its input."""
+    rotary_dim: int
+    """Channels per head that RoPE rotates (0: no rotary embedding)."""
+    wgrad_fusion: bool
+    """Weight gradients accumulate straight into the gradient buffer (gradient_accumulation_fusion)."""
+    attention_masks: tuple[bool, ...]
+    """Per layer: a mask tensor reaches the core attention (a sliding window shorter than the
+    sequence, packed samples, or masks from the dataset); plain causal attention needs none."""
+    mask_per_sample: bool
+    """The mask has one [s, s] plane per sample (packed or dataset masks), not one for the batch."""
+    # ---- parameter-efficient fine-tuning (peft None: every parameter trains)
+    peft: Optional[str]
+    """'lora' or 'dora': the base is frozen and only adapters train."""
+    peft_dim: int
+    peft_dropout: float
+    peft_dropout_position: str
+    peft_modules: tuple[tuple[str, ...], ...]
+    """Per layer: the adapted linear layers, named relative to the layer (global expert numbers)."""
     # ---- precision
     precision: str
     """'bf16', 'fp16' or the parameter dtype (e.g. 'float32')."""
@@ -178,8 +210,6 @@ class PlanInputs:
             )
         if getattr(m, "multi_latent_attention", False) or getattr(m, "mtp_num_layers", None):
             raise PlanningError("multi-latent attention and multi-token prediction are not modeled by the planner")
-        if getattr(cfg, "peft", None) is not None:
-            raise PlanningError("parameter-efficient fine-tuning (peft) is not modeled by the planner")
         if (
             getattr(ddp, "use_megatron_fsdp", False)
             or getattr(ddp, "use_custom_fsdp", False)
@@ -203,6 +233,10 @@ class PlanInputs:
         offload = float(opt.optimizer_offload_fraction) if opt.optimizer_cpu_offload else 0.0
         from megatron.core import optimizer as mcore_optimizer
 
+        te, core, note = _layers(m)
+        local_core = core if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1]
+        masks, per_sample = _attention_masks(cfg)
+        peft = getattr(cfg, "peft", None)
         return cls(
             num_layers=m.num_layers,
             hidden=m.hidden_size,
@@ -213,6 +247,7 @@ class PlanInputs:
             gated=bool(m.gated_linear_unit),
             linear_bias=bool(m.add_bias_linear),
             qkv_bias=bool(m.add_bias_linear or getattr(m, "add_qkv_bias", False)),
+            attention_sinks=getattr(m, "softmax_type", "vanilla") == "learnable",
             qk_layernorm=bool(m.qk_layernorm),
             qk_norm_per_head=bool(m.qk_layernorm_per_head),
             input_norms=bool(m.input_layernorms),
@@ -246,7 +281,21 @@ class PlanInputs:
             layers_last_stage=m.num_layers_in_last_pipeline_stage,
             embedding_in_pipeline_split=bool(m.account_for_embedding_in_pipeline_split),
             loss_in_pipeline_split=bool(m.account_for_loss_in_pipeline_split),
-            transformer_engine=m.transformer_impl == "transformer_engine",
+            transformer_engine=te,
+            core_attention=core,
+            layers_note=note,
+            local_core_attention=local_core,
+            softmax_in_fp32=bool(m.attention_softmax_in_fp32),
+            activation_fused=bool(m.bias_activation_fusion),
+            rotary_dim=_rotary_dim(m),
+            wgrad_fusion=bool(m.gradient_accumulation_fusion),
+            attention_masks=masks,
+            mask_per_sample=per_sample,
+            peft=None if peft is None else ("dora" if peft.method_name == "DoRA" else "lora"),
+            peft_dim=peft.dim if peft is not None else 0,
+            peft_dropout=float(peft.dropout) if peft is not None else 0.0,
+            peft_dropout_position=peft.dropout_position if peft is not None else "pre",
+            peft_modules=adapted_modules(m, peft) if peft is not None else (),
             precision="bf16" if bf16 else "fp16" if fp16 else str(m.params_dtype).replace("torch.", ""),
             param_bytes=param_bytes,
             activation_bytes=2 if (bf16 or fp16) else dtype_bytes(m.params_dtype),
@@ -274,6 +323,66 @@ class PlanInputs:
             global_batch_size=t.global_batch_size,
             train_iters=t.train_iters,
         )
+
+
+def _layers(m: Any, without_cp: bool = False) -> tuple[bool, str, str]:
+    """(TransformerEngine layers, core attention kind, why): what `provide()` builds here. Where
+    local layers cannot run the config at all (context parallelism has no local core attention),
+    the plan is of the TransformerEngine layers that can, and says so."""
+    import copy
+
+    from megatron_bridge.models.attention import core_attention_choice
+
+    if without_cp and m.context_parallel_size > 1:
+        m = copy.copy(m)
+        m.context_parallel_size = 1
+    choice = core_attention_choice(m)
+    if choice.kind == "unfused" and m.context_parallel_size > 1:
+        return True, "te", context_parallel_note(m.context_parallel_size)
+    return choice.kind == "te", choice.kind, choice.reason
+
+
+def context_parallel_note(cp: int) -> str:
+    return (
+        f"context_parallel_size={cp} runs only on TransformerEngine layers (megatron-core's local attention has no "
+        "context parallelism); TransformerEngine is not installed here"
+    )
+
+
+def _rotary_dim(m: Any) -> int:
+    if m.position_embedding_type != "rope":
+        return 0
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    return int(kv * m.rotary_percent)
+
+
+def _attention_masks(cfg: Any) -> tuple[tuple[bool, ...], bool]:
+    """Which layers hand a mask tensor to the core attention, and whether it is per sample."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    m, data = cfg.model, cfg.dataset
+    packed = getattr(data, "packed_sequence_specs", None) is not None
+    from_dataset = not getattr(data, "skip_getting_attention_mask_from_dataset", True)
+    window = m.window_size
+    shorter = window is not None and 0 <= int(window[0]) < m.seq_length - 1
+    masks = tuple(
+        packed or from_dataset or (shorter and is_layer_window_attention(window, m.window_attn_skip_freq, i + 1))
+        for i in range(m.num_layers)
+    )
+    return masks, packed or from_dataset
+
+
+def adapted_modules(m: Any, peft: Any) -> tuple[tuple[str, ...], ...]:
+    """Per layer, the linear layers `peft`'s targets select, relative to the layer
+    (`self_attention.linear_qkv`, `mlp.experts.local_experts.3.linear_fc1`, ...)."""
+    from megatron_bridge.peft import targets as tg
+
+    selected, _ = tg.match_targets(peft.target_modules, tg.expected_names(m))
+    per_layer: list[list[str]] = [[] for _ in range(m.num_layers)]
+    for name in selected:
+        _, _, layer, rest = name.split(".", 3)  # decoder.layers.<L>.<rest>
+        per_layer[int(layer)].append(rest)
+    return tuple(tuple(names) for names in per_layer)
 
 
 def _explicit(section: Any, name: str) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple, Optional
 
+from megatron_bridge.planning.adapters import adapter_params, local_adapted
 from megatron_bridge.planning.inputs import PlanInputs, PlanningError
 
 
@@ -27,6 +28,8 @@ class Param(NamedTuple):
     """The word embedding or its copy on the last stage (tied weights with PP > 1)."""
     fp8: bool = False
     """Stored as FP8 (TransformerEngine FP8 parameters)."""
+    trainable: bool = True
+    """False for the frozen base of a LoRA/DoRA run (not in DDP buffers, no optimizer state)."""
 
 
 class Chunk(NamedTuple):
@@ -112,8 +115,25 @@ def _linear(prefix: str, out_features: int, in_features: int, bias: Optional[int
 
 
 @lru_cache(maxsize=256)
-def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
-    """The parameters of one transformer layer, named relative to the layer."""
+def _layer_template(inp: PlanInputs, moe: bool, adapted: tuple[str, ...] = ()) -> tuple[Param, ...]:
+    """The parameters of one transformer layer, named relative to the layer; with PEFT the base
+    is frozen and each adapted linear layer is followed by its adapter's parameters."""
+    params = _base_layer(inp, moe)
+    if inp.peft is None:
+        return params
+    out: list[Param] = []
+    pending = {f"{rel}.": rel for rel in adapted}
+    for i, p in enumerate(params):
+        out.append(p._replace(trainable=False))
+        rel = next((r for prefix, r in pending.items() if p.name.startswith(prefix)), None)
+        following = params[i + 1].name if i + 1 < len(params) else ""
+        if rel is not None and not following.startswith(f"{rel}."):  # after the base layer's last parameter
+            out += [Param(n, k, p.expert, False) for n, k in adapter_params(inp, rel)]
+    return tuple(out)
+
+
+def _base_layer(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
+    """The parameters of one transformer layer as megatron-core builds it (no adapters)."""
     h, tp, d = inp.hidden, inp.tp, inp.kv_channels
     q_out, kv_out = inp.heads * d, 2 * inp.query_groups * d
     bias, te = inp.linear_bias, inp.transformer_engine
@@ -138,6 +158,8 @@ def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
     attn: list[tuple[str, int]] = []
     if not te:
         attn += input_norm("input_layernorm")
+    if inp.attention_sinks:
+        attn += [("self_attention.core_attention.softmax_offset", inp.heads // tp)]
     attn += row("self_attention.linear_proj", h, q_out, bias)
     qkv = col("self_attention.linear_qkv", q_out + kv_out, h, inp.qkv_bias)
     attn += fused_norm(qkv, "self_attention.linear_qkv") if te else qkv
@@ -159,7 +181,8 @@ def _layer_template(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
         return tuple(params + made(mlp))
 
     # Mixture of experts: router, routed experts (local to this EP rank, split by ETP), shared experts.
-    params += made(input_norm("pre_mlp_layernorm") + [("mlp.router.weight", inp.num_experts * h)])
+    router = [("mlp.router.weight", inp.num_experts * h)] + ([("mlp.router.bias", inp.num_experts)] if bias else [])
+    params += made(input_norm("pre_mlp_layernorm") + router)
     local = inp.num_experts // inp.ep
     expert_parallel = inp.ep > 1
     f, etp = inp.moe_ffn, inp.etp
@@ -196,23 +219,32 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
     leaves layer parameters named relative to their layer, which is faster)."""
     h, tp = inp.hidden, inp.tp
     shared = inp.tied_embeddings and inp.pp > 1
+    trains = inp.peft is None  # with PEFT only adapters train
     out: list[Param] = []
     if chunk.pre_process:
         out.append(
             Param(
-                "embedding.word_embeddings.weight", inp.padded_vocab // tp * h, False, shared and not chunk.post_process
+                "embedding.word_embeddings.weight",
+                inp.padded_vocab // tp * h,
+                False,
+                shared and not chunk.post_process,
+                trainable=trains,
             )
         )
         if inp.learned_positions:
-            out.append(Param("embedding.position_embeddings.weight", inp.seq_length * h, False, False))
+            positions = inp.seq_length * h
+            out.append(Param("embedding.position_embeddings.weight", positions, False, False, trainable=trains))
     for i in range(chunk.num_layers):
-        template = _layer_template(inp, inp.moe_layer_pattern[chunk.first_layer + i])
+        layer = chunk.first_layer + i
+        moe = inp.moe_layer_pattern[layer]
+        template = _layer_template(inp, moe, local_adapted(inp, layer)) if inp.peft else _layer_template(inp, moe)
         if names:
             out += [p._replace(name=f"decoder.layers.{i}.{p.name}") for p in template]
         else:
             out += template
     if chunk.post_process:
-        out += [Param(n, k, False, False) for n, k in _norm("decoder.final_layernorm", h, inp.norm_has_bias)]
+        final_norm = _norm("decoder.final_layernorm", h, inp.norm_has_bias)
+        out += [Param(n, k, False, False, trainable=trains) for n, k in final_norm]
         if not (inp.tied_embeddings and chunk.pre_process):
-            out.append(Param("output_layer.weight", inp.padded_vocab // tp * h, False, shared))
+            out.append(Param("output_layer.weight", inp.padded_vocab // tp * h, False, shared, trainable=trains))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from megatron_bridge.planning import core_attention
 from megatron_bridge.planning.buffers import optimizer_bytes_per_element
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.memory import RankMemory
@@ -63,15 +64,16 @@ def _memory_rows(plan: Any) -> list[tuple[str, list[str], str]]:
     recompute = inp.recompute_granularity or "none"
     if recompute == "selective":
         recompute += f" ({', '.join(inp.recompute_modules)})"
-    attn = "fused attention" if inp.transformer_engine else "unfused attention (scores kept)"
     act_note = f"MBS {inp.micro_batch_size}, seq {inp.seq_length}/CP {inp.cp}, recompute {recompute}, "
-    act_note += f"SP {'on' if inp.sequence_parallel else 'off'}, {attn}"
+    act_note += f"SP {'on' if inp.sequence_parallel else 'off'}, {core_attention.describe(inp)}"
     ranks = plan.ranks
     rows = [
         (
             "parameters",
             [gib(r.state.params) for r in ranks],
-            _precision(inp) + (", in DP buffers" if inp.distributed_optimizer else ""),
+            _precision(inp)
+            + (", frozen base; adapters" if inp.peft else "")
+            + (", in DP buffers" if inp.distributed_optimizer else ""),
         ),
         ("gradients", [gib(r.state.grads) for r in ranks], f"{grad_name} gradient buffers"),
         ("optimizer state", [gib(r.state.optimizer) for r in ranks], opt_note),
@@ -82,6 +84,11 @@ def _memory_rows(plan: Any) -> list[tuple[str, list[str], str]]:
             [f"{r.activations.in_flight:.3g}" for r in ranks],
             "micro batches held at the peak (1F1B warm-up)",
         ),
+        ("  working set", [gib(r.activations.working_bytes) for r in ranks], _moments(ranks)),
+    ]
+    if any(r.activations.buffers for r in ranks):
+        rows.append(("  buffers", [gib(r.activations.buffer_bytes) for r in ranks], _buffer_note(ranks)))
+    rows += [
         (
             "workspace allowance",
             [gib(r.workspace) for r in ranks],
@@ -93,12 +100,68 @@ def _memory_rows(plan: Any) -> list[tuple[str, list[str], str]]:
     return rows
 
 
+def _moments(ranks: list[RankMemory]) -> str:
+    moments = sorted({r.activations.moment for r in ranks if r.activations.moment})
+    return "transient at the peak: " + "; ".join(moments) if moments else ""
+
+
+def _buffer_note(ranks: list[RankMemory]) -> str:
+    return "; ".join(sorted({k for r in ranks for k in r.activations.buffers}))
+
+
+LAYERS = {"te": "TransformerEngine", "sdpa": "megatron-core local", "unfused": "megatron-core local"}
+CORE = {"te": "TransformerEngine's", "sdpa": "PyTorch SDPA", "unfused": "megatron-core's unfused"}
+
+
+def layers_lines(inp: PlanInputs) -> list[str]:
+    """Which layers and core attention the plan is for, why, and the settings that choose them."""
+    line = f"layers: {LAYERS[inp.core_attention]}, {CORE[inp.core_attention]} core attention ({inp.layers_note})"
+    if inp.core_attention == "te" and inp.local_core_attention != "te":  # TE only because of CP
+        choose = "model.context_parallel_size=1 plans megatron-core's local layers (attention_backend auto: SDPA)"
+    elif inp.core_attention == "te":
+        choose = "model.transformer_impl=local plans megatron-core's local layers (attention_backend auto: SDPA)"
+    else:
+        other = (
+            "unfused plans megatron-core's DotProductAttention"
+            if inp.core_attention == "sdpa"
+            else "auto plans SDPA where it serves the config"
+        )
+        choose = (
+            "model.transformer_impl=transformer_engine plans TransformerEngine layers (TE must be installed to run "
+            f"them); model.attention_backend={other}"
+        )
+        if not inp.input_norms:  # TE fuses the norms before attention and MLP into its linear layers
+            choose = f"model.attention_backend={other} (no TransformerEngine layers: the model has no input norms)"
+    return [line, f"  to choose: {choose}"]
+
+
+def peft_line(plan: Any) -> Optional[str]:
+    """LoRA/DoRA: what trains and what is frozen."""
+    inp: PlanInputs = plan.inputs
+    if inp.peft is None:
+        return None
+    kinds = sorted({rel.rsplit(".", 1)[-1] for layer in inp.peft_modules for rel in layer})
+    adapted = sum(len(layer) for layer in inp.peft_modules)
+    r = plan.worst.state
+    total = r.trainable_elements + r.frozen_elements
+    share = f" ({r.trainable_elements / total:.2%} of the rank's parameters)" if total else ""
+    return (
+        f"peft: {'LoRA' if inp.peft == 'lora' else 'DoRA'} rank {inp.peft_dim} on {adapted} linear layers "
+        f"({', '.join(kinds)}); {count(r.trainable_elements)} trainable parameters on the fullest rank{share}, "
+        "the frozen base in its 16-bit parameters without gradients or optimizer state"
+    )
+
+
 def plan_text(plan: Any) -> list[str]:
     """The plan as lines of text."""
     inp: PlanInputs = plan.inputs
     t = plan.timing
     lines = [f"plan{': ' + plan.label if plan.label else ''} on {inp.world_size} x {plan.gpu.name}"]
     lines.append(f"layout: {layout_line(inp)}")
+    lines += layers_lines(inp)
+    peft = peft_line(plan)
+    if peft:
+        lines.append(peft)
     lines.append(
         f"batch: global {inp.global_batch_size} = micro {inp.micro_batch_size} x {inp.num_microbatches} micro batches"
         f" x DP {inp.dp}; "
@@ -190,6 +253,14 @@ def json_records(plan: Any) -> list[dict[str, Any]]:
                 "optimizer_host_bytes": r.state.optimizer_host,
                 "activations_bytes": int(r.activations.total),
                 "activations_per_micro_batch_bytes": int(r.activations.per_micro_batch),
+                "activations_working_set_bytes": int(r.activations.working_bytes),
+                "activations_peak_moment": r.activations.moment,
+                "activations_buffer_bytes": int(r.activations.buffer_bytes),
+                "layer_impl": "transformer_engine" if inp.transformer_engine else "local",
+                "core_attention": inp.core_attention,
+                "peft": inp.peft,
+                "trainable_parameters": r.state.trainable_elements,
+                "frozen_parameters": r.state.frozen_elements,
                 "micro_batches_in_flight": r.activations.in_flight,
                 "workspace_bytes": r.workspace,
                 "total_bytes": int(r.total),

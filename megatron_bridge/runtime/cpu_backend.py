@@ -4,11 +4,14 @@ megatron-core assumes CUDA in many places: `torch.cuda.current_device()` as a de
 created with `device="cuda"` or `.cuda()`, CUDA streams/events, the CUDA RNG tracker, and asserts
 that gradients are `torch.cuda.FloatTensor`. `activate()` makes these work on CPU:
 
-1. an RNG-states tracker that keeps named CPU generator states (same streams as megatron's);
+1. an RNG-states tracker that keeps named CPU generator states (same streams as megatron's),
+   and CPU versions of the "CUDA RNG state" that activation recompute saves and restores;
 2. CPU stand-ins for the `torch.cuda` functions on the training and checkpoint paths (no-op
    synchronize/streams/events, RNG state of the CPU generator, zero memory statistics);
 3. a `TorchFunctionMode`, entered on the activating thread, that turns CUDA device arguments into
-   "cpu", makes `Tensor.cuda()` a no-op, and reports `torch.cuda.*` tensor types.
+   "cpu", makes `Tensor.cuda()` a no-op, and reports `torch.cuda.*` tensor types. A mode is off
+   while it handles a call, so inside `backward()` too; the attention masks that activation
+   recompute builds there on "cuda" are made under a mode of their own.
 
 It is activated when a run trains on CPU: always where no GPU is visible, and on a machine with
 GPUs when the run asks for CPU (`dist.distributed_backend=gloo`); then `torch.cuda.is_available()`
@@ -19,6 +22,7 @@ exactly what `activate()` replaced.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -193,12 +197,28 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_MASK_MODULES = ("megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax")
+_MASK_FUNCTIONS = ("get_default_causal_mask", "get_sliding_window_causal_mask")
+"""megatron-core's mask builders, which create their masks on "cuda" (also during the recompute
+in a backward pass, where the activating thread's mode is off)."""
+
+
+def _under_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        with CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    on_cpu.__name__ = on_cpu.__qualname__ = getattr(fn, "__name__", "on_cpu")
+    return on_cpu
+
+
 # ---------------------------------------------------------------------- activation
 class _Backend:
     def __init__(self) -> None:
         self.active = False
         self.saved_cuda: dict[str, Any] = {}
         self.saved_random: dict[str, Any] = {}
+        self.saved_masks: list[tuple[Any, str, Any]] = []
         self.mode: Optional[CudaToCpuMode] = None
         self.thread: Optional[int] = None
 
@@ -231,8 +251,21 @@ def activate(device: Optional[str] = None) -> bool:
         "CudaRNGStatesTracker": mrandom.CudaRNGStatesTracker,
         "_CUDA_RNG_STATE_TRACKER": mrandom._CUDA_RNG_STATE_TRACKER,
         "_CUDA_RNG_STATE_TRACKER_INITIALIZED": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        "_get_cuda_rng_state": mrandom._get_cuda_rng_state,
+        "_set_cuda_rng_state": mrandom._set_cuda_rng_state,
     }
     mrandom.CudaRNGStatesTracker = _cpu_tracker_class(mrandom.CudaRNGStatesTracker)
+    # Recompute saves and restores the CPU generator itself; there is no CUDA generator.
+    mrandom._get_cuda_rng_state = _returning(torch.get_rng_state, "_get_cuda_rng_state")
+    mrandom._set_cuda_rng_state = _returning(None, "_set_cuda_rng_state")
+    b.saved_masks = []
+    for module in _MASK_MODULES:
+        owner = importlib.import_module(module)
+        for name in _MASK_FUNCTIONS:
+            if hasattr(owner, name):
+                original = getattr(owner, name)
+                b.saved_masks.append((owner, name, original))
+                setattr(owner, name, _under_cpu_mode(original))
     mrandom._CUDA_RNG_STATE_TRACKER = None
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
@@ -267,6 +300,9 @@ def deactivate() -> None:
 
     for name, original in b.saved_random.items():
         setattr(mrandom, name, original)
+    for owner, name, original in b.saved_masks:
+        setattr(owner, name, original)
+    b.saved_masks = []
     b.saved_cuda, b.saved_random = {}, {}
     b.active = False
 

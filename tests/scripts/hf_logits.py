@@ -1,7 +1,7 @@
 """Load a Hugging Face directory into our megatron-core model under the current launch and save
 the logits of fixed tokens (from the last rank, which is on the last pipeline stage).
 
-    torchrun --nproc_per_node=2 tests/scripts/hf_logits.py --hf DIR --tp 2 --out logits.pt [--import-to CKPT]
+    torchrun --nproc_per_node=2 tests/scripts/hf_logits.py --hf DIR --tp 2 --out logits.pt [--import-to CKPT [--export-to DIR]]
 """
 
 import argparse
@@ -26,6 +26,7 @@ def main():
     p.add_argument("--backend", default="auto", help="process-group backend (tests: factories.backend_for)")
     p.add_argument("--out", required=True)
     p.add_argument("--import-to", help="then import the directory into a checkpoint here, in the same layout")
+    p.add_argument("--export-to", help="then export that checkpoint to a Hugging Face directory here, in the same layout")
     p.add_argument("--check-projection-norm", action="store_true", help="then run projection_norm_tp.py's check")
     args = p.parse_args()
     import torch.distributed as dist
@@ -42,6 +43,11 @@ def main():
         from megatron_bridge.models.hf.convert import import_hf
 
         import_hf(args.hf, args.import_to, tp=args.tp, pp=args.pp, ep=args.ep, backend=args.backend)
+    if args.export_to:
+        from megatron_bridge.models.hf.convert import export_checkpoint
+
+        export_checkpoint(args.import_to, args.export_to, tp=args.tp, pp=args.pp, ep=args.ep, backend=args.backend,
+                          max_shard_bytes=100_000)  # fmt: skip
     if args.check_projection_norm:
         from projection_norm_tp import check_projection_norm
 

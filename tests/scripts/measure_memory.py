@@ -18,7 +18,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from factories import tiny_config, tiny_model  # noqa: E402
 
+from megatron_bridge.peft import DoRA, LoRA  # noqa: E402
 from megatron_bridge.training.callbacks import Callback  # noqa: E402
+from megatron_bridge.training.finetune import finetune  # noqa: E402
 from megatron_bridge.training.config import TrainingConfig, ValidationConfig  # noqa: E402
 from megatron_bridge.training.gpt_step import forward_step  # noqa: E402
 from megatron_bridge.training.pretrain import pretrain  # noqa: E402
@@ -29,11 +31,14 @@ MOE = dict(
     moe_ffn_hidden_size=48,
     moe_grouped_gemm=False,
     moe_token_dispatcher_type="allgather",
-    add_bias_linear=False,
+    # GPT-OSS's parameters beyond the usual: biases on attention, router and experts, attention sinks
+    add_bias_linear=True,
+    softmax_type="learnable",
 )
 
 LAYOUTS = {
-    # name: (model fields, ddp fields, mixed precision preset)
+    # name: (model fields, ddp fields, mixed precision preset); "tp2" also saves the base that the
+    # PEFT layouts ("lora_", "dora_") adapt
     "tp2": (dict(tensor_model_parallel_size=2), {}, None),
     "pp2": (dict(pipeline_model_parallel_size=2, num_layers=4), {}, None),
     "dp2_distopt": (dict(), dict(use_distributed_optimizer=True), None),
@@ -70,6 +75,14 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True),
         "bf16_mixed",
     ),
+    # frozen base, adapters on the four projections split over TP (column: B and magnitude; row: A)
+    "lora_tp2": (dict(tensor_model_parallel_size=2), {}, "bf16_mixed"),
+    # some projections only, DoRA magnitudes, the distributed optimizer sharding the adapters
+    "dora_dp2_distopt": (dict(), dict(use_distributed_optimizer=True), "bf16_mixed"),
+}
+PEFT = {
+    "lora_tp2": lambda: LoRA(dim=8, alpha=16),
+    "dora_dp2_distopt": lambda: DoRA(dim=4, alpha=8, target_modules=["linear_qkv", "*.layers.1.*.linear_fc2"]),
 }
 
 
@@ -147,7 +160,7 @@ class Measure(Callback):
         }
 
 
-def run_layout(name, backend):
+def run_layout(name, base_dir, backend):
     model_fields, ddp_fields, precision = LAYOUTS[name]
     cfg = tiny_config(
         train=TrainingConfig(train_iters=1, global_batch_size=4, micro_batch_size=1),
@@ -162,6 +175,13 @@ def run_layout(name, backend):
     cfg.logger.log_interval = 1
     cfg.dist.distributed_backend = backend
     recorder = Measure()
+    if name in PEFT:
+        cfg.peft = PEFT[name]()
+        cfg.checkpoint.pretrained_checkpoint = base_dir
+        finetune(cfg, forward_step, callbacks=[recorder])
+        return recorder.result
+    if name == "tp2":
+        cfg.checkpoint.save, cfg.checkpoint.save_optim, cfg.checkpoint.save_rng = base_dir, False, False
     pretrain(cfg, forward_step, callbacks=[recorder])
     return recorder.result
 
@@ -180,7 +200,10 @@ def main():
         moe_utils.te_general_gemm = None
     # One process group for all layouts: pretrain() joins it and leaves it up between runs.
     dist.init_process_group(args.backend)
-    results = {name: run_layout(name, args.backend) for name in args.layouts}
+    base_dir = f"{args.out}.base"
+    if any(name in PEFT for name in args.layouts) and "tp2" not in args.layouts:
+        raise SystemExit("the PEFT layouts adapt the base the tp2 layout saves: list tp2 before them")
+    results = {name: run_layout(name, base_dir, args.backend) for name in args.layouts}
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -88,7 +88,7 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
     problems.raise_if_any()
     hf = read_hf_config(hf_dir)
     weights_dtype = torch_dtype(dtype or default_dtype(provider, hf))
-    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp), backend=backend) as device:
         chunks = build_chunks(prepare(provider, device, params_dtype=weights_dtype), device)
         load_hf_weights(chunks, hf_dir, map_files=True)  # the model is only written out again
         if weights_dtype != provider.params_dtype:
@@ -143,7 +143,7 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     provider = checkpoint_provider(directory)
     peft, base_dir = _adapters_of(directory, base)
     origin = hf_origin(directory) or hf_origin(base_dir)
-    with model_parallel(tp=tp, pp=pp, ep=ep, backend=backend) as device:
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp), backend=backend) as device:
         model = prepare(provider, device, params_dtype=stored_dtype(provider), bf16=False, fp16=False)
         chunks = build_chunks(model, device)
         if peft is None:

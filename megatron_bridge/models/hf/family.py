@@ -151,10 +151,15 @@ class HFFamily:
         read.expect("hidden_act", "silu", "only SiLU-gated MLPs are converted")
         read.expect("mlp_bias", False, "the providers have no MLP biases")
         kw.update(self.read_rotary_fraction(read))
-        if "quantization_config" in read.hf:
-            read.refuse("quantization_config", "quantized weights are not converted", "start from unquantized weights")
+        self.read_quantization(read)
         kw.update(self.read_rope(read))
         return kw
+
+    def read_quantization(self, read: "ConfigReader") -> None:
+        """Quantized weights (`quantization_config`) are refused: the model computes in floating
+        point."""
+        if "quantization_config" in read.hf:
+            read.refuse("quantization_config", "quantized weights are not converted", "start from unquantized weights")
 
     def read_rotary_fraction(self, read: "ConfigReader") -> dict[str, Any]:
         """The fraction of each head that rotary embeddings rotate (`rotary_percent`)."""
@@ -214,12 +219,17 @@ class HFFamily:
             "position_embedding_type": "rope",
             "add_bias_linear": False,
             "rotary_percent": 1.0,
+            "rotary_interleaved": False,
             "add_qkv_bias": False,
             "qk_layernorm": False,
             "qk_layernorm_per_head": True,
             "input_layernorms": True,
             "output_layernorms": False,
             "window_size": None,
+            "window_attn_skip_freq": None,
+            "softmax_type": "vanilla",
+            "activation_func_clamp_value": None,
+            "glu_linear_offset": 0.0,
             "num_moe_experts": no_experts,
             "moe_shared_expert_intermediate_size": None,
         }

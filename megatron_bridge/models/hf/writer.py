@@ -6,7 +6,10 @@ expert-data-parallel rank 0) gather them on tensor-parallel rank 0, which conver
 Hugging Face tensors and appends them to its current output file. Files are planned up front from
 the shapes alone, so the writers (one per pipeline stage and expert-parallel rank) write their own
 files in parallel and hold at most one file's tensors besides their model part: no rank ever
-holds the whole model. The directory is written under a temporary name and renamed when complete.
+holds the whole model. A Hugging Face tensor that stacks every expert of a layer (a rule with a
+`stack_index`) is assembled by the writer of expert-parallel rank 0 from the slices of all
+expert-parallel ranks: it holds one layer's stacked tensors at a time. The directory is written
+under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ class _Item:
     """This rank writes the result (tensor-parallel rank 0 of the group)."""
     adapter: Any = None
     """The LoRA/DoRA adapter on the layer whose weight this is: written folded in."""
+    holder: Optional[bool] = None
+    """This rank holds the whole parameter after the tensor-parallel gather (None: `writer`);
+    differs from `writer` for a slice of a stacked tensor on expert-parallel ranks other than 0."""
+    stack_group: Any = None
+    """Expert-parallel group over which the slices of a stacked tensor go to its writer."""
+
+    @property
+    def holds(self) -> bool:
+        return self.writer if self.holder is None else self.holder
 
 
 @dataclass
@@ -83,6 +95,7 @@ def _items(chunks: list[Any], hf: dict) -> list[_Item]:
     dense_writer = dense_owner and ps.get_tensor_model_parallel_rank() == 0
     expert_owner = ps.get_expert_data_parallel_rank() == 0 if mapping.architecture(hf).num_experts else False
     expert_writer = expert_owner and ps.get_expert_tensor_parallel_rank() == 0
+    ep = ps.get_expert_model_parallel_world_size()
     from megatron_bridge.peft.apply import adapters
 
     dense, experts = [], []
@@ -99,6 +112,9 @@ def _items(chunks: list[Any], hf: dict) -> list[_Item]:
                 group = ps.get_tensor_model_parallel_group() if split else None
             writer = expert_writer if is_expert else dense_writer
             item = _Item(name, param, part, rule, group, writer, adapted.get(id(param)))
+            if is_expert and getattr(rule, "stack_index", None) is not None:
+                item.holder, item.writer = writer, writer and ps.get_expert_model_parallel_rank() == 0
+                item.stack_group = ps.get_expert_model_parallel_group() if ep > 1 else None
             (experts if is_expert else dense).append(item)
     return dense + experts
 
@@ -109,7 +125,7 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
     import torch.distributed as dist
 
     itemsize = _itemsize(dtype)
-    mine = []
+    mine, listed = [], set()
     for item in items:
         if not item.writer:
             continue
@@ -117,6 +133,9 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
         if item.part.dim is not None:
             shape[item.part.dim] *= item.part.size
         for hf_name, hf_shape in item.rule.hf_shapes(tuple(shape)).items():
+            if hf_name in listed:  # a stacked tensor: one entry for all its slices
+                continue
+            listed.add(hf_name)
             numel = 1
             for d in hf_shape:
                 numel *= d
@@ -163,11 +182,34 @@ def _gather(item: _Item) -> Optional[list[Any]]:
     # output dtype); DoRA's row norms of a row-parallel layer are summed over its group first.
     local = item.adapter.merged_weight(torch.float32) if item.adapter is not None else item.param.detach()
     if item.group is None:
-        return [local.cpu()] if item.writer else None
-    parts = [torch.empty_like(local) for _ in range(item.part.size)] if item.writer else None
+        return [local.cpu()] if item.holds else None
+    parts = [torch.empty_like(local) for _ in range(item.part.size)] if item.holds else None
     dst = dist.get_global_rank(item.group, 0)
     dist.gather(local.contiguous(), parts, dst=dst, group=item.group)
-    return [p.cpu() for p in parts] if item.writer else None
+    return [p.cpu() for p in parts] if item.holds else None
+
+
+def _gather_slices(item: _Item, parts: Optional[list[Any]]) -> list[tuple[str, int, Any]]:
+    """(stacked tensor, index, slice) of this parameter on every expert-parallel rank, on the
+    writer; the other ranks send theirs. Expert-parallel rank k holds experts k x local ...,
+    so its slice of this local expert is the writer's index plus k x local."""
+    import torch
+    import torch.distributed as dist
+
+    if not item.holds:
+        return []
+    ((name, piece),) = item.rule.to_hf(parts, item.part).items()
+    index, count = item.rule.stack_index
+    if item.stack_group is None:
+        return [(name, index, piece)]
+    size = dist.get_world_size(item.stack_group)
+    piece = piece.to(item.param.device).contiguous()  # where the process group's backend sends from (NCCL: the GPU)
+    received = [torch.empty_like(piece) for _ in range(size)] if item.writer else None
+    dist.gather(piece, received, dst=dist.get_global_rank(item.stack_group, 0), group=item.stack_group)
+    if not item.writer:
+        return []
+    local = count // size
+    return [(name, index + k * local, t.cpu()) for k, t in enumerate(received)]
 
 
 def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: Any,
@@ -193,20 +235,30 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     my_files = [(names[i], tensors) for i, (r, tensors) in enumerate(plan.files) if r == rank]
     dist.barrier()  # the staging directory exists
     pending: dict[str, Any] = {}
+    stacks: dict[str, tuple[Any, set[int]]] = {}  # stacked tensors being assembled: tensor, slices in
     written = 0
     with torch.no_grad():
         for item in items:
             parts = _gather(item)
-            if parts is None:
-                continue
-            for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
-                pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
+            if getattr(item.rule, "stack_index", None) is not None:
+                for hf_name, index, piece in _gather_slices(item, parts):
+                    count = item.rule.stack_index[1]
+                    if hf_name not in stacks:
+                        stacks[hf_name] = (torch.empty((count, *piece.shape), dtype=dtype), set())
+                    stack, filled = stacks[hf_name]
+                    stack[index].copy_(piece)
+                    filled.add(index)
+                    if len(filled) == count:
+                        pending[hf_name] = stacks.pop(hf_name)[0]
+            elif parts is not None:
+                for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
+                    pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
             del parts
             while my_files and all(t in pending for t in my_files[0][1]):
                 file, tensors = my_files.pop(0)
                 save_safetensors(os.path.join(staging, file), {t: pending.pop(t) for t in tensors})
                 written += 1
-    if my_files or pending:
+    if my_files or pending or stacks:
         raise RuntimeError(f"rank {rank}: planned files {[f for f, _ in my_files]} were not completed")
     dist.barrier()  # every file is written
     total = sum(len(t) for _, t in plan.files)

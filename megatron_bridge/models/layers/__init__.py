@@ -6,6 +6,9 @@
   local or TransformerEngine).
 * `projection_norm.ProjectionNorm`: RMSNorm over a token's whole query (or key) projection, all
   heads together (OLMo 2's qk-norm), exact under tensor parallelism.
+* `expert_bias.BiasedSequentialMLP`: megatron-core's sequential experts for experts with biases
+  (GPT-OSS), whose own in-place weighted bias add fails under autograd; put in place of
+  `SequentialMLP` whenever the experts have biases.
 * `spec_edits`: editing a built decoder block spec layer by layer, and `apply_layer_fields`,
   which builds the provider fields `input_layernorms`, `output_layernorms` and
   `qk_layernorm_per_head` into the spec `GPTModelProvider.layer_spec` returns.

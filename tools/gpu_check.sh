@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The GPU checks in one time-boxed run, for a GPU machine without network (one H100/H200, 16
+# cores, Python 3.12 with torch, transformers, peft, tokenizers, safetensors, tensorboard, pytest,
+# pytest-timeout, pytest-xdist; no megatron-core, omegaconf or TransformerEngine).
+#
+#   bash tools/gpu_check.sh [LOG_DIR]          # on the GPU machine, from the repository root
+#   bash tools/gpu_check.sh --cpu-smoke [LOG_DIR]   # the same steps at tiny size on a CPU
+#
+# What the machine lacks travels as wheels in .whl/ (git-ignored). Download them beforehand on a
+# machine with network, from the repository root:
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .whl megatron-core==0.16.1 omegaconf==2.4.0
+#
+# (for --cpu-smoke on another Python, the same with that --python-version: pip takes the wheel
+# that fits the interpreter). Steps, each under `timeout`, in this order, with what is left of a
+# deadline of 470 s (DEADLINE_S) so that the whole run fits 8 minutes:
+#   1. install the wheels into a temporary directory, put it and the repository on PYTHONPATH;
+#   2. the README main job: mbridge pretrain --recipe tiny_gpt_pretrain_config;
+#   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, unfused attention, LoRA, the
+#      hand-written loop, each with measured and planned memory;
+#   4. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
+#   5. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
+# Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
+# and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
+# Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing.
+set -u
+
+SMOKE=0
+if [ "${1:-}" = "--cpu-smoke" ]; then
+    SMOKE=1
+    shift
+fi
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+LOG_DIR="${1:-${OUT:-./gpu_check_logs}}"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+WHL_DIR="${WHL_DIR:-$REPO/.whl}"
+PYTHON="${PYTHON:-python3}"
+DEADLINE_S="${DEADLINE_S:-470}"
+SUITE_MIN_S="${SUITE_MIN_S:-200}"
+if [ "$SMOKE" = 1 ]; then
+    BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused}"
+    BENCH_ARGS="--tiny --rounds 1 --iters 2 --warmup 1"
+    JOB_ARGS="train.train_iters=5 validation.eval_iters=1"
+    SUITE_WORKERS=2
+    SUITE_ARGS="tests/test_bench_gpu.py -k refused"  # the xdist path, on two cheap tests
+else
+    BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused,lora,handwritten}"
+    BENCH_ARGS="--rounds 1 --iters ${BENCH_ITERS:-10} --warmup 4"
+    JOB_ARGS=""
+    SUITE_WORKERS=12
+    SUITE_ARGS=""
+fi
+
+mkdir -p "$LOG_DIR" || exit 2
+LOG_DIR="$(cd "$LOG_DIR" && pwd)"
+SUMMARY="$LOG_DIR/summary.txt"
+START=$(date +%s)
+FAILED=0
+echo "gpu_check $(date -u +%FT%TZ) smoke=$SMOKE repo=$REPO commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')" > "$SUMMARY"
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - START) )); }
+
+# step NAME CAP_SECONDS COMMAND...: run COMMAND in the repository with its output in
+# LOG_DIR/NAME.log, for at most CAP_SECONDS or what is left of the deadline.
+step() {
+    local name="$1" cap="$2"
+    shift 2
+    local budget
+    budget=$(left)
+    [ "$cap" -lt "$budget" ] && budget="$cap"
+    if [ "$budget" -lt 10 ]; then
+        echo "$name: skipped ($(left) s left of ${DEADLINE_S} s)" | tee -a "$SUMMARY"
+        return 0
+    fi
+    local t0 rc verdict
+    t0=$(date +%s)
+    (cd "$REPO" && timeout -k 10 "$budget" "$@") > "$LOG_DIR/$name.log" 2>&1
+    rc=$?
+    case $rc in
+        0) verdict="ok" ;;
+        124 | 137) verdict="TIMED OUT after ${budget} s"; FAILED=1 ;;
+        5) verdict="FAILED (exit 5: pytest collected no tests)"; FAILED=1 ;;
+        *) verdict="FAILED (exit $rc)"; FAILED=1 ;;
+    esac
+    echo "$name: $verdict in $(( $(date +%s) - t0 )) s (log: $name.log)" | tee -a "$SUMMARY"
+    return $rc
+}
+
+# 1. the carried wheels
+shopt -s nullglob
+wheels=("$WHL_DIR"/megatron_core-*.whl)
+if [ ${#wheels[@]} -eq 0 ] || [ -z "$(ls "$WHL_DIR"/omegaconf-*.whl 2>/dev/null)" ]; then
+    {
+        echo "install: no megatron-core and omegaconf wheels in $WHL_DIR"
+        echo "  download them on a machine with network, from the repository root (see this script's header):"
+        echo "  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\"
+        echo "    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \\"
+        echo "    -d .whl megatron-core==0.16.1 omegaconf==2.4.0"
+    } | tee -a "$SUMMARY" >&2
+    exit 2
+fi
+SITE="$(mktemp -d)"
+JOB_DIR="$(mktemp -d)"
+trap 'rm -rf "$SITE" "$JOB_DIR"' EXIT
+step install 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    --find-links "$WHL_DIR" megatron-core omegaconf || {
+    echo "install failed: see $LOG_DIR/install.log" | tee -a "$SUMMARY" >&2
+    exit 2
+}
+export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1
+step environment 60 "$PYTHON" -c "
+import torch, megatron.core, omegaconf, sys
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+print('megatron-core', megatron.core.__version__, 'from', megatron.core.__file__)
+"
+command -v nvidia-smi > /dev/null && nvidia-smi > "$LOG_DIR/nvidia-smi.log" 2>&1
+
+# 2. the README main job
+# shellcheck disable=SC2086
+step readme_job 120 "$PYTHON" -m megatron_bridge pretrain --recipe tiny_gpt_pretrain_config --dir "$JOB_DIR" $JOB_ARGS
+
+# 3. the benchmark (its lines land in the log as each variant ends)
+# shellcheck disable=SC2086
+step bench 300 "$PYTHON" tools/bench_gpu.py --variants "$BENCH_VARIANTS" $BENCH_ARGS
+grep -E "^(device|[a-z+]+ +(median|FAILED)|ratio|trackers|unfused/|LoRA/)" "$LOG_DIR/bench.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+
+# 4. the GPU test lane
+step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
+tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+
+# 5. the whole suite, when there is time for it
+if "$PYTHON" -c "import xdist" 2> /dev/null; then
+    SUITE_ARGS="-n $SUITE_WORKERS $SUITE_ARGS"
+else
+    echo "suite: pytest-xdist is not installed, the suite runs in one process" | tee -a "$SUMMARY"
+fi
+if [ "$(left)" -ge "$SUITE_MIN_S" ]; then
+    # shellcheck disable=SC2086
+    step suite "$(left)" "$PYTHON" -m pytest -q -p no:cacheprovider $SUITE_ARGS
+    tail -n 3 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+else
+    echo "suite: skipped ($(left) s left, it needs ${SUITE_MIN_S} s)" | tee -a "$SUMMARY"
+fi
+
+echo "total: $(( $(date +%s) - START )) s; $([ $FAILED = 0 ] && echo 'every step that ran passed' || echo 'some steps failed')" | tee -a "$SUMMARY"
+exit $FAILED
