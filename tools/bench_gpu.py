@@ -471,7 +471,7 @@ class Report:
     """The lines the bench prints: a header, one line per run or variant, the comparisons."""
 
     def __init__(self, shape: dict, args: argparse.Namespace, cuda: bool):
-        from megatron_bridge.training.metrics import peak_tflops_for
+        from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 
         self.shape, self.warmup, self.cuda = shape, args.warmup, cuda
         self.device = torch_device_name() if cuda else "CPU"
