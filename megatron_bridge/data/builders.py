@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_bridge.training.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -63,8 +64,6 @@ def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Opt
 
 def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = False) -> DataReport:
     """Run every data check of `cfg` (a resolved config); builds the tokenizer when not given."""
-    from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
-
     report = DataReport()
     if tokenizer is None:
         tokenizer = _tokenizer(cfg, report, dry_run)

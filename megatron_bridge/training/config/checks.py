@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.training.config.data import FinetuningDatasetConfig
+from megatron_bridge.data.config import FinetuningDatasetConfig
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 

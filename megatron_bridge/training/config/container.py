@@ -12,7 +12,7 @@ from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
-from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.config import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.secrets import printable

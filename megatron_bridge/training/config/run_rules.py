@@ -140,7 +140,7 @@ def check_context_parallel_finetuning(cfg: "ConfigContainer", problems: Problems
     only answer tokens, which are spread unevenly over the CP ranks; averaging per rank (or in the
     collective) weighs the ranks equally and biases the loss. The loss must be summed over tokens
     and divided by the global token count."""
-    from megatron_bridge.training.config.data import FinetuningDatasetConfig
+    from megatron_bridge.data.config import FinetuningDatasetConfig
 
     if cfg.model.context_parallel_size <= 1 or not isinstance(cfg.dataset, FinetuningDatasetConfig):
         return
