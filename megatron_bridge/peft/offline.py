@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_bridge.models.vocab import derive_vocab_size
+
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
@@ -40,8 +42,6 @@ def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     if m.vocab_size is None and vocab is not None:  # derived from the tokenizer when the run started
         m.apply_default("vocab_size", vocab)
     if m.vocab_size is None:
-        from megatron_bridge.training.config.checks import derive_vocab_size
-
         derive_vocab_size(cfg, Problems())  # a NullTokenizer's size
     if m.vocab_size is None:
         raise ValueError("model.vocab_size is not set (and the tokenizer's size is not known without loading it)")

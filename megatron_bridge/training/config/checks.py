@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
+from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 
@@ -295,16 +296,9 @@ def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) ->
     check_loaded_architectures(cfg, problems)
 
 
-def _null_tokenizer_vocab(cfg: "ConfigContainer"):
-    tok = cfg.tokenizer
-    if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
-        return None
-    return tok.vocab_size + tok.vocab_extra_ids
-
-
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
     """A vocabulary size the user set holds the NullTokenizer's tokens."""
-    m, vocab = cfg.model, _null_tokenizer_vocab(cfg)
+    m, vocab = cfg.model, null_tokenizer_vocab(cfg)
     if vocab is not None and m.is_explicit("vocab_size"):
         problems.check(
             m.vocab_size >= vocab,
@@ -336,33 +330,6 @@ def derive_eval_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
         val._derive("eval_micro_batch_size", train.micro_batch_size)
     if val.eval_global_batch_size is None:
         val._derive("eval_global_batch_size", train.global_batch_size)
-
-
-def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
-    """model.vocab_size, when unset, is that of the Hugging Face weights the run starts from;
-    else the tokenizer's: a NullTokenizer's size (with its extra ids), or the size of a Hugging
-    Face tokenizer whose files are on this machine."""
-    if cfg.model.vocab_size is not None:
-        return
-    from megatron_bridge.models.hf.checks import pretrained_vocab_size
-
-    vocab = pretrained_vocab_size(cfg)
-    if vocab is not None:  # the weights decide, not the tokenizer
-        cfg.model._derive("vocab_size", vocab)
-        return
-    if problems.at("tokenizer"):
-        return
-    vocab = _null_tokenizer_vocab(cfg)
-    if vocab is not None:
-        cfg.model._derive("vocab_size", vocab)
-        return
-    from megatron_bridge.runtime.tokenizers.tokenizer import local_vocab_size
-
-    vocab = local_vocab_size(cfg.tokenizer)
-    if vocab is not None:
-        # Kept like a preset's value, not recomputed: a saved config must still build its model
-        # where the tokenizer's files are gone (merging adapters, exporting weights).
-        cfg.model.apply_default("vocab_size", vocab)
 
 
 def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
