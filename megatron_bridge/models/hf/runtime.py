@@ -227,25 +227,21 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
 
 def weights_only_config(provider: Any, tokenizer_dir: Optional[str], origin: Optional[str]) -> Any:
     """A loadable run config describing a weights-only checkpoint of `provider` (its model
-    section is what loading and exporting read)."""
-    from megatron_bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        TrainingConfig,
-    )
-    from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+    section is what loading and exporting read). It is written as data and decoded by the
+    registered config classes, as a saved run config is when it is read back."""
+    from megatron_bridge.config.serialization import from_dict, to_dict
+    from megatron_bridge.data.config import MockGPTDatasetConfig
 
     if tokenizer_dir:
-        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+        tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_dir}
     else:
-        tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=provider.vocab_size)
-    return ConfigContainer(
-        train=TrainingConfig(train_iters=0, global_batch_size=1, micro_batch_size=1),
-        model=provider,
-        optimizer=OptimizerConfig(),
-        dataset=MockGPTDatasetConfig(seq_length=provider.seq_length),
-        tokenizer=tokenizer,
-        checkpoint=CheckpointConfig(pretrained_checkpoint=origin),
-    )
+        tokenizer = {"tokenizer_type": "NullTokenizer", "vocab_size": provider.vocab_size}
+    return from_dict({
+        "_target_": "megatron_bridge.ConfigContainer",
+        "train": {"train_iters": 0, "global_batch_size": 1, "micro_batch_size": 1},
+        "model": to_dict(provider),
+        "optimizer": {},
+        "dataset": to_dict(MockGPTDatasetConfig(seq_length=provider.seq_length)),
+        "tokenizer": tokenizer,
+        "checkpoint": {"pretrained_checkpoint": origin},
+    })  # fmt: skip
