@@ -201,14 +201,14 @@ def _load_complete_weights(module: Any, src: ModelSource) -> None:
 
 
 def _add_adapters(module: Any, src: ModelSource) -> None:
-    from megatron_bridge.config.serialization import from_dict
     from megatron_bridge.inference.sources import read_run_config
     from megatron_bridge.peft.apply import apply_peft, base_weights_loaded
     from megatron_bridge.peft.offline import load_weights
 
-    config = read_run_config(src.directory)
-    peft = from_dict(config["peft"])
-    seed = int((config.get("rng") or {}).get("seed", 1234))
+    saved = read_run_config(src.directory)
+    peft = saved.build("peft")
+    seed = saved.value("rng", "seed")
+    seed = 1234 if seed is None else int(seed)  # RNGConfig's default
     apply_peft(module, peft, seed=seed)
     base_weights_loaded(module)
     load_weights(module, src.directory, "adapters")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.peft import targets as tg
+from megatron_bridge.runtime.checkpointing.run_config import find_run_config
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 
 if TYPE_CHECKING:
@@ -64,19 +65,11 @@ def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
 
 def saved_with_peft(path: Any) -> Optional[bool]:
     """Whether the checkpoint at `path` was saved by a PEFT run (None: no readable checkpoint)."""
-    import os
-
-    import yaml
-
-    from megatron_bridge.runtime.checkpointing import layout
-
     try:
-        directory, _ = layout.resolve(path)
-        with open(os.path.join(directory, layout.RUN_CONFIG_FILE)) as f:
-            saved = yaml.safe_load(f) or {}
-    except (OSError, ValueError, yaml.YAMLError):
+        saved = find_run_config(path)
+    except (OSError, ValueError):  # ValueError: a broken tracker or run config (reported when loaded)
         return None
-    return saved.get("peft") is not None
+    return None if saved is None else saved.with_peft
 
 
 def _check_saved_runs(cfg: "ConfigContainer", method: str, problems: Problems) -> None:

@@ -23,16 +23,16 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     from megatron.core import dist_checkpointing
 
     from megatron_bridge.runtime.checkpointing import layout
-    from megatron_bridge.training.config import ConfigContainer
+    from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
     directory, iteration = layout.resolve(path)
-    config_file = os.path.join(directory, layout.RUN_CONFIG_FILE)
-    if not os.path.isfile(config_file):
+    saved = read_run_config(directory)
+    if saved is None:
         raise ValueError(
             f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to"
         )
     common = dist_checkpointing.load_common_state_dict(directory)
-    cfg = ConfigContainer.from_yaml(config_file)
+    cfg = saved.build()  # the run's ConfigContainer, by the file's _target_
     if not common.get("peft") or cfg.peft is None:
         raise ValueError(f"{directory!r} is not a PEFT checkpoint (it holds no adapters)")
     return directory, iteration, cfg, common

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.rules import set_unless_user_set
+from megatron_bridge.config.yaml_input import load_file
 from megatron_bridge.extras import is_installed
 
 logger = logging.getLogger(__name__)
@@ -174,10 +175,7 @@ def initialize_tp_communicators(model: Any, micro_batch_size: int) -> bool:
     te_base = require("transformer_engine.pytorch.module.base", "comm_overlap.tp_comm_overlap")
     settings = model.tp_comm_overlap_cfg
     if isinstance(settings, str):
-        import yaml
-
-        with open(settings, encoding="utf-8") as fh:
-            settings = yaml.safe_load(fh)
+        settings = load_file(settings)
     tokens = model.seq_length * micro_batch_size // model.context_parallel_size
     te_base.initialize_ub(
         shape=[tokens, model.hidden_size],

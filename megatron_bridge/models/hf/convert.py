@@ -106,14 +106,12 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
 def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
     from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
-    from megatron_bridge.config.serialization import from_dict, load_yaml_file
+    from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
+    saved = read_run_config(directory)
+    if saved is None:
         raise ConfigValidationError(_no_config(directory))
-    data = load_yaml_file(path) or {}
-    provider = from_dict(data.get("model") or {}, GPTModelProvider)
+    provider = saved.build("model", GPTModelProvider)
     if provider.vocab_size is not None and "vocab_size" in provider.derived_fields():
         # derived from the run's tokenizer, which is not loaded here: the weights have this size
         provider.apply_default("vocab_size", provider.vocab_size)

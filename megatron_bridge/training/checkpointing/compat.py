@@ -4,11 +4,10 @@ and again when the weights are loaded (`check_architecture`)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
-from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -45,13 +44,10 @@ def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     the checkpoint has no run_config.yaml."""
     from megatron_bridge.config.serialization import ConfigEncoder
 
-    path = os.path.join(checkpoint_dir, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
+    run_config = read_run_config(checkpoint_dir)
+    if run_config is None:
         return []
-    from megatron_bridge.config.secrets import restore_environment
-    from megatron_bridge.config.yaml_input import load_file
-
-    saved = restore_environment((load_file(path) or {}).get("model", {}))
+    saved = run_config.section("model")
     current = ConfigEncoder().value(model)  # the values themselves: both sides as this process sees them
     differences = []
     for name in ARCHITECTURE_FIELDS:
@@ -108,13 +104,8 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
 
 
 def _saved_model(directory: str) -> Optional[dict]:
-    from megatron_bridge.config.yaml_input import load_file
-
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return None
-    model = (load_file(path) or {}).get("model")
-    return model if isinstance(model, dict) else None
+    run_config = read_run_config(directory)
+    return run_config.section("model") if run_config is not None and run_config.has_section("model") else None
 
 
 def _describe(model: dict) -> str:

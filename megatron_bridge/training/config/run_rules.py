@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.runtime.checkpointing.run_config import find_run_config
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -223,16 +224,16 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
         return
     if s.override_opt_param_scheduler and s.is_explicit("override_opt_param_scheduler"):
         return
-    saved = _saved_run_config(c.load, c.ckpt_step)
+    saved = find_run_config(c.load, c.ckpt_step) if os.path.isdir(c.load) else None  # a first run: one stat
     if saved is None:
         return
     differences = []
     for section, name in SCHEDULE_FIELDS:
-        before = (saved.get(section) or {}).get(name)
+        before = saved.value(section, name)
         now = getattr(getattr(cfg, section), name)
         if before is not None and now is not None and before != now:
             differences.append(f"{section}.{name} {before!r} -> {now!r}")
-    saved_iters = (saved.get("train") or {}).get("train_iters")
+    saved_iters = saved.value("train", "train_iters")
     if not differences:
         return
     why = ", ".join(differences)
@@ -253,18 +254,3 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
         c.load, why,
     )
     s._derive("override_opt_param_scheduler", True)
-
-
-def _saved_run_config(load: str, step: Optional[int]) -> Optional[dict]:
-    """The run_config.yaml of the checkpoint a resume would load, or None when there is none."""
-    if not os.path.isdir(load):  # the common case of a first run, answered with one stat
-        return None
-    from megatron_bridge.config.yaml_input import load_file
-    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE, resolve
-
-    try:
-        directory, _ = resolve(load, step)
-    except FileNotFoundError:
-        return None
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    return (load_file(path) or None) if os.path.isfile(path) else None
