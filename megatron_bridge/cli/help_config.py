@@ -19,6 +19,9 @@ import textwrap
 from typing import Any, Optional
 
 from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.config.annotations import describe, field_types, section_classes, section_from_value
+from megatron_bridge.config.base import values_equal
+from megatron_bridge.config.secrets import conceal
 
 OPTIONS = "options"
 """Pseudo-section: the keyword arguments of the recipe (`--recipe-arg KEY=VALUE`)."""
@@ -79,8 +82,6 @@ def first_line(doc: str) -> str:
 # ---------------------------------------------------------------------- rendering
 def type_name(tp: Any) -> str:
     """`typing.Optional[megatron_bridge.x.TrainingConfig]` -> `Optional[TrainingConfig]`."""
-    from megatron_bridge.config.annotations import describe
-
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", describe(tp))
 
 
@@ -111,9 +112,6 @@ def class_default(f: dataclasses.Field) -> Any:
 
 def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: Any, has_value: bool) -> list[str]:
     """Lines describing field `f`: `name: type = value  (class default: ...)`, then its docstring."""
-    from megatron_bridge.config.base import values_equal
-    from megatron_bridge.config.secrets import conceal
-
     default = class_default(f)
     default_text = "required" if default is _NO_DEFAULT else show_value(default)
     if not has_value:
@@ -129,8 +127,6 @@ def field_entry(cls: type, f: dataclasses.Field, types: dict[str, Any], value: A
 
 def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
     """Every public field of dataclass `cls` (values from `obj`, if not None)."""
-    from megatron_bridge.config.annotations import field_types
-
     types = field_types(cls)
     lines: list[str] = []
     for f in dataclasses.fields(cls):
@@ -145,8 +141,6 @@ def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
 def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
     """(class, instance) of the section a field holds: its value, the config a preset name stands
     for, or, for a null field with one possible class, that class without an instance."""
-    from megatron_bridge.config.annotations import section_classes, section_from_value
-
     try:
         section = section_from_value(value, declared)
     except Exception:  # an unknown preset name: the field is shown as a plain value
@@ -161,17 +155,11 @@ def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
 
 def _named_choices(declared: Any) -> tuple[str, ...]:
     """Short names of the section classes a field may hold (`lora`, `dora`), if they have them."""
-    from megatron_bridge.config.annotations import section_classes
-
     return tuple(c.config_name for c in section_classes(declared) if isinstance(getattr(c, "config_name", None), str))
 
 
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
-    from megatron_bridge.config.annotations import field_types
-    from megatron_bridge.config.annotations import section_classes
-    from megatron_bridge.config.secrets import conceal
-
     container = type(cfg)
     types = field_types(container)
     docs = field_docs(container)
@@ -209,7 +197,6 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
     'train.train_iters' one field; 'options' the recipe's options (when `options` is given)."""
     if not topic:
         return "\n".join(sections_text(cfg, options, label))
-    from megatron_bridge.config.annotations import field_types
 
     parts = topic.split(".")
     cls: Optional[type] = type(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from megatron_bridge.cli.recipe_loader import library_rows
 
 
 def register(subparsers: Any) -> None:
@@ -20,8 +21,6 @@ def register(subparsers: Any) -> None:
 def rows() -> list[tuple[str, int, str]]:
     """(name, intended world size, first docstring line) of every recipe, sorted by name; read
     from the recipes' source, without importing them (and megatron-core with them)."""
-    from megatron_bridge.cli.recipe_loader import library_rows
-
     return library_rows()
 
 

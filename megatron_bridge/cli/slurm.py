@@ -8,7 +8,10 @@ import sys
 import textwrap
 from typing import Any
 
-from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+from megatron_bridge.cli import source
+from megatron_bridge.cli.dry_run import for_target, resolve
+from megatron_bridge.config.errors import Problems
 
 EPILOG = """\
 The script runs `torchrun -m megatron_bridge pretrain|finetune ...` on every node (c10d rendezvous on
@@ -118,10 +121,6 @@ def _command(args: argparse.Namespace, mode: str, extra: list[str]) -> list[str]
 def run(args: argparse.Namespace) -> int:
     import signal
 
-    from megatron_bridge.cli import source
-    from megatron_bridge.cli.dry_run import for_target, resolve
-    from megatron_bridge.cli.errors import config_errors_are_usage_errors
-    from megatron_bridge.config.errors import Problems
     from megatron_bridge.launch.slurm import SlurmJob, render
 
     if args.container_mounts and not args.container:

@@ -7,6 +7,8 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+from megatron_bridge.cli import recipe_loader
+from megatron_bridge.config.paths import file_kind
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -17,8 +19,6 @@ YAML_SUFFIXES = (".yaml", ".yml")
 def get_recipe(name: str) -> Callable[..., "ConfigContainer"]:
     """The recipe function `name` (a library name, `module.path:function` or
     `path/to/file.py:function`); an unknown name is a `UsageError` naming the closest ones."""
-    from megatron_bridge.cli import recipe_loader
-
     return recipe_loader.load(name)
 
 
@@ -53,8 +53,6 @@ def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), value
 def check_file(path: str) -> None:
     """A `UsageError` unless `path` is a regular file, saying what it is instead."""
     if not os.path.isfile(path):
-        from megatron_bridge.config.paths import file_kind
-
         kind = file_kind(path)
         what = "does not exist" if kind == "missing" else f"is {kind}, not a YAML file"
         raise UsageError(f"config file {path!r} {what}")

@@ -8,6 +8,12 @@ import textwrap
 from typing import Any
 
 from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.cli import source
+from megatron_bridge.cli.dry_run import PlanOptions, default_world_size, print_dry_run, print_plan
+from megatron_bridge.cli.help_config import help_text
+from megatron_bridge.cli.recipe_loader import world_size_of
+from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.config.secrets import scrub
 
 EPILOG = """\
 precedence (later wins): the recipe called with its options < --config-file < KEY=VALUE overrides
@@ -151,8 +157,6 @@ def _label(args: argparse.Namespace, fn: Any) -> str:
 
 def run(args: argparse.Namespace, cmd: str) -> int:
     """`mbridge pretrain|finetune`: build the config, then show help, dry-run, or train."""
-    from megatron_bridge.cli import source
-
     checking = args.dry_run or args.plan_only
     if args.world_size is not None and not checking:
         raise UsageError(
@@ -168,19 +172,13 @@ def run(args: argparse.Namespace, cmd: str) -> int:
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
     fn = source.get_recipe(args.recipe) if args.recipe is not None else None
     if args.help_config is not None:
-        from megatron_bridge.cli.help_config import help_text
-
         options = source.recipe_options(fn, args.recipe_args, shortcuts) if fn is not None else None
         print(help_text(cfg, args.help_config, options, _label(args, fn)))
         return 0
     if checking:
-        from megatron_bridge.cli.dry_run import PlanOptions, default_world_size, print_dry_run, print_plan
-
         if args.world_size is not None:
             world, why = args.world_size, "--world-size"
         else:
-            from megatron_bridge.cli.recipe_loader import world_size_of
-
             world, why = default_world_size(world_size_of(fn, cfg))
         options = PlanOptions(gpu=args.gpu or GPU_CHOICES[0], mfu=args.mfu, as_json=args.json, target_te=args.target_te)
         if args.plan_only:
@@ -195,7 +193,6 @@ def run(args: argparse.Namespace, cmd: str) -> int:
 def train(cfg: Any, cmd: str) -> None:
     """Run the `cmd` entry point with the standard GPT forward step; on the logging rank, say
     where the outputs are."""
-    from megatron_bridge.config.errors import ConfigValidationError
     from megatron_bridge.training.gpt_step import forward_step
 
     if cmd == "finetune":
@@ -219,8 +216,6 @@ def is_logging_rank() -> bool:
 
 def outputs_line(cfg: Any) -> str:
     """`checkpoints: DIR | tensorboard: DIR` of a finished run."""
-    from megatron_bridge.config.secrets import scrub
-
     ckpt = scrub(cfg.checkpoint.save) if cfg.checkpoint.save else "not saved (checkpoint.save is unset)"
     tb = scrub(cfg.logger.tensorboard_dir) if cfg.logger.tensorboard_dir else "off (logger.tensorboard_dir is unset)"
     return f"checkpoints: {ckpt} | tensorboard: {tb}"

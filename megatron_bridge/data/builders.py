@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.data.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.data.phase_schedule import resolve_phases
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -60,9 +62,6 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
 
 def resolved_phases(cfg: "ConfigContainer") -> Optional[list]:
     """The blend phases of `cfg` with start iterations (the first at 0); None without phases."""
-    from megatron_bridge.config.errors import Problems
-    from megatron_bridge.data.phase_schedule import resolve_phases
-
     data = cfg.dataset
     if not isinstance(data, GPTDatasetConfig) or data.blend_phases is None or data.blend is None:
         return None

@@ -17,6 +17,8 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatas
 from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.targets import register_target
+from megatron_bridge.data.phase_schedule import check_phases
+from megatron_bridge.data.sft_records import check_sft_options
 
 
 @config_dataclass(kw_only=True)
@@ -200,8 +202,6 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
                 "give one weight per prefix",
             )
         if self.blend_phases is not None:
-            from megatron_bridge.data.phase_schedule import check_phases
-
             blend = self.blend
             if p.check(
                 blend is not None,
@@ -354,7 +354,6 @@ class FinetuningDatasetConfig(DataloaderConfig):
         p.positive("max_train_samples", self.max_train_samples, "use a positive count or None")
         if self.packed_sequence_specs is not None:
             finalize_into(self.packed_sequence_specs, p.at("packed_sequence_specs"))
-        from megatron_bridge.data.sft_records import check_sft_options
 
         check_sft_options(self, p)
 

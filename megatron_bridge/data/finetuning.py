@@ -19,6 +19,8 @@ import torch
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
 from megatron_bridge.models.attention import core_attention_choice
 from megatron_bridge.runtime.child_processes import worker_pool
+from megatron_bridge.data.chat import ChatRenderer
+from megatron_bridge.data.hf_local import LocalSplit
 
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts
@@ -30,8 +32,6 @@ Sample = tuple[np.ndarray, np.ndarray]
 
 def read_examples(path: str, prompt_key: str, answer_key: str, limit: Optional[int] = None) -> list[tuple[str, str]]:
     """(prompt, answer) pairs of a JSONL file; a line without both keys is an error naming it."""
-    from megatron_bridge.data.hf_local import LocalSplit
-
     fmt = RecordFormat("prompt/answer", prompt=prompt_key, answer=answer_key)
     return [(str(r[prompt_key]), str(r[answer_key])) for r in _valid_records(LocalSplit("train", files=(path,)), fmt, None, limit)]
 
@@ -58,8 +58,6 @@ class SampleEncoder:
         self.limit = seq_length + 1
         self.renderer = None
         if fmt.kind == CHAT:
-            from megatron_bridge.data.chat import ChatRenderer
-
             self.renderer = ChatRenderer(tokenizer)
 
     def __reduce__(self):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.phase_schedule import resolve_phases
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -52,8 +53,6 @@ def check_packing(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_phase_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
-    from megatron_bridge.data.phase_schedule import resolve_phases
-
     data, t = cfg.dataset, cfg.train
     problems.check(
         data.dataloader_type in (None, "single"),

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
 from megatron_bridge.inference.errors import SourceError
-from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, resolve
+from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, read_run_config, resolve
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.inference.source_tokenizer import load_tokenizer, stop_token_ids
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Process-group backends a model loads with: auto is nccl where GPUs are visible, else gloo."""
@@ -46,7 +48,6 @@ class InferenceModel:
     def from_module(cls, module: Any, tokenizer: Any = None) -> "InferenceModel":
         """A model of a running job (one of `state.model`, wrappers included) with its tokenizer.
         It must hold the whole model (pipeline-parallel size 1)."""
-        from megatron_bridge.inference.source_tokenizer import stop_token_ids
         from megatron_bridge.runtime.checkpointing.weights import unwrap
 
         bare = unwrap(module)
@@ -120,7 +121,6 @@ def load_model(source: Union[str, os.PathLike, ModelSource], *, step: Optional[i
     process-group backend (auto: nccl on the GPUs where they are visible, else gloo on the CPU).
     More processes on a machine than visible GPUs with nccl is a `ConfigValidationError` before
     anything is built."""
-    from megatron_bridge.inference.source_tokenizer import load_tokenizer, stop_token_ids
     from megatron_bridge.models.hf.runtime import model_parallel
 
     src = source if isinstance(source, ModelSource) else resolve(os.fspath(source), step, base)
@@ -133,8 +133,6 @@ def load_model(source: Union[str, os.PathLike, ModelSource], *, step: Optional[i
 
 
 def _provider(src: ModelSource) -> Any:
-    from megatron_bridge.config.errors import Problems
-
     if src.kind == HF:
         from megatron_bridge.models.hf.load import check_hf_directory
 
@@ -201,7 +199,6 @@ def _load_complete_weights(module: Any, src: ModelSource) -> None:
 
 
 def _add_adapters(module: Any, src: ModelSource) -> None:
-    from megatron_bridge.inference.sources import read_run_config
     from megatron_bridge.peft.apply import apply_peft, base_weights_loaded
     from megatron_bridge.peft.offline import load_weights
 

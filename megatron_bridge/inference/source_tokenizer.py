@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, read_json, read_run_config
+from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -23,8 +25,6 @@ def _has_tokenizer_files(directory: Optional[str]) -> bool:
 def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optional[Any]:
     """The tokenizer to use with `source` (`override`: a tokenizer directory or tokenizer.json
     given by the user); None when the source names none."""
-    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
-
     try:
         if override is not None:
             if not os.path.exists(override):
@@ -43,9 +43,6 @@ def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optio
 
 
 def _from_run_config(source: ModelSource) -> Optional[Any]:
-    from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
-    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
-
     saved = read_run_config(source.directory)
     kind = saved.value("tokenizer", "tokenizer_type")
     if kind == "HuggingFaceTokenizer":

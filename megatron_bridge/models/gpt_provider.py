@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             path = getattr(self, name, None)
             if path is None:
                 continue
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 
             try:
                 resolve(path)
@@ -200,8 +200,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
             )
         if isinstance(self.transformer_layer_spec, str):
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
-
             try:
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
@@ -364,8 +362,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         spec = self.transformer_layer_spec
         if spec is not None:
             if isinstance(spec, str):
-                from megatron_bridge.config.targets import resolve
-
                 spec = resolve(spec)  # a name from a config file: registered objects only
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

@@ -16,6 +16,8 @@ from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, 
 from megatron_bridge.peft import targets as tg
 from megatron_bridge.runtime.checkpointing.run_config import find_run_config
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
+from megatron_bridge.peft.config import DoRA
+from megatron_bridge.peft.modules import AdaptedLinear
 
 if TYPE_CHECKING:
     from megatron_bridge.peft.config import LoRA
@@ -140,9 +142,6 @@ def apply_peft(chunk: Any, peft: "LoRA", seed: int = 0) -> Applied:
     import torch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_bridge.peft.config import DoRA
-    from megatron_bridge.peft.modules import AdaptedLinear
-
     found = tg.adaptable_modules(chunk)
     names = [g for g, *_ in found]
     matched = [any(tg.matches(t, n) for n in names) for t in peft.target_modules]
@@ -222,8 +221,6 @@ def check_all_targets_matched(peft: "LoRA", applied: list[Applied]) -> None:
 # ---------------------------------------------------------------------- using an adapted model
 def adapters(model: Any) -> Iterator[Any]:
     """Every `AdaptedLinear` in `model` (a chunk, a wrapped chunk, or a list of chunks)."""
-    from megatron_bridge.peft.modules import AdaptedLinear
-
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for module in chunk.modules():
             if isinstance(module, AdaptedLinear):
@@ -257,8 +254,6 @@ def base_weights_loaded(model: Any) -> None:
 
 def merge_and_unwrap(model: Any) -> int:
     """Fold every adapter into its base weight and put the plain layer back; returns how many."""
-    from megatron_bridge.peft.modules import AdaptedLinear
-
     count = 0
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for name, module in list(chunk.named_modules()):

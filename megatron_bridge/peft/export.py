@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Optional
+from megatron_bridge.extras import require
+from megatron_bridge.peft.merge import read_adapter_checkpoint
+from megatron_bridge.runtime.checkpointing import layout
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -90,7 +93,6 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
-    from megatron_bridge.runtime.checkpointing import layout
 
     if not path or depth <= 0:
         return None
@@ -117,9 +119,6 @@ def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = N
     (default: the Hugging Face directory of the base weights the adapters were trained on, so
     `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads both; without one, the base
     checkpoint of ours)."""
-    from megatron_bridge.extras import require
-    from megatron_bridge.peft.merge import read_adapter_checkpoint
-
     safetensors_torch = require("safetensors.torch", "writing adapters in the peft format")
     directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
     state = to_peft_state(read_adapter_tensors(directory), cfg.model)

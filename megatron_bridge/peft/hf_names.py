@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.models.hf.family import HFFamily
+from megatron_bridge.models.hf.registry import family_of_provider
 
 LAYER_MODULES = HFFamily.adapter_modules
 """Per transformer layer: megatron-core module -> the Hugging Face modules it holds, in row order
@@ -40,7 +41,6 @@ def layer_modules(model_cfg: Any = None) -> dict[str, tuple[str, ...]]:
     """The module names of the Hugging Face family of `model_cfg` (default: Llama-style)."""
     if model_cfg is None:
         return LAYER_MODULES
-    from megatron_bridge.models.hf.registry import family_of_provider
 
     family = family_of_provider(model_cfg)
     return family.adapter_modules if family is not None else LAYER_MODULES

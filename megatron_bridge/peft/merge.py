@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 from typing import Any, Optional
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -22,7 +24,6 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     ValueError if it holds no adapters."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.runtime.checkpointing import layout
     from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
     directory, iteration = layout.resolve(path)
@@ -96,7 +97,6 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.runtime.checkpointing import layout, weights
-    from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX

@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from megatron_bridge.models.vocab import derive_vocab_size
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.models.hf.files import is_hf_directory
+from megatron_bridge.models.hf.load import load_hf_weights
+from megatron_bridge.peft.apply import apply_peft
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -22,9 +29,6 @@ if TYPE_CHECKING:
 
 def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     """A copy of `cfg` whose model is laid out for one CPU process."""
-    from megatron_bridge.config.errors import Problems
-    from megatron_bridge.runtime import cpu_backend
-
     cfg = copy.deepcopy(cfg)
     m = cfg.model
     vocab = m.vocab_size
@@ -55,10 +59,6 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_bridge.peft.apply import apply_peft
-    from megatron_bridge.runtime import cpu_backend
-    from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
-
     cfg = unsplit_config(cfg)
     device, created = init_process_group(cfg)
     activated = cpu_backend.activate(device)
@@ -85,12 +85,7 @@ def load_weights(model: Any, directory: str, part: str = "all", step: Optional[i
     A Hugging Face directory provides the base weights (`part` 'all' or 'base'), as iteration 0."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.runtime.checkpointing import layout, weights
-
     if is_hf_directory(directory) and part != "adapters":
-        from megatron_bridge.models.hf.load import load_hf_weights
-
         load_hf_weights([model], directory)
         return directory, 0
     iteration_dir, iteration = layout.resolve(directory, step)

@@ -15,6 +15,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
+from megatron_bridge.extras import require
 
 TIMER_NAMES = (
     # the train loop and checkpointing (this package)
@@ -123,7 +124,6 @@ class EnergyMeter:
     def __init__(self, device: str):
         if device != "cuda":
             raise RuntimeError("logger.log_energy reads GPU energy counters and needs a CUDA GPU")
-        from megatron_bridge.extras import require
 
         import torch
 

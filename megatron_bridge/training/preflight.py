@@ -18,6 +18,8 @@ import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem
+from megatron_bridge.config.paths import file_kind
+from megatron_bridge.training.profiling import default_profile_dir
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -46,8 +48,6 @@ def output_dirs(cfg: "ConfigContainer", logging_rank: bool = True) -> list[tuple
     if getattr(log, "save_config_filepath", None):
         out.append(("logger.save_config_filepath", os.path.dirname(os.path.abspath(log.save_config_filepath))))
     if cfg.profiling.use_pytorch_profiler:
-        from megatron_bridge.training.profiling import default_profile_dir
-
         out.append(("profiling.profile_dir", default_profile_dir(cfg)))
     return out
 
@@ -111,8 +111,6 @@ def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = Tru
     problems = []
     load = cfg.checkpoint.load
     if load and os.path.exists(load) and not os.path.isdir(load):
-        from megatron_bridge.config.paths import file_kind
-
         problems.append(ConfigProblem(
             "checkpoint.load", f"{load} is {file_kind(load)}, not a checkpoint directory",
             "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 from typing import Any, Optional
+from megatron_bridge.runtime.checkpointing.layout import resolve
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -103,8 +104,6 @@ def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
 
 
 def _iteration_dir(path: str) -> Optional[str]:
-    from megatron_bridge.runtime.checkpointing.layout import resolve
-
     try:
         return resolve(path)[0]
     except (FileNotFoundError, ValueError):

@@ -12,6 +12,11 @@ import logging
 import os
 import shutil
 from typing import Any, Iterator, Optional
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.data.config import MockGPTDatasetConfig
+from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
+from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -101,9 +106,6 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
 def _adapt_expert_mlp(provider: Any) -> None:
     """Grouped-GEMM experts on a GPU without a grouped GEMM: sequential experts where the
     grouped GEMM was a default, a config error where it was asked for (see models.experts)."""
-    from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
-    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
-
     decision = machine_decision(provider)
     if decision.refused:
         raise ConfigValidationError(ConfigProblem("model.moe_grouped_gemm", decision.message, GROUPED_GEMM_FIX))
@@ -188,9 +190,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
     from megatron_bridge.runtime.checkpointing import layout, weights
-    from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
@@ -230,7 +230,6 @@ def weights_only_config(provider: Any, tokenizer_dir: Optional[str], origin: Opt
     section is what loading and exporting read). It is written as data and decoded by the
     registered config classes, as a saved run config is when it is read back."""
     from megatron_bridge.config.serialization import from_dict, to_dict
-    from megatron_bridge.data.config import MockGPTDatasetConfig
 
     if tokenizer_dir:
         tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_dir}

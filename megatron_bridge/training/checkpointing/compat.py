@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.config.serialization import ConfigEncoder, to_dict
+from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -42,8 +44,6 @@ class CheckpointMismatchError(ValueError):
 def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     """`model.<field>: checkpoint X, config Y` for each architecture field that differs; empty if
     the checkpoint has no run_config.yaml."""
-    from megatron_bridge.config.serialization import ConfigEncoder
-
     run_config = read_run_config(checkpoint_dir)
     if run_config is None:
         return []
@@ -61,7 +61,6 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
     loads, as the checkpoint manager chooses them: a resumable `load`, else `pretrained_checkpoint`;
     a PEFT run loads both (the base, then its adapters)."""
     from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.runtime.checkpointing.layout import has_checkpoint
 
     c = cfg.checkpoint
     resume = bool(c.load) and has_checkpoint(c.load)
@@ -78,9 +77,6 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
     """Each checkpoint the run loads (see `loaded_checkpoints`) was saved with the config's model
     architecture, by its run_config.yaml: checked before any model is built. Fields the config
     leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading."""
-    from megatron_bridge.config.serialization import to_dict
-    from megatron_bridge.runtime.checkpointing.layout import resolve
-
     current = to_dict(cfg.model)
     for field, path, step in loaded_checkpoints(cfg):
         try:

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 
 ASYNC_FORMATS = ("torch_dist",)
 
@@ -179,8 +180,6 @@ class CheckpointConfig(ConfigBase):
                 "use -1 or a positive count",
             )
         if self.custom_manager_class is not None:
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
-
             try:
                 manager = resolve(self.custom_manager_class)
             except TargetNotAllowedError as exc:

@@ -17,6 +17,8 @@ from megatron_bridge.data.config import FinetuningDatasetConfig
 from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
+from megatron_bridge.models.hf import checks as hf_checks
+from megatron_bridge.peft.apply import check_config
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -47,8 +49,6 @@ def apply_deprecated_training_fields(cfg: "ConfigContainer", problems: Problems)
 
 def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
     """A run starting from a Hugging Face model uses its tokenizer unless the config names one."""
-    from megatron_bridge.models.hf import checks as hf_checks
-
     hf_checks.apply_pretrained_defaults(cfg, problems)
 
 
@@ -273,7 +273,6 @@ def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
     """Adapters: target modules exist, fine-tuning starts from a checkpoint, the layout supports them."""
     if cfg.peft is None:
         return
-    from megatron_bridge.peft.apply import check_config
 
     check_config(cfg, problems)
 
@@ -281,8 +280,6 @@ def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
 def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     """Hugging Face weights to start from (config.json and index against the model config), and
     a model that `checkpoint.save_hf` can write."""
-    from megatron_bridge.models.hf import checks as hf_checks
-
     hf_checks.check_pretrained(cfg, problems)
     hf_checks.check_save_hf(cfg, problems)
 

@@ -31,6 +31,7 @@ from megatron_bridge.training.config.scheduler import SchedulerConfig
 from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -240,28 +241,20 @@ class ConfigContainer(ConfigBase):
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (with `_target_` class paths) that `from_dict` turns back into this."""
-        from megatron_bridge.config.serialization import to_dict
-
         return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ConfigContainer":
         """Rebuild a container from `to_dict()` output (or hand-written equivalent)."""
-        from megatron_bridge.config.serialization import from_dict
-
         return from_dict(data, cls)
 
     def to_yaml(self, path: Optional[Union[str, os.PathLike]] = None) -> str:
         """YAML text of this config; also written to `path` when given."""
-        from megatron_bridge.config.serialization import to_yaml
-
         return to_yaml(self, path)
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike]) -> "ConfigContainer":
         """Load a container from a YAML file written by `to_yaml` (or by hand)."""
-        from megatron_bridge.config.serialization import from_yaml
-
         return from_yaml(path, cls)
 
     def print_yaml(self) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.runtime.checkpointing.run_config import find_run_config
+from megatron_bridge.data.config import FinetuningDatasetConfig
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -141,8 +142,6 @@ def check_context_parallel_finetuning(cfg: "ConfigContainer", problems: Problems
     only answer tokens, which are spread unevenly over the CP ranks; averaging per rank (or in the
     collective) weighs the ranks equally and biases the loss. The loss must be summed over tokens
     and divided by the global token count."""
-    from megatron_bridge.data.config import FinetuningDatasetConfig
-
     if cfg.model.context_parallel_size <= 1 or not isinstance(cfg.dataset, FinetuningDatasetConfig):
         return
     cp = cfg.model.context_parallel_size

@@ -21,6 +21,8 @@ from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
 from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.training.mixed_precision import get_mixed_precision_config
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -84,8 +86,6 @@ def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
 def apply_mixed_precision(cfg: "ConfigContainer", problems: Problems) -> None:
     """Resolve `mixed_precision` (a preset name or config) and set its fields on model, optimizer
     and ddp, leaving the fields the user set alone."""
-    from megatron_bridge.training.mixed_precision import get_mixed_precision_config
-
     if cfg.mixed_precision is None:
         return
     name = cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else "mixed_precision config"
@@ -116,8 +116,6 @@ def apply_comm_overlap(cfg: "ConfigContainer", problems: Problems) -> None:
 def adapt_to_cpu(cfg: "ConfigContainer", problems: Problems) -> None:
     """Make the config trainable on CPU: fused CUDA kernels off, megatron-core's local layers,
     CPU initialization (unless the user chose otherwise); refuse GPU-only tools."""
-    from megatron_bridge.runtime import cpu_backend
-
     cpu_backend.adapt_config(cfg, problems)
 
 
