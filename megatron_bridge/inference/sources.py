@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
-from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing import layout, run_config
 from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -134,8 +134,6 @@ def check_complete(directory: str) -> None:
 def read_run_config(directory: str) -> "SavedRunConfig":
     """The run config saved in a checkpoint iteration directory; `SourceError` when it has none
     that describes a model."""
-    from megatron_bridge.runtime.checkpointing import run_config
-
     try:
         saved = run_config.read_run_config(directory)
     except (OSError, ValueError) as exc:  # ValueError: ConfigValidationError, naming the file

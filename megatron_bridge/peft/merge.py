@@ -15,6 +15,7 @@ import shutil
 from typing import Any, Optional
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -23,8 +24,6 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     """(iteration dir, iteration, run config, common state) of the PEFT checkpoint at `path`;
     ValueError if it holds no adapters."""
     from megatron.core import dist_checkpointing
-
-    from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
     directory, iteration = layout.resolve(path)
     saved = read_run_config(directory)

@@ -34,6 +34,7 @@ from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, torch_dtype, w
 from megatron_bridge.peft.export import export_adapters
 from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -106,8 +107,6 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
 # ---------------------------------------------------------------------- ours -> HF
 def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
-    from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-
     saved = read_run_config(directory)
     if saved is None:
         raise ConfigValidationError(_no_config(directory))

@@ -15,6 +15,7 @@ import os
 import shutil
 from typing import Any, Optional
 from megatron_bridge.runtime.checkpointing.layout import resolve
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -113,8 +114,6 @@ def _iteration_dir(path: str) -> Optional[str]:
 def run_config_value(directory: str, section: str, name: str) -> Any:
     """`section.name` of the run config saved in checkpoint iteration `directory`, a string (None
     if absent)."""
-    from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-
     saved = read_run_config(directory)
     value = saved.value(section, name) if saved is not None else None
     return value if isinstance(value, str) else None

@@ -17,6 +17,7 @@ from megatron_bridge.data.config import MockGPTDatasetConfig
 from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
 from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.config.serialization import from_dict, to_dict
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -229,8 +230,6 @@ def weights_only_config(provider: Any, tokenizer_dir: Optional[str], origin: Opt
     """A loadable run config describing a weights-only checkpoint of `provider` (its model
     section is what loading and exporting read). It is written as data and decoded by the
     registered config classes, as a saved run config is when it is read back."""
-    from megatron_bridge.config.serialization import from_dict, to_dict
-
     if tokenizer_dir:
         tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_dir}
     else:
