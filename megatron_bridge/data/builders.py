@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from megatron_bridge.data.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.phase_schedule import resolve_phases
+from megatron_bridge.data.finetuning import build_finetuning_datasets
+from megatron_bridge.data.phases import build_phased_train_dataset
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -52,8 +54,6 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
         )
         return data.build_datasets(context)
     if isinstance(data, FinetuningDatasetConfig):
-        from megatron_bridge.data.finetuning import build_finetuning_datasets
-
         return build_finetuning_datasets(data, tokenizer, counts, cfg.model)
     if isinstance(data, GPTDatasetConfig):
         return _build_gpt_datasets(data, tokenizer, counts, cfg)
@@ -84,8 +84,6 @@ def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCo
     dataset_class = MockGPTDataset if config.mock else GPTDataset
     phases = resolved_phases(cfg) if cfg is not None and not config.mock else None
     if phases is not None:
-        from megatron_bridge.data.phases import build_phased_train_dataset
-
         train = build_phased_train_dataset(config, phases, cfg.train.global_batch_size, counts.train)
         split = list(config.split_matrix)
         rest = copy.copy(config)

@@ -14,6 +14,9 @@ from typing import Any, Optional
 from megatron_bridge.extras import require
 from megatron_bridge.peft.merge import read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
+from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, split_rows
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -28,8 +31,6 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
-
     reader = dcp.FileSystemReader(iteration_dir)
     metadata = reader.read_metadata().state_dict_metadata
     keys = [k for k in metadata if not k.startswith("optimizer.") and is_adapter_key(k)]
@@ -40,8 +41,6 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
 
 def to_peft_state(tensors: dict[str, Any], model_cfg: Any) -> dict[str, Any]:
     """Our adapter tensors under peft-format Hugging Face names (fused projections split)."""
-    from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, split_rows
-
     out = {}
     for key, tensor in sorted(tensors.items()):
         module, param = key.rsplit(".", 1)
@@ -91,8 +90,6 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     none (a model trained or merged here has no Hugging Face counterpart)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
 
     if not path or depth <= 0:
         return None

@@ -13,9 +13,11 @@ import logging
 import os
 import shutil
 from typing import Any, Optional
-from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.peft.apply import merge_and_unwrap
+from megatron_bridge.peft.offline import load_weights, single_process_model
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -56,9 +58,6 @@ def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
 def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str:
     """Fold the adapters of the PEFT checkpoint `adapters` into their base and save the result
     under `out` (as `out/iter_N`, N the adapters' iteration); returns that directory."""
-    from megatron_bridge.peft.apply import merge_and_unwrap
-    from megatron_bridge.peft.offline import load_weights, single_process_model
-
     directory, iteration, cfg, common = read_adapter_checkpoint(adapters)
     base_dir = base_of(cfg, common, base)
     with single_process_model(cfg) as model:
@@ -94,8 +93,6 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    from megatron_bridge.runtime.checkpointing import layout, weights
 
     final = layout.iteration_dir(out, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 from megatron_bridge.extras import require
+from megatron_bridge.models.param_count import flops_per_token
 
 TIMER_NAMES = (
     # the train loop and checkpointing (this package)
@@ -46,8 +47,6 @@ def peak_tflops(logger_cfg: Any, device: str) -> Optional[float]:
 def throughput(cfg: Any, step_time: float, global_batch: int, world_size: int, device: str) -> dict[str, float]:
     """`tflops-per-device` from the model shape (`flops_per_token`), and `mfu` (fraction of the
     device's peak) where the peak is known."""
-    from megatron_bridge.models.param_count import flops_per_token
-
     if step_time <= 0:
         return {}
     seq = cfg.model.seq_length

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from megatron_bridge.config.errors import ConfigProblem
 from megatron_bridge.config.paths import file_kind
 from megatron_bridge.training.profiling import default_profile_dir
+from megatron_bridge.models import count_parameters
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -126,8 +127,6 @@ def checkpoint_bytes(cfg: "ConfigContainer") -> int:
     """Estimated size of one checkpoint of the whole job: weights in their dtype, plus fp32 main
     weights and two Adam moments per parameter when the optimizer state is saved."""
     import torch
-
-    from megatron_bridge.models import count_parameters
 
     if not cfg.model.vocab_size:
         return 0

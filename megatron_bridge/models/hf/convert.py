@@ -35,6 +35,7 @@ from megatron_bridge.peft.export import export_adapters
 from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.peft.apply import apply_peft, saved_with_peft
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -149,8 +150,6 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
 def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str]]:
     """(PEFT config, base weights) of a LoRA/DoRA checkpoint iteration `directory`; (None, None)
     for a checkpoint that holds whole weights."""
-    from megatron_bridge.peft.apply import saved_with_peft
-
     if not saved_with_peft(directory):
         return None, None
     _, _, cfg, common = read_adapter_checkpoint(directory)
@@ -160,8 +159,6 @@ def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str
 def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str) -> None:
     """Wrap `chunks` with the adapters of `peft`, fill the base weights from `base_dir` (ours or
     a Hugging Face directory) and the adapters from `adapters_dir`; the writer folds them in."""
-    from megatron_bridge.peft.apply import apply_peft
-
     for chunk in chunks:
         apply_peft(chunk, peft)
     if is_hf_directory(base_dir):

@@ -15,6 +15,7 @@ from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.models.hf import mapping
 from megatron_bridge.models.hf.config import provider_from_hf_config, read_hf_config
 from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key, unwrap
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -53,8 +54,6 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     partition follows from the shapes: the part this rank holds against the whole parameter.
     LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
     from megatron.core import parallel_state as ps
-
-    from megatron_bridge.runtime.checkpointing.weights import is_adapter_key, unwrap
 
     arch = mapping.architecture(hf)
     model = unwrap(chunk)

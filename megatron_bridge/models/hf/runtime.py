@@ -18,6 +18,11 @@ from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
 from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.config.serialization import from_dict, to_dict
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
+from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
+from megatron_bridge.runtime.distributed import checked_backend, free_port
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -34,9 +39,6 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_bridge.runtime import cpu_backend
-    from megatron_bridge.runtime.distributed import checked_backend, free_port
 
     backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
     device = "cuda" if backend == "nccl" else "cpu"
@@ -78,8 +80,6 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
     `device`: megatron-core's local layers and no fused kernels on CPU, parameters in
     `params_dtype`, random initialization only if `initialize` (weights are loaded anyway)."""
     from megatron.core import parallel_state as ps
-
-    from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
 
     p = copy.copy(provider)
     p.apply_default("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
@@ -146,8 +146,6 @@ def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all"
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
-
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
     loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),
@@ -190,8 +188,6 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    from megatron_bridge.runtime.checkpointing import layout, weights
 
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX

@@ -10,6 +10,7 @@ from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 from megatron_bridge.config.serialization import ConfigEncoder, to_dict
 from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
+from megatron_bridge.models.hf.files import is_hf_directory
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -60,8 +61,6 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
     """(config field, path, ckpt_step) of each checkpoint of ours whose weights a run of `cfg`
     loads, as the checkpoint manager chooses them: a resumable `load`, else `pretrained_checkpoint`;
     a PEFT run loads both (the base, then its adapters)."""
-    from megatron_bridge.models.hf.files import is_hf_directory
-
     c = cfg.checkpoint
     resume = bool(c.load) and has_checkpoint(c.load)
     loads_base = cfg.peft is not None or not resume
