@@ -27,7 +27,6 @@ from megatron_bridge.inference.errors import DataError
 from megatron_bridge.data.chat import ChatFormatError
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit
 from megatron_bridge.data.sft_records import detect_format as detect_sft
-from megatron_bridge.data.finetuning import SampleEncoder, _valid_records
 
 TEXT, INDEXED, SFT, CHOICE = "text", "indexed", "sft", "choice"
 FORMATS = (TEXT, INDEXED, SFT, CHOICE)
@@ -147,6 +146,8 @@ def windows(documents: list, eod: Optional[int], seq_length: int) -> list[Scored
 
 def sft_sequences(path: str, tokenizer: Any, seq_length: int) -> list[Scored]:
     """Fine-tuning rows as fine-tuning tokenizes them, the loss mask where it trains."""
+    from megatron_bridge.data.finetuning import SampleEncoder, _valid_records
+
     if os.path.splitext(path)[1] not in SUFFIX_FORMATS:
         raise DataError(f"{path!r}: fine-tuning data is read from {', '.join(sorted(SUFFIX_FORMATS))} files")
     source = LocalSplit("eval", files=(path,))

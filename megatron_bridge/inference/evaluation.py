@@ -21,7 +21,6 @@ from megatron_bridge.config.errors import Problems
 from megatron_bridge.inference import choices, corpora
 from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
 from megatron_bridge.inference.sources import declared_seq_length, resolve
-from megatron_bridge.inference.scoring import nll_total, token_logprobs
 
 
 @dataclass
@@ -134,6 +133,8 @@ def _read(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat:
 
 
 def _score(model: InferenceModel, data: str, fmt: str, sequences: list, items: Optional[list], batch_size: int) -> EvalResult:
+    from megatron_bridge.inference.scoring import nll_total, token_logprobs
+
     largest = max((int(seq.ids.max()) for seq in sequences if len(seq.ids)), default=-1)
     if largest >= model.vocab_size:
         raise DataError(f"{data!r} holds token id {largest}, beyond the model's vocabulary of {model.vocab_size}")

@@ -21,7 +21,6 @@ from megatron_bridge.inference.sampling import Sampling
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
 from megatron_bridge.inference.sources import declared_seq_length, resolve
-from megatron_bridge.inference.kv_cache import CachedDecoder, left_pad
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
 
@@ -155,6 +154,7 @@ def _generate_all(model: InferenceModel, prompts: list, encoded: list[list[int]]
 
 def _generate_batch(model: InferenceModel, prompts: list[list[int]], indices: list[int], sampling: Sampling,
                     max_new_tokens: int, stop: Sequence[str], ignore_eos: bool) -> list[tuple[str, list[int], str]]:  # fmt: skip
+    from megatron_bridge.inference.kv_cache import CachedDecoder, left_pad
 
     limits = [min(max_new_tokens, model.seq_length - len(p)) for p in prompts]
     tokens, real = left_pad(prompts, pad_id=0, device=model.device)
