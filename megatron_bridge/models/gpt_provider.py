@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+from megatron_bridge import extras
 
 logger = logging.getLogger(__name__)
 
@@ -393,12 +394,10 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         local layers with a log line, an explicit one fails."""
         if self.transformer_impl != "transformer_engine":
             return False
-        from megatron_bridge.extras import is_installed, require
-
-        if is_installed("transformer_engine"):
+        if extras.is_installed("transformer_engine"):
             return True
         if self.is_explicit("transformer_impl"):
-            require("transformer_engine", "model.transformer_impl='transformer_engine'")
+            extras.require("transformer_engine", "model.transformer_impl='transformer_engine'")
         logger.info("TransformerEngine is not installed: building megatron-core local layers instead")
         return False
 

@@ -18,6 +18,7 @@ from megatron_bridge.runtime.checkpointing.run_config import find_run_config
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 from megatron_bridge.peft.config import DoRA
 from megatron_bridge.peft.modules import AdaptedLinear
+from megatron_bridge import extras
 
 if TYPE_CHECKING:
     from megatron_bridge.peft.config import LoRA
@@ -112,9 +113,7 @@ def _check_expert_targets(cfg: "ConfigContainer", experts: list[str], method: st
 
 
 def _te_installed() -> bool:
-    from megatron_bridge.extras import is_installed
-
-    return is_installed("transformer_engine")
+    return extras.is_installed("transformer_engine")
 
 
 # ---------------------------------------------------------------------- building
