@@ -19,6 +19,7 @@ from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_F
 from megatron_bridge.training.mixed_precision import check_low_precision
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.peft.apply import check_config
+from megatron_bridge.training.config.run_rules import samples_after
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -357,8 +358,6 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     """Scheduler lengths in samples, from iteration- or sample-based settings. Lengths given in
     iterations become the samples those iterations consume, which with a batch-size ramp-up is
     fewer than iterations x global_batch_size: the schedules end when the run does."""
-    from megatron_bridge.training.config.run_rules import samples_after
-
     s, t = cfg.scheduler, cfg.train
     gbs = t.global_batch_size
     if not gbs or (t.train_iters is None and t.train_samples is None):

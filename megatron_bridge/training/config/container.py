@@ -32,48 +32,9 @@ from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
+from megatron_bridge.training.config.runtime import current_world_size, validate_into
 
 logger = logging.getLogger(__name__)
-
-# Sections in the order validate() finalizes them (the model first: others read its derived values).
-SECTIONS = (
-    "model",
-    "train",
-    "validation",
-    "optimizer",
-    "scheduler",
-    "ddp",
-    "dataset",
-    "tokenizer",
-    "checkpoint",
-    "logger",
-    "dist",
-    "rng",
-    "rerun_state_machine",
-    "profiling",
-    "mixed_precision",
-    "comm_overlap",
-    "ft",
-    "straggler",
-    "nvrx_straggler",
-    "inprocess_restart",
-    "tensor_inspect",
-    "optimizer_config_override_provider",
-    "peft",
-)
-
-
-def current_world_size() -> int:
-    """World size of the initialized process group, else WORLD_SIZE, else 1."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # a broken distributed build must not break config handling
-        pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
 
 @config_dataclass(kw_only=True)
 class ConfigContainer(ConfigBase):
@@ -217,8 +178,6 @@ class ConfigContainer(ConfigBase):
 
     def validate_into(self, problems: Problems) -> None:
         """`validate()`, collecting into `problems` instead of raising."""
-        from megatron_bridge.training.config.runtime import validate_into
-
         validate_into(self, problems)
 
     # ------------------------------------------------------------------ reporting

@@ -29,6 +29,46 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Sections in the order validate() finalizes them (the model first: others read its derived values).
+SECTIONS = (
+    "model",
+    "train",
+    "validation",
+    "optimizer",
+    "scheduler",
+    "ddp",
+    "dataset",
+    "tokenizer",
+    "checkpoint",
+    "logger",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "profiling",
+    "mixed_precision",
+    "comm_overlap",
+    "ft",
+    "straggler",
+    "nvrx_straggler",
+    "inprocess_restart",
+    "tensor_inspect",
+    "optimizer_config_override_provider",
+    "peft",
+)
+
+
+def current_world_size() -> int:
+    """World size of the initialized process group, else WORLD_SIZE, else 1."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # a broken distributed build must not break config handling
+        pass
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 
 def runtime_config_update(
     cfg: "ConfigContainer", world_size: Optional[int] = None, device: Optional[str] = None
@@ -40,8 +80,6 @@ def runtime_config_update(
     adapts the config to CPU training (fused CUDA kernels off, ...); any other value (or None)
     leaves the config as it would run on GPUs. Calling it again gives the same result.
     """
-    from megatron_bridge.training.config.container import current_world_size
-
     problems = Problems()
     inputs = {
         "world_size": current_world_size() if world_size is None else world_size,
@@ -130,8 +168,6 @@ def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_
 def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optional[bool] = None) -> None:
     """Each section's own checks and derived values (the model first: others read its derived
     values), and the range of every number in the container itself."""
-    from megatron_bridge.training.config.container import SECTIONS
-
     ranges.check(cfg, problems)
     for name in SECTIONS:
         if presets and name in _PRESET_SECTIONS:
