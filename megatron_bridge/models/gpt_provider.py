@@ -16,6 +16,16 @@ from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 from megatron_bridge import extras
+from megatron_bridge.models.attention import (
+    check_attention,
+    core_attention_choice,
+    core_attention_module,
+    core_attention_recompute,
+    replace_core_attention,
+    te_layers,
+)
+from megatron_bridge.models.layers.expert_bias import with_biased_experts
+from megatron_bridge.models.layers.spec_edits import apply_layer_fields, changes_layers
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +219,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_expert_biases(p)
         self._check_rotary(p)
         self._check_activation(p)
-        from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
         derived, note = core_attention_recompute(self)
@@ -224,8 +233,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
     def _check_layer_fields(self, p: Problems) -> None:
         """The layer fields megatron-core lacks are built into megatron-core's own layer spec."""
-        from megatron_bridge.models.layers.spec_edits import changes_layers
-
         if changes_layers(self) and self.transformer_layer_spec is not None:
             p.add(
                 "transformer_layer_spec",
@@ -367,10 +374,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        from megatron_bridge.models.attention import core_attention_choice, core_attention_module, replace_core_attention
-        from megatron_bridge.models.layers.expert_bias import with_biased_experts
-        from megatron_bridge.models.layers.spec_edits import apply_layer_fields
-
         te = self.uses_transformer_engine()
         spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
         if not te:
@@ -412,7 +415,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         if self.num_moe_experts:
             _router_gating_without_te()
-        from megatron_bridge.models.attention import te_layers
 
         spec = self.layer_spec(vp_stage)
         with _te_attention_variables(te_layers(self)):
