@@ -1,6 +1,7 @@
-"""Refuse to load a checkpoint whose model architecture differs from the config's: at validation
-(`check_loaded_architectures`, from the checkpoints' run_config.yaml, before anything is built)
-and again when the weights are loaded (`check_architecture`)."""
+"""A validation rule: the checkpoints a run loads weights from were saved with the config's model
+architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
+built). The same fields are checked again when the weights are loaded
+(`megatron_bridge.training.checkpointing.compat`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-from megatron_bridge.config.serialization import ConfigEncoder, to_dict
+from megatron_bridge.config.serialization import to_dict
 from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
 from megatron_bridge.models.hf.files import is_hf_directory
 
@@ -36,25 +37,6 @@ ARCHITECTURE_FIELDS = (
     "qk_layernorm_per_head",
 )
 """Model fields that decide the shapes and meaning of the weights."""
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was trained with a different model architecture."""
-
-
-def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
-    """`model.<field>: checkpoint X, config Y` for each architecture field that differs; empty if
-    the checkpoint has no run_config.yaml."""
-    run_config = read_run_config(checkpoint_dir)
-    if run_config is None:
-        return []
-    saved = run_config.section("model")
-    current = ConfigEncoder().value(model)  # the values themselves: both sides as this process sees them
-    differences = []
-    for name in ARCHITECTURE_FIELDS:
-        if name in saved and name in current and saved[name] != current[name]:
-            differences.append(f"model.{name}: checkpoint {saved[name]!r}, config {current[name]!r}")
-    return differences
 
 
 def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
@@ -113,13 +95,3 @@ def _describe(model: dict) -> str:
         if model.get(key)
     ]  # fmt: skip
     return f"{kind} ({', '.join(sizes)})" if sizes else kind
-
-
-def check_architecture(checkpoint_dir: str, model: Any) -> None:
-    differences = architecture_differences(checkpoint_dir, model)
-    if differences:
-        raise CheckpointMismatchError(
-            f"the checkpoint at {checkpoint_dir!r} has a different model architecture:\n  - "
-            + "\n  - ".join(differences)
-            + "\n(load a checkpoint of this architecture, or change the model config to match it)"
-        )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
+from megatron_bridge.training.config.architecture import check_loaded_architectures
 from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
@@ -289,8 +290,6 @@ def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) ->
     """The checkpoints of ours that the run loads weights from were saved with the config's model
     architecture (their run_config.yaml against the model section): a mismatch is reported
     before the model is built."""
-    from megatron_bridge.training.checkpointing.compat import check_loaded_architectures
-
     check_loaded_architectures(cfg, problems)
 
 
