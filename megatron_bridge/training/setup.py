@@ -31,7 +31,7 @@ from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
 from megatron_bridge.models.attention import layer_problems
 from megatron_bridge.peft.apply import trainable_counts
-from megatron_bridge.training import preflight
+from megatron_bridge.training import build, preflight
 from megatron_bridge.training.checkpointing import Checkpointer, lock, make_manager
 from megatron_bridge.training.loggers import build_tracker
 from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
@@ -281,8 +281,6 @@ def setup(
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
-    from megatron_bridge.training.build import build_model, build_optimizer, count_local_parameters, wire_model_config
-
     device = resolve_config(cfg)
     die_with_parent()
     stop_when_launcher_dies()
@@ -314,14 +312,14 @@ def setup(
     # at the end of setup waits for them and raises if one could not start.
     state.tracker = build_tracker(cfg, state.is_logging_rank)
 
-    model = build_model(cfg, state)
-    optimizer, scheduler = build_optimizer(cfg, model, state)
-    wire_model_config(cfg, model, optimizer)
+    model = build.build_model(cfg, state)
+    optimizer, scheduler = build.build_optimizer(cfg, model, state)
+    build.wire_model_config(cfg, model, optimizer)
     state.model, state.optimizer, state.scheduler = model, optimizer, scheduler
     if state.is_logging_rank:
         logger.info(
             "model: %d parameters on this rank (TP=%d PP=%d CP=%d DP=%d), %s on %s",
-            count_local_parameters(model),
+            build.count_local_parameters(model),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_context_parallel_world_size(),
