@@ -21,9 +21,10 @@ finally:
     sys.path.remove(str(ROOT / "tools"))
 
 MAX_FUNCTION_LOCAL_IMPORTS = 60
-"""Imports of our own modules inside functions (statements), across megatron_bridge. The few
-left keep `import megatron_bridge.config`, `mbridge --help` and spawned workers light; each says
-so where it is."""
+"""Imports of our own modules inside functions (statements), across megatron_bridge. Those left
+keep `mbridge --help`, the config layer, spawned workers and the checks that run before a model
+loads (a wrong model source, a bad prompt file) free of torch and megatron-core, or break an
+import cycle inside one package."""
 
 
 def _write(root: pathlib.Path, files: dict[str, str]) -> None:
