@@ -14,6 +14,14 @@ from typing import Callable
 
 from megatron_bridge.training.config import ConfigContainer
 from recipes._base import RECIPES
+from recipes.gemma import (
+    gemma3_1b_lora_finetune_config,
+    gemma3_1b_pretrain_config,
+    gemma3_4b_lora_finetune_config,
+    gemma3_4b_pretrain_config,
+    gemma3_27b_lora_finetune_config,
+    gemma3_27b_pretrain_config,
+)
 from recipes.gpt_oss import (
     gpt_oss_20b_lora_finetune_config,
     gpt_oss_20b_pretrain_config,
@@ -66,6 +74,12 @@ def get_recipe(name: str) -> Callable[..., ConfigContainer]:
 
 __all__ = [
     "UnknownRecipeError",
+    "gemma3_1b_lora_finetune_config",
+    "gemma3_1b_pretrain_config",
+    "gemma3_27b_lora_finetune_config",
+    "gemma3_27b_pretrain_config",
+    "gemma3_4b_lora_finetune_config",
+    "gemma3_4b_pretrain_config",
     "get_recipe",
     "gpt_oss_120b_lora_finetune_config",
     "gpt_oss_120b_pretrain_config",

@@ -28,6 +28,8 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "bet
 def family_configs() -> dict:
     """name -> a transformers config of a tiny model of that family."""
     from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
         GptOssConfig,
         LlamaConfig,
         MistralConfig,
@@ -41,7 +43,15 @@ def family_configs() -> dict:
 
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    # Gemma: a 4-token window (sequences are 16), one window and one global layer, a softmax scale
+    # other than head_dim ** -0.5; Gemma 3 with its two RoPE bases and linear scaling on the
+    # global layer, Gemma 2 with caps small enough to bind on these logits and scores.
+    gemma = dict(**{**COMMON, "rms_norm_eps": 1e-6}, head_dim=32, sliding_window=4, query_pre_attn_scalar=24)
+    gemma3_rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
     return {
+        "gemma3": Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters=gemma3_rope),
+        "gemma2": Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
         "llama": LlamaConfig(**{**COMMON, "max_position_embeddings": 16384}, rope_parameters=llama3_rope),
         "llama_tied": LlamaConfig(**COMMON, tie_word_embeddings=True),
         "mistral": MistralConfig(**COMMON, sliding_window=8),
@@ -86,7 +96,12 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
 def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    from transformers import AutoConfig
+
+    # Soft-capped attention scores (Gemma 2) exist only in transformers' eager attention
+    softcapped = getattr(AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None) is not None
+    extra = {"attn_implementation": "eager"} if softcapped else {}
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits

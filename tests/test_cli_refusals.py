@@ -24,9 +24,10 @@ PARALLEL = 3
 
 
 def _env(**extra: str) -> dict:
-    """The test's environment without launcher variables, without PYTHONPATH (the package is
-    found as `python -m` in the repository, so env_vars.PYTHONPATH would not be shadowed)."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "PYTHONPATH")
+    """The test's environment without launcher variables. PYTHONPATH stays: where the
+    dependencies are installed beside the interpreter's (a GPU machine's carried wheels) only it
+    finds them; the package itself is found as `python -m` in the repository."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(extra)
     return env

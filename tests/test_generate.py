@@ -25,7 +25,7 @@ from megatron_bridge.models.hf.convert import import_hf
 
 pytestmark = pytest.mark.timeout(400)
 
-FAMILIES = ("llama", "qwen3", "mixtral")
+FAMILIES = ("llama", "qwen3", "mixtral", "gemma3")
 PROMPTS = ["The cat sees", "A farmer builds a green house", "Our"]
 NEW = 30
 

@@ -203,7 +203,7 @@ def test_phi3_adapters_export_onto_the_fused_modules():
 
 
 # ---------------------------------------------------------------------- LoRA -> peft
-@pytest.mark.parametrize("name", ["olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["olmo2", "phi3", "gemma3", "gemma2"])
 def test_lora_adapters_on_an_imported_model_load_in_peft_with_our_logits(tmp_path, name):
     """Import the Hugging Face model, train LoRA adapters (B starts non-zero, so they matter),
     export them: `peft` puts them on transformers' model of the same directory and computes our

@@ -49,12 +49,14 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
 
 @pytest.mark.parametrize(
     "name, layout",
-    [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2", "--ep", "2"])],
-    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2"],
+    [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2", "--ep", "2"]), ("gemma3", ["--tp", "2"]),
+     ("gemma2", ["--tp", "2"])],
+    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2", "gemma3-tp2", "gemma2-tp2"],
 )
 def test_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name, layout):
     """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
-    Phi-3 (fused qkv_proj and gate_up_proj) and GPT-OSS (attention sinks split over TP, experts
+    Phi-3 (fused qkv_proj and gate_up_proj), Gemma 3 (RoPE base per layer type, zero-centered
+    norms, scaled embeddings), Gemma 2 (soft-capped scores and logits) and GPT-OSS (attention sinks split over TP, experts
     stacked in one tensor per layer; on two processes TP2 for attention and EP2 for the experts,
     megatron-core's expert parallelism across tensor-parallel ranks): the split model gives the
     logits of one process, and the checkpoint imported in that layout exports bit-identical (from

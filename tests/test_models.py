@@ -4,6 +4,7 @@ count checked against megatron-core models actually built."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 
 import pytest
@@ -27,6 +28,10 @@ PUBLISHED = {
     M.Qwen3MoEModelProvider30B_A3B: (30.5e9, 3.3e9),
     M.Olmo2ModelProvider7B: (7.30e9, None),
     M.Phi3ModelProviderMini: (3.82e9, None),
+    # Gemma 3 text decoders: the technical report's embedding + non-embedding parameters
+    M.Gemma3ModelProvider1B: (1.000e9, None),
+    M.Gemma3ModelProvider4B: (3.884e9, None),
+    M.Gemma3ModelProvider27B: (27.016e9, None),
 }
 
 
@@ -69,6 +74,9 @@ def test_tiny_gpt_has_a_few_hundred_thousand_parameters():
         (M.Qwen3MoEModelProvider30B_A3B, 151936),
         (M.Olmo2ModelProvider7B, 100352),
         (M.Phi3ModelProviderMini, 32064),
+        (M.Gemma3ModelProvider1B, 262144),
+        (M.Gemma3ModelProvider4B, 262208),
+        (M.Gemma3ModelProvider27B, 262208),
         (M.TinyGPTModelProvider, 256),
     ],
 )
@@ -88,7 +96,10 @@ def test_llama_family_architecture():
     assert not M.Llama3ModelProvider70B().rope_scaling
     llama31 = M.Llama31ModelProvider405B()
     assert llama31.rope_scaling and llama31.rope_scaling_factor == 8.0 and llama31.seq_length == 131072
-    assert M.MistralModelProvider7B().window_size == (4096, 0)
+    assert M.MistralModelProvider7B().window_size == (4095, 0)  # 4096 tokens seen, as published
+    from megatron_bridge.models.mistral import MistralFamily
+
+    assert MistralFamily().hf_config(M.MistralModelProvider7B(), "bfloat16")["sliding_window"] == 4096
 
 
 def test_qwen_family_architecture():
@@ -167,8 +178,11 @@ MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_grouped_gemm=False, mo
         lambda: M.Phi3ModelProvider(**SMALL, rotary_percent=0.5),
         # attention sinks, biases on attention, router and experts
         lambda: M.GptOssModelProvider(**{**SMALL, "kv_channels": 32}, **MOE, moe_router_topk=2),
+        lambda: M.Gemma3ModelProvider(**SMALL, kv_channels=32, window_size=(7, 0), window_attn_skip_freq=2),
+        lambda: M.Gemma2ModelProvider(**SMALL, kv_channels=32, window_size=(7, 0)),
     ],
-    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3", "gpt_oss"],
+    ids=["tiny", "gpt", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "phi3", "gpt_oss", "gemma3",
+         "gemma2"],
 )
 def test_count_matches_built_model(model_parallel, make):
     from megatron_bridge.training import cpu_backend
@@ -189,8 +203,9 @@ def test_count_matches_built_model(model_parallel, make):
 def test_family_modules_import_nothing_heavy():
     """The family modules are plain data: importing them adds no import beyond what gpt_provider.py
     already needs (megatron-core's TransformerConfig, which brings torch)."""
-    allowed = ("__future__", "typing", "torch.nn.functional", "megatron_bridge.config.base", "megatron_bridge.models.")
-    for module in (M.tiny_gpt, M.llama, M.mistral, M.qwen, M.olmo2, M.phi3, M.gpt_oss):
+    allowed = ("__future__", "typing", "dataclasses", "functools", "torch.nn.functional", "megatron_bridge.config.base",
+               "megatron_bridge.config.errors", "megatron_bridge.models.")  # fmt: skip
+    for module in map(importlib.import_module, M.family_modules()):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

@@ -93,8 +93,9 @@ def test_gpu_recipes_train_in_bf16_through_the_preset(name, tmp_path):
     assert cfg.model.bf16 and cfg.optimizer.bf16 and cfg.model.params_dtype == torch.bfloat16
     assert cfg.ddp.use_distributed_optimizer and cfg.optimizer.use_distributed_optimizer
     # adapters wrap megatron-core's local linear layers; a model without input norms (OLMo 2) is
-    # built on them too (TransformerEngine fuses those norms into its linear layers)
-    local = cfg.peft is not None or not cfg.model.input_layernorms
+    # built on them too (TransformerEngine fuses those norms into its linear layers), as are the
+    # families whose provider chooses them (Gemma)
+    local = cfg.peft is not None or not cfg.model.input_layernorms or type(cfg.model)().transformer_impl == "local"
     assert cfg.model.transformer_impl == ("local" if local else "transformer_engine")
 
 

@@ -175,6 +175,7 @@ def handwritten(shape: dict, iters: int) -> dict:
     data_config = GPTDatasetConfig(
         random_seed=1234, sequence_length=shape["seq"], reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, tokenizer=NullTokenizer(shape["vocab"]), split="1,0,0",
+        create_attention_mask=False,  # causal attention without a mask tensor, as pretrain() feeds it
     )  # fmt: skip
     gbs, mbs = shape["gbs"], shape["mbs"]
     train_ds, _, _ = BlendedMegatronDatasetBuilder(

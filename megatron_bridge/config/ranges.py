@@ -94,6 +94,7 @@ FIELD_RANGES: dict[str, str] = {
     "num_query_groups": SIZE, "ffn_hidden_size": SIZE, "kv_channels": SIZE, "vocab_size": SIZE,
     "moe_ffn_hidden_size": SIZE, "moe_shared_expert_intermediate_size": SIZE, "num_moe_experts": SIZE,
     "moe_router_topk": SIZE, "make_vocab_size_divisible_by": SIZE, "rotary_base": "[1, 1e12]",
+    "local_rotary_base": "[1, 1e12]", "attention_logit_softcap": "(0, 1000]", "output_logit_softcap": "(0, 1000]",
     "rotary_percent": "(0, 1]", "layernorm_epsilon": "(0, 1]", "init_method_std": WEIGHT_STD,
     "embedding_init_method_std": WEIGHT_STD, "seq_len_interpolation_factor": "(0, 1000]",
     "rope_scaling_factor": "(0, 1000]", "yarn_rotary_scaling_factor": "[1, 1000]",

@@ -15,7 +15,8 @@ defaults of `HFFamily`. Then list the module and its provider names in `_FAMILIE
 find it there. Layer structure megatron-core's specs lack is built from `models.layers` by provider
 fields (`input_layernorms`, `output_layernorms`, `qk_layernorm_per_head`); a family's provider can
 edit the built spec further in `adjust_layer_spec`. `models.olmo2` is a family with layers of its
-own, `models.phi3` one whose Hugging Face files fuse projections.
+own, `models.phi3` one whose Hugging Face files fuse projections, `models.gemma` one with a RoPE
+base per layer type and soft-capping.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ _FAMILIES = {
         "MistralModelProvider7B",
         "MixtralModelProvider",
         "MixtralModelProvider8x7B",
+    ),
+    "megatron_bridge.models.gemma": (
+        "Gemma2ModelProvider",
+        "Gemma3ModelProvider",
+        "Gemma3ModelProvider1B",
+        "Gemma3ModelProvider4B",
+        "Gemma3ModelProvider27B",
     ),
     "megatron_bridge.models.gpt_oss": ("GptOssModelProvider", "GptOssModelProvider20B", "GptOssModelProvider120B"),
     "megatron_bridge.models.olmo2": ("Olmo2ModelProvider", "Olmo2ModelProvider7B"),

@@ -75,6 +75,8 @@ def sdpa_unsupported(config: Any) -> Optional[str]:
         return f"experimental_attention_variant={config.experimental_attention_variant!r}"
     if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
         return "qk_clip / log_max_attention_logit (they read the largest attention logit)"
+    if getattr(config, "attention_logit_softcap", None) is not None:
+        return "attention_logit_softcap (a cap on the scores before the softmax)"
     return None
 
 
@@ -139,6 +141,17 @@ def check_attention(config: Any, problems: Problems) -> None:
     )
 
 
+def window_layers(config: Any) -> list[bool]:
+    """Per layer (from the first), whether it has `config.window_size` (by
+    `window_attn_skip_freq`, as megatron-core's attention decides it)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    return [
+        is_layer_window_attention(config.window_size, config.window_attn_skip_freq, number)
+        for number in range(1, config.num_layers + 1)
+    ]
+
+
 def _explicit(config: Any, name: str) -> bool:
     is_explicit = getattr(config, "is_explicit", None)
     return bool(is_explicit and is_explicit(name))
@@ -146,12 +159,17 @@ def _explicit(config: Any, name: str) -> bool:
 
 def core_attention_module(config: Any, choice: CoreAttentionChoice) -> Optional[type]:
     """The class that replaces megatron-core's local `DotProductAttention` in the layer spec for
-    `choice`, or None to keep it: `SDPAttention` for sdpa; for unfused layers with a sliding
-    window, the variant that composes the window with the mask it is given (packed samples)."""
+    `choice`, or None to keep it: `SDPAttention` for sdpa; for unfused layers with soft-capped
+    scores, `SoftcapDotProductAttention`; for unfused layers with a sliding window, the variant
+    that composes the window with the mask it is given (packed samples)."""
     if choice.kind == "sdpa":
         from megatron_bridge.models.sdpa_attention import SDPAttention
 
         return SDPAttention
+    if choice.kind == "unfused" and getattr(config, "attention_logit_softcap", None) is not None:
+        from megatron_bridge.models.layers.softcap import SoftcapDotProductAttention
+
+        return SoftcapDotProductAttention
     if choice.kind == "unfused" and config.window_size is not None:
         from megatron_bridge.models.attention_masks import WindowedDotProductAttention
 

@@ -117,6 +117,24 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     weights then have num_attention_heads x kv_channels and num_query_groups x kv_channels
     values."""
 
+    local_rotary_base: Optional[int] = None
+    """RoPE base of the sliding-window layers (those window_size and window_attn_skip_freq give a
+    window), which then rotate without rope scaling or seq_len_interpolation_factor; the other
+    layers keep rotary_base and its scaling (Gemma 3: 10000 locally, 1e6 globally). None: one
+    base for all layers."""
+
+    scale_embeddings: bool = False
+    """Multiply the word embeddings by sqrt(hidden_size), the factor rounded to the embedding
+    dtype (Gemma)."""
+
+    attention_logit_softcap: Optional[float] = None
+    """Cap attention scores softly at +-c, c * tanh(score / c), before mask and softmax (Gemma 2);
+    needs megatron-core's unfused core attention of local layers. None: no cap."""
+
+    output_logit_softcap: Optional[float] = None
+    """Cap the output logits softly at +-c, c * tanh(logit / c), before the loss (Gemma 2).
+    None: no cap."""
+
     seq_length: int = 1024
     """Tokens per sample; must equal the dataset's sequence length."""
 
@@ -216,6 +234,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
         self._check_layer_fields(p)
+        self._check_layer_modules(p)
         self._check_expert_biases(p)
         self._check_rotary(p)
         self._check_activation(p)
@@ -270,6 +289,53 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "choose a TP size that divides num_query_groups",
         )
 
+    def _check_layer_modules(self, p: Problems) -> None:
+        """The fields built from the project's layer modules (`models.layers`) where they apply."""
+        local = self.transformer_impl == "local"
+        if self.layernorm_zero_centered_gamma and local:
+            p.check(
+                self.normalization == "RMSNorm",
+                "layernorm_zero_centered_gamma",
+                f"local layers have it for RMSNorm only, but normalization={self.normalization!r}",
+                "set model.normalization='RMSNorm', or use TransformerEngine layers",
+            )
+        if self.local_rotary_base is not None:
+            for ok, message, fix in (
+                (self.position_embedding_type == "rope", f"needs rotary embeddings, but position_embedding_type="
+                 f"{self.position_embedding_type!r}", "set model.position_embedding_type='rope'"),
+                (self.window_size is not None, "applies to the sliding-window layers, but window_size is None",
+                 "set model.window_size, or leave model.local_rotary_base unset"),
+                (not self.multi_latent_attention, "is not implemented for multi-latent attention",
+                 "leave model.local_rotary_base unset"),
+                (self.context_parallel_size == 1, f"is not implemented with context parallelism "
+                 f"(context_parallel_size={self.context_parallel_size})", "set model.context_parallel_size=1"),
+            ):  # fmt: skip
+                p.check(ok, "local_rotary_base", message, fix)
+        if self.attention_logit_softcap is not None:
+            p.check(
+                local,
+                "attention_logit_softcap",
+                f"needs megatron-core's unfused core attention of local layers, but transformer_impl="
+                f"{self.transformer_impl!r}",
+                "set model.transformer_impl='local'",
+            )
+            p.check(
+                not self.apply_query_key_layer_scaling,
+                "attention_logit_softcap",
+                "caps the true scores, but apply_query_key_layer_scaling divides them by the layer number first",
+                "set model.apply_query_key_layer_scaling=False",
+            )
+        custom = [
+            name
+            for name in ("local_rotary_base", "attention_logit_softcap")
+            if getattr(self, name) is not None and self.transformer_layer_spec is not None
+        ]
+        for name in custom:
+            p.add(
+                name,
+                "a custom transformer_layer_spec is built as given, without this setting",
+                f"build it into the custom spec and leave model.{name} unset (or unset the spec)",
+            )
     def expert_tensor_parallel(self, tp: int) -> Optional[int]:
         """The expert tensor-parallel size this model is built with where the tensor-parallel size
         is `tp`: the field where set; 1 for experts with biases (megatron-core splits no expert
@@ -418,7 +484,16 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
         spec = self.layer_spec(vp_stage)
         with _te_attention_variables(te_layers(self)):
-            return self._gpt_model(GPTModel, spec, pre_process, post_process, vp_stage)
+            model = self._gpt_model(GPTModel, spec, pre_process, post_process, vp_stage)
+        if self.scale_embeddings and hasattr(model, "embedding"):
+            from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
+
+            scale_word_embeddings(model, self.hidden_size)
+        if self.output_logit_softcap is not None and post_process:
+            from megatron_bridge.models.layers.softcap import cap_output_logits
+
+            cap_output_logits(model, self.output_logit_softcap)
+        return model
 
     def _gpt_model(self, GPTModel: type, spec: Any, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
         return GPTModel(

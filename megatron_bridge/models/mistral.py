@@ -48,8 +48,9 @@ class MistralModelProvider7B(MistralModelProvider):
     ffn_hidden_size: Optional[int] = 14336
     """MLP width."""
 
-    window_size: Optional[Tuple[int, int]] = (4096, 0)
-    """Sliding attention window: each token sees the previous 4096 tokens."""
+    window_size: Optional[Tuple[int, int]] = (4095, 0)
+    """Sliding attention window: each token sees itself and the 4095 tokens before it (the
+    published `sliding_window: 4096`)."""
 
 
 @config_dataclass

@@ -229,7 +229,7 @@ class PlanInputs:
         pattern = _moe_pattern(m, experts)
         bf16, fp16 = bool(m.bf16), bool(m.fp16)
         param_bytes = 2 if (bf16 or fp16) else dtype_bytes(m.params_dtype)
-        fp8_params = bool(m.fp8) and bool(getattr(m, "fp8_param_gather", False))
+        fp8_params = bool(m.fp8) and bool(m.fp8_param)
         aware = bool(opt.use_precision_aware_optimizer)
         offload = float(opt.optimizer_offload_fraction) if opt.optimizer_cpu_offload else 0.0
         from megatron.core import optimizer as mcore_optimizer

@@ -123,9 +123,7 @@ class HFFamily:
         return self.provider(**{k: v for k, v in fields.items() if v is not None or k in self.nullable_fields})
 
     def read_decoder(self, read: "ConfigReader") -> dict[str, Any]:
-        """Sizes, norms, rotary embeddings and the SwiGLU MLP."""
-        import torch.nn.functional as F
-
+        """Sizes, norms, rotary embeddings and the gated MLP."""
         heads = read.int("num_attention_heads")
         hidden = read.int("hidden_size")
         vocab = read.int("vocab_size")
@@ -145,15 +143,21 @@ class HFFamily:
             share_embeddings_and_output_weights=read.bool("tie_word_embeddings", default=False),
             attention_dropout=read.float("attention_dropout", default=0.0),
             init_method_std=read.float("initializer_range", default=0.02),
-            activation_func=F.silu,
             position_embedding_type="rope",
         )
-        read.expect("hidden_act", "silu", "only SiLU-gated MLPs are converted")
+        kw.update(self.read_activation(read))
         read.expect("mlp_bias", False, "the providers have no MLP biases")
         kw.update(self.read_rotary_fraction(read))
         self.read_quantization(read)
         kw.update(self.read_rope(read))
         return kw
+
+    def read_activation(self, read: "ConfigReader") -> dict[str, Any]:
+        """The gated MLP's activation (`activation_func`)."""
+        import torch.nn.functional as F
+
+        read.expect("hidden_act", "silu", "only SiLU-gated MLPs are converted")
+        return {"activation_func": F.silu}
 
     def read_quantization(self, read: "ConfigReader") -> None:
         """Quantized weights (`quantization_config`) are refused: the model computes in floating
@@ -227,6 +231,12 @@ class HFFamily:
             "output_layernorms": False,
             "window_size": None,
             "window_attn_skip_freq": None,
+            "local_rotary_base": None,
+            "softmax_scale": None,
+            "layernorm_zero_centered_gamma": False,
+            "scale_embeddings": False,
+            "attention_logit_softcap": None,
+            "output_logit_softcap": None,
             "softmax_type": "vanilla",
             "activation_func_clamp_value": None,
             "glu_linear_offset": 0.0,

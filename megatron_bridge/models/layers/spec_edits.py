@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_bridge.models.layers.output_norm import normed_bda
 from megatron_bridge.models.layers.projection_norm import ProjectionNorm
+from megatron_bridge.models.layers.zero_centered_norm import ZeroCenteredRMSNorm
 
 
 def layer_numbers(provider: Any, vp_stage: Optional[int], count: int) -> list[int]:
@@ -55,10 +56,14 @@ def changes_layers(provider: Any) -> bool:
 
 def apply_layer_fields(provider: Any, block_spec: Any) -> Any:
     """`block_spec` with the provider's `input_layernorms=False` (no norm before attention and
-    MLP), `output_layernorms` (a norm after each, of the block's norm class) and
-    `qk_layernorm_per_head=False` (queries and keys normalized over the whole projection)."""
+    MLP), `output_layernorms` (a norm after each, of the block's norm class),
+    `qk_layernorm_per_head=False` (queries and keys normalized over the whole projection),
+    `layernorm_zero_centered_gamma` on local RMSNorm layers (every norm a `ZeroCenteredRMSNorm`)
+    and `local_rotary_base` (attention that rotates window layers with their own base)."""
     p = provider
-    if not changes_layers(p):
+    block_spec = zero_centered_norms(p, block_spec)  # first: output norms take the block's norm class
+    local_rotary = getattr(p, "local_rotary_base", None) is not None
+    if not changes_layers(p) and not local_rotary:
         return block_spec
     norm = block_spec.layer_norm
 
@@ -74,6 +79,41 @@ def apply_layer_fields(provider: Any, block_spec: Any) -> Any:
         if p.output_layernorms:
             sub.self_attn_bda = normed_bda(p, norm)
             sub.mlp_bda = normed_bda(p, norm)
+        if local_rotary:
+            from megatron.core.transformer.attention import SelfAttention
+
+            from megatron_bridge.models.layers.local_rotary import LocalRotarySelfAttention
+
+            if sub.self_attention.module is not SelfAttention:
+                raise ValueError(f"local_rotary_base needs megatron-core's SelfAttention, not {sub.self_attention.module}")
+            sub.self_attention.module = LocalRotarySelfAttention
         return layer
 
     return edit_layers(block_spec, edit)
+
+
+def zero_centered_norms(provider: Any, block_spec: Any) -> Any:
+    """With `layernorm_zero_centered_gamma`, `block_spec` with megatron-core's local torch
+    RMSNorm (which refuses the setting) replaced by `ZeroCenteredRMSNorm` everywhere: the block's
+    final norm and each layer's input, pre-MLP, query and key norms. TransformerEngine's norms
+    implement the setting themselves and stay."""
+    if not provider.layernorm_zero_centered_gamma:
+        return block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def swap(module: Any) -> Any:
+        return ZeroCenteredRMSNorm if module is WrappedTorchNorm else module
+
+    def edit(layer: ModuleSpec, number: Optional[int]) -> ModuleSpec:
+        sub = layer.submodules
+        sub.input_layernorm = swap(sub.input_layernorm)
+        sub.pre_mlp_layernorm = swap(sub.pre_mlp_layernorm)
+        attention = getattr(sub.self_attention, "submodules", None)
+        for name in ("q_layernorm", "k_layernorm"):
+            if hasattr(attention, name):
+                setattr(attention, name, swap(getattr(attention, name)))
+        return layer
+
+    block = edit_layers(block_spec, edit)
+    block.layer_norm = swap(block.layer_norm)
+    return block
