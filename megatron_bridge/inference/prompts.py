@@ -64,8 +64,6 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length
     encoded = []
     for i, prompt in enumerate(prompts):
         if renderer is not None:
-            from megatron_bridge.data.chat import ChatFormatError
-
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             try:
                 text = renderer.render(messages, add_generation_prompt=True)

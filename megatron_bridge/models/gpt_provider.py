@@ -26,6 +26,8 @@ from megatron_bridge.models.attention import (
 )
 from megatron_bridge.models.layers.expert_bias import with_biased_experts
 from megatron_bridge.models.layers.spec_edits import apply_layer_fields, changes_layers
+from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
+from megatron_bridge.models.layers.softcap import cap_output_logits
 
 logger = logging.getLogger(__name__)
 
@@ -486,12 +488,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         with _te_attention_variables(te_layers(self)):
             model = self._gpt_model(GPTModel, spec, pre_process, post_process, vp_stage)
         if self.scale_embeddings and hasattr(model, "embedding"):
-            from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
-
             scale_word_embeddings(model, self.hidden_size)
         if self.output_logit_softcap is not None and post_process:
-            from megatron_bridge.models.layers.softcap import cap_output_logits
-
             cap_output_logits(model, self.output_logit_softcap)
         return model
 
