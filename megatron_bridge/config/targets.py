@@ -51,7 +51,6 @@ _BUILTINS: dict[str, tuple[str, ...]] = {
         "kaiming_normal_", "zeros_", "ones_", "constant_", "orthogonal_",
     ),
     "megatron.core.activations": ("squared_relu", "quick_gelu", "fast_gelu"),
-    "megatron_bridge.models.activations": ("quick_gelu",),
     "signal": ("Signals",),
 }  # fmt: skip
 _loaded: set[str] = set()

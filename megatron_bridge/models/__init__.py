@@ -25,6 +25,7 @@ import importlib
 from typing import Any
 
 from megatron_bridge.config.targets import register_lazy_exports
+from megatron_bridge.models import activations  # noqa: F401 (registers the functions configs may name)
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.param_count import ParameterCount, count_parameters, flops_per_token
 
