@@ -11,8 +11,6 @@ import sys
 from typing import Any, Iterator
 
 from megatron_bridge.cli.common import add_debug_flag
-from megatron_bridge.cli.source import load_source
-from megatron_bridge.config.rules import KINDS, describe
 
 BOOKKEEPING = frozenset({"_explicit_", "_implicit_", "_derived_"})
 """Keys of `to_dict()` that record who set a field, not what the config is."""
@@ -59,11 +57,14 @@ def register(subparsers: Any) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from megatron_bridge.cli.source import load_source
+
     print(load_source(args.source, args.overrides).to_yaml(), end="")
     return 0
 
 
 def run_rules(args: argparse.Namespace) -> int:
+    from megatron_bridge.config.rules import KINDS, describe
     from megatron_bridge.training.config.runtime import RULES
 
     print(describe(RULES))
@@ -72,6 +73,8 @@ def run_rules(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
+    from megatron_bridge.cli.source import load_source
+
     a = load_source(args.a).to_dict()
     b = load_source(args.b).to_dict()
     changes = list(differences(a, b))

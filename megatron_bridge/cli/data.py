@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 from megatron_bridge.cli.errors import UsageError
-from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
 EPILOG = """\
 examples:
@@ -123,6 +122,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"  WARNING: the .bin has {actual:,} bytes, the .idx describes {header.bin_bytes:,}")
     tokenizer = None
     if args.tokenizer:
+        from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
+
         try:
             tokenizer = HuggingFaceTokenizer(args.tokenizer)
         except (FileNotFoundError, ValueError) as exc:

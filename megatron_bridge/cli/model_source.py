@@ -10,8 +10,8 @@ from typing import Iterator
 
 from megatron_bridge.inference.model import BACKENDS
 from megatron_bridge.cli.errors import UsageError
-from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.inference.errors import DataError, PromptError, SourceError
+from megatron_bridge.config.errors import ConfigValidationError
 
 SOURCE_HELP = (
     "a Hugging Face model directory (with config.json), or a checkpoint directory of ours: a save directory "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
-from megatron_bridge.cli.recipe_loader import library_rows
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +20,8 @@ def register(subparsers: Any) -> None:
 def rows() -> list[tuple[str, int, str]]:
     """(name, intended world size, first docstring line) of every recipe, sorted by name; read
     from the recipes' source, without importing them (and megatron-core with them)."""
+    from megatron_bridge.cli.recipe_loader import library_rows
+
     return library_rows()
 
 

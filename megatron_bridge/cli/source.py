@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 from megatron_bridge.cli import recipe_loader
+from megatron_bridge.config.overrides import process_config_with_overrides
 from megatron_bridge.config.paths import file_kind
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
     """The options object of recipe `fn` with its defaults, then `KEY=VALUE` texts applied (each
     value decoded against the option's declared type, with the grammar and checks of config
     overrides), then `values` as given. Fields changed here count as set (`explicit_fields()`)."""
-    from megatron_bridge.config.overrides import process_config_with_overrides
-
     options_class = getattr(fn, "options_class", None)
     if options_class is None:
         raise UsageError(f"recipe {fn.__name__} takes no options")
@@ -75,7 +74,6 @@ def build_config(
     if config_file is not None:
         check_file(config_file)
     from megatron_bridge.training.config import ConfigContainer
-    from megatron_bridge.config.overrides import process_config_with_overrides
 
     with config_errors_are_usage_errors():
         if recipe is not None:
