@@ -23,7 +23,6 @@ name imports the packages on its path (their `__init__` only) and the module the
 
 from __future__ import annotations
 
-import difflib
 import enum
 import importlib
 import importlib.util
@@ -162,6 +161,8 @@ def resolve(name: Any) -> Any:
     if obj is None:
         obj = _public_alias(name)
     if obj is None:
+        import difflib  # only for the hint of an error: `import megatron_bridge` stays light
+
         hint = difflib.get_close_matches(name, _public_names(), n=3, cutoff=0.6)
         closest = f" (closest: {', '.join(hint)})" if hint else ""
         raise TargetNotAllowedError(
