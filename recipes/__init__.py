@@ -14,6 +14,7 @@ from typing import Callable
 
 from megatron_bridge.training.config import ConfigContainer
 from recipes._base import RECIPES
+from recipes.deepseek import deepseek_v3_pretrain_config, moonlight_16b_pretrain_config
 from recipes.gemma import (
     gemma3_1b_lora_finetune_config,
     gemma3_1b_pretrain_config,
@@ -81,6 +82,7 @@ __all__ = [
     "gemma3_4b_lora_finetune_config",
     "gemma3_4b_pretrain_config",
     "get_recipe",
+    "deepseek_v3_pretrain_config",
     "gpt_oss_120b_lora_finetune_config",
     "gpt_oss_120b_pretrain_config",
     "gpt_oss_20b_lora_finetune_config",
@@ -94,6 +96,7 @@ __all__ = [
     "llama3_8b_pretrain_config",
     "mistral_7b_pretrain_config",
     "mixtral_8x7b_pretrain_config",
+    "moonlight_16b_pretrain_config",
     "olmo2_7b_lora_finetune_config",
     "olmo2_7b_pretrain_config",
     "phi3_mini_lora_finetune_config",

@@ -170,3 +170,22 @@ def needs(*modules: str) -> None:
     missing = missing_packages(*modules)
     if missing:
         pytest.skip(f"needs the optional package(s) {', '.join(missing)}, not installed here")
+
+
+def tiny_deepseek_model(**kw) -> GPTModelProvider:
+    """A tiny DeepSeek-V3-architecture model: multi-latent attention (low-rank queries), the first
+    layer dense, the second a mixture of 4 experts (2 per token) with a shared expert, sigmoid
+    routing with expert bias; local layers, sequential experts."""
+    from megatron_bridge.models import DeepSeekModelProvider
+
+    args = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=32, vocab_size=256,
+        q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, kv_channels=12,
+        rope_type="rope",
+        mscale_all_dim=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1], moe_router_num_groups=None,
+        moe_router_group_topk=None, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        transformer_impl="local", init_method_std=0.02,
+    )  # fmt: skip
+    args.update(kw)
+    return DeepSeekModelProvider(**args)

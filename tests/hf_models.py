@@ -20,6 +20,11 @@ COMMON = dict(
     rms_norm_eps=1e-5,
 )
 MOE = dict(intermediate_size=48, num_experts_per_tok=2)
+DEEPSEEK = dict(
+    num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, kv_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1, routed_scaling_factor=2.5,
+)  # fmt: skip
+"""DeepSeek-V3's shape, tiny: the first layer dense, the second MoE (8 experts and a shared one)."""
 # the ramp between beta_fast and beta_slow falls inside the 8 frequencies, off whole dimensions (truncate matters)
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 64, "truncate": False}  # fmt: skip
@@ -28,6 +33,7 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "bet
 def family_configs() -> dict:
     """name -> a transformers config of a tiny model of that family."""
     from transformers import (
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         GptOssConfig,
@@ -41,6 +47,8 @@ def family_configs() -> dict:
         Qwen3MoeConfig,
     )
 
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     # Gemma: a 4-token window (sequences are 16), one window and one global layer, a softmax scale
@@ -61,6 +69,13 @@ def family_configs() -> dict:
         "qwen3_moe": Qwen3MoeConfig(**{**COMMON, **MOE}, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
         "olmo2": Olmo2Config(**COMMON),
         "phi3": Phi3Config(**COMMON, sliding_window=8, pad_token_id=0, eos_token_id=1),
+        # low-rank queries, group-limited routing (4 of 8 experts from 2 of 4 groups), YaRN, rotary rows
+        # stored in halves (rope_interleave=False: permuted on the way in and out)
+        "deepseek_v3": DeepseekV3Config(**{**COMMON, **DEEPSEEK}, q_lora_rank=24, num_experts_per_tok=4, n_group=4,
+                                        topk_group=2, rope_parameters=yarn, rope_interleave=False),
+        # Moonlight's shape: a full query projection, no groups, plain rope
+        "deepseek_v3_plain": DeepseekV3Config(**{**COMMON, **DEEPSEEK}, q_lora_rank=None, num_experts_per_tok=2,
+                                              n_group=1, topk_group=1),
         # Phi-4-mini's shape: rotary embeddings over part of each head, tied embeddings
         # sinks, a 4-token window on every other layer, YaRN, stacked experts whose clamps bite (save_tiny)
         "gpt_oss": GptOssConfig(**{**COMMON, **MOE}, head_dim=16, num_local_experts=4, sliding_window=4,
@@ -88,6 +103,9 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
                 param.mul_(8.0)
             elif pname.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+        for bname, buffer in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's expert bias: it changes the routing
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory

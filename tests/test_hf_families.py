@@ -253,3 +253,27 @@ def test_lora_adapters_on_an_imported_model_load_in_peft_with_our_logits(tmp_pat
         theirs = peft.PeftModel.from_pretrained(hf_base, adapters).eval()(tokens).logits
     assert (adapted - plain).abs().max().item() > 1e-2  # the adapters change the logits
     assert (theirs - adapted).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------------- eval
+@pytest.mark.timeout(400)
+def test_eval_of_olmo2_and_phi3_directories_gives_the_loss_of_transformers(tmp_path):
+    """`evaluate()` (what `mbridge eval` runs) on each Hugging Face directory: transformers' mean
+    next-token loss over the same documents, each truncated to the model's sequence length."""
+    from inference_models import hf_tokenizer, tiny_hf_model, transformers_logprobs, transformers_model
+    from text_data import documents, write_jsonl
+
+    from megatron_bridge.inference import evaluate
+
+    docs = documents(5, seed=4, sentences=(2, 5))
+    data = str(tmp_path / "docs.jsonl")
+    write_jsonl(data, [{"text": d} for d in docs])
+    for name in ("olmo2", "phi3"):
+        directory = tiny_hf_model(name, tmp_path / name)
+        result = evaluate(directory, data)
+        hf, tok = transformers_model(directory), hf_tokenizer(directory)
+        encoded = [tok.encode(d).ids[: family_configs()[name].max_position_embeddings] for d in docs]
+        loss = -sum(transformers_logprobs(hf, ids).sum().item() for ids in encoded)
+        count = sum(len(ids) - 1 for ids in encoded)
+        assert result.tokens == count, name
+        assert abs(result.loss - loss / count) / (loss / count) < 1e-4, (name, result.loss, loss / count)

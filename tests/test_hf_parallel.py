@@ -30,8 +30,8 @@ def torchrun(*args: str, timeout: int = 300) -> str:
 
 @pytest.mark.parametrize(
     "name, layout",
-    [("qwen2", ["--tp", "2"]), ("llama", ["--pp", "2"]), ("mixtral", ["--ep", "2"])],
-    ids=["tp2-padded-vocab", "pp2", "ep2-experts"],
+    [("qwen2", ["--tp", "2"]), ("llama", ["--pp", "2"]), ("mixtral", ["--ep", "2"]), ("deepseek_v3", ["--ep", "2"])],
+    ids=["tp2-padded-vocab", "pp2", "ep2-experts", "ep2-deepseek-expert-groups"],
 )
 def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, name, layout):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -50,15 +50,17 @@ def test_parallel_load_gives_the_logits_of_one_process(tmp_path, monkeypatch, na
 @pytest.mark.parametrize(
     "name, layout",
     [("olmo2", ["--tp", "2"]), ("phi3", ["--tp", "2"]), ("gpt_oss", ["--tp", "2", "--ep", "2"]), ("gemma3", ["--tp", "2"]),
-     ("gemma2", ["--tp", "2"])],
-    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2", "gemma3-tp2", "gemma2-tp2"],
+     ("gemma2", ["--tp", "2"]), ("deepseek_v3", ["--tp", "2"])],
+    ids=["olmo2-tp2", "phi3-tp2", "gpt_oss-tp2-ep2", "gemma3-tp2", "gemma2-tp2", "deepseek_v3-tp2"],
 )
 def test_parallel_load_and_import_of_families_with_their_own_layers(tmp_path, monkeypatch, name, layout):
     """OLMo 2 (norms after attention and MLP, qk-norm over whole projections split over TP),
     Phi-3 (fused qkv_proj and gate_up_proj), Gemma 3 (RoPE base per layer type, zero-centered
-    norms, scaled embeddings), Gemma 2 (soft-capped scores and logits) and GPT-OSS (attention sinks split over TP, experts
+    norms, scaled embeddings), Gemma 2 (soft-capped scores and logits), GPT-OSS (attention sinks split over TP, experts
     stacked in one tensor per layer; on two processes TP2 for attention and EP2 for the experts,
-    megatron-core's expert parallelism across tensor-parallel ranks): the split model gives the
+    megatron-core's expert parallelism across tensor-parallel ranks) and DeepSeek-V3 (MLA: latent
+    projections split over TP and gathered, rotary rows permuted per rank; experts split by
+    expert TP): the split model gives the
     logits of one process, and the checkpoint imported in that layout exports bit-identical (from
     one process; with EP also from the two ranks, each expert-parallel rank's slices gathered
     into the stacked tensors). For OLMo 2 the same processes also check the qk-norm's gradients

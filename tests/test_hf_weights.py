@@ -59,7 +59,7 @@ def test_logits_match_transformers(tmp_path, name):
     assert (ours[..., :vocab] - reference).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "mixtral", "olmo2", "phi3", "gpt_oss", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["llama_tied", "mixtral", "olmo2", "phi3", "gpt_oss", "gemma3", "gemma2", "deepseek_v3"])
 def test_round_trip_through_import_and_export_is_bit_identical(tmp_path, capsys, name):
     from transformers import AutoModelForCausalLM
 

@@ -24,7 +24,7 @@ from recipes import get_recipe, list_recipes
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
 LAYOUTS = (
     "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
-    "lora_tp2", "dora_dp2_distopt",
+    "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt",
 )  # fmt: skip
 
 
@@ -48,8 +48,8 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Eight layouts trained for one iteration with pretrain() under torchrun (2 processes), and
-    two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
+    """Ten layouts (two of them multi-latent attention) trained for one iteration with pretrain()
+    under torchrun (2 processes), and two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
     buffers, optimizer state (main copies + moments) and torch's step counters equal the
     planner's on each rank, and so does the parameter list (adapters after their base layer)."""
     out = tmp_path / "memory"
@@ -275,6 +275,22 @@ def test_every_recipe_plans_and_llama3_8b_fits_on_8_h100(tmp_path):
     assert rank.state.grads == 2 * rank.state.params
     assert rank.state.optimizer == pytest.approx(8.03e9 * 12 / 8, rel=0.01)
     assert p.fits and 0 < rank.margin < 2**30
+
+
+def test_what_the_planner_does_not_model_of_deepseek_models_is_named():
+    """Multi-token prediction, and LoRA on multi-latent attention, are refused by name rather
+    than planned without them."""
+    from megatron_bridge.peft import LoRA
+    from megatron_bridge.planning import PlanningError
+
+    cfg = resolved("moonlight_16b_pretrain_config")
+    cfg.model.mtp_num_layers = 1
+    with pytest.raises(PlanningError, match=r"multi-token prediction \(model.mtp_num_layers\) is not modeled"):
+        plan(cfg)
+    cfg = resolved("moonlight_16b_pretrain_config")
+    cfg.peft = LoRA(dim=8, target_modules=["linear_kv_up_proj"])
+    with pytest.raises(PlanningError, match=r"fine-tuning \(peft\) of multi-latent attention is not modeled"):
+        plan(cfg)
 
 
 def test_fp8_parameters_are_planned_at_one_byte_per_linear_weight():

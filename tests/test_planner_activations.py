@@ -1,7 +1,7 @@
 """The planner's activation formula against what autograd really keeps, on CPU: the tensors one
 megatron-core layer saves for backward (unfused and SDPA attention, selective recompute, LoRA and
-DoRA adapters, OLMo 2's norms), and the peak of a whole forward and backward pass of a small GPT. The bench
-config's plan is checked against its GPU measurement."""
+DoRA adapters, OLMo 2's norms, multi-latent attention), and the peak of a whole forward and
+backward pass of a small GPT. The bench config's plan is checked against its GPU measurement."""
 
 
 import pytest
@@ -63,8 +63,8 @@ OLMO2_NORMS = dict(
 projections (`ProjectionNorm`)."""
 
 
-def resolved(tmp_path, vocab=512, peft=None, precision="bf16_mixed", **fields):
-    model = tiny_model(**{**LLAMA_LIKE, **fields}, vocab_size=vocab)
+def resolved(tmp_path, vocab=512, peft=None, precision="bf16_mixed", provider=tiny_model, base=LLAMA_LIKE, **fields):
+    model = provider(**{**base, **fields}, vocab_size=vocab)
     cfg = tiny_config(
         model=model,
         train=TrainingConfig(train_iters=1, global_batch_size=1, micro_batch_size=1),
@@ -129,12 +129,15 @@ def saved_by(module, dtype, width):
 def cpu_rms_norm_surplus(model, layer=0):
     """What torch's RMSNorm keeps on CPU beyond what its fused GPU kernel keeps (the input and one
     fp32 1/rms per token), which the planner plans: on CPU it is a composite of fp32 ops that keeps
-    fp32 copies instead. Summed over the layer's output norms (RMSNorm modules of torch), each
-    measured on its own."""
-    dtype, h = next(model.parameters()).dtype, model.config.hidden_size
-    fused = dtype.itemsize * SEQ * h + 4 * SEQ
+    fp32 copies instead. Summed over the layer's RMSNorm modules of torch (output norms, MLA's
+    latent norms), each measured on its own at its width."""
+    dtype = next(model.parameters()).dtype
     norms = [m for m in model.decoder.layers[layer].modules() if isinstance(m, torch.nn.RMSNorm)]
-    return sum(saved_by(norm, dtype, h) - fused for norm in norms)
+    surplus = 0
+    for norm in norms:
+        width = norm.normalized_shape[0]
+        surplus += saved_by(norm, dtype, width) - (dtype.itemsize * SEQ * width + 4 * SEQ)
+    return surplus
 
 
 def planned_layer(cfg, layer=0):
@@ -189,6 +192,40 @@ def test_layer_terms_equal_what_autograd_saves(megatron, tmp_path, case):
         kept_input = inp.activation_bytes * SEQ * 128  # the [SEQ, 1, hidden] output of linear_proj / linear_fc2
         assert terms["attention output norm input"] == terms["MLP output norm input"] == kept_input
         assert terms["Q, K norm statistics (fp32 per token)"] == 2 * 4 * SEQ
+
+
+MLA_LAYER = dict(
+    num_layers=2, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, seq_length=SEQ, num_moe_experts=None,
+    moe_layer_freq=1, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, hidden_dropout=0.0,
+    attention_dropout=0.0, attention_backend=AttnBackend.unfused,
+)  # fmt: skip
+"""A dense DeepSeek-V3 layer (`factories.tiny_deepseek_model`): multi-latent attention, RMSNorm."""
+
+MLA_CASES = {
+    "low-rank queries": {},
+    "full query projection, fp32": dict(q_lora_rank=None, precision=None),
+    "selective recompute of core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+}
+
+
+@ON_CPU
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_latent_attention_layer_terms_equal_what_autograd_saves(megatron, tmp_path, case):
+    """Multi-latent attention on local layers: the latents, their norms, the rotary tables, the
+    up-projected Q, K, V and the core attention's tensors are what autograd saves."""
+    from factories import tiny_deepseek_model
+
+    cfg = resolved(tmp_path, provider=tiny_deepseek_model, base=MLA_LAYER, **MLA_CASES[case])
+    model = build(cfg)
+    planned, terms, inp = planned_layer(cfg)
+    assert inp.mla and inp.core_attention == "unfused"
+    measured = saved_by_layer(model) - cpu_rms_norm_surplus(model)
+    if cfg.mixed_precision:
+        # the fused GPU norm keeps its input, a view of the key/value down projection's output with
+        # the rope part; torch's CPU composite keeps an fp32 copy of the latent part instead
+        measured += inp.activation_bytes * SEQ * inp.qk_rope_dim
+    assert measured == pytest.approx(planned, rel=2e-3), terms
+    assert ("Q, K, V" in terms) and ("attention softmax output (fp32)" in terms) == ("selective" not in case)
 
 
 def peak_of_a_step(model, vocab):

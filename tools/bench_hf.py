@@ -1,9 +1,11 @@
 """Hugging Face import/export against the direct way of doing the same I/O, side by side in one run.
 
-    python tools/bench_hf.py [--layers 8] [--keep DIR]
+    python tools/bench_hf.py [--family llama|deepseek] [--layers 8] [--keep DIR]
 
-Builds a random Llama-architecture model of about 1 GB (bf16, 4 safetensors shards with an index),
-then measures, each phase in a fresh process after its imports, best of `--repeat`:
+Builds a random model of about 1 GB (bf16, 4 safetensors shards with an index) of the Llama
+architecture, or of DeepSeek-V3's (`--family deepseek`: multi-latent attention, the first layer
+dense, then 32 routed experts and a shared one per layer, the expert bias in fp32), then
+measures, each phase in a fresh process after its imports, best of `--repeat`:
 
 * import: `import_hf` (1 process: build the model, read every slice, convert, write our
   checkpoint) against reading all safetensors with `safetensors.torch.load_file` and writing
@@ -51,29 +53,52 @@ def peak_mb() -> float:
 
 
 # ---------------------------------------------------------------------- the model
-def make_model(directory: str, layers: int) -> int:
-    """A random bf16 Llama-architecture model in 4 shards; returns its size in bytes."""
+FAMILIES = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
+    },
+    "deepseek": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
+        "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 512, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+    },
+}  # fmt: skip
+"""config.json of each family (without the layer count): about 1 GB of bf16 weights at 8 layers."""
+
+
+def make_model(directory: str, layers: int, family: str = "llama") -> int:
+    """A random bf16 model of `family` in 4 shards (a DeepSeek expert bias in fp32, as published);
+    returns its size in bytes."""
     import torch
     from safetensors.torch import save_file
 
     from megatron_bridge.models.hf.load import expected_weights
 
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
-        "intermediate_size": 5632, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        **FAMILIES[family], "num_hidden_layers": layers, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     }  # fmt: skip
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     _, expected, _ = expected_weights(config)
-    total = sum(2 * _numel(s) for s in expected.values())
+
+    def dtype_of(name: str):
+        return torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+
+    def nbytes(name: str, shape) -> int:
+        return _numel(shape) * (4 if dtype_of(name) == torch.float32 else 2)
+
+    total = sum(nbytes(n, s) for n, s in expected.items())
     shards, current, size, limit = [], {}, 0, total // 4 + 1
     generator = torch.Generator().manual_seed(0)
     for name, shape in expected.items():
-        current[name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-        size += 2 * _numel(shape)
+        current[name] = (torch.randn(shape, generator=generator) * 0.02).to(dtype_of(name))
+        size += nbytes(name, shape)
         if size >= limit:
             shards.append(current)
             current, size = {}, 0
@@ -198,6 +223,7 @@ def run_phase(*args: str, torchrun: bool = False) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="the model's architecture")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (8: about 1 GB in bf16)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each timed phase; the best counts")
     p.add_argument("--export-repeat", type=int, default=9, help="runs of each export (writes are fast and noisy)")
@@ -219,9 +245,10 @@ def main() -> None:
     try:
         hf_dir = os.path.join(work, "hf")
         shutil.rmtree(hf_dir, ignore_errors=True)
-        size = make_model(hf_dir, args.layers)
+        size = make_model(hf_dir, args.layers, args.family)
         mb = size / 1e6
-        print(f"model: Llama architecture, {args.layers} layers, {mb:.0f} MB of bf16 weights in 4 safetensors shards")
+        print(f"model: {FAMILIES[args.family]['architectures'][0]}, {args.layers} layers, {mb:.0f} MB of bf16 weights "
+              "in 4 safetensors shards")  # fmt: skip
         ours, direct = [], []
         phases = (("direct-import", "direct", direct), ("import", "ours", ours))
         for i in range(args.repeat):  # alternating which goes first

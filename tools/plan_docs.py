@@ -29,15 +29,16 @@ the resolved config: per distinct rank layout (pipeline stage) the bytes per GPU
   sinks, bf16 with fp32 main parameters, several padded buckets, OLMo 2's norms at TP 2) under
   torchrun and compares with the bytes of the actual tensors on every rank;
 - **activations** per micro batch (per-layer accounting after Korthikanti et al. 2022, generalized to
-  grouped-query attention, gated MLPs, fused attention, MoE, LoRA/DoRA adapters, the norms a layer
+  grouped-query and multi-latent attention, gated MLPs, fused attention, MoE with shared experts,
+  LoRA/DoRA adapters, the norms a layer
   has: before attention and MLP or not, after them, qk-norm per head or over whole projections; recompute
   none/selective/full, sequence and context parallelism) times the micro batches a stage holds in
   the 1F1B schedule (with interleaving: 2(p - rank - 1) + (v - 1)p + 1 chunks), plus a working set:
   for megatron-core's local layers the largest transient of a step (the score planes of the unfused
   softmax backward, or the 16-bit and fp32 logits of the cross entropy) and the score buffer of
   unfused attention, counted tensor by tensor as autograd keeps them (`tests/test_planner_activations.py`
-  checks a layer's saved tensors and the peak of a step on CPU); for TransformerEngine layers the
-  fp32 logits of the last stage;
+  checks a layer's saved tensors, multi-latent attention's included, and the peak of a step on
+  CPU); for TransformerEngine layers the fp32 logits of the last stage;
 - a **fixed workspace allowance** of 4 GiB (CUDA context, NCCL/cuBLAS workspaces, fragmentation),
   shown as such: it is not derived from the config.
 

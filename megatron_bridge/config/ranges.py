@@ -107,6 +107,9 @@ FIELD_RANGES: dict[str, str] = {
     "virtual_pipeline_model_parallel_size": SIZE, "expert_tensor_parallel_size": SIZE,
     "num_layers_in_first_pipeline_stage": COUNT, "num_layers_in_last_pipeline_stage": COUNT,
     "fp8_margin": "[-128, 128]", "fp8_interval": SIZE, "fp8_amax_history_len": SIZE,
+    "q_lora_rank": SIZE, "kv_lora_rank": SIZE, "mscale": "[0, 100]", "mscale_all_dim": "[0, 100]",
+    "rotary_scaling_factor": "(0, 1000]", "original_max_position_embeddings": SIZE, "beta_fast": "(0, 1000]",
+    "beta_slow": "(0, 1000]",
     # ---- training loop and schedule
     "micro_batch_size": SIZE, "global_batch_size": SIZE, "eval_micro_batch_size": SIZE,
     "eval_global_batch_size": SIZE, "recipe_world_size": SIZE, "train_iters": "[1, 2**63)",

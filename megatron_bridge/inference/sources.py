@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
 if TYPE_CHECKING:
     from megatron_bridge.runtime.checkpointing.run_config import SavedRunConfig
@@ -91,8 +93,6 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
 
 
 def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
-    from megatron_bridge.runtime.checkpointing import layout
-
     try:
         return layout.resolve(path, step)
     except (FileNotFoundError, ValueError) as exc:
@@ -108,8 +108,6 @@ def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
 def check_complete(directory: str) -> None:
     """Raise `SourceError` unless `directory` is a complete checkpoint iteration: its metadata,
     its run config, and every shard file its metadata names, at least as long as recorded."""
-    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
-
     missing = [name for name in (*CHECKPOINT_FILES, RUN_CONFIG_FILE) if not os.path.isfile(os.path.join(directory, name))]
     if missing:
         raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
@@ -137,7 +135,6 @@ def read_run_config(directory: str) -> "SavedRunConfig":
     """The run config saved in a checkpoint iteration directory; `SourceError` when it has none
     that describes a model."""
     from megatron_bridge.runtime.checkpointing import run_config
-    from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 
     try:
         saved = run_config.read_run_config(directory)

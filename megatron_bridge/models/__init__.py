@@ -3,7 +3,8 @@
 The family providers load on first use: each defines dataclasses over megatron-core's large
 `TransformerConfig`, and the config layer needs only `GPTModelProvider`.
 
-Adding a family: one module here (`megatron_bridge/models/<family>.py`) holds its providers (the
+Adding a family: one module here (`megatron_bridge/models/<family>.py`, or a package when it is
+long: `models.deepseek` keeps its Hugging Face family in `models.deepseek.hf`) holds its providers (the
 architecture as plain defaults, published sizes as subclasses) and, for a Hugging Face
 architecture, an `HFFamily` subclass decorated with `@register` (`models.hf.family`,
 `models.hf.registry`): its `architecture`/`model_type`, how config.json becomes provider fields
@@ -30,6 +31,7 @@ from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.param_count import ParameterCount, count_parameters, flops_per_token
 
 _FAMILIES = {
+    "megatron_bridge.models.deepseek": ("DeepSeekModelProvider", "DeepSeekV3ModelProvider", "MoonlightModelProvider16B"),
     "megatron_bridge.models.llama": (
         "LlamaModelProvider",
         "Llama2ModelProvider",

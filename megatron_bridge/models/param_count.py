@@ -33,6 +33,29 @@ def _moe_layers(m: Any) -> list[bool]:
     return [bool(x) for x in freq]
 
 
+def _latent_attention(m: Any) -> int:
+    """Multi-latent attention's weights: query projections (low-rank with a norm, or full), the
+    key/value latent (with the keys' shared rope part) and its norm, the up projection to each
+    head's keys and values, and the output projection."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.q_lora_rank:
+        query = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * q_head
+    else:
+        query = h * heads * q_head
+    latent = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
+    key_value = m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim)
+    return query + latent + key_value + heads * m.v_head_dim * h
+
+
+def attention_widths(m: Any) -> tuple[int, int]:
+    """(query/key, value) widths per head that the attention scores and sums run over."""
+    if getattr(m, "multi_latent_attention", False):
+        return m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    return kv, kv
+
+
 def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     """Count the parameters of GPT provider `m` (finalized or not) for `vocab_size` (default:
     the provider's own, padded)."""
@@ -51,9 +74,11 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     kv_out = 2 * groups * kv
     attention = h * (q_out + kv_out) + (q_out + kv_out if qkv_bias else 0)
     attention += q_out * h + (h if bias else 0)
+    if getattr(m, "multi_latent_attention", False):
+        attention = _latent_attention(m) + (h if bias else 0)
     if getattr(m, "softmax_type", "vanilla") == "learnable":
         attention += heads  # one sink logit per head
-    if m.qk_layernorm:
+    if m.qk_layernorm and not getattr(m, "multi_latent_attention", False):
         widths = 2 * kv if getattr(m, "qk_layernorm_per_head", True) else q_out + groups * kv
         attention += widths * (1 if m.normalization == "RMSNorm" else 2)
     norms_per_layer = 2 * (int(getattr(m, "input_layernorms", True)) + int(getattr(m, "output_layernorms", False)))
@@ -97,7 +122,6 @@ def flops_per_token(m: Any, seq_length: int | None = None, vocab_size: int | Non
     seq = seq_length or m.seq_length
     non_embedding = count.active - count.embedding
     output_layer = m.padded_vocab_size(vocab_size) * m.hidden_size
-    heads = m.num_attention_heads
-    kv = m.kv_channels or m.hidden_size // heads
-    attention = 2 * 2 * m.num_layers * seq * heads * kv  # QK^T and AV, forward, per token
+    qk, v = attention_widths(m)
+    attention = 2 * m.num_layers * seq * m.num_attention_heads * (qk + v)  # QK^T and AV, forward, per token
     return 3.0 * (2.0 * (non_embedding + output_layer) + attention)

@@ -31,8 +31,10 @@ class LoRA(ConfigBase):
 
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Linear layers to adapt: a module name (`linear_qkv`, `linear_proj`, `linear_fc1`,
-    `linear_fc2`, also inside MoE experts) or a full-name pattern with wildcards, e.g.
-    `*.layers.0.*.linear_qkv` or `*.experts.*.linear_fc1` (layer and expert numbers are global)."""
+    `linear_fc2`, also inside MoE experts; multi-latent attention has `linear_q_proj` or
+    `linear_q_down_proj` and `linear_q_up_proj`, `linear_kv_down_proj` and `linear_kv_up_proj` in
+    place of `linear_qkv`) or a full-name pattern with wildcards, e.g. `*.layers.0.*.linear_qkv` or
+    `*.experts.*.linear_fc1` (layer and expert numbers are global)."""
 
     dim: int = 32
     """Rank of the update (the inner size of B @ A)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Optional
+
 from megatron_bridge.extras import require
 from megatron_bridge.peft.merge import read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing import layout
-from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
-from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, split_rows
+from megatron_bridge.models.hf.files import hf_origin, is_hf_directory, run_config_value
+from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, hf_row_order, split_rows
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
 
 PEFT_PREFIX = "base_model.model."
@@ -39,8 +40,9 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
     return tensors
 
 
-def to_peft_state(tensors: dict[str, Any], model_cfg: Any) -> dict[str, Any]:
-    """Our adapter tensors under peft-format Hugging Face names (fused projections split)."""
+def to_peft_state(tensors: dict[str, Any], model_cfg: Any, hf_config: Optional[dict] = None) -> dict[str, Any]:
+    """Our adapter tensors under peft-format Hugging Face names (fused projections split; rows in
+    the order of the Hugging Face weights of `hf_config`, the config.json the base came from)."""
     out = {}
     for key, tensor in sorted(tensors.items()):
         module, param = key.rsplit(".", 1)
@@ -50,6 +52,8 @@ def to_peft_state(tensors: dict[str, Any], model_cfg: Any) -> dict[str, Any]:
                 "keep their experts in fused tensors); train without expert targets to export"
             )
         names = hf_modules(module, model_cfg)
+        if param != "lora_A":
+            tensor = hf_row_order(module, tensor, hf_config)
         parts = (tensor,) * len(names) if param == "lora_A" else split_rows(module, tensor, model_cfg)
         for name, part in zip(names, parts):
             out[f"{PEFT_PREFIX}{name}.{PEFT_PARAM[param]}"] = part.clone()  # one copy per HF module
@@ -117,8 +121,11 @@ def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = N
     `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads both; without one, the base
     checkpoint of ours)."""
     safetensors_torch = require("safetensors.torch", "writing adapters in the peft format")
+    from megatron_bridge.models.hf.convert import origin_config
+
     directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
-    state = to_peft_state(read_adapter_tensors(directory), cfg.model)
+    hf_config = origin_config(cfg.model, hf_origin(directory))
+    state = to_peft_state(read_adapter_tensors(directory), cfg.model, hf_config)
     modules = sorted({k[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for k in state})
     if base_model is None:
         base_model = hf_base_model(directory) or common["peft"].get("pretrained_checkpoint")

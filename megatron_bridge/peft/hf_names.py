@@ -13,18 +13,22 @@ An adapter on a fused projection becomes one adapter per HF projection with the 
 input is the same) and B's rows split like the weight's; so does a DoRA magnitude (one value per
 row). Llama, Mistral and Qwen2/Qwen3 (dense) use these names; a family whose Hugging Face files
 fuse projections too (Phi-3: `qkv_proj`, `gate_up_proj`) names its modules in
-`HFFamily.adapter_modules`, and the rows are reordered to its layout.
+`HFFamily.adapter_modules`, and the rows are reordered to its layout. Multi-latent attention's
+projections (DeepSeek-V3) map one to one (`linear_q_down_proj` is `q_a_proj`, ...); where the
+family stores a weight's rows in another order (`Rule.reorders_rows`), `hf_row_order` puts the
+adapter's rows in that order.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron_bridge.models.hf.family import HFFamily
 from megatron_bridge.models.hf.registry import family_of_provider
+from megatron_bridge.models.hf import mapping
 
 LAYER_MODULES = HFFamily.adapter_modules
 """Per transformer layer: megatron-core module -> the Hugging Face modules it holds, in row order
@@ -72,6 +76,20 @@ def split_gate_up_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate.contiguous(), up.contiguous()
 
 
+def hf_row_order(name: str, t: torch.Tensor, hf_config: Optional[dict]) -> torch.Tensor:
+    """`t` (output rows of module `name`, as the model holds them) in the row order of the
+    Hugging Face weight of `hf_config`, for a family that stores some weights' rows in another
+    order than megatron-core (`Rule.reorders_rows`: DeepSeek-V3's rotary rows in halves)."""
+    if hf_config is None:
+        return t
+
+    rule = mapping.rule_for(mapping.architecture(hf_config), f"{name}.weight")
+    if rule is None or not rule.reorders_rows:
+        return t
+    (reordered,) = rule.to_hf([t], mapping.Partition()).values()
+    return reordered
+
+
 def split_rows(name: str, t: torch.Tensor, model_cfg: Any) -> tuple[torch.Tensor, ...]:
     """The rows of `t` (output rows of module `name`) for each HF module of `hf_modules(name)`."""
     leaf = _NAME.match(name).group(2)
@@ -82,7 +100,7 @@ def split_rows(name: str, t: torch.Tensor, model_cfg: Any) -> tuple[torch.Tensor
         head_dim = model_cfg.kv_channels or model_cfg.hidden_size // heads
         q, k, v = split_qkv_rows(t, heads, groups, head_dim)
         return (torch.cat([q, k, v]),) if fused else (q, k, v)
-    if leaf == "mlp.linear_fc1":
+    if leaf.endswith("linear_fc1"):  # a dense MLP's or the shared experts'
         if not model_cfg.gated_linear_unit:
             raise UnmappedModuleError(f"{name}: an ungated MLP has no Llama-style Hugging Face counterpart")
         return (t,) if fused else split_gate_up_rows(t)  # stored [all gate rows; all up rows]

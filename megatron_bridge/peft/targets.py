@@ -16,8 +16,12 @@ import re
 from collections.abc import Iterable
 from typing import Any, Optional
 
-ADAPTABLE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Module names that adapters wrap: the linear layers of attention and MLPs (also in MoE experts)."""
+ADAPTABLE = (
+    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+    "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+)  # fmt: skip
+"""Module names that adapters wrap: the linear layers of attention and MLPs (also in MoE experts);
+multi-latent attention has its query and key/value projections in place of `linear_qkv`."""
 
 _PATTERN_CHARS = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]+$")
 
@@ -75,9 +79,14 @@ def expected_names(model_cfg: Any) -> list[str]:
     """The global names of the adaptable modules that `model_cfg` builds with megatron-core's
     layer specs (used to check targets before the model exists)."""
     names = []
+    if getattr(model_cfg, "multi_latent_attention", False):
+        query = ["linear_q_down_proj", "linear_q_up_proj"] if model_cfg.q_lora_rank else ["linear_q_proj"]
+        attention = [*query, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    else:
+        attention = ["linear_qkv", "linear_proj"]
     for layer, moe in enumerate(moe_layers(model_cfg)):
         base = f"decoder.layers.{layer}"
-        names += [f"{base}.self_attention.linear_qkv", f"{base}.self_attention.linear_proj"]
+        names += [f"{base}.self_attention.{module}" for module in attention]
         if not moe:
             names += [f"{base}.mlp.linear_fc1", f"{base}.mlp.linear_fc2"]
             continue

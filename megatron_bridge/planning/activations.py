@@ -18,9 +18,12 @@ the rotary embedding, which keeps its cos/sin tables), gated MLPs (without the f
 bias-activation kernel the SiLU output and a copy of the up projection are kept too), the core
 attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the norms a layer has
 (before attention and MLP or not, after them, qk-norm per head or over whole projections),
-mixture-of-experts layers, LoRA/DoRA adapters (`adapters.py`), context and sequence parallelism and megatron-core's
-selective recompute modules. `tests/test_planner_activations.py` compares it with the tensors
-autograd saves for one layer.
+mixture-of-experts layers with shared experts, LoRA/DoRA adapters (`adapters.py`), context and
+sequence parallelism and megatron-core's selective recompute modules.
+`tests/test_planner_activations.py` compares it with the tensors autograd saves for one layer.
+Multi-latent attention keeps its latents and their norms' outputs, the up-projected Q, K and V
+(unless `mla_up_proj` is recomputed; that case is counted, not measured) and the value-width
+output projection input.
 
 At the peak a stage holds the saved tensors of its micro batches in flight, buffers kept for the
 whole run, and one working set: the largest of the transient tensors of the cross entropy (the
@@ -91,6 +94,27 @@ def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float
     return terms
 
 
+def _mla_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
+    """What multi-latent attention keeps between its input and its core attention: the latents
+    (down-projection outputs, the inputs of their norms) and the norms' outputs (the inputs of the
+    up projections), whole on every tensor-parallel rank, with local layers' norm statistics and
+    rotary tables; and the up-projected Q, K (rope parts joined on) and V this rank's heads hand
+    to the core attention, unless `mla_up_proj` is recomputed from the latents in backward."""
+    e, t = inp.activation_bytes, inp.tp
+    q_width = inp.heads * (inp.qk_head_dim + inp.qk_rope_dim)
+    v_width = inp.heads * inp.v_head_dim
+    latents = 2 * inp.q_lora_rank + 2 * inp.kv_lora_rank + inp.qk_rope_dim
+    terms = {"query and key/value latents and their norm outputs": e * s * b * latents}
+    if not inp.transformer_engine:
+        norms = 2 if inp.q_lora_rank else 1
+        terms["latent norm statistics (fp32 per token)"] = norms * _norm_stats(inp) * s * b
+        # cos and sin for the rope parts of Q and of K, as the grouped-query layers keep them
+        terms["rotary cos/sin tables"] = 4 * e * s * inp.qk_rope_dim
+    if not _selective(inp, "mla_up_proj"):
+        terms["Q, K, V"] = e * s * b * (2 * q_width + v_width) / t
+    return terms
+
+
 @lru_cache(maxsize=1024)
 def layer_terms(
     inp: PlanInputs,
@@ -129,7 +153,10 @@ def layer_terms(
             add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
     if not norms_recomputed and input_kept("linear_qkv"):
         add("QKV projection input", e * sbh / sp)
-    if not local:
+    if inp.mla:
+        for name, value in _mla_terms(inp, s, b).items():
+            add(name, value)
+    elif not local:
         add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)
     else:
         for name, value in core_attention.input_terms(inp, s, b, masked).items():
@@ -138,13 +165,13 @@ def layer_terms(
             add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
         if inp.qk_layernorm and inp.qk_norm_per_head:
             add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
-    if inp.qk_layernorm and not inp.qk_norm_per_head:
+    if inp.qk_layernorm and not inp.qk_norm_per_head and not inp.mla:
         for name, value in _projection_norm_terms(inp, s, b).items():
             add(name, value)
     for name, value in core_attention.saved_terms(inp, s, b, masked).items():
         add(name, value)
     if input_kept("linear_proj") or inp.core_attention == "sdpa":  # SDPA keeps its output, the same storage
-        add("output projection input", e * s * b * q_width / t)
+        add("output projection input", e * s * b * (inp.heads * inp.v_head_dim if inp.mla else q_width) / t)
     if inp.output_norms:
         _output_norm(inp, "attention", s, b, add)
     if inp.hidden_dropout > 0:

@@ -140,6 +140,18 @@ class PlanInputs:
     micro_batch_size: int
     global_batch_size: int
     train_iters: Optional[int]
+    # ---- multi-latent attention (mla False: megatron-core's fused query/key/value projection)
+    mla: bool = False
+    q_lora_rank: int = 0
+    """Rank of the low-rank query projection (0: one full query projection)."""
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    """Per head: query/key dimensions without rotary embeddings."""
+    qk_rope_dim: int = 0
+    """Per head: query/key dimensions with rotary embeddings (the keys' are shared over heads)."""
+    v_head_dim: int = 0
+    mla_fused_norms: bool = False
+    """TransformerEngine layers with the latent norms fused into the up projections."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -209,8 +221,12 @@ class PlanInputs:
             raise PlanningError(
                 "model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner"
             )
-        if getattr(m, "multi_latent_attention", False) or getattr(m, "mtp_num_layers", None):
-            raise PlanningError("multi-latent attention and multi-token prediction are not modeled by the planner")
+        if getattr(m, "mtp_num_layers", None):
+            raise PlanningError("multi-token prediction (model.mtp_num_layers) is not modeled by the planner")
+        if getattr(m, "multi_latent_attention", False) and getattr(cfg, "peft", None) is not None:
+            raise PlanningError(
+                "parameter-efficient fine-tuning (peft) of multi-latent attention is not modeled by the planner"
+            )
         if (
             getattr(ddp, "use_megatron_fsdp", False)
             or getattr(ddp, "use_custom_fsdp", False)
@@ -323,7 +339,25 @@ class PlanInputs:
             micro_batch_size=t.micro_batch_size,
             global_batch_size=t.global_batch_size,
             train_iters=t.train_iters,
+            **_mla_inputs(m, te),
         )
+
+
+def _mla_inputs(m: Any, te: bool) -> dict[str, Any]:
+    """The multi-latent attention sizes of model config `m` (none without MLA); `te`: it is
+    planned on TransformerEngine layers."""
+    if not getattr(m, "multi_latent_attention", False):
+        return {}
+    return dict(
+        mla=True,
+        q_lora_rank=m.q_lora_rank or 0,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_rope_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        # the latent norms are fused unless they have an epsilon of their own (models.layers.latent_attention)
+        mla_fused_norms=te and getattr(m, "latent_layernorm_epsilon", m.layernorm_epsilon) == m.layernorm_epsilon,
+    )
 
 
 def _layers(m: Any, without_cp: bool = False) -> tuple[bool, str, str]:

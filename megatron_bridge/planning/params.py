@@ -11,7 +11,7 @@ few elements) but not the sizes.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from megatron_bridge.planning.adapters import adapter_params, local_adapted
 from megatron_bridge.planning.inputs import PlanInputs, PlanningError
@@ -156,18 +156,21 @@ def _base_layer(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
     # No input norms (input_norms False) is built on local layers only.
     input_norm = (lambda name: _norm(name, h, nb)) if inp.input_norms else (lambda name: [])  # noqa: E731
     attn: list[tuple[str, int]] = []
-    if not te:
-        attn += input_norm("input_layernorm")
-    if inp.attention_sinks:
-        attn += [("self_attention.core_attention.softmax_offset", inp.heads // tp)]
-    attn += row("self_attention.linear_proj", h, q_out, bias)
-    qkv = col("self_attention.linear_qkv", q_out + kv_out, h, inp.qkv_bias)
-    attn += fused_norm(qkv, "self_attention.linear_qkv") if te else qkv
-    if inp.qk_layernorm and inp.qk_norm_per_head:
-        attn += _norm("self_attention.q_layernorm", d, nb) + _norm("self_attention.k_layernorm", d, nb)
-    elif inp.qk_layernorm:  # over the whole projection: this rank's heads
-        attn += [("self_attention.q_layernorm.weight", q_out // tp)]
-        attn += [("self_attention.k_layernorm.weight", kv_out // 2 // tp)]
+    if inp.mla:
+        attn += input_norm("input_layernorm") + _mla_attention(inp, col, row)
+    else:
+        if not te:
+            attn += input_norm("input_layernorm")
+        if inp.attention_sinks:
+            attn += [("self_attention.core_attention.softmax_offset", inp.heads // tp)]
+        attn += row("self_attention.linear_proj", h, q_out, bias)
+        qkv = col("self_attention.linear_qkv", q_out + kv_out, h, inp.qkv_bias)
+        attn += fused_norm(qkv, "self_attention.linear_qkv") if te else qkv
+        if inp.qk_layernorm and inp.qk_norm_per_head:
+            attn += _norm("self_attention.q_layernorm", d, nb) + _norm("self_attention.k_layernorm", d, nb)
+        elif inp.qk_layernorm:  # over the whole projection: this rank's heads
+            attn += [("self_attention.q_layernorm.weight", q_out // tp)]
+            attn += [("self_attention.k_layernorm.weight", kv_out // 2 // tp)]
     if inp.output_norms:
         attn += _norm("self_attn_bda.norm", h, nb)
     params = made(attn)
@@ -207,6 +210,36 @@ def _base_layer(inp: PlanInputs, moe: bool) -> tuple[Param, ...]:
             shared.append(("mlp.shared_experts.gate_weight", h))
         params += made(shared)
     return tuple(params + made(output_norm))
+
+
+def _mla_attention(inp: PlanInputs, col: Any, row: Any) -> list[tuple[str, int]]:
+    """Multi-latent attention's parameters after the input norm, in megatron-core's order: output
+    projection, query projections, key/value projections, then the latent norms (fused into the
+    up projections in TransformerEngine layers). Local layers split the down projections over
+    TP (column-parallel, gathered); TransformerEngine's keep them whole on every rank."""
+    h, heads, te = inp.hidden, inp.heads, inp.transformer_engine
+    q_head = inp.qk_head_dim + inp.qk_rope_dim
+    a = "self_attention"
+
+    def down(name: str, width: int) -> list[tuple[str, int]]:
+        return _linear(f"{a}.{name}", width, h, None) if te else col(f"{a}.{name}", width, h, False)
+
+    def up(name: str, out_full: int, rank: int) -> list[tuple[str, int]]:
+        weight = col(f"{a}.{name}", out_full, rank, False)
+        return [(f"{a}.{name}.layer_norm_weight", rank)] + weight if inp.mla_fused_norms else weight
+
+    params = row(f"{a}.linear_proj", h, heads * inp.v_head_dim, inp.linear_bias)
+    if inp.q_lora_rank:
+        params += down("linear_q_down_proj", inp.q_lora_rank) + up("linear_q_up_proj", heads * q_head, inp.q_lora_rank)
+    else:
+        params += col(f"{a}.linear_q_proj", heads * q_head, h, False)
+    params += down("linear_kv_down_proj", inp.kv_lora_rank + inp.qk_rope_dim)
+    params += up("linear_kv_up_proj", heads * (inp.qk_head_dim + inp.v_head_dim), inp.kv_lora_rank)
+    if not inp.mla_fused_norms:
+        if inp.q_lora_rank:
+            params.append((f"{a}.q_layernorm.weight", inp.q_lora_rank))
+        params.append((f"{a}.kv_layernorm.weight", inp.kv_lora_rank))
+    return params
 
 
 def _is_linear_weight(name: str) -> bool:

@@ -111,15 +111,16 @@ def _buffer_note(ranks: list[RankMemory]) -> str:
 
 LAYERS = {"te": "TransformerEngine", "sdpa": "megatron-core local", "unfused": "megatron-core local"}
 CORE = {"te": "TransformerEngine's", "sdpa": "PyTorch SDPA", "unfused": "megatron-core's unfused"}
+LOCAL_AUTO = "(attention_backend auto: SDPA where it serves the config)"
 
 
 def layers_lines(inp: PlanInputs) -> list[str]:
     """Which layers and core attention the plan is for, why, and the settings that choose them."""
     line = f"layers: {LAYERS[inp.core_attention]}, {CORE[inp.core_attention]} core attention ({inp.layers_note})"
     if inp.core_attention == "te" and inp.local_core_attention != "te":  # TE only because of CP
-        choose = "model.context_parallel_size=1 plans megatron-core's local layers (attention_backend auto: SDPA)"
+        choose = f"model.context_parallel_size=1 plans megatron-core's local layers {LOCAL_AUTO}"
     elif inp.core_attention == "te":
-        choose = "model.transformer_impl=local plans megatron-core's local layers (attention_backend auto: SDPA)"
+        choose = f"model.transformer_impl=local plans megatron-core's local layers {LOCAL_AUTO}"
     else:
         other = (
             "unfused plans megatron-core's DotProductAttention"

@@ -27,6 +27,9 @@ def bubble_fraction(inp: PlanInputs) -> float:
 
 def attention_flops_per_token(inp: PlanInputs) -> float:
     """Forward + backward FLOPs of the attention score and context matmuls, per token."""
+    if inp.mla:  # QK^T over the rope and no-rope parts, AV over the value heads
+        widths = inp.qk_head_dim + inp.qk_rope_dim + inp.v_head_dim
+        return 3.0 * 2 * inp.num_layers * inp.seq_length * inp.heads * widths
     return 3.0 * 2 * 2 * inp.num_layers * inp.seq_length * inp.heads * inp.kv_channels
 
 

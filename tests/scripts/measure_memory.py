@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from factories import tiny_config, tiny_model  # noqa: E402
+from factories import tiny_config, tiny_deepseek_model, tiny_model  # noqa: E402
 
 from megatron_bridge.peft import DoRA, LoRA  # noqa: E402
 from megatron_bridge.training.callbacks import Callback  # noqa: E402
@@ -70,6 +70,12 @@ LAYOUTS = {
         {},
         None,
     ),
+    # multi-latent attention with MoE (a shared expert) over EP 2; dense MLA with its latent
+    # projections split over TP 2 (megatron-core trains MoE with TP only with sequence parallelism,
+    # which local layers on CPU do not run)
+    "mla_moe_ep2": (dict(expert_model_parallel_size=2), dict(use_distributed_optimizer=True), "bf16_mixed"),
+    "mla_tp2": (dict(tensor_model_parallel_size=2, num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None,
+                     moe_shared_expert_intermediate_size=None), {}, None),
     "pp2_vp2_distopt": (
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
         dict(use_distributed_optimizer=True),
@@ -164,7 +170,7 @@ def run_layout(name, base_dir, backend):
     model_fields, ddp_fields, precision = LAYOUTS[name]
     cfg = tiny_config(
         train=TrainingConfig(train_iters=1, global_batch_size=4, micro_batch_size=1),
-        model=tiny_model(**model_fields),
+        model=(tiny_deepseek_model if name.startswith("mla") else tiny_model)(**model_fields),
         validation=ValidationConfig(eval_iters=0),
     )
     if "vocab_size" in model_fields:

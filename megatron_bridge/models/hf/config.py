@@ -151,7 +151,9 @@ ARCHITECTURE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
     "vocab_size", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "position_embedding_type", "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-    "input_layernorms", "output_layernorms", "qk_layernorm_per_head",
+    "input_layernorms", "output_layernorms", "qk_layernorm_per_head", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
 )  # fmt: skip
 """Provider fields that decide which weights exist and their shapes."""
 
@@ -170,7 +172,7 @@ def architecture_differences(model: Any, reference: Any) -> list[tuple[str, Any,
 
 
 def _effective(p: Any, name: str) -> Any:
-    value = getattr(p, name)
+    value = getattr(p, name, None)  # MLA sizes: only multi-latent attention providers have them
     if value is not None or not p.hidden_size or not p.num_attention_heads:
         return value
     if name == "num_query_groups":

@@ -36,6 +36,7 @@ from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 from megatron_bridge.peft.apply import apply_peft, saved_with_peft
+from megatron_bridge.models.hf.registry import family_for_config
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -71,6 +72,8 @@ def default_dtype(provider: Any, hf: Optional[dict]) -> str:
 def export_config(provider: Any, origin: Optional[str], dtype: Optional[str]) -> tuple[dict, str]:
     """(config.json to write, dtype) for exporting `provider`'s weights."""
     hf = origin_config(provider, origin)
+    if hf is not None:
+        hf = family_for_config(hf).exported_config(hf)
     dtype = dtype or default_dtype(provider, hf)
 
     name = str(torch_dtype(dtype)).replace("torch.", "")

@@ -12,7 +12,7 @@ a family overrides only what differs. Family modules register their subclass wit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from megatron_bridge.config.errors import show
 from megatron_bridge.models.hf.mapping import QKV, Architecture, Copy, Gated, Mapped, Vocab
@@ -242,7 +242,26 @@ class HFFamily:
             "glu_linear_offset": 0.0,
             "num_moe_experts": no_experts,
             "moe_shared_expert_intermediate_size": None,
+            "multi_latent_attention": False,
+            "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": False,
+            "moe_router_group_topk": None,
+            "moe_router_topk_scaling_factor": None,
+            "moe_layer_freq": 1,
         }
+
+    def skipped_tensors(self, hf: dict) -> Optional[str]:
+        """A regular expression matching the Hugging Face tensors of config.json `hf` that the
+        conversion leaves out on purpose (None: none); `skipped_reason` says why, in the log."""
+        return None
+
+    def skipped_reason(self) -> str:
+        return "not converted"
+
+    def exported_config(self, hf: dict) -> dict:
+        """The config.json of the Hugging Face model an export came from, as the export writes
+        it (what the export leaves out changed)."""
+        return hf
 
     def mismatches(self, provider: Any) -> list[tuple[str, Any]]:
         """(field, value) for each provider setting this architecture cannot express."""

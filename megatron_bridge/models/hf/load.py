@@ -8,13 +8,14 @@ tensor-parallel part, its experts) by reading exactly those slices from the safe
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.models.hf import mapping
 from megatron_bridge.models.hf.config import provider_from_hf_config, read_hf_config
-from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights
+from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights, weight_map
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key, unwrap
 
 logger = logging.getLogger("megatron_bridge")
@@ -26,6 +27,25 @@ def expected_weights(hf: dict) -> tuple[mapping.Architecture, dict[str, tuple[in
     expected = mapping.expected_tensors(arch)
     optional = ("lm_head.weight",) if arch.tied else ()
     return arch, expected, optional
+
+
+def ignored_tensors(hf: dict) -> re.Pattern:
+    """The tensors of an accepted config's files that are not loaded: recomputed ones, and those
+    its family leaves out on purpose (`HFFamily.skipped_tensors`)."""
+    skipped = mapping.architecture(hf).family.skipped_tensors(hf)
+    return re.compile(f"{mapping.IGNORED_TENSORS.pattern}|{skipped}") if skipped else mapping.IGNORED_TENSORS
+
+
+def log_skipped(directory: str, hf: dict) -> None:
+    """One log line naming the tensors of `directory` its family leaves out on purpose."""
+    family = mapping.architecture(hf).family
+    pattern = family.skipped_tensors(hf)
+    if not pattern:
+        return
+    names = [name for name in weight_map(directory) if re.match(pattern, name)]
+    if names:
+        prefixes = ", ".join(sorted({re.match(pattern, name).group(0) + "*" for name in names}))
+        logger.info("%s: %d tensors (%s) left out: %s", directory, len(names), prefixes, family.skipped_reason())
 
 
 def check_hf_directory(directory: str, problems: Problems, weights: bool = True) -> Optional[Any]:
@@ -44,7 +64,7 @@ def check_hf_directory(directory: str, problems: Problems, weights: bool = True)
         return None
     _, expected, optional = expected_weights(hf)
     check = check_weights if weights else check_index
-    check(directory, expected, problems.at(""), optional, mapping.IGNORED_TENSORS)
+    check(directory, expected, problems.at(""), optional, ignored_tensors(hf))
     return provider if len(problems) == start else None
 
 
@@ -60,7 +80,8 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     expert_rank = ps.get_expert_model_parallel_rank() if arch.num_experts else 0
     rename = mapping.global_names(model, arch.num_experts, expert_rank)
     out = []
-    for local, param in model.named_parameters():
+    buffers = [(local, b) for local, b in model.named_buffers() if mapping.entry_for(arch, rename(local)) is not None]
+    for local, param in [*model.named_parameters(), *buffers]:  # buffers: those with weights (an expert bias)
         if is_adapter_key(local):
             continue
         name = rename(local)
@@ -90,6 +111,7 @@ def load_hf_weights(chunks: list[Any], directory: str, map_files: bool = False) 
     started = time.perf_counter()
     hf = read_hf_config(directory)
     reader = SafetensorsReader(directory)
+    log_skipped(directory, hf)
     with torch.no_grad():
         for chunk in chunks:
             for _, param, rule, part in named_global_parameters(chunk, hf):

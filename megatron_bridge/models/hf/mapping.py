@@ -48,6 +48,14 @@ class Rule:
 
     hf: tuple[str, ...] = ()
 
+    reorders_rows: bool = False
+    """Its Hugging Face tensor holds the parameter's rows in another order (`to_hf` reorders
+    them); LoRA adapters' B rows are exported in that order too."""
+
+    export_dtype: Optional[str] = None
+    """The dtype its Hugging Face tensors are written in whatever the export's ('float32'), or
+    None (the export's)."""
+
     def load(self, reader: "SafetensorsReader", dest: "torch.Tensor", part: Partition) -> None:
         """Fill `dest` (this rank's part of the parameter) from the Hugging Face tensors."""
         raise NotImplementedError
@@ -334,6 +342,8 @@ FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 """TransformerEngine's norms fused into the next linear layer -> the local layers' names."""
 

@@ -124,7 +124,6 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
     own files in parameter order, writers in rank order."""
     import torch.distributed as dist
 
-    itemsize = _itemsize(dtype)
     mine, listed = [], set()
     for item in items:
         if not item.writer:
@@ -132,6 +131,7 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
         shape = list(item.param.shape)
         if item.part.dim is not None:
             shape[item.part.dim] *= item.part.size
+        itemsize = _itemsize(_dtype_of(item.rule, dtype))
         for hf_name, hf_shape in item.rule.hf_shapes(tuple(shape)).items():
             if hf_name in listed:  # a stacked tensor: one entry for all its slices
                 continue
@@ -158,6 +158,11 @@ def _plan(items: list[_Item], dtype: Any, max_bytes: int) -> _Plan:
         if current:
             plan.files.append((rank, current))
     return plan
+
+
+def _dtype_of(rule: mapping.Rule, dtype: Any) -> Any:
+    """The dtype `rule`'s tensors are written in when the export's is `dtype`."""
+    return torch_dtype(rule.export_dtype) if rule.export_dtype else dtype
 
 
 def _itemsize(dtype: Any) -> int:
@@ -240,11 +245,12 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     with torch.no_grad():
         for item in items:
             parts = _gather(item)
+            out_dtype = _dtype_of(item.rule, dtype)
             if getattr(item.rule, "stack_index", None) is not None:
                 for hf_name, index, piece in _gather_slices(item, parts):
                     count = item.rule.stack_index[1]
                     if hf_name not in stacks:
-                        stacks[hf_name] = (torch.empty((count, *piece.shape), dtype=dtype), set())
+                        stacks[hf_name] = (torch.empty((count, *piece.shape), dtype=out_dtype), set())
                     stack, filled = stacks[hf_name]
                     stack[index].copy_(piece)
                     filled.add(index)
@@ -252,7 +258,7 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
                         pending[hf_name] = stacks.pop(hf_name)[0]
             elif parts is not None:
                 for hf_name, tensor in item.rule.to_hf(parts, item.part).items():
-                    pending[hf_name] = tensor.to(dtype=dtype).contiguous()  # no copy when it already is
+                    pending[hf_name] = tensor.to(dtype=out_dtype).contiguous()  # no copy when it already is
             del parts
             while my_files and all(t in pending for t in my_files[0][1]):
                 file, tensors = my_files.pop(0)
