@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_bridge.config.targets import register_lazy_exports
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -15,6 +17,8 @@ _LAZY = {
     "pretrain": "megatron_bridge.training.pretrain",
     "finetune": "megatron_bridge.training.finetune",
 }
+
+register_lazy_exports("megatron_bridge", {"ConfigContainer": _LAZY["ConfigContainer"]})  # configs name it so
 
 __all__ = ["ConfigContainer", "pretrain", "finetune", "__version__"]
 

@@ -139,7 +139,7 @@ def megatron_logits(source: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
     from megatron_bridge.models.hf.files import is_hf_directory
     from megatron_bridge.models.hf.load import load_hf_weights
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     if is_hf_directory(source):
         provider = GPTModelProvider.from_hf(source)

@@ -19,7 +19,7 @@ from megatron_bridge.data.packing import block_causal_mask
 from megatron_bridge.models.attention import core_attention_choice, core_attention_recompute
 from megatron_bridge.models.attention_masks import WindowedDotProductAttention, blocked_outside_window
 from megatron_bridge.models.sdpa_attention import SDPAttention
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 
 pytestmark = pytest.mark.timeout(300)
 

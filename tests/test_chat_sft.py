@@ -12,7 +12,7 @@ from text_data import CHATML, OBJECTS, QWEN3, SUBJECTS, sentence, train_tokenize
 
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.finetuning import SFTDataset
-from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
 OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 
@@ -218,7 +218,7 @@ def test_chat_sft_trains_with_packing(tok_dir, tmp_path):
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
     from megatron_bridge.training.tokenizers.config import TokenizerConfig
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
     data = tmp_path / "chat"
     data.mkdir()

@@ -15,7 +15,7 @@ from factories import on_cpu, tiny_config, tiny_model
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
-from megatron_bridge.training.checkpointing.layout import complete_iterations
+from megatron_bridge.runtime.checkpointing.layout import complete_iterations
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,
@@ -279,7 +279,7 @@ def _write_jsonl(path, rows):
 
 def test_pretrain_then_finetune_on_jsonl_with_the_loss_on_answers(tmp_path):
     from megatron_bridge.data.finetuning import PromptAnswerDataset, read_examples
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     ckpt = str(tmp_path / "pretrained")
     run(config(save=ckpt, iters=10))
@@ -322,7 +322,7 @@ def test_writer_results_come_back_without_a_helper_process(tmp_path, monkeypatch
 
     import psutil
 
-    from megatron_bridge.training.checkpointing import results_queue
+    from megatron_bridge.runtime.checkpointing import results_queue
 
     results = results_queue.ForkedResultsQueue()
     results.put({"rank": 0})

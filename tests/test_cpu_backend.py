@@ -6,7 +6,7 @@ import torch
 from factories import tiny_config, tiny_model
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +115,7 @@ def test_sequence_parallel_and_determinism_stats_are_refused_on_cpu():
 def test_cpu_threads_honour_omp_num_threads_else_share_the_cores(monkeypatch):
     import os
 
-    from megatron_bridge.training.distributed import cpu_threads
+    from megatron_bridge.runtime.distributed import cpu_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(world_size=2) == 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from factories import backend_for
 
-from megatron_bridge.training.distributed import free_port
+from megatron_bridge.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
 

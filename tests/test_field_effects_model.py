@@ -266,7 +266,7 @@ def test_tp_comm_overlap_settings_reach_transformer_engines_userbuffers(stand_in
 def test_cuda_device_follows_local_rank_unless_mapped_externally(monkeypatch):
     """Which GPU `init_process_group` selects (torch.cuda.set_device) on a GPU run."""
     from megatron_bridge.training.config import DistributedInitConfig
-    from megatron_bridge.training.distributed import cuda_device_index
+    from megatron_bridge.runtime.distributed import cuda_device_index
 
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert cuda_device_index(DistributedInitConfig()) == 5
@@ -280,7 +280,7 @@ def test_nccl_settings_reach_megatron_core_and_are_refused_on_cpu(monkeypatch, t
     fails), and a CPU run refuses them before starting."""
     from megatron.core import parallel_state
 
-    from megatron_bridge.training.distributed import init_model_parallel
+    from megatron_bridge.runtime.distributed import init_model_parallel
     from megatron_bridge.training.setup import resolve_config
 
     nccl_settings = tmp_path / "nccl.yaml"

@@ -461,7 +461,7 @@ def test_finetuning_dataset_settings(tmp_path):
     from megatron_bridge.data.finetuning import build_finetuning_datasets
     from megatron_bridge.data.hf_local import DataSourceError
     from megatron_bridge.training.config import FinetuningDatasetConfig
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     for split in ("training", "validation", "test"):
         rows = [{"question": f"{i} {i + 1}", "reply": f"{i + 2}"} for i in range(1, 9)]
@@ -486,7 +486,7 @@ def test_tokenizer_special_tokens_and_extra_ids(tmp_path):
     from text_data import train_tokenizer
 
     from megatron_bridge.training.tokenizers.config import TokenizerConfig
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
     path = train_tokenizer(tmp_path)
     plain = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
@@ -514,7 +514,7 @@ def test_a_tokenizer_rewritten_in_place_is_loaded_again(tmp_path):
     from text_data import train_tokenizer
 
     from megatron_bridge.training.tokenizers.config import TokenizerConfig
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
     cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=train_tokenizer(tmp_path, vocab_size=300))
     first = build_tokenizer(cfg)

@@ -207,7 +207,7 @@ def test_megatron_core_dataset_fields_reach_the_dataset():
     """megatron-core's dataset builder gets a copy of our dataset section (plus the tokenizer)."""
     from megatron_bridge.data.builders import build_datasets
     from megatron_bridge.training.config import runtime_config_update
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
     from tests.factories import tiny_config
 
     cfg = tiny_config()

@@ -104,7 +104,7 @@ def random_model(kind: str):
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     options = {"attention_backend": AttnBackend.unfused} if kind.endswith("unfused") else {}
     model = tiny_model(position_embedding_type=kind.split("-")[0], seq_length=48, vocab_size=64, **options)
@@ -328,7 +328,7 @@ def test_tensor_parallel_generation_under_torchrun_equals_one_process(models):
 
     from factories import backend_for, source_tree_env
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     backend = backend_for(2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -10,7 +10,7 @@ from megatron_bridge.data.builders import SampleCounts
 from megatron_bridge.data.finetuning import build_finetuning_datasets
 from megatron_bridge.data.hf_local import DataSourceError, SplitSpec, open_local, select_split
 from megatron_bridge.training.config import FinetuningDatasetConfig
-from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
 datasets = pytest.importorskip("datasets")
 

@@ -14,7 +14,7 @@ from factories import backend_for
 from hf_models import family_configs, in_subprocess_env, megatron_logits, random_tokens, save_tiny
 from test_hf_weights import assert_bit_identical, read_all
 
-from megatron_bridge.training.distributed import free_port
+from megatron_bridge.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_logits.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -11,8 +11,8 @@ import torch
 from factories import tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
-from megatron_bridge.training import cpu_backend
-from megatron_bridge.training.distributed import launch_problem, run_backend
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.distributed import launch_problem, run_backend
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -79,7 +79,7 @@ def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_pat
     """More processes than this machine's GPUs with NCCL: the processes stop with exit status 2 and
     the launch error before building anything (torchrun reports the first to stop, ends the
     others, and exits 1 itself)."""
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     visible = torch.cuda.device_count()
     nproc = max(2, visible + 1)
@@ -107,7 +107,7 @@ def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_pat
 def test_hf_import_with_more_processes_than_gpus_exits_2(tmp_path):
     from hf_models import save_tiny
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     source = save_tiny("llama", str(tmp_path / "hf"))
     visible = torch.cuda.device_count()

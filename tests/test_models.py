@@ -215,3 +215,37 @@ def test_family_modules_import_nothing_heavy():
                 continue
             for name in names:
                 assert name.startswith(allowed), f"{module.__name__} imports {name}"
+
+
+@pytest.mark.timeout(120)
+def test_a_config_names_a_family_class_before_anything_imported_it():
+    """`megatron_bridge.models` declares its families to the name registry (register_lazy_exports):
+    in a fresh process, a family provider resolves by its public or its defining path, and a
+    name that is no registered class is refused without importing the module it names."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_bridge.config import targets\n"
+        "assert 'megatron_bridge.models' not in sys.modules\n"
+        "print(targets.resolve('megatron_bridge.models.llama.Llama3ModelProvider8B').__name__)\n"
+        "print(targets.resolve('megatron_bridge.models.Qwen3ModelProvider').__name__)\n"
+        "print(targets.resolve('megatron_bridge.ConfigContainer').__name__)\n"
+        "for name in ('megatron_bridge.__main__.main', 'megatron_bridge.models.llama.F'):\n"
+        "    try:\n"
+        "        targets.resolve(name)\n"
+        "    except targets.TargetNotAllowedError:\n"
+        "        print('refused', name)\n"
+        "print('__main__ imported:', 'megatron_bridge.__main__' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:6] == [
+        "Llama3ModelProvider8B",
+        "Qwen3ModelProvider",
+        "ConfigContainer",
+        "refused megatron_bridge.__main__.main",
+        "refused megatron_bridge.models.llama.F",
+        "__main__ imported: False",
+    ]

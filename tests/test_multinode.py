@@ -15,7 +15,7 @@ import pytest
 from factories import backend_for
 
 from megatron_bridge.cli.main import main as mbridge
-from megatron_bridge.training.distributed import free_port
+from megatron_bridge.runtime.distributed import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FAKE_SLURM = SCRIPTS / "fake_slurm"

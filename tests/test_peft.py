@@ -16,7 +16,7 @@ from megatron_bridge.peft.export import read_adapter_tensors
 from megatron_bridge.peft.merge import read_adapter_checkpoint
 from megatron_bridge.peft.offline import load_weights, single_process_model
 from megatron_bridge.training.callbacks import Callback
-from megatron_bridge.training.checkpointing import layout
+from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigContainer,

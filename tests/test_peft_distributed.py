@@ -12,9 +12,9 @@ import pytest
 from factories import backend_for, tiny_config, tiny_llama_model
 
 from megatron_bridge.peft.export import read_adapter_tensors
-from megatron_bridge.training.checkpointing import layout
+from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.config import CheckpointConfig, TrainingConfig, ValidationConfig
-from megatron_bridge.training.distributed import free_port
+from megatron_bridge.runtime.distributed import free_port
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 

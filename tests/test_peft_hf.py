@@ -217,7 +217,7 @@ def test_dora_export_split_over_tensor_parallel_ranks(dora_run, tmp_path):
     summed over both): the same weights as one process."""
     from test_hf_weights import read_all
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     save, _ = dora_run
     single, split = str(tmp_path / "single"), str(tmp_path / "tp2")

@@ -11,7 +11,7 @@ from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.data.builders import build_datasets
 from megatron_bridge.data.indexed import IndexedDatasetWriter
 from megatron_bridge.training.config import CheckpointConfig, GPTDatasetConfig, TrainingConfig, ValidationConfig, runtime_config_update
-from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
 EOD = 255
 

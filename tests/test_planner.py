@@ -17,7 +17,7 @@ from megatron_bridge.planning.activations import in_flight_micro_batches, layer_
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.params import chunks
 from megatron_bridge.training.config import runtime_config_update
-from megatron_bridge.training.distributed import free_port
+from megatron_bridge.runtime.distributed import free_port
 from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import get_recipe, list_recipes
 

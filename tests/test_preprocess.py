@@ -13,7 +13,7 @@ from text_data import documents, train_tokenizer, write_jsonl
 from megatron_bridge.cli.main import main
 from megatron_bridge.data import preprocess as pre
 from megatron_bridge.data.indexed import IndexedDatasetWriter, read_index_header
-from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from factories import tiny_config
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.training import cpu_backend
+from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.config import ProfilingConfig, TrainingConfig, ValidationConfig
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain

@@ -8,7 +8,7 @@ import torch
 from factories import backend_for, needs, on_cpu, tiny_config
 
 from megatron_bridge.training.callbacks import Callback
-from megatron_bridge.training.child_processes import die_with_parent
+from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,
@@ -72,7 +72,7 @@ def test_inprocess_restart_resumes_from_the_last_checkpoint_and_finishes_like_an
 
 
 def test_inprocess_restart_refuses_an_existing_process_group(tmp_path):
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
     from megatron_bridge.training.resiliency.inprocess import ProcessGroupExistsError
 
     store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
@@ -182,7 +182,7 @@ def test_ft_launcher_restarts_after_a_simulated_rank_kill_and_the_job_completes(
     import sys
     from pathlib import Path
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     script = Path(__file__).parent / "scripts" / "train_tiny.py"
     launcher = os.path.join(os.path.dirname(sys.executable), "ft_launcher")

@@ -293,7 +293,7 @@ def test_killing_the_launcher_stops_every_process_of_the_job(tmp_path):
     (the recipe's SIGTERM handler saves a checkpoint first); their tracker helper ends with them."""
     from factories import backend_overrides
 
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime.distributed import free_port
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -390,7 +390,7 @@ def test_tracker_process_reports_a_backend_that_could_not_start(tmp_path):
     ],
 )
 def test_peak_tflops_by_gpu_name(name, peak):
-    from megatron_bridge.training.metrics import peak_tflops_for
+    from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 
     assert peak_tflops_for(name) == peak
 

@@ -37,8 +37,8 @@ def main() -> None:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (warning filters)
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime import cpu_backend
+    from megatron_bridge.runtime.distributed import free_port
 
     cuda = torch.cuda.is_available()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if cuda else "fp32")]

@@ -94,7 +94,8 @@ def main() -> None:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.training.checkpointing import layout, state_dict
+    from megatron_bridge.runtime.checkpointing import layout, weights
+    from megatron_bridge.training.checkpointing import state_dict
     from megatron_bridge.training.checkpointing.manager import DefaultCheckpointManager
     from megatron_bridge.training.config import (
         CheckpointConfig,
@@ -154,7 +155,7 @@ def main() -> None:
         template = state_dict.build(run, for_loading=True, with_optimizer=True, with_rng=True, with_common=False)
         loaded = dist_checkpointing.load(template, target)
         for key, chunk in zip(state_dict.model_keys(run), run.model):
-            state_dict.unwrap(chunk).load_state_dict(loaded[key])
+            weights.unwrap(chunk).load_state_dict(loaded[key])
         run.optimizer.load_state_dict(loaded["optimizer"])
 
     def timed(name: str, fn, r: int) -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     from megatron_bridge.inference.model import InferenceModel
     from megatron_bridge.models import GPTModelProvider
     from megatron_bridge.models.hf.runtime import build_chunks, model_parallel, prepare
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     seq_length = args.long + args.new + 8
     provider = GPTModelProvider(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,

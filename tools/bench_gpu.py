@@ -117,8 +117,8 @@ def handwritten(shape: dict, iters: int) -> dict:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (same warning filters as pretrain)
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime import cpu_backend
+    from megatron_bridge.runtime.distributed import free_port
 
     cuda = torch.cuda.is_available()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -139,7 +139,7 @@ def handwritten(shape: dict, iters: int) -> dict:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     te = te_available() and cuda
     parallel_state.initialize_model_parallel()
@@ -472,7 +472,7 @@ class Report:
     """The lines the bench prints: a header, one line per run or variant, the comparisons."""
 
     def __init__(self, shape: dict, args: argparse.Namespace, cuda: bool):
-        from megatron_bridge.training.metrics import peak_tflops_for
+        from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 
         self.shape, self.warmup, self.cuda = shape, args.warmup, cuda
         self.device = torch_device_name() if cuda else "CPU"

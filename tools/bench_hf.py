@@ -129,8 +129,8 @@ def phase_direct_import(hf_dir: str, out: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from safetensors.torch import load_file
 
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime import cpu_backend
+    from megatron_bridge.runtime.distributed import free_port
 
     start = time.perf_counter()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -169,7 +169,7 @@ def phase_export(hf_dir: str, ckpt: str, out: str, repeat: int) -> dict:
     from megatron_bridge.models.hf import convert
     from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare
     from megatron_bridge.models.hf.writer import write_hf_weights
-    from megatron_bridge.training.checkpointing.layout import resolve
+    from megatron_bridge.runtime.checkpointing.layout import resolve
 
     directory = resolve(ckpt)[0]
     provider = convert.checkpoint_provider(directory)
@@ -206,7 +206,7 @@ def run_phase(*args: str, torchrun: bool = False) -> list[dict]:
     results = tempfile.mkdtemp(prefix="bench_hf_results_")
     env["BENCH_HF_RESULTS"] = results  # one file per process: their stdout lines would interleave
     if torchrun:
-        from megatron_bridge.training.distributed import free_port
+        from megatron_bridge.runtime.distributed import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", __file__, *args]  # fmt: skip

@@ -32,8 +32,8 @@ def handwritten(iters: int) -> dict:
     import torch.distributed as dist
 
     import megatron_bridge  # noqa: F401  (same warning filters as pretrain)
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import free_port
+    from megatron_bridge.runtime import cpu_backend
+    from megatron_bridge.runtime.distributed import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -52,7 +52,7 @@ def handwritten(iters: int) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.training.tokenizers.tokenizer import NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)

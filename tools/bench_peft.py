@@ -55,7 +55,7 @@ def main() -> None:
     from megatron_bridge.models import GPTModelProvider
     from megatron_bridge.peft import LoRA
     from megatron_bridge.training.callbacks import Callback
-    from megatron_bridge.training.checkpointing import layout
+    from megatron_bridge.runtime.checkpointing import layout
     from megatron_bridge.training.config import (
         CheckpointConfig,
         ConfigContainer,

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
 sys.path.insert(0, str(ROOT))
 
-from megatron_bridge.training.checkpointing.layout import complete_iterations, read_tracker  # noqa: E402
+from megatron_bridge.runtime.checkpointing.layout import complete_iterations, read_tracker  # noqa: E402
 
 
 def session_processes(sid: int) -> list[psutil.Process]:

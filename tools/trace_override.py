@@ -5,31 +5,35 @@
 Builds the tiny recipe's config as `mbridge` does and records every call between modules of
 megatron_bridge from the CLI's call into the config layer until it returns; prints each distinct
 (caller -> callee) pair with the layer of both, and flags a call from a lower layer up to a higher
-one. The layers, top to bottom: the CLI, the override parser, interpolation, the one apply, the
-field schema and section reader, the sections, the value codec and annotations, errors and names.
+one: a call into a module that imports the caller (the graph read from the source by
+tools/import_graph.py). Each module is shown with its depth in the module-level import graph.
 """
+import functools
 import sys
 
-LAYER = {  # the design's order, top to bottom
-    "megatron_bridge.cli": 0,
-    "megatron_bridge.config.overrides": 1,  # the override parser and its entry point
-    "megatron_bridge.config.interpolation": 2,
-    "megatron_bridge.config.apply": 3,  # the one apply
-    "megatron_bridge.config.serialization": 4,  # the compiled field schema (ClassInfo) and section reader
-    "megatron_bridge.config.base": 5,  # the section (ConfigBase)
-    "megatron_bridge.training.config": 5,
-    "megatron_bridge.config.codec": 6,  # field values to plain data and back
-    "megatron_bridge.config.annotations": 6,  # what a field annotation allows
-    "megatron_bridge.config.errors": 7,
-    "megatron_bridge.config.targets": 7,
-}
+import import_graph
+
+_DEPENDS: dict[str, set[str]] = {}
 
 
-def layer(module):
-    for prefix, n in sorted(LAYER.items(), key=lambda kv: -len(kv[0])):
-        if module.startswith(prefix):
-            return n
-    return None
+def goes_up(caller: str, callee: str) -> bool:
+    """A call goes up when the callee's module imports the caller's at module level (directly or
+    through others): the lower module calls back into one built on it. The import graph is read
+    from the source on disk (tools/import_graph.py); imports inside functions, which a test keeps
+    few, are left out."""
+    if not _DEPENDS:
+        _DEPENDS.update(import_graph.depends_on([i for i in import_graph.all_imports() if not i.in_function]))
+    return caller in _DEPENDS.get(callee, ())
+
+
+@functools.cache
+def _depths() -> dict[str, int]:
+    return import_graph.depth(import_graph.all_imports())
+
+
+def layer(module: str) -> int:
+    """How many modules deep `module`'s module-level imports go (0: it imports none of ours)."""
+    return _depths().get(module, 0)
 
 
 def trace(overrides: list[str]) -> list[tuple[str, str, str, bool]]:
@@ -65,8 +69,7 @@ def trace(overrides: list[str]) -> list[tuple[str, str, str, bool]]:
     for caller, mod, fn in events:
         if (caller, mod, fn) not in seen:
             seen.add((caller, mod, fn))
-            a, b = layer(caller), layer(mod)
-            out.append((caller, mod, fn, a is not None and b is not None and b < a))
+            out.append((caller, mod, fn, goes_up(caller, mod)))
     return out
 
 

@@ -122,7 +122,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"  WARNING: the .bin has {actual:,} bytes, the .idx describes {header.bin_bytes:,}")
     tokenizer = None
     if args.tokenizer:
-        from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
+        from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
         try:
             tokenizer = HuggingFaceTokenizer(args.tokenizer)

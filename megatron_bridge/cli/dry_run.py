@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+from megatron_bridge import extras
+from megatron_bridge.config import status
+from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.extras import installed_here
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -25,7 +29,6 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     for CPU: the config is checked as written, for the machines it targets, which have
     TransformerEngine if `target_te`. With `finetuning`, what `finetune()` requires is reported
     with the config's problems, in one report."""
-    from megatron_bridge.config.errors import ConfigValidationError, Problems
     from megatron_bridge.training.config import runtime_config_update
 
     problem_prefix = f"the config does not resolve at world size {world_size}: "
@@ -45,14 +48,11 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
 def for_target(target_te: bool) -> Any:
     """The context in which a config is resolved and planned for GPUs that have TransformerEngine
     (`target_te`) or not, whatever this machine has."""
-    from megatron_bridge import extras
-
     return extras.assume_installed(transformer_engine=target_te)
 
 
 def layers_note(cfg: "ConfigContainer", options: "PlanOptions") -> str:
     """Which layers the config was resolved for, and why: one line for the output."""
-    from megatron_bridge.extras import installed_here
     from megatron_bridge.planning.devices import GPUS
 
     impl = cfg.model.transformer_impl
@@ -152,7 +152,6 @@ def machine_problems(cfg: "ConfigContainer") -> list[str]:
     """What a run of `cfg` would trip over on this machine (not in the config itself): output
     directories that cannot be written, too little space for a checkpoint, settings that need a
     GPU, TransformerEngine or a grouped GEMM, context parallelism on local layers."""
-    from megatron_bridge.config import status
     from megatron_bridge.models.attention import layer_problems
     from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
     from megatron_bridge.training import preflight

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from megatron_bridge.cli.model_source import add_source_arguments, load_options, prints, user_errors
+from megatron_bridge.cli.errors import UsageError
 
 EPILOG = """\
 examples:
@@ -49,8 +50,6 @@ def register(subparsers: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from megatron_bridge.cli.errors import UsageError
-
     with user_errors():
         from megatron_bridge.inference.prompts import read_prompts
 

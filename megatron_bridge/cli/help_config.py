@@ -14,6 +14,10 @@ import re
 from typing import Any, Optional
 
 from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.config.annotations import describe, field_types, section_classes, section_from_value
+from megatron_bridge.config.base import values_equal
+from megatron_bridge.config.schema import specs
+from megatron_bridge.config.secrets import conceal
 
 OPTIONS = "options"
 """Pseudo-section: the keyword arguments of the recipe (`--recipe-arg KEY=VALUE`)."""
@@ -37,8 +41,6 @@ def first_line(doc: str) -> str:
 # ---------------------------------------------------------------------- rendering
 def type_name(tp: Any) -> str:
     """`typing.Optional[megatron_bridge.x.TrainingConfig]` -> `Optional[TrainingConfig]`."""
-    from megatron_bridge.config.annotations import describe
-
     return re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", describe(tp))
 
 
@@ -68,9 +70,6 @@ def class_default(spec: Any) -> Any:
 def field_entry(spec: Any, value: Any, has_value: bool) -> list[str]:
     """Lines describing a field (its `FieldSpec`): `name: type = value  (class default: ...)`,
     then its range (numbers) and status, then its docstring."""
-    from megatron_bridge.config.base import values_equal
-    from megatron_bridge.config.secrets import conceal
-
     default = class_default(spec)
     default_text = "required" if default is _NO_DEFAULT else show_value(default)
     kind = type_name(spec.type)
@@ -88,8 +87,6 @@ def field_entry(spec: Any, value: Any, has_value: bool) -> list[str]:
 
 def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
     """Every public field of dataclass `cls` (values from `obj`, if not None)."""
-    from megatron_bridge.config.schema import specs
-
     lines: list[str] = []
     for spec in specs(cls).values():
         if spec.name.startswith("_") or (only is not None and spec.name != only):
@@ -102,8 +99,6 @@ def fields_text(cls: type, obj: Any, only: Optional[str] = None) -> list[str]:
 def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
     """(class, instance) of the section a field holds: its value, the config a preset name stands
     for, or, for a null field with one possible class, that class without an instance."""
-    from megatron_bridge.config.annotations import section_classes, section_from_value
-
     try:
         section = section_from_value(value, declared)
     except Exception:  # an unknown preset name: the field is shown as a plain value
@@ -118,16 +113,11 @@ def _section_of(value: Any, declared: Any) -> tuple[Optional[type], Any]:
 
 def _named_choices(declared: Any) -> tuple[str, ...]:
     """Short names of the section classes a field may hold (`lora`, `dora`), if they have them."""
-    from megatron_bridge.config.annotations import section_classes
-
     return tuple(c.config_name for c in section_classes(declared) if isinstance(getattr(c, "config_name", None), str))
 
 
 def sections_text(cfg: Any, options: Any, label: str) -> list[str]:
     """One line per top-level field of `cfg`: name, class (or value), what it holds."""
-    from megatron_bridge.config.annotations import section_classes
-    from megatron_bridge.config.schema import specs
-    from megatron_bridge.config.secrets import conceal
 
     rows = []
     for spec in specs(type(cfg)).values():
@@ -163,7 +153,6 @@ def help_text(cfg: Any, topic: str, options: Any = None, label: str = "the confi
     'train.train_iters' one field; 'options' the recipe's options (when `options` is given)."""
     if not topic:
         return "\n".join(sections_text(cfg, options, label))
-    from megatron_bridge.config.annotations import field_types
 
     parts = topic.split(".")
     cls: Optional[type] = type(cfg)

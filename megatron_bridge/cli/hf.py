@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.config.errors import ConfigValidationError
 
 EPILOG = """\
 examples:
@@ -100,8 +101,6 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int, int]:
 
 
 def _config_errors(fn, *args, **kwargs):
-    from megatron_bridge.config.errors import ConfigValidationError
-
     try:
         return fn(*args, **kwargs)
     except ConfigValidationError as exc:

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 from megatron_bridge.cli.common import add_debug_flag
 from megatron_bridge.cli.errors import EXIT_USAGE, UsageError
+from megatron_bridge import __version__
+from megatron_bridge.warning_filters import quiet_known_warnings
 
 SUBCOMMANDS = ("recipes", "pretrain", "finetune", "config", "plot", "peft", "slurm", "hf", "data", "generate", "evaluate")
 """Modules of `megatron_bridge.cli` that each add one subcommand (`register(subparsers)`).
@@ -47,8 +49,6 @@ def _subcommand_module(name: str) -> Optional[ModuleType]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `mbridge` parser with every available subcommand."""
-    from megatron_bridge import __version__
-
     parser = argparse.ArgumentParser(
         prog="mbridge", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -70,8 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_third_party_warnings() -> None:
-    from megatron_bridge.warning_filters import quiet_known_warnings
-
     quiet_known_warnings()
 
 

@@ -9,6 +9,9 @@ import os
 from typing import Iterator
 
 from megatron_bridge.inference.model import BACKENDS
+from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.inference.errors import DataError, PromptError, SourceError
+from megatron_bridge.config.errors import ConfigValidationError
 
 SOURCE_HELP = (
     "a Hugging Face model directory (with config.json), or a checkpoint directory of ours: a save directory "
@@ -40,10 +43,6 @@ def load_options(args: argparse.Namespace) -> dict:
 def user_errors() -> Iterator[None]:
     """A bad source, prompt, data file or option becomes a `UsageError`; anything else keeps
     its traceback (it is a bug)."""
-    from megatron_bridge.cli.errors import UsageError
-    from megatron_bridge.config.errors import ConfigValidationError
-    from megatron_bridge.inference.errors import DataError, PromptError, SourceError
-
     try:
         yield
     except (SourceError, PromptError, DataError, ConfigValidationError) as exc:

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from megatron_bridge.cli.common import add_debug_flag
+from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 
 
 def register(subparsers: Any) -> None:
@@ -52,8 +53,6 @@ def register(subparsers: Any) -> None:
 def _check_input(args: argparse.Namespace) -> None:
     """Bad input (no such checkpoint, not a PEFT run, base missing) is a usage error, reported
     before any work starts."""
-    from megatron_bridge.cli.errors import config_errors_are_usage_errors
-
     with config_errors_are_usage_errors():
         from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
 
@@ -73,7 +72,6 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     _check_input(args)
-    from megatron_bridge.cli.errors import UsageError
     from megatron_bridge.peft.export import export_adapters
     from megatron_bridge.peft.hf_names import UnmappedModuleError
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import textwrap
 from typing import Any
 
-from megatron_bridge.cli.errors import UsageError
 
 EPILOG = """\
 The script runs `torchrun -m megatron_bridge pretrain|finetune ...` on every node (c10d rendezvous on
@@ -101,131 +98,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=run)
 
 
-def _command(args: argparse.Namespace, mode: str, extra: list[str]) -> list[str]:
-    cmd = [mode]
-    if args.recipe:
-        cmd += ["--recipe", args.recipe]
-    if args.config_file:
-        cmd += ["--config-file", os.path.abspath(args.config_file)]
-    for assignment in args.recipe_args:
-        cmd += ["--recipe-arg", assignment]
-    for flag, value in (("--dir", args.dir), ("--name", args.name)):
-        if value is not None:
-            cmd += [flag, value]
-    return cmd + list(args.overrides) + extra
-
-
 def run(args: argparse.Namespace) -> int:
-    import signal
+    """`mbridge slurm` (`slurm_run.run`): loaded only when the command runs, so `--help` stays light."""
+    from megatron_bridge.cli import slurm_run
 
-    from megatron_bridge.cli import source
-    from megatron_bridge.cli.dry_run import for_target, resolve
-    from megatron_bridge.cli.errors import config_errors_are_usage_errors
-    from megatron_bridge.config.errors import Problems
-    from megatron_bridge.launch.slurm import SlurmJob, render
-
-    if args.container_mounts and not args.container:
-        raise UsageError("--container-mounts needs --container IMAGE")
-    mode = args.mode or ("finetune" if (args.recipe or "").endswith("_finetune_config") else "pretrain")
-    shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
-    cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
-    t, ckpt = cfg.train, cfg.checkpoint
-    problems = Problems()
-    problems.check(
-        not (t.is_explicit("exit_signal_handler") and not t.exit_signal_handler),
-        "train.exit_signal_handler",
-        "false, but a requeued job resumes from the checkpoint saved on the exit signal",
-        "leave it unset: the script turns it on",
-    )
-    problems.check(
-        bool(ckpt.save),
-        "checkpoint.save",
-        "is not set: a preempted job would start over when requeued",
-        "set checkpoint.save=DIR",
-    )
-    backend = cfg.dist.distributed_backend
-    problems.check(
-        not (args.cpu and backend == "nccl"),
-        "dist.distributed_backend",
-        "'nccl' trains on GPUs, but --cpu asks for nodes without GPUs",
-        "leave it unset with --cpu (the script sets gloo), or drop --cpu",
-    )
-    problems.check(
-        args.cpu or backend != "gloo",
-        "dist.distributed_backend",
-        f"'gloo' trains on CPU, but the script asks for {args.gpus_per_node} GPUs per node",
-        "add --cpu (no GPUs requested), or leave it unset to train on the GPUs",
-    )
-    extra = ["train.exit_signal_handler=true"]
-    if args.cpu and backend == "auto":
-        extra.append("dist.distributed_backend=gloo")  # CPU nodes that show a GPU must not pick NCCL
-    if ckpt.save and not ckpt.load:
-        extra.append(f"checkpoint.load={ckpt.save}")
-    elif ckpt.save:
-        problems.check(
-            os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save),
-            "checkpoint.load",
-            f"{ckpt.load!r} differs from checkpoint.save={ckpt.save!r}: a requeued job would not resume from its own "
-            "checkpoints",
-            "load from the save directory; start from other weights with checkpoint.pretrained_checkpoint",
-        )
-    with config_errors_are_usage_errors("the config cannot be requeued: "):
-        problems.raise_if_any()
-    world = args.nodes * args.gpus_per_node
-    target_te = args.target_te and not args.cpu  # resolved for the nodes the job runs on, not for this machine
-    resolve(cfg, world, target_te=target_te)
-    job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")
-    notes = [
-        "Written by: mbridge slurm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
-        f"{args.nodes} nodes x {args.gpus_per_node} {'processes' if args.cpu else 'GPUs'} = {world} ranks",
-    ]
-    if not args.cpu:
-        with for_target(target_te):
-            notes += _plan_notes(cfg, args.gpu, job_name)
-    job = SlurmJob(
-        command=_command(args, mode, extra),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        job_name=job_name,
-        partition=args.partition,
-        account=args.account,
-        time=args.time,
-        container_image=args.container,
-        container_mounts=args.container_mounts,
-        log_dir=args.log_dir,
-        signal_seconds=args.signal_seconds,
-        exit_signal=signal.Signals(t.exit_signal).name.removeprefix("SIG"),
-        python=args.python or ("python" if args.container else sys.executable),
-        cpu=args.cpu,
-        header_notes=notes,
-    )
-    text = render(job)
-    if args.output == "-":
-        print(text, end="")
-        return 0
-    path = args.output or f"{job_name}.sbatch"
-    os.makedirs(args.log_dir, exist_ok=True)  # Slurm opens --output before the script runs
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o755)
-    print(f"wrote {path}; submit it with: sbatch {path}")
-    return 0
-
-
-def _plan_notes(cfg: Any, gpu: str, label: str) -> list[str]:
-    """The plan's verdict as comment lines (a warning on stderr when it does not fit)."""
-    from megatron_bridge.planning import PlanningError, plan
-
-    try:
-        p = plan(cfg, gpu=gpu, label=label, with_fixes=False)
-    except (PlanningError, ValueError) as exc:
-        return [f"plan: not available ({exc})"]
-    w = p.worst
-    verdict = "fits" if p.fits else "DOES NOT FIT"
-    line = (
-        f"plan on {p.gpu.name}: {verdict}, {w.total / 2**30:.1f} of {p.gpu.memory_bytes / 2**30:.1f} GiB on the "
-        f"fullest GPU; step ~{p.timing.step_time_s:.3g} s at MFU {p.mfu:.2f} (mbridge pretrain --plan-only for details)"
-    )
-    if not p.fits:
-        print(f"mbridge slurm: warning: {line}", file=sys.stderr)
-    return [line]
+    return slurm_run.run(args)

@@ -7,6 +7,9 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+from megatron_bridge.cli import recipe_loader
+from megatron_bridge.config.overrides import process_config_with_overrides
+from megatron_bridge.config.paths import file_kind
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -17,8 +20,6 @@ YAML_SUFFIXES = (".yaml", ".yml")
 def get_recipe(name: str) -> Callable[..., "ConfigContainer"]:
     """The recipe function `name` (a library name, `module.path:function` or
     `path/to/file.py:function`); an unknown name is a `UsageError` naming the closest ones."""
-    from megatron_bridge.cli import recipe_loader
-
     return recipe_loader.load(name)
 
 
@@ -26,8 +27,6 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
     """The options object of recipe `fn` with its defaults, then `KEY=VALUE` texts applied (each
     value decoded against the option's declared type, with the grammar and checks of config
     overrides), then `values` as given. Fields changed here count as set (`explicit_fields()`)."""
-    from megatron_bridge.config.overrides import process_config_with_overrides
-
     options_class = getattr(fn, "options_class", None)
     if options_class is None:
         raise UsageError(f"recipe {fn.__name__} takes no options")
@@ -53,8 +52,6 @@ def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), value
 def check_file(path: str) -> None:
     """A `UsageError` unless `path` is a regular file, saying what it is instead."""
     if not os.path.isfile(path):
-        from megatron_bridge.config.paths import file_kind
-
         kind = file_kind(path)
         what = "does not exist" if kind == "missing" else f"is {kind}, not a YAML file"
         raise UsageError(f"config file {path!r} {what}")
@@ -77,7 +74,6 @@ def build_config(
     if config_file is not None:
         check_file(config_file)
     from megatron_bridge.training.config import ConfigContainer
-    from megatron_bridge.config.overrides import process_config_with_overrides
 
     with config_errors_are_usage_errors():
         if recipe is not None:

@@ -325,16 +325,27 @@ def section_classes(tp: Any) -> tuple[type, ...]:
     )
 
 
+_SECTIONS_BY_NAME: dict[type, Callable[[str], Any]] = {}
+"""Section class -> what turns a name a field of that class may hold into the section."""
+
+
+def register_section_names(cls: type, by_name: Callable[[str], Any]) -> None:
+    """Fields declared as section `cls` may hold a name instead (a preset): `by_name(name)` is
+    the section it stands for, which key paths below the field then address. Called by the
+    module defining `cls`."""
+    _SECTIONS_BY_NAME[cls] = by_name
+
+
 def section_from_value(value: Any, tp: Any) -> Optional[Any]:
     """The dataclass section that key paths below a field address: the value itself, or the
     config a preset name stands for (`mixed_precision=bf16_mixed` then `mixed_precision.fp8=...`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return value
     if isinstance(value, str):
-        from megatron_bridge.training.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
-
-        if MixedPrecisionConfig in section_classes(tp):
-            return get_mixed_precision_config(value)
+        for cls in section_classes(tp):
+            by_name = _SECTIONS_BY_NAME.get(cls)
+            if by_name is not None:
+                return by_name(value)
     return None
 
 

@@ -20,7 +20,7 @@ import functools
 from abc import ABCMeta
 from typing import Any, ClassVar
 
-from megatron_bridge.config import paths, ranges
+from megatron_bridge.config import paths, ranges, status
 from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
@@ -298,7 +298,3 @@ def finalize_into(config: Any, problems: Problems) -> None:
             problems.absorb(exc)
         except (ValueError, AssertionError, TypeError) as exc:
             problems.add("", str(exc), "fix the fields it names")
-
-
-# status reads ConfigBase, defined above; imported last so either module can be imported first.
-from megatron_bridge.config import status

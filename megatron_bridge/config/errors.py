@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from megatron_bridge.config.secrets import scrub
+from megatron_bridge import extras
 
 MAX_REPORTED = 100
 """Problems listed in an error message; the rest are counted ("and N more")."""
@@ -96,11 +97,9 @@ class Problems:
 
     def require_package(self, module: str, path: str, why: str) -> bool:
         """Add a problem if optional package `module` is not installed; return whether it is."""
-        from megatron_bridge.extras import install_hint, is_installed
-
-        installed = is_installed(module)
+        installed = extras.is_installed(module)
         if not installed:
-            self.add(path, f"{why} needs the '{module}' package", install_hint(module), module)
+            self.add(path, f"{why} needs the '{module}' package", extras.install_hint(module), module)
         return installed
 
     def check(self, ok: bool, path: str, message: str, fix: str = "") -> bool:

@@ -6,7 +6,9 @@ import importlib
 import pkgutil
 from collections.abc import Iterator
 
+import megatron_bridge
 from megatron_bridge.config import status as field_status
+from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.schema import FieldSpec, specs
 
 # Modules that define no config classes and need optional packages or a terminal.
@@ -15,9 +17,6 @@ _SKIP = (".cli", ".plotting", ".__main__")
 
 def config_classes() -> list[type]:
     """All config classes defined in megatron_bridge (imports every module that may define one)."""
-    import megatron_bridge
-    from megatron_bridge.config.base import ConfigBase
-
     for info in pkgutil.walk_packages(megatron_bridge.__path__, "megatron_bridge."):
         if not any(part in info.name for part in _SKIP):
             importlib.import_module(info.name)

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any, Optional
 
+from megatron_bridge import extras
 from megatron_bridge.config.annotations import values_equal
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import DERIVED, NEEDS_GPU, NEEDS_TE, USED, Unsupported  # noqa: F401
@@ -121,14 +122,12 @@ def refuse_on_this_machine(cfg: Any, device: Optional[str] = None) -> None:
 
 
 def _machine_problems(cfg: Any, device: Optional[str]) -> list[ConfigProblem]:
-    from megatron_bridge.extras import is_installed
-
     has_gpu = _has_gpu()
     on_gpu = has_gpu if device is None else device == "cuda"
     found = []
     for section_name, section in sections(cfg):
         for name, value, why in unsupported_settings(section):
-            if why.needs == "transformer_engine" and not is_installed("transformer_engine"):
+            if why.needs == "transformer_engine" and not extras.is_installed("transformer_engine"):
                 fix = "pip install transformer-engine, or leave it unset"
             elif why.needs == "gpu" and not on_gpu:
                 where = "train on the GPUs (dist.distributed_backend=auto or nccl)" if has_gpu else "run on a machine with a GPU"

@@ -16,14 +16,16 @@ config-class constructors); functions are kept as references or `functools.parti
 
 The built-in names of a module are registered when they are first needed; the module is
 imported only to resolve one of them: resolving `silu` does not import megatron-core, and
-nothing here imports torch until a torch name is asked for.
+nothing here imports torch until a torch name is asked for. A package of this project that
+exports config classes on first use declares them (`register_lazy_exports`); resolving such a
+name imports the packages on its path (their `__init__` only) and the module their table names.
 """
 
 from __future__ import annotations
 
-import difflib
 import enum
 import importlib
+import importlib.util
 import sys
 from typing import Any, Optional
 
@@ -48,7 +50,6 @@ _BUILTINS: dict[str, tuple[str, ...]] = {
         "kaiming_normal_", "zeros_", "ones_", "constant_", "orthogonal_",
     ),
     "megatron.core.activations": ("squared_relu", "quick_gelu", "fast_gelu"),
-    "megatron_bridge.models.activations": ("quick_gelu",),
     "signal": ("Signals",),
 }  # fmt: skip
 _loaded: set[str] = set()
@@ -57,10 +58,12 @@ _loaded: set[str] = set()
 SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
 """Where a function named without its module (`silu`) is looked up, in order."""
 
-# Config classes that project packages export lazily (their `__getattr__` imports them on first
-# use); resolving a name may ask for these. Nothing else is ever imported to resolve a name.
-_LAZY_EXPORTS = {"megatron_bridge": ("ConfigContainer",)}
+_LAZY_EXPORTS: dict[str, dict[str, str]] = {}
+"""Package -> {name: the module defining it} of the config classes the package exports on first
+use (its module `__getattr__`), as the package declared them (`register_lazy_exports`)."""
+
 _LAZY_PACKAGES = ("megatron_bridge.",)
+"""The project's own packages: resolving a name under them may import them (never another module)."""
 
 
 class TargetNotAllowedError(ImportError):
@@ -72,10 +75,11 @@ class TargetNotAllowedError(ImportError):
         self.fix = fix
 
 
-def register_target(obj: Any, name: Optional[str] = None) -> Any:
+def register_target(obj: Any, name: Optional[str] = None, *, canonical: bool = False) -> Any:
     """Allow configs to name `obj` (a class or function) as `name` (default: its import path,
     `module.qualname`). Returns `obj`, so it works as a decorator. Call it from code, e.g. next to
-    the class; a config cannot call it."""
+    the class; a config cannot call it. With `canonical`, configs are written with `name` too (a
+    class's public import path, which stays when the module defining it moves)."""
     if name is None:
         module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
@@ -84,9 +88,20 @@ def register_target(obj: Any, name: Optional[str] = None) -> Any:
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
         raise ValueError(f"register_target: {name!r} is not a dotted name like 'pkg.mod.Name'")
     _BY_NAME[name] = obj
-    _NAME_OF.setdefault(id(obj), name)
+    if canonical:
+        _NAME_OF[id(obj)] = name
+    else:
+        _NAME_OF.setdefault(id(obj), name)
     _OBJECTS[id(obj)] = obj
     return obj
+
+
+def register_lazy_exports(package: str, names: dict[str, str]) -> None:
+    """Declare that `package` exports the config classes `names` (name -> the module defining it)
+    on first use. Configs may then name one as `package.Name` or `module.Name` before anything
+    imported it: resolving the name imports that module, which registers its classes. Called by
+    the package itself, when it is imported."""
+    _LAZY_EXPORTS.setdefault(package, {}).update(names)
 
 
 def register_config_class(cls: type) -> None:
@@ -146,6 +161,8 @@ def resolve(name: Any) -> Any:
     if obj is None:
         obj = _public_alias(name)
     if obj is None:
+        import difflib  # only for the hint of an error: `import megatron_bridge` stays light
+
         hint = difflib.get_close_matches(name, _public_names(), n=3, cutoff=0.6)
         closest = f" (closest: {', '.join(hint)})" if hint else ""
         raise TargetNotAllowedError(
@@ -175,28 +192,49 @@ def _exported(module_name: str, attr: str) -> Any:
     if module is None:
         return None
     found = module.__dict__.get(attr)
-    if found is None and attr in _LAZY_EXPORTS.get(module_name, ()):
+    if found is None and attr in _LAZY_EXPORTS.get(module_name, {}):
         found = getattr(module, attr, None)
     return found
+
+
+def _import_packages(module_name: str) -> None:
+    """Import the project's packages on the path of `module_name` (each package's `__init__`,
+    stopping at the first name that is not a package: no module is run), so that what they
+    export lazily is declared."""
+    parts = module_name.split(".")
+    for cut in range(1, len(parts) + 1):
+        package = ".".join(parts[:cut])
+        if package not in sys.modules:
+            try:
+                spec = importlib.util.find_spec(package)
+            except (ImportError, ValueError):
+                return
+            if spec is None or spec.submodule_search_locations is None:
+                return
+            importlib.import_module(package)
+        if not hasattr(sys.modules[package], "__path__"):
+            return
 
 
 def _public_alias(name: str) -> Any:
     """`pkg.Name` where an imported `pkg` re-exports a registered object (checked: the object
     found must be registered), or `Enum.MEMBER` of a registered enum class. One attribute lookup
-    on an already imported module; the only import is a model family through
-    `megatron_bridge.models`' own lazy table."""
+    on an imported module; the only imports are the project's packages on the name's path and the module a package's lazy table names for it
+    (`register_lazy_exports`)."""
     module_name, _, attr = name.rpartition(".")
     if not module_name:
         return None
     owner = _BY_NAME.get(module_name)
     if isinstance(owner, type) and issubclass(owner, enum.Enum):
         return owner.__members__.get(attr)
-    if module_name.startswith("megatron_bridge.models"):
-        models = importlib.import_module("megatron_bridge.models")
-        if attr in models._WHERE and module_name in ("megatron_bridge.models", models._WHERE[attr]):
-            getattr(models, attr)  # imports the family module, which registers its classes
-            if name in _BY_NAME:
-                return _BY_NAME[name]
+    if name.startswith(_LAZY_PACKAGES):
+        _import_packages(module_name)
+        for package, names in list(_LAZY_EXPORTS.items()):
+            defining = names.get(attr)
+            if defining is not None and module_name in (package, defining):
+                importlib.import_module(defining)  # registers its classes
+                if name in _BY_NAME:
+                    return _BY_NAME[name]
     candidate = _exported(module_name, attr)
     return candidate if candidate is not None and is_registered(candidate) else None
 

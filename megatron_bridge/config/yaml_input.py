@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.config.paths import file_kind
 
 MAX_BYTES = int(os.environ.get("MBRIDGE_MAX_CONFIG_BYTES", 8 * 1024 * 1024))
 """Largest config file read, in bytes."""
@@ -64,8 +65,6 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     if not os.path.exists(name):
         raise FileNotFoundError(f"config file {name!r} does not exist")
     if not os.path.isfile(name):
-        from megatron_bridge.config.paths import file_kind
-
         raise _error(name, f"is {file_kind(name)}, not a regular file", "give the path of a YAML file")
     size = os.path.getsize(name)
     if size > MAX_BYTES:

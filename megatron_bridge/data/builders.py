@@ -7,7 +7,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_bridge.training.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.config import DatasetBuildContext, DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.data.phase_schedule import resolve_phases
+from megatron_bridge.data.finetuning import build_finetuning_datasets
+from megatron_bridge.data.phases import build_phased_train_dataset
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -50,8 +54,6 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
         )
         return data.build_datasets(context)
     if isinstance(data, FinetuningDatasetConfig):
-        from megatron_bridge.data.finetuning import build_finetuning_datasets
-
         return build_finetuning_datasets(data, tokenizer, counts, cfg.model)
     if isinstance(data, GPTDatasetConfig):
         return _build_gpt_datasets(data, tokenizer, counts, cfg)
@@ -60,9 +62,6 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
 
 def resolved_phases(cfg: "ConfigContainer") -> Optional[list]:
     """The blend phases of `cfg` with start iterations (the first at 0); None without phases."""
-    from megatron_bridge.config.errors import Problems
-    from megatron_bridge.data.phase_schedule import resolve_phases
-
     data = cfg.dataset
     if not isinstance(data, GPTDatasetConfig) or data.blend_phases is None or data.blend is None:
         return None
@@ -85,8 +84,6 @@ def _build_gpt_datasets(data: GPTDatasetConfig, tokenizer: Any, counts: SampleCo
     dataset_class = MockGPTDataset if config.mock else GPTDataset
     phases = resolved_phases(cfg) if cfg is not None and not config.mock else None
     if phases is not None:
-        from megatron_bridge.data.phases import build_phased_train_dataset
-
         train = build_phased_train_dataset(config, phases, cfg.train.global_batch_size, counts.train)
         split = list(config.split_matrix)
         rest = copy.copy(config)

@@ -25,6 +25,7 @@ import re
 from typing import Any, Optional
 
 import numpy as np
+from megatron_bridge.extras import require
 
 ASSISTANT = "assistant"
 
@@ -91,8 +92,6 @@ def _generation_extension(jinja2: Any) -> type:
 @functools.lru_cache(maxsize=16)
 def compile_template(template: str) -> Any:
     """The Jinja template, compiled in a sandbox (templates come from data files)."""
-    from megatron_bridge.extras import require
-
     jinja2 = require("jinja2", "chat templates")
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -16,6 +16,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
+from megatron_bridge.data.hf_local import DataSourceError
+from megatron_bridge.data.indexed import largest_token_id, read_index_header
+from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
+from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -46,8 +52,6 @@ def build_checked_tokenizer(cfg: "ConfigContainer") -> Any:
 
 
 def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Optional[Any]:
-    from megatron_bridge.training.tokenizers.tokenizer import build_tokenizer
-
     tok = cfg.tokenizer
     if tok.tokenizer_type == "HuggingFaceTokenizer" and tok.tokenizer_model and not os.path.exists(tok.tokenizer_model):
         report.missing("tokenizer.tokenizer_model", repr(tok.tokenizer_model), dry_run, "point it at a local tokenizer directory or tokenizer.json")
@@ -63,8 +67,6 @@ def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Opt
 
 def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = False) -> DataReport:
     """Run every data check of `cfg` (a resolved config); builds the tokenizer when not given."""
-    from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
-
     report = DataReport()
     if tokenizer is None:
         tokenizer = _tokenizer(cfg, report, dry_run)
@@ -111,8 +113,6 @@ def data_prefixes(data: Any) -> list[tuple[str, str]]:
 
 
 def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool) -> None:
-    from megatron_bridge.data.indexed import largest_token_id, read_index_header
-
     p = report.problems
     have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
     if not any(have.values()):
@@ -154,10 +154,6 @@ def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataRep
 
 # ---------------------------------------------------------------------- fine-tuning data
 def check_finetuning_data(cfg: "ConfigContainer", tokenizer: Any, report: DataReport, dry_run: bool) -> None:
-    from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
-    from megatron_bridge.data.hf_local import DataSourceError
-    from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
-
     data, p = cfg.dataset, report.problems
     root = os.fspath(data.dataset_root)
     if dry_run and not os.path.exists(root):
@@ -203,9 +199,6 @@ def check_finetuning_data(cfg: "ConfigContainer", tokenizer: Any, report: DataRe
 def first_row_rendering_problem(source: Any, fmt: Any, renderer: Any) -> Optional[tuple[str, str]]:
     """(config path, message) when the chat template cannot render the first conversation with its
     assistant turns located: a template the whole split would fail on, found before the build."""
-    from megatron_bridge.data.chat import ChatFormatError
-    from megatron_bridge.data.hf_local import DataSourceError
-
     try:
         for location, record in source.records(fmt.columns()):
             renderer.assistant_spans(record[fmt.messages])

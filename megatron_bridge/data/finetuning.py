@@ -18,20 +18,19 @@ import torch
 
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
 from megatron_bridge.models.attention import core_attention_choice
-from megatron_bridge.training.child_processes import worker_pool
+from megatron_bridge.runtime.child_processes import worker_pool
+from megatron_bridge.data.chat import ChatRenderer
+from megatron_bridge.data.hf_local import LocalSplit
+from megatron_bridge.data.packing import packed_dataset
+from megatron_bridge.data.samples import EpochOrder, Sample
 
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts
     from megatron_bridge.training.config import FinetuningDatasetConfig
 
-Sample = tuple[np.ndarray, np.ndarray]
-"""(token ids, flags): flags[i] is 1 when token i is one the loss covers (answer, assistant turn)."""
-
 
 def read_examples(path: str, prompt_key: str, answer_key: str, limit: Optional[int] = None) -> list[tuple[str, str]]:
     """(prompt, answer) pairs of a JSONL file; a line without both keys is an error naming it."""
-    from megatron_bridge.data.hf_local import LocalSplit
-
     fmt = RecordFormat("prompt/answer", prompt=prompt_key, answer=answer_key)
     return [(str(r[prompt_key]), str(r[answer_key])) for r in _valid_records(LocalSplit("train", files=(path,)), fmt, None, limit)]
 
@@ -58,8 +57,6 @@ class SampleEncoder:
         self.limit = seq_length + 1
         self.renderer = None
         if fmt.kind == CHAT:
-            from megatron_bridge.data.chat import ChatRenderer
-
             self.renderer = ChatRenderer(tokenizer)
 
     def __reduce__(self):
@@ -105,24 +102,6 @@ def encode_records(records: list[dict], encoder: SampleEncoder, workers: int) ->
 
 
 # ---------------------------------------------------------------------- datasets
-class EpochOrder:
-    """Index -> item for `num_samples` draws over `size` items: in order for the first pass,
-    then reshuffled each further pass with a seed that depends on the pass."""
-
-    def __init__(self, size: int, num_samples: int, seed: int):
-        self.size = size
-        self.num_samples = max(num_samples, size)
-        self.seed = seed
-
-    def __call__(self, idx: int) -> int:
-        epoch, position = divmod(idx, self.size)
-        if epoch == 0:
-            return position
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        return int(torch.randperm(self.size, generator=g)[position])
-
-
 class SFTDataset(torch.utils.data.Dataset):
     """Samples with a loss mask on the flagged tokens; `num_samples` larger than the data
     repeats it, reshuffled each pass (seeded)."""
@@ -201,8 +180,6 @@ def build_finetuning_datasets(data: "FinetuningDatasetConfig", tokenizer: Any, c
 
         specs = data.packed_sequence_specs
         if specs is not None:
-            from megatron_bridge.data.packing import packed_dataset
-
             key = json.dumps([source.identity(), str(fmt), dict(tokenizer.unique_identifiers), data.seq_length, limit], sort_keys=True, default=str)
             attention = "cu_seqlens" if model is not None and core_attention_choice(model).kind == "te" else "mask"
             datasets.append(packed_dataset(tokenized, key, source, split, specs, data, wanted[split], pad_id_of(tokenizer), attention))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from megatron_bridge.data.finetuning import EpochOrder, Sample
+from megatron_bridge.data.samples import EpochOrder, Sample
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from megatron_bridge.data.phase_schedule import Phase, describe, phase_at
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 
 logger = logging.getLogger("megatron_bridge")
 

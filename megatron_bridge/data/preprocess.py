@@ -28,7 +28,8 @@ import numpy as np
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit, open_arrow, select_split
 from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
-from megatron_bridge.training.child_processes import worker_pool
+from megatron_bridge.runtime.child_processes import worker_pool
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
@@ -223,7 +224,6 @@ def _init_worker(options: PreprocessOptions, threads: bool) -> None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a plain SIGTERM ends a worker (the main process handles its own)
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
 
     _WORKER["tokenizer"] = HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
     _WORKER["options"] = options
@@ -315,8 +315,6 @@ class _Terminated(Exception):
 
 def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
     """Preprocess `options.input`; returns what was written per key."""
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
-
     if options.workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {options.workers}")
     if not options.json_keys:

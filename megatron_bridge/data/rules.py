@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.phase_schedule import resolve_phases
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -13,8 +15,6 @@ if TYPE_CHECKING:
 
 def check_data_rules(cfg: "ConfigContainer", problems: Problems) -> None:
     """Packed fine-tuning sequences fit the layout; blend phases fit the training length."""
-    from megatron_bridge.training.config.data import FinetuningDatasetConfig, GPTDatasetConfig
-
     if isinstance(cfg.dataset, FinetuningDatasetConfig) and cfg.dataset.packed_sequence_specs is not None:
         check_packing(cfg, problems)
     if isinstance(cfg.dataset, GPTDatasetConfig) and cfg.dataset.blend_phases is not None:
@@ -53,8 +53,6 @@ def check_packing(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_phase_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
-    from megatron_bridge.data.phase_schedule import resolve_phases
-
     data, t = cfg.dataset, cfg.train
     problems.check(
         data.dataloader_type in (None, "single"),

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_bridge.data.hf_local import DataSourceError, LocalSplit, open_local, select_split
+from megatron_bridge.data.hf_local import DataSourceError, LocalSplit, SplitSpec, open_local, select_split
 
 SPLITS = ("train", "valid", "test")
 """The splits of a fine-tuning run."""
@@ -143,8 +143,6 @@ def first_problem(source: LocalSplit, fmt: RecordFormat, null_vocab: Optional[in
 
 def check_sft_options(data: Any, problems: Any) -> None:
     """`splits` and `column_mapping` of a FinetuningDatasetConfig (no file access)."""
-    from megatron_bridge.data.hf_local import SplitSpec
-
     for key, value in (data.splits or {}).items():
         if not problems.check(key in SPLITS, f"splits.{key}", f"unknown run split {key!r}", f"use {list(SPLITS)}"):
             continue

@@ -24,6 +24,9 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from megatron_bridge.inference.errors import DataError
+from megatron_bridge.data.chat import ChatFormatError
+from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit
+from megatron_bridge.data.sft_records import detect_format as detect_sft
 
 TEXT, INDEXED, SFT, CHOICE = "text", "indexed", "sft", "choice"
 FORMATS = (TEXT, INDEXED, SFT, CHOICE)
@@ -143,10 +146,7 @@ def windows(documents: list, eod: Optional[int], seq_length: int) -> list[Scored
 
 def sft_sequences(path: str, tokenizer: Any, seq_length: int) -> list[Scored]:
     """Fine-tuning rows as fine-tuning tokenizes them, the loss mask where it trains."""
-    from megatron_bridge.data.chat import ChatFormatError
     from megatron_bridge.data.finetuning import SampleEncoder, _valid_records
-    from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit
-    from megatron_bridge.data.sft_records import detect_format as detect_sft
 
     if os.path.splitext(path)[1] not in SUFFIX_FORMATS:
         raise DataError(f"{path!r}: fine-tuning data is read from {', '.join(sorted(SUFFIX_FORMATS))} files")

@@ -14,9 +14,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_bridge.inference.corpora import CHOICE, FORMATS, INDEXED, SFT, TEXT
+from megatron_bridge.inference.corpora import CHOICE, FORMATS, INDEXED, SFT, TEXT, detect_format
 from megatron_bridge.inference.errors import DataError
-from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike
+from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike, load_model
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.inference import choices, corpora
+from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
+from megatron_bridge.inference.sources import declared_seq_length, resolve
 
 
 @dataclass
@@ -77,8 +81,6 @@ def evaluate(
     format is detected unless `data_format` names it). Sequences are truncated to `seq_length`
     tokens (default: the model's); `concat` scores text as pretraining windows instead of one
     document at a time."""
-    from megatron_bridge.config.errors import Problems
-
     problems = Problems()
     problems.positive("batch_size", batch_size)
     problems.check(backend in BACKENDS, "backend", f"unknown process-group backend {backend!r}", f"use one of {list(BACKENDS)}")
@@ -89,9 +91,6 @@ def evaluate(
         fmt = _format(data, data_format, text_key, concat)
         length = _length(seq_length, model.seq_length)
         return _score(model, data, fmt, *_read(data, fmt, text_key, model.tokenizer, length, concat), batch_size)
-    from megatron_bridge.inference.model import load_model
-    from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
-    from megatron_bridge.inference.sources import declared_seq_length, resolve
 
     # The source and the data are read and checked before the model is built.
     source = resolve(os.fspath(model), step, base)
@@ -105,8 +104,6 @@ def evaluate(
 
 
 def _format(data: str, data_format: Optional[str], text_key: str, concat: bool) -> str:
-    from megatron_bridge.inference.corpora import detect_format
-
     fmt = data_format or detect_format(os.fspath(data), text_key)
     if concat and fmt not in (TEXT, INDEXED):
         raise DataError(f"--concat joins documents of text or indexed data, not {fmt} data")
@@ -123,8 +120,6 @@ def _length(requested: Optional[int], model_length: Optional[int]) -> int:
 
 def _read(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat: bool) -> tuple[list, Optional[list]]:
     """(scored sequences, multiple-choice items or None) of the data."""
-    from megatron_bridge.inference import choices, corpora
-
     if tok is None and fmt != INDEXED:
         raise DataError(f"reading {fmt} data needs a tokenizer, and the model has none")
     if fmt == TEXT:
@@ -138,7 +133,6 @@ def _read(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat:
 
 
 def _score(model: InferenceModel, data: str, fmt: str, sequences: list, items: Optional[list], batch_size: int) -> EvalResult:
-    from megatron_bridge.inference import choices
     from megatron_bridge.inference.scoring import nll_total, token_logprobs
 
     largest = max((int(seq.ids.max()) for seq in sequences if len(seq.ids)), default=-1)

@@ -14,10 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike
+from megatron_bridge.inference.model import BACKENDS, InferenceModel, ModelLike, load_model
 from megatron_bridge.inference.errors import PromptError
 from megatron_bridge.inference.prompts import Prompt, encode_prompts
 from megatron_bridge.inference.sampling import Sampling
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
+from megatron_bridge.inference.sources import declared_seq_length, resolve
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
 
@@ -88,8 +91,6 @@ def generate(
     Greedy unless `temperature` > 0 or `top_k`/`top_p` are given (see `Sampling`); `chat`
     renders plain prompts as a user message with the tokenizer's chat template; `stop` strings
     end a generation where they appear; `ignore_eos` generates past stop tokens."""
-    from megatron_bridge.config.errors import Problems
-
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     problems = Problems()
@@ -102,9 +103,6 @@ def generate(
     if isinstance(model, InferenceModel):
         encoded = _encode(model.tokenizer, prompts, chat, model.seq_length, "the model")
         return _generate_all(model, prompts, encoded, sampling, max_new_tokens, stop, ignore_eos, batch_size)
-    from megatron_bridge.inference.model import load_model
-    from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
-    from megatron_bridge.inference.sources import declared_seq_length, resolve
 
     # Everything that can be wrong with the prompts is found before the model is built.
     source = resolve(os.fspath(model), step, base)

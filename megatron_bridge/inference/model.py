@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
 from megatron_bridge.inference.errors import SourceError
-from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, resolve
+from megatron_bridge.inference.sources import ModelSource, resolve
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Process-group backends a model loads with: auto is nccl where GPUs are visible, else gloo."""
@@ -47,7 +47,7 @@ class InferenceModel:
         """A model of a running job (one of `state.model`, wrappers included) with its tokenizer.
         It must hold the whole model (pipeline-parallel size 1)."""
         from megatron_bridge.inference.source_tokenizer import stop_token_ids
-        from megatron_bridge.training.checkpointing.state_dict import unwrap
+        from megatron_bridge.runtime.checkpointing.weights import unwrap
 
         bare = unwrap(module)
         config = bare.config
@@ -121,94 +121,13 @@ def load_model(source: Union[str, os.PathLike, ModelSource], *, step: Optional[i
     More processes on a machine than visible GPUs with nccl is a `ConfigValidationError` before
     anything is built."""
     from megatron_bridge.inference.source_tokenizer import load_tokenizer, stop_token_ids
-    from megatron_bridge.models.hf.runtime import model_parallel
 
     src = source if isinstance(source, ModelSource) else resolve(os.fspath(source), step, base)
+    from megatron_bridge.inference import building  # megatron-core and the model code: once the source is checked
+
     tok = preloaded_tokenizer if preloaded_tokenizer is not None else load_tokenizer(src, tokenizer)
     size = tensor_parallel_size(tp)
-    with model_parallel(tp=size, backend=backend) as device:
-        module, provider = _build(src, device, dtype)
+    with building.model_parallel(tp=size, backend=backend) as device:
+        module, provider = building.build(src, device, dtype)
         yield InferenceModel(module, tok, vocab_size=int(provider.vocab_size), seq_length=int(provider.seq_length),
                              stop_ids=stop_token_ids(src, tok), source=src)  # fmt: skip
-
-
-def _provider(src: ModelSource) -> Any:
-    from megatron_bridge.config.errors import Problems
-
-    if src.kind == HF:
-        from megatron_bridge.models.hf.load import check_hf_directory
-
-        problems = Problems()
-        provider = check_hf_directory(src.directory, problems)
-        if provider is None:
-            lines = [f"  - {p.message}" + (f" ({p.fix})" if p.fix else "") for p in problems.items]
-            raise SourceError("\n".join([f"the Hugging Face model {src.directory!r} cannot be loaded:", *lines]))
-        return provider
-    from megatron_bridge.models.hf.convert import checkpoint_provider
-
-    try:
-        return checkpoint_provider(src.directory)
-    except (ValueError, TypeError) as exc:
-        raise SourceError(f"the model of {src.describe()} cannot be read: {exc}") from None
-
-
-def _weights_dtype(src: ModelSource, provider: Any, dtype: Optional[str]) -> Any:
-    from megatron_bridge.models.hf.writer import torch_dtype
-
-    if dtype is not None:
-        return torch_dtype(dtype)
-    if src.kind == HF:
-        from megatron_bridge.models.hf.config import read_hf_config
-        from megatron_bridge.models.hf.convert import default_dtype
-
-        return torch_dtype(default_dtype(provider, read_hf_config(src.directory)))
-    from megatron_bridge.models.hf.runtime import stored_dtype
-
-    return stored_dtype(provider)
-
-
-def _build(src: ModelSource, device: str, dtype: Optional[str]) -> tuple[Any, Any]:
-    """(the loaded GPTModel, its provider) of `src` in the current parallel state."""
-    from megatron_bridge.models.hf.runtime import build_chunks, prepare
-
-    weights = src.base if src.kind == ADAPTERS else src
-    provider = _provider(src)  # adapters: the architecture their run trained (the base's)
-    layout: dict[str, Any] = {"bf16": False, "fp16": False, "parallel_output": False,
-                              "moe_token_dispatcher_type": "allgather"}  # fmt: skip
-    if src.kind == ADAPTERS:
-        layout["transformer_impl"] = "local"  # adapters wrap megatron-core's local linear layers
-    provider = prepare(provider, device, params_dtype=_weights_dtype(weights, provider, dtype), **layout)
-    (module,) = build_chunks(provider, device)
-    _load_complete_weights(module, weights)
-    if src.kind == ADAPTERS:
-        _add_adapters(module, src)
-    module.eval()
-    return module, provider
-
-
-def _load_complete_weights(module: Any, src: ModelSource) -> None:
-    if src.kind == HF:
-        from megatron_bridge.models.hf.load import load_hf_weights
-
-        load_hf_weights([module], src.directory)
-        return
-    from megatron_bridge.models.hf.runtime import load_checkpoint_weights
-
-    try:
-        load_checkpoint_weights([module], src.directory)
-    except Exception as exc:  # dist_checkpointing names mismatched tensors in many exception types
-        raise SourceError(f"the weights of {src.describe()} do not fit its model: {exc}") from None
-
-
-def _add_adapters(module: Any, src: ModelSource) -> None:
-    from megatron_bridge.config.serialization import from_dict
-    from megatron_bridge.inference.sources import read_run_config
-    from megatron_bridge.peft.apply import apply_peft, base_weights_loaded
-    from megatron_bridge.peft.offline import load_weights
-
-    config = read_run_config(src.directory)
-    peft = from_dict(config["peft"])
-    seed = int((config.get("rng") or {}).get("seed", 1234))
-    apply_peft(module, peft, seed=seed)
-    base_weights_loaded(module)
-    load_weights(module, src.directory, "adapters")

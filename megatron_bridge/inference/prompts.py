@@ -11,6 +11,7 @@ import json
 from typing import Any, Union
 
 from megatron_bridge.inference.errors import PromptError
+from megatron_bridge.data.chat import ChatFormatError, ChatRenderer, check_messages
 
 Prompt = Union[str, list]
 
@@ -46,8 +47,6 @@ def check_prompt(prompt: Any, where: str) -> Prompt:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
-        from megatron_bridge.data.chat import check_messages
-
         problem = check_messages(prompt + [{"role": "assistant", "content": ""}], where)
         if problem:
             raise PromptError(problem)
@@ -65,8 +64,6 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length
     encoded = []
     for i, prompt in enumerate(prompts):
         if renderer is not None:
-            from megatron_bridge.data.chat import ChatFormatError
-
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             try:
                 text = renderer.render(messages, add_generation_prompt=True)
@@ -87,8 +84,6 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length
 
 
 def chat_renderer(tokenizer: Any, describe: str) -> Any:
-    from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
-
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError(
             f"the tokenizer of {describe} has no chat template, which --chat and conversation prompts need "

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, read_json, read_run_config
+from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -23,8 +25,6 @@ def _has_tokenizer_files(directory: Optional[str]) -> bool:
 def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optional[Any]:
     """The tokenizer to use with `source` (`override`: a tokenizer directory or tokenizer.json
     given by the user); None when the source names none."""
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer
-
     try:
         if override is not None:
             if not os.path.exists(override):
@@ -43,23 +43,18 @@ def load_tokenizer(source: ModelSource, override: Optional[str] = None) -> Optio
 
 
 def _from_run_config(source: ModelSource) -> Optional[Any]:
-    from megatron_bridge.config.serialization import from_dict
-    from megatron_bridge.training.tokenizers.config import TokenizerConfig
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
-
-    data = read_run_config(source.directory)
-    section = data.get("tokenizer") or {}
-    kind = section.get("tokenizer_type")
+    saved = read_run_config(source.directory)
+    kind = saved.value("tokenizer", "tokenizer_type")
     if kind == "HuggingFaceTokenizer":
-        cfg = from_dict(section, TokenizerConfig)
+        cfg = saved.build("tokenizer", TokenizerConfig)
         if cfg.tokenizer_model and not os.path.exists(cfg.tokenizer_model) and _has_tokenizer_files(source.hf_assets):
             cfg.tokenizer_model = source.hf_assets  # the checkpoint moved; its own copy of the files
         cfg.finalize()
         return build_tokenizer(cfg)
     if kind == "NullTokenizer":
-        cfg = from_dict(section, TokenizerConfig)
+        cfg = saved.build("tokenizer", TokenizerConfig)
         if cfg.vocab_size is None:
-            cfg.vocab_size = (data.get("model") or {}).get("vocab_size")
+            cfg.vocab_size = saved.value("model", "vocab_size")
         cfg.finalize()
         return build_tokenizer(cfg)
     assets = source.hf_assets

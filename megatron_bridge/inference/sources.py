@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
+
+if TYPE_CHECKING:
+    from megatron_bridge.runtime.checkpointing.run_config import SavedRunConfig
 
 HF, CHECKPOINT, ADAPTERS = "hf", "checkpoint", "adapters"
 CONFIG_FILE = "config.json"
@@ -82,14 +87,12 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
     directory, iteration = _iteration(path, step)
     check_complete(directory)
     config = read_run_config(directory)
-    if config.get("peft") is None:
+    if not config.with_peft:
         return ModelSource(path, CHECKPOINT, directory, iteration)
     return ModelSource(path, ADAPTERS, directory, iteration, base=_base_of(directory, config, base))
 
 
 def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
-    from megatron_bridge.training.checkpointing import layout
-
     try:
         return layout.resolve(path, step)
     except (FileNotFoundError, ValueError) as exc:
@@ -105,8 +108,6 @@ def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
 def check_complete(directory: str) -> None:
     """Raise `SourceError` unless `directory` is a complete checkpoint iteration: its metadata,
     its run config, and every shard file its metadata names, at least as long as recorded."""
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-
     missing = [name for name in (*CHECKPOINT_FILES, RUN_CONFIG_FILE) if not os.path.isfile(os.path.join(directory, name))]
     if missing:
         raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
@@ -130,24 +131,23 @@ def check_complete(directory: str) -> None:
             )
 
 
-def read_run_config(directory: str) -> dict[str, Any]:
-    """The run_config.yaml of a checkpoint iteration directory, as plain data."""
-    import yaml
+def read_run_config(directory: str) -> "SavedRunConfig":
+    """The run config saved in a checkpoint iteration directory; `SourceError` when it has none
+    that describes a model."""
+    from megatron_bridge.runtime.checkpointing import run_config
 
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-
-    path = os.path.join(directory, RUN_CONFIG_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        saved = run_config.read_run_config(directory)
+    except (OSError, ValueError) as exc:  # ValueError: ConfigValidationError, naming the file
         raise SourceError(f"the checkpoint {directory!r} has an unreadable {RUN_CONFIG_FILE} ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        raise SourceError(f"{path} describes no model: the checkpoint was not written by megatron_bridge")
-    return data
+    if saved is None:
+        raise SourceError(f"the checkpoint {directory!r} has no {RUN_CONFIG_FILE}")
+    if not saved.has_section("model"):
+        raise SourceError(f"{saved.path} describes no model: the checkpoint was not written by megatron_bridge")
+    return saved
 
 
-def _base_of(directory: str, config: dict, given: Optional[str]) -> ModelSource:
+def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> ModelSource:
     """The base weights of the adapters in `directory`: `given`, else what the run recorded."""
     if given is not None:
         base = resolve(given)
@@ -158,7 +158,7 @@ def _base_of(directory: str, config: dict, given: Optional[str]) -> ModelSource:
 
     common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
     record = common.get("peft") or {}
-    configured = (config.get("checkpoint") or {}).get("pretrained_checkpoint")
+    configured = config.value("checkpoint", "pretrained_checkpoint")
     candidates = [c for c in (record.get("pretrained_iteration_dir"), record.get("pretrained_checkpoint"), configured) if c]
     for candidate in candidates:
         if os.path.isdir(candidate):
@@ -191,5 +191,5 @@ def declared_seq_length(source: ModelSource) -> Optional[int]:
     if source.kind == HF:
         value = read_json(os.path.join(source.directory, CONFIG_FILE)).get("max_position_embeddings", 4096)
         return int(value) if isinstance(value, int) else None  # 4096: what the conversion assumes
-    value = (read_run_config(source.directory).get("model") or {}).get("seq_length")
+    value = read_run_config(source.directory).value("model", "seq_length")
     return int(value) if isinstance(value, int) else None

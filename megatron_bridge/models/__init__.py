@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_bridge.config.targets import register_lazy_exports
+from megatron_bridge.models import activations  # noqa: F401 (registers the functions configs may name)
 from megatron_bridge.models.gpt_provider import GPTModelProvider
 from megatron_bridge.models.param_count import ParameterCount, count_parameters, flops_per_token
 
@@ -67,6 +69,7 @@ _FAMILIES = {
     "megatron_bridge.models.tiny_gpt": ("TinyGPTModelProvider",),
 }
 _WHERE = {name: module for module, names in _FAMILIES.items() for name in names}
+register_lazy_exports("megatron_bridge.models", _WHERE)  # configs name them before they are imported
 
 __all__ = ["GPTModelProvider", "ParameterCount", "count_parameters", "flops_per_token", *sorted(_WHERE)]
 

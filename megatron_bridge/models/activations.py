@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_bridge.config.targets import register_target
+
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(1.702 x): GELU's sigmoid approximation, as megatron-core's `quick_gelu`
     computes it (the gate of GPT-OSS's clamped SwiGLU)."""
     return x * torch.sigmoid(1.702 * x)
+
+
+register_target(quick_gelu)  # configs may name it

@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any, Literal, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, Problems
+from megatron_bridge import extras
 
 CoreAttentionKind = Literal["te", "sdpa", "unfused"]
 
@@ -57,9 +58,7 @@ def te_layers(config: Any) -> bool:
     and installed (a default ask falls back to local layers where TE is missing)."""
     if config.transformer_impl != "transformer_engine":
         return False
-    from megatron_bridge.extras import is_installed
-
-    return is_installed("transformer_engine")
+    return extras.is_installed("transformer_engine")
 
 
 def sdpa_unsupported(config: Any) -> Optional[str]:

@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.models.attention import te_layers
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -82,8 +83,6 @@ def grouped_gemm_installed() -> bool:
 
 def machine_decision(model: Any) -> ExpertMLPDecision:
     """`decide_grouped_gemm` for this machine."""
-    from megatron_bridge.models.attention import te_layers
-
     if not model.num_moe_experts or not model.moe_grouped_gemm:
         return ExpertMLPDecision(bool(model.moe_grouped_gemm))
     return decide_grouped_gemm(model, te_layers=te_layers(model), grouped_gemm_installed=grouped_gemm_installed())

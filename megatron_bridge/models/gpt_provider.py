@@ -16,6 +16,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import FACTOR, SIZE, field
+from megatron_bridge.config.targets import TargetNotAllowedError, resolve
+from megatron_bridge import extras
+from megatron_bridge.models.attention import (
+    check_attention,
+    core_attention_choice,
+    core_attention_module,
+    core_attention_recompute,
+    replace_core_attention,
+    te_layers,
+)
+from megatron_bridge.models.layers.expert_bias import with_biased_experts
+from megatron_bridge.models.layers.spec_edits import apply_layer_fields, changes_layers
+from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
+from megatron_bridge.models.layers.softcap import cap_output_logits
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +184,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             path = getattr(self, name, None)
             if path is None:
                 continue
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 
             try:
                 resolve(path)
@@ -220,8 +233,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 "set model.transformer_impl='transformer_engine' (and install the 'te' extra)",
             )
         if isinstance(self.transformer_layer_spec, str):
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
-
             try:
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
@@ -231,7 +242,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_expert_biases(p)
         self._check_rotary(p)
         self._check_activation(p)
-        from megatron_bridge.models.attention import check_attention, core_attention_recompute
 
         check_attention(self, p)
         derived, note = core_attention_recompute(self)
@@ -246,8 +256,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
     def _check_layer_fields(self, p: Problems) -> None:
         """The layer fields megatron-core lacks are built into megatron-core's own layer spec."""
-        from megatron_bridge.models.layers.spec_edits import changes_layers
-
         if changes_layers(self) and self.transformer_layer_spec is not None:
             p.add(
                 "transformer_layer_spec",
@@ -432,15 +440,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         spec = self.transformer_layer_spec
         if spec is not None:
             if isinstance(spec, str):
-                from megatron_bridge.config.targets import resolve
-
                 spec = resolve(spec)  # a name from a config file: registered objects only
             return spec(self, vp_stage) if callable(spec) and not _is_module_spec(spec) else spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        from megatron_bridge.models.attention import core_attention_choice, core_attention_module, replace_core_attention
-        from megatron_bridge.models.layers.expert_bias import with_biased_experts
-        from megatron_bridge.models.layers.spec_edits import apply_layer_fields
 
         te = self.uses_transformer_engine()
         spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
@@ -465,12 +467,10 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         local layers with a log line, an explicit one fails."""
         if self.transformer_impl != "transformer_engine":
             return False
-        from megatron_bridge.extras import is_installed, require
-
-        if is_installed("transformer_engine"):
+        if extras.is_installed("transformer_engine"):
             return True
         if self.is_explicit("transformer_impl"):
-            require("transformer_engine", "model.transformer_impl='transformer_engine'")
+            extras.require("transformer_engine", "model.transformer_impl='transformer_engine'")
         logger.info("TransformerEngine is not installed: building megatron-core local layers instead")
         return False
 
@@ -485,18 +485,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         if self.num_moe_experts:
             _router_gating_without_te()
-        from megatron_bridge.models.attention import te_layers
 
         spec = self.layer_spec(vp_stage)
         with _te_attention_variables(te_layers(self)):
             model = self._gpt_model(GPTModel, spec, pre_process, post_process, vp_stage)
         if self.scale_embeddings and hasattr(model, "embedding"):
-            from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
-
             scale_word_embeddings(model, self.hidden_size)
         if self.output_logit_softcap is not None and post_process:
-            from megatron_bridge.models.layers.softcap import cap_output_logits
-
             cap_output_logits(model, self.output_logit_softcap)
         return model
 

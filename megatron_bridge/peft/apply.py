@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.peft import targets as tg
+from megatron_bridge.runtime.checkpointing.run_config import find_run_config
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
+from megatron_bridge.peft.config import DoRA
+from megatron_bridge.peft.modules import AdaptedLinear
+from megatron_bridge import extras
 
 if TYPE_CHECKING:
     from megatron_bridge.peft.config import LoRA
@@ -63,19 +68,11 @@ def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
 
 def saved_with_peft(path: Any) -> Optional[bool]:
     """Whether the checkpoint at `path` was saved by a PEFT run (None: no readable checkpoint)."""
-    import os
-
-    import yaml
-
-    from megatron_bridge.training.checkpointing import layout
-
     try:
-        directory, _ = layout.resolve(path)
-        with open(os.path.join(directory, layout.RUN_CONFIG_FILE)) as f:
-            saved = yaml.safe_load(f) or {}
-    except (OSError, ValueError, yaml.YAMLError):
+        saved = find_run_config(path)
+    except (OSError, ValueError):  # ValueError: a broken tracker or run config (reported when loaded)
         return None
-    return saved.get("peft") is not None
+    return None if saved is None else saved.with_peft
 
 
 def _check_saved_runs(cfg: "ConfigContainer", method: str, problems: Problems) -> None:
@@ -116,9 +113,7 @@ def _check_expert_targets(cfg: "ConfigContainer", experts: list[str], method: st
 
 
 def _te_installed() -> bool:
-    from megatron_bridge.extras import is_installed
-
-    return is_installed("transformer_engine")
+    return extras.is_installed("transformer_engine")
 
 
 # ---------------------------------------------------------------------- building
@@ -145,9 +140,6 @@ def apply_peft(chunk: Any, peft: "LoRA", seed: int = 0) -> Applied:
 
     import torch
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from megatron_bridge.peft.config import DoRA
-    from megatron_bridge.peft.modules import AdaptedLinear
 
     found = tg.adaptable_modules(chunk)
     names = [g for g, *_ in found]
@@ -228,8 +220,6 @@ def check_all_targets_matched(peft: "LoRA", applied: list[Applied]) -> None:
 # ---------------------------------------------------------------------- using an adapted model
 def adapters(model: Any) -> Iterator[Any]:
     """Every `AdaptedLinear` in `model` (a chunk, a wrapped chunk, or a list of chunks)."""
-    from megatron_bridge.peft.modules import AdaptedLinear
-
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for module in chunk.modules():
             if isinstance(module, AdaptedLinear):
@@ -238,13 +228,6 @@ def adapters(model: Any) -> Iterator[Any]:
 
 def has_adapters(model: Any) -> bool:
     return next(adapters(model), None) is not None
-
-
-def is_adapter_key(key: str) -> bool:
-    """Whether a (sharded) state-dict key names an adapter parameter."""
-    from megatron_bridge.peft.modules import ADAPTER_PARAMS
-
-    return key.rsplit(".", 1)[-1] in ADAPTER_PARAMS
 
 
 def trainable_counts(model: Any) -> tuple[int, int]:
@@ -270,8 +253,6 @@ def base_weights_loaded(model: Any) -> None:
 
 def merge_and_unwrap(model: Any) -> int:
     """Fold every adapter into its base weight and put the plain layer back; returns how many."""
-    from megatron_bridge.peft.modules import AdaptedLinear
-
     count = 0
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for name, module in list(chunk.named_modules()):

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import POSITIVE, SIZE, field, parse
+from megatron_bridge.peft.targets import pattern_problem
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """megatron-core's four projections of a transformer layer (attention in/out, MLP in/out)."""
@@ -66,8 +67,6 @@ class LoRA(ConfigBase):
             "is empty: nothing would be trained",
             f"use e.g. {list(DEFAULT_TARGETS)}",
         ):
-            from megatron_bridge.peft.targets import pattern_problem
-
             for i, pattern in enumerate(self.target_modules):
                 why = pattern_problem(pattern)
                 p.check(

@@ -12,6 +12,13 @@ import json
 import os
 from typing import Any, Optional
 
+from megatron_bridge.extras import require
+from megatron_bridge.peft.merge import read_adapter_checkpoint
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.models.hf.files import hf_origin, is_hf_directory, run_config_value
+from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, hf_row_order, split_rows
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
+
 PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -25,8 +32,6 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_bridge.peft.apply import is_adapter_key
-
     reader = dcp.FileSystemReader(iteration_dir)
     metadata = reader.read_metadata().state_dict_metadata
     keys = [k for k in metadata if not k.startswith("optimizer.") and is_adapter_key(k)]
@@ -38,8 +43,6 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
 def to_peft_state(tensors: dict[str, Any], model_cfg: Any, hf_config: Optional[dict] = None) -> dict[str, Any]:
     """Our adapter tensors under peft-format Hugging Face names (fused projections split; rows in
     the order of the Hugging Face weights of `hf_config`, the config.json the base came from)."""
-    from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, hf_row_order, split_rows
-
     out = {}
     for key, tensor in sorted(tensors.items()):
         module, param = key.rsplit(".", 1)
@@ -92,9 +95,6 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from megatron_bridge.models.hf.files import is_hf_directory, run_config_value
-    from megatron_bridge.training.checkpointing import layout
-
     if not path or depth <= 0:
         return None
     if is_hf_directory(path):
@@ -120,12 +120,8 @@ def export_adapters(checkpoint: str, out_dir: str, base_model: Optional[str] = N
     (default: the Hugging Face directory of the base weights the adapters were trained on, so
     `AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads both; without one, the base
     checkpoint of ours)."""
-    from megatron_bridge.extras import require
-    from megatron_bridge.peft.merge import read_adapter_checkpoint
-
     safetensors_torch = require("safetensors.torch", "writing adapters in the peft format")
     from megatron_bridge.models.hf.convert import origin_config
-    from megatron_bridge.models.hf.files import hf_origin
 
     directory, _, cfg, common = read_adapter_checkpoint(checkpoint)
     hf_config = origin_config(cfg.model, hf_origin(directory))

@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_bridge.models.hf.family import HFFamily
+from megatron_bridge.models.hf.registry import family_of_provider
+from megatron_bridge.models.hf import mapping
 
 LAYER_MODULES = HFFamily.adapter_modules
 """Per transformer layer: megatron-core module -> the Hugging Face modules it holds, in row order
@@ -43,7 +45,6 @@ def layer_modules(model_cfg: Any = None) -> dict[str, tuple[str, ...]]:
     """The module names of the Hugging Face family of `model_cfg` (default: Llama-style)."""
     if model_cfg is None:
         return LAYER_MODULES
-    from megatron_bridge.models.hf.registry import family_of_provider
 
     family = family_of_provider(model_cfg)
     return family.adapter_modules if family is not None else LAYER_MODULES
@@ -81,7 +82,6 @@ def hf_row_order(name: str, t: torch.Tensor, hf_config: Optional[dict]) -> torch
     order than megatron-core (`Rule.reorders_rows`: DeepSeek-V3's rotary rows in halves)."""
     if hf_config is None:
         return t
-    from megatron_bridge.models.hf import mapping
 
     rule = mapping.rule_for(mapping.architecture(hf_config), f"{name}.weight")
     if rule is None or not rule.reorders_rows:

@@ -13,6 +13,11 @@ import logging
 import os
 import shutil
 from typing import Any, Optional
+from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.peft.apply import merge_and_unwrap
+from megatron_bridge.peft.offline import load_weights, single_process_model
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -22,17 +27,14 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     ValueError if it holds no adapters."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.training.checkpointing import layout
-    from megatron_bridge.training.config import ConfigContainer
-
     directory, iteration = layout.resolve(path)
-    config_file = os.path.join(directory, layout.RUN_CONFIG_FILE)
-    if not os.path.isfile(config_file):
+    saved = read_run_config(directory)
+    if saved is None:
         raise ValueError(
             f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to"
         )
     common = dist_checkpointing.load_common_state_dict(directory)
-    cfg = ConfigContainer.from_yaml(config_file)
+    cfg = saved.build()  # the run's ConfigContainer, by the file's _target_
     if not common.get("peft") or cfg.peft is None:
         raise ValueError(f"{directory!r} is not a PEFT checkpoint (it holds no adapters)")
     return directory, iteration, cfg, common
@@ -56,9 +58,6 @@ def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
 def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str:
     """Fold the adapters of the PEFT checkpoint `adapters` into their base and save the result
     under `out` (as `out/iter_N`, N the adapters' iteration); returns that directory."""
-    from megatron_bridge.peft.apply import merge_and_unwrap
-    from megatron_bridge.peft.offline import load_weights, single_process_model
-
     directory, iteration, cfg, common = read_adapter_checkpoint(adapters)
     base_dir = base_of(cfg, common, base)
     with single_process_model(cfg) as model:
@@ -95,9 +94,6 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_bridge.training.checkpointing import layout, state_dict
-    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
-
     final = layout.iteration_dir(out, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
     os.makedirs(out, exist_ok=True)
@@ -105,11 +101,11 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     os.makedirs(staging)
     sd: dict[str, Any] = {"model": model.sharded_state_dict()}
     sd.update(
-        checkpoint_version=state_dict.CHECKPOINT_VERSION,
+        checkpoint_version=weights.CHECKPOINT_VERSION,
         iteration=iteration,
         train_state=common.get("train_state"),
         opt_param_scheduler=common.get("opt_param_scheduler"),
-        layout=state_dict.layout(),
+        layout=weights.layout(),
         saved_rng=False,
         saved_optimizer=False,
         saved_rerun=False,

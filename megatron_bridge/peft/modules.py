@@ -32,8 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-ADAPTER_PARAMS = ("lora_A", "lora_B", "lora_magnitude")
-"""Names of the trainable parameters an adapter adds (as the last component of their names)."""
+from megatron_bridge.runtime.checkpointing.weights import ADAPTER_PARAMS
 
 
 class AdaptedLinear(torch.nn.Module):

@@ -14,15 +14,21 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_bridge.models.vocab import derive_vocab_size
+from megatron_bridge.config.errors import Problems
+from megatron_bridge.models.hf.files import is_hf_directory
+from megatron_bridge.models.hf.load import load_hf_weights
+from megatron_bridge.peft.apply import apply_peft
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
+
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
 
 def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     """A copy of `cfg` whose model is laid out for one CPU process."""
-    from megatron_bridge.config.errors import Problems
-    from megatron_bridge.training import cpu_backend
-
     cfg = copy.deepcopy(cfg)
     m = cfg.model
     vocab = m.vocab_size
@@ -40,8 +46,6 @@ def unsplit_config(cfg: "ConfigContainer") -> "ConfigContainer":
     if m.vocab_size is None and vocab is not None:  # derived from the tokenizer when the run started
         m.apply_default("vocab_size", vocab)
     if m.vocab_size is None:
-        from megatron_bridge.training.config.checks import derive_vocab_size
-
         derive_vocab_size(cfg, Problems())  # a NullTokenizer's size
     if m.vocab_size is None:
         raise ValueError("model.vocab_size is not set (and the tokenizer's size is not known without loading it)")
@@ -54,10 +58,6 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
     is set and `with_adapters`); process groups and the CPU backend live for the block only."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_bridge.peft.apply import apply_peft
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import init_model_parallel, init_process_group, teardown
 
     cfg = unsplit_config(cfg)
     device, created = init_process_group(cfg)
@@ -80,21 +80,16 @@ def single_process_model(cfg: "ConfigContainer", with_adapters: bool = True) -> 
 
 
 def load_weights(model: Any, directory: str, part: str = "all", step: Optional[int] = None) -> tuple[str, int]:
-    """Load `part` (see `state_dict.MODEL_PARTS`) of the checkpoint at `directory` (a save
+    """Load `part` (see `weights.MODEL_PARTS`) of the checkpoint at `directory` (a save
     directory or one `iter_*` directory) into `model`; returns the iteration directory and number.
     A Hugging Face directory provides the base weights (`part` 'all' or 'base'), as iteration 0."""
     from megatron.core import dist_checkpointing
 
-    from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.training.checkpointing import layout, state_dict
-
     if is_hf_directory(directory) and part != "adapters":
-        from megatron_bridge.models.hf.load import load_hf_weights
-
         load_hf_weights([model], directory)
         return directory, 0
     iteration_dir, iteration = layout.resolve(directory, step)
-    template = state_dict.model_state(model, part)
+    template = weights.model_state(model, part)
     loaded = dist_checkpointing.load({"model": template}, iteration_dir)
-    state_dict.load_model_state(model, loaded["model"], part)
+    weights.load_model_state(model, loaded["model"], part)
     return iteration_dir, iteration

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_bridge.training.metrics import peak_tflops_for
+from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 
 
 @dataclass(frozen=True)

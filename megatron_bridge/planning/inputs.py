@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
+from megatron_bridge.peft import targets as tg
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -409,8 +410,6 @@ def _attention_masks(cfg: Any) -> tuple[tuple[bool, ...], bool]:
 def adapted_modules(m: Any, peft: Any) -> tuple[tuple[str, ...], ...]:
     """Per layer, the linear layers `peft`'s targets select, relative to the layer
     (`self_attention.linear_qkv`, `mlp.experts.local_experts.3.linear_fc1`, ...)."""
-    from megatron_bridge.peft import targets as tg
-
     selected, _ = tg.match_targets(peft.target_modules, tg.expected_names(m))
     per_layer: list[list[str]] = [[] for _ in range(m.num_layers)]
     for name in selected:

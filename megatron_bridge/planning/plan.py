@@ -10,6 +10,8 @@ from megatron_bridge.planning.devices import DEFAULT_GPU, GPU, get_gpu
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.memory import WORKSPACE_BYTES, RankMemory, rank_memory
 from megatron_bridge.planning.timing import DEFAULT_MFU, Timing, timing
+from megatron_bridge.planning.fixes import find_fixes
+from megatron_bridge.planning.report import json_records, plan_text
 
 
 @dataclass
@@ -61,14 +63,10 @@ class Plan(Evaluation):
 
     def text(self) -> list[str]:
         """The plan as lines of text."""
-        from megatron_bridge.planning.report import plan_text
-
         return plan_text(self)
 
     def to_json(self) -> list[dict[str, Any]]:
         """One record per rank layout (pipeline stage)."""
-        from megatron_bridge.planning.report import json_records
-
         return json_records(self)
 
 
@@ -93,7 +91,5 @@ def plan(
     ev = planner.evaluate(inp)
     result = Plan(ev.inputs, ev.ranks, ev.timing, gpu=device, mfu=mfu, label=label)
     if with_fixes and not result.fits:
-        from megatron_bridge.planning.fixes import find_fixes
-
         result.fixes = find_fixes(planner, ev)
     return result

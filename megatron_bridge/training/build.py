@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_bridge.training.config import OptimizerConfigOverrideProviderContext
+from megatron_bridge.peft.apply import apply_peft, check_all_targets_matched
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -35,7 +36,6 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
     for vp_stage in stages:
         chunk = model_config.provide(vp_stage=vp_stage)
         if cfg.peft is not None:  # before DDP: it sees only the adapters as trainable
-            from megatron_bridge.peft.apply import apply_peft
 
             adapted.append(apply_peft(chunk, cfg.peft, seed=cfg.rng.seed))
         for param in chunk.parameters():
@@ -46,8 +46,6 @@ def build_model(cfg: "ConfigContainer", state: "GlobalState") -> list[Any]:
             chunk = Float16Module(model_config, chunk)
         chunks.append(chunk)
     if cfg.peft is not None:
-        from megatron_bridge.peft.apply import check_all_targets_matched
-
         check_all_targets_matched(cfg.peft, adapted)
     ddp_config = copy.copy(cfg.ddp)  # megatron-core fills in bucket_size on the object it is given
     wrapped = [

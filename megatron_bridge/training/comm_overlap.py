@@ -14,7 +14,8 @@ from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import COUNT, INTERVAL, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
-from megatron_bridge.extras import is_installed
+from megatron_bridge.config.yaml_input import load_file
+from megatron_bridge.extras import is_installed, require
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +170,11 @@ def initialize_tp_communicators(model: Any, micro_batch_size: int) -> bool:
     """
     if not model.tp_comm_overlap or not model.uses_transformer_engine():
         return False  # megatron-core's local layers do not overlap
-    from megatron_bridge.extras import require
 
     te_base = require("transformer_engine.pytorch.module.base", "comm_overlap.tp_comm_overlap")
     settings = model.tp_comm_overlap_cfg
     if isinstance(settings, str):
-        import yaml
-
-        with open(settings, encoding="utf-8") as fh:
-            settings = yaml.safe_load(fh)
+        settings = load_file(settings)
     tokens = model.seq_length * micro_batch_size // model.context_parallel_size
     te_base.initialize_ub(
         shape=[tokens, model.hidden_size],
@@ -191,8 +188,6 @@ def initialize_tp_communicators(model: Any, micro_batch_size: int) -> bool:
 
 def destroy_tp_communicators() -> None:
     """Free the userbuffers (a restarted run in the same process makes new ones)."""
-    from megatron_bridge.extras import require
-
     te_base = require("transformer_engine.pytorch.module.base", "comm_overlap.tp_comm_overlap")
     destroy = getattr(te_base, "destroy_ub", None)  # older TE releases cannot free them
     if destroy is not None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 from megatron_bridge.training.checkpointing import has_checkpoint
 from megatron_bridge.training.config import ConfigContainer
 from megatron_bridge.training.state import GlobalState
+from megatron_bridge.training.runner import run_job
+from megatron_bridge.training.setup import resolve_config
+from megatron_bridge.warning_filters import quiet_known_warnings
 
 
 def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
@@ -20,15 +23,11 @@ def finetune(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     With `config.peft` (LoRA/DoRA), the pretrained weights are frozen and adapters train on them;
     resuming loads the pretrained weights first, then the adapters saved by this run.
     """
-    from megatron_bridge.training.runner import run_job
-    from megatron_bridge.warning_filters import quiet_known_warnings
-
     quiet_known_warnings()
 
     problems = Problems()
     check_pretrained_weights(config, problems)
     if problems:  # reported together with the rest of the config's problems, in one round
-        from megatron_bridge.training.setup import resolve_config
 
         try:
             resolve_config(config)

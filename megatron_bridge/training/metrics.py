@@ -14,6 +14,10 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
+from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
+from megatron_bridge.extras import require
+from megatron_bridge.models.param_count import flops_per_token
+
 TIMER_NAMES = (
     # the train loop and checkpointing (this package)
     "optimizer", "batch-generator", "save-checkpoint",
@@ -29,36 +33,6 @@ TIMER_NAMES = (
 """Timers reported at log steps (those whose level is above `timing_log_level` never run). The
 same list on every rank: gathering them is collective."""
 
-# Dense 16-bit (bf16/fp16) tensor-core peak TFLOP/s per device, matched in order on
-# torch.cuda.get_device_name(): more specific names first.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2500.0),
-    ("B200", 2250.0),
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
-    ("H20", 148.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("V100", 125.0),
-)
-
-
-def peak_tflops_for(device_name: str) -> Optional[float]:
-    """Peak dense 16-bit TFLOP/s of a GPU by its name; None if it is not in `PEAK_TFLOPS`."""
-    for key, tflops in PEAK_TFLOPS:
-        if key in device_name:
-            return tflops
-    return None
-
-
 def peak_tflops(logger_cfg: Any, device: str) -> Optional[float]:
     """`logger.peak_tflops_per_device`, else the table's value for this GPU; None on CPU."""
     if logger_cfg.peak_tflops_per_device is not None:
@@ -73,8 +47,6 @@ def peak_tflops(logger_cfg: Any, device: str) -> Optional[float]:
 def throughput(cfg: Any, step_time: float, global_batch: int, world_size: int, device: str) -> dict[str, float]:
     """`tflops-per-device` from the model shape (`flops_per_token`), and `mfu` (fraction of the
     device's peak) where the peak is known."""
-    from megatron_bridge.models.param_count import flops_per_token
-
     if step_time <= 0:
         return {}
     seq = cfg.model.seq_length
@@ -151,7 +123,6 @@ class EnergyMeter:
     def __init__(self, device: str):
         if device != "cuda":
             raise RuntimeError("logger.log_energy reads GPU energy counters and needs a CUDA GPU")
-        from megatron_bridge.extras import require
 
         import torch
 

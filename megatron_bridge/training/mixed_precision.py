@@ -18,6 +18,7 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
+from megatron_bridge.config.annotations import register_section_names
 from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import COUNT, SIZE, field
@@ -389,3 +390,5 @@ def get_mixed_precision_config(name_or_config: Union[str, MixedPrecisionConfig])
 
 _PROTOTYPES: dict[str, tuple[Callable[[], MixedPrecisionConfig], MixedPrecisionConfig]] = {}
 """name -> (factory, what it returned): each preset is built once; configs get copies."""
+
+register_section_names(MixedPrecisionConfig, get_mixed_precision_config)  # `mixed_precision=bf16_mixed`

@@ -18,6 +18,9 @@ import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem
+from megatron_bridge.config.paths import file_kind
+from megatron_bridge.training.profiling import default_profile_dir
+from megatron_bridge.models import count_parameters
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -46,8 +49,6 @@ def output_dirs(cfg: "ConfigContainer", logging_rank: bool = True) -> list[tuple
     if getattr(log, "save_config_filepath", None):
         out.append(("logger.save_config_filepath", os.path.dirname(os.path.abspath(log.save_config_filepath))))
     if cfg.profiling.use_pytorch_profiler:
-        from megatron_bridge.training.profiling import default_profile_dir
-
         out.append(("profiling.profile_dir", default_profile_dir(cfg)))
     return out
 
@@ -111,8 +112,6 @@ def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = Tru
     problems = []
     load = cfg.checkpoint.load
     if load and os.path.exists(load) and not os.path.isdir(load):
-        from megatron_bridge.config.paths import file_kind
-
         problems.append(ConfigProblem(
             "checkpoint.load", f"{load} is {file_kind(load)}, not a checkpoint directory",
             "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
@@ -128,8 +127,6 @@ def checkpoint_bytes(cfg: "ConfigContainer") -> int:
     """Estimated size of one checkpoint of the whole job: weights in their dtype, plus fp32 main
     weights and two Adam moments per parameter when the optimizer state is saved."""
     import torch
-
-    from megatron_bridge.models import count_parameters
 
     if not cfg.model.vocab_size:
         return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
 from megatron_bridge.training.state import GlobalState
+from megatron_bridge.training.runner import run_job
+from megatron_bridge.warning_filters import quiet_known_warnings
 
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
@@ -18,9 +20,6 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable, callbacks: Op
     `(data_iterator, model, return_schedule_plan)`; `megatron_bridge.training.gpt_step.forward_step`
     is the standard GPT step. Returns the final `GlobalState` (counters, config).
     """
-    from megatron_bridge.training.runner import run_job
-    from megatron_bridge.warning_filters import quiet_known_warnings
-
     quiet_known_warnings()
 
     return run_job(config, forward_step_func, callbacks)

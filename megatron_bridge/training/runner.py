@@ -7,12 +7,16 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from megatron_bridge.training import cpu_backend
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.callbacks import Callback
 from megatron_bridge.training.config import ConfigContainer
-from megatron_bridge.training.distributed import abort, teardown
+from megatron_bridge.runtime.distributed import abort, teardown
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run, Stop, run_evaluation, train
+from megatron_bridge.training.checkpointing import lock
+from megatron_bridge.training.comm_overlap import destroy_tp_communicators
+from megatron_bridge.training.resiliency.inprocess import run_with_inprocess_restart
+from megatron_bridge.training.setup import setup
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -20,8 +24,6 @@ logger = logging.getLogger("megatron_bridge")
 def run_job(config: ConfigContainer, forward_step_func: Callable, callbacks: Optional[Iterable[Callback]] = None) -> GlobalState:
     """`execute`, wrapped for in-process restart when `config.inprocess_restart.enabled`."""
     if config.inprocess_restart is not None and config.inprocess_restart.enabled:
-        from megatron_bridge.training.resiliency.inprocess import run_with_inprocess_restart
-
         return run_with_inprocess_restart(execute, config, forward_step_func, callbacks)
     return execute(config, forward_step_func, callbacks)
 
@@ -37,8 +39,6 @@ def execute(
     If this call created the process group it destroys it. If anything raises, the process groups
     are aborted (so the other ranks fail fast instead of waiting) and the error propagates.
     """
-    from megatron_bridge.training.setup import setup
-
     state = GlobalState(cfg=config)
     run: Optional[Run] = None
     try:
@@ -110,13 +110,9 @@ def _shutdown(state: GlobalState) -> None:
                 logger.warning("closing %s failed: %s", type(helper).__name__, exc)
     state.fault_tolerance = state.stragglers = None
     if state.save_lock is not None:
-        from megatron_bridge.training.checkpointing import lock
-
         lock.release(state.save_lock)
         state.save_lock = None
     if state.tp_communicators:
-        from megatron_bridge.training.comm_overlap import destroy_tp_communicators
-
         destroy_tp_communicators()
         state.tp_communicators = False
     try:

@@ -13,18 +13,29 @@ import torch
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config import status as field_status
 from megatron_bridge.models.hf import checks as hf_checks
-from megatron_bridge.training import cpu_backend
-from megatron_bridge.training.callbacks import Callback, CallbackList
-from megatron_bridge.training.child_processes import die_with_parent
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.callbacks import Callback, CallbackList
+from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
-from megatron_bridge.training.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
+from megatron_bridge.runtime.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
 from megatron_bridge.training.launcher_watch import stop_when_launcher_dies
 from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
+from megatron_bridge.data.builders import build_datasets, resolved_phases, sample_counts
+from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
+from megatron_bridge.data.loaders import build_iterator
+from megatron_bridge.data.phases import PhaseAnnouncer
+from megatron_bridge.models.attention import layer_problems
+from megatron_bridge.peft.apply import trainable_counts
+from megatron_bridge.training import build, preflight
+from megatron_bridge.training.checkpointing import Checkpointer, lock, make_manager
+from megatron_bridge.training.loggers import build_tracker
+from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
+from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -41,9 +52,6 @@ def resolve_config(cfg: ConfigContainer) -> str:
 def refuse_what_the_layers_cannot_run(cfg: ConfigContainer) -> None:
     """Raise `ConfigValidationError` for settings the layers built here cannot run (context
     parallelism on local layers), before any process group or model exists."""
-    from megatron_bridge.config.errors import ConfigValidationError
-    from megatron_bridge.models.attention import layer_problems
-
     found = layer_problems(cfg.model)
     if found:
         raise ConfigValidationError(found)
@@ -191,9 +199,6 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_bridge.data.builders import build_datasets, sample_counts
-    from megatron_bridge.data.loaders import build_iterator
-
     ts, t, v = state.train_state, cfg.train, cfg.validation
     train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer)
     counts = sample_counts(cfg)
@@ -224,9 +229,6 @@ def check_outputs_and_lock(cfg: ConfigContainer, state: GlobalState) -> None:
     """Before anything is built: every output directory of each rank must be writable, and the
     save directory must not be in use by another job (rank 0 locks it). Every rank raises the
     same `ConfigValidationError` when any rank found a problem."""
-    from megatron_bridge.training import preflight
-    from megatron_bridge.training.checkpointing import lock
-
     found = preflight.check_outputs(cfg, create=True, logging_rank=state.is_logging_rank)
     if cfg.checkpoint.save and state.rank == 0 and not found:
         try:
@@ -248,7 +250,6 @@ def _start_resiliency(cfg: ConfigContainer, state: GlobalState) -> list[Callback
     """Fault-tolerance reports (from now on: setup is their first section) and simulated faults."""
     if cfg.ft is None:
         return []
-    from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
 
     maybe_simulate_fault(cfg.ft, state.rank, state.world_size)
     if not cfg.ft.enable_ft_package:
@@ -259,12 +260,9 @@ def _start_resiliency(cfg: ConfigContainer, state: GlobalState) -> list[Callback
 
 def _data_phase_callbacks(cfg: ConfigContainer, state: GlobalState) -> list[Callback]:
     """The console announcer of blend phases (`dataset.blend_phases`), if any."""
-    from megatron_bridge.data.builders import resolved_phases
-
     phases = resolved_phases(cfg)
     if phases is None:
         return []
-    from megatron_bridge.data.phases import PhaseAnnouncer
 
     state.data_phases = PhaseAnnouncer(phases, list(cfg.dataset.blend[0]))
     return [state.data_phases]
@@ -282,11 +280,6 @@ def setup(
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
-
-    from megatron_bridge.training.build import build_model, build_optimizer, count_local_parameters, wire_model_config
-    from megatron_bridge.training.checkpointing import Checkpointer, make_manager
-    from megatron_bridge.training.loggers import build_tracker
-    from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 
     device = resolve_config(cfg)
     die_with_parent()
@@ -319,14 +312,14 @@ def setup(
     # at the end of setup waits for them and raises if one could not start.
     state.tracker = build_tracker(cfg, state.is_logging_rank)
 
-    model = build_model(cfg, state)
-    optimizer, scheduler = build_optimizer(cfg, model, state)
-    wire_model_config(cfg, model, optimizer)
+    model = build.build_model(cfg, state)
+    optimizer, scheduler = build.build_optimizer(cfg, model, state)
+    build.wire_model_config(cfg, model, optimizer)
     state.model, state.optimizer, state.scheduler = model, optimizer, scheduler
     if state.is_logging_rank:
         logger.info(
             "model: %d parameters on this rank (TP=%d PP=%d CP=%d DP=%d), %s on %s",
-            count_local_parameters(model),
+            build.count_local_parameters(model),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_context_parallel_world_size(),
@@ -335,16 +328,12 @@ def setup(
             state.device,
         )
         if cfg.peft is not None:
-            from megatron_bridge.peft.apply import trainable_counts
-
             trainable, total = trainable_counts(model)
             logger.info(
                 "%s: %d trainable parameters of %d on this rank (%.3f%%); the base weights are frozen",
                 cfg.peft.method_name, trainable, total, 100.0 * trainable / max(total, 1),
             )  # fmt: skip
     if (cfg.straggler is not None and cfg.straggler.log_straggler) or (cfg.nvrx_straggler is not None and cfg.nvrx_straggler.enabled):
-        from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
-
         state.stragglers = StragglerMonitor(state)
         internal_callbacks.append(state.stragglers)
     internal_callbacks += _data_phase_callbacks(cfg, state)

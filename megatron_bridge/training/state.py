@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance
     from megatron_bridge.training.resiliency.stragglers import StragglerMonitor
     from megatron_bridge.training.signals import ExitSignalHandler
-    from megatron_bridge.training.tokenizers.tokenizer import HuggingFaceTokenizer, NullTokenizer
+    from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, NullTokenizer
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from megatron_bridge.training import console, profiling
-from megatron_bridge.training.callbacks import CallbackList
+from megatron_bridge.runtime.callbacks import CallbackList
 from megatron_bridge.training.evaluate import evaluate
 from megatron_bridge.training.loss_reduction import LossAccumulator
 from megatron_bridge.models.param_count import flops_per_token

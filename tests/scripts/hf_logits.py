@@ -31,7 +31,7 @@ def main():
     args = p.parse_args()
     import torch.distributed as dist
 
-    from megatron_bridge.training.distributed import resolve_backend
+    from megatron_bridge.runtime.distributed import resolve_backend
 
     # One process group for every step (a group made again on torchrun's store finds stale peers).
     dist.init_process_group(resolve_backend(args.backend))

@@ -31,7 +31,7 @@ class RecordLosses(Callback):
 def allow_sequence_parallel_on_cpu():
     """The CPU backend refuses sequence parallelism because megatron-core's torch norms do; with
     `sequence_parallel_layer_spec` the norms support it, so let the config through."""
-    from megatron_bridge.training import cpu_backend
+    from megatron_bridge.runtime import cpu_backend
 
     adapt = cpu_backend.adapt_config
 

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import show
-from megatron_bridge.models.deepseek import DeepSeekModelProvider, dense_then_moe, leading_dense_layers
+from megatron_bridge.models.deepseek.providers import DeepSeekModelProvider, dense_then_moe, leading_dense_layers
 from megatron_bridge.models.hf.family import HFFamily, has_experts, read_rope_theta, rope_scaling_of
 from megatron_bridge.models.hf.mapping import Architecture, Copy, Gated, Mapped, Rule
 from megatron_bridge.models.hf.registry import register

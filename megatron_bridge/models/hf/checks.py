@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
+from megatron_bridge.models.hf.config import architecture_differences, family_of_provider
+from megatron_bridge.models.hf.load import check_hf_directory
+from megatron_bridge.runtime.checkpointing.layout import has_checkpoint
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -29,8 +32,6 @@ PATH = "checkpoint.pretrained_checkpoint"
 def _starts_from_hf(cfg: "ConfigContainer") -> bool:
     """The run's weights come from a Hugging Face directory: it does not resume its own, or it
     is a PEFT run (whose base weights are loaded again on resuming)."""
-    from megatron_bridge.training.checkpointing.layout import has_checkpoint
-
     c = cfg.checkpoint
     return is_hf_directory(c.pretrained_checkpoint) and (cfg.peft is not None or not has_checkpoint(c.load))
 
@@ -49,8 +50,6 @@ def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> Non
 def check_pretrained(cfg: "ConfigContainer", problems: Problems) -> None:
     if not _starts_from_hf(cfg):
         return
-    from megatron_bridge.models.hf.config import architecture_differences
-    from megatron_bridge.models.hf.load import check_hf_directory
 
     directory = cfg.checkpoint.pretrained_checkpoint
     reference = check_hf_directory(directory, problems.at(PATH), weights=False)
@@ -69,7 +68,6 @@ def pretrained_vocab_size(cfg: "ConfigContainer") -> Optional[int]:
     directory, or one `check_pretrained` will report)."""
     if not _starts_from_hf(cfg):
         return None
-    from megatron_bridge.models.hf.load import check_hf_directory
 
     reference = check_hf_directory(cfg.checkpoint.pretrained_checkpoint, Problems(), weights=False)
     return None if reference is None else reference.vocab_size
@@ -78,7 +76,6 @@ def pretrained_vocab_size(cfg: "ConfigContainer") -> Optional[int]:
 def check_save_hf(cfg: "ConfigContainer", problems: Problems) -> None:
     if not cfg.checkpoint.save_hf:
         return
-    from megatron_bridge.models.hf.config import family_of_provider
 
     family_of_provider(cfg.model, problems)
 
@@ -89,7 +86,6 @@ def preflight(cfg: "ConfigContainer") -> None:
     `ConfigValidationError` naming the files and tensors."""
     if not _starts_from_hf(cfg):
         return
-    from megatron_bridge.models.hf.load import check_hf_directory
 
     problems = Problems()
     check_hf_directory(cfg.checkpoint.pretrained_checkpoint, problems.at(PATH), weights=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from megatron_bridge.config.errors import ConfigValidationError, Problems, show
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.models.hf import registry
 from megatron_bridge.models.hf.files import config_path, read_json
 
@@ -43,8 +43,6 @@ def read_hf_config(path: str, label: str = "") -> dict:
 
 
 def _problem(path: str, message: str, fix: str):
-    from megatron_bridge.config.errors import ConfigProblem
-
     return ConfigProblem(path, message, fix)
 
 

@@ -11,14 +11,32 @@ import logging
 import os
 from typing import Any, Optional
 
-from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.models.hf.config import (
     architecture_differences,
     hf_config_from_provider,
     provider_from_hf_config,
     read_hf_config,
 )
-from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin
+from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin, is_hf_directory, run_config_value
+from megatron_bridge.models import GPTModelProvider
+from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
+from megatron_bridge.models.hf.runtime import (
+    build_chunks,
+    load_checkpoint_weights,
+    model_parallel,
+    prepare,
+    save_checkpoint_weights,
+    stored_dtype,
+    weights_only_config,
+)
+from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, torch_dtype, write_hf_weights
+from megatron_bridge.peft.export import export_adapters
+from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
+from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.peft.apply import apply_peft, saved_with_peft
+from megatron_bridge.models.hf.registry import family_for_config
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -44,8 +62,6 @@ def origin_config(provider: Any, origin: Optional[str]) -> Optional[dict]:
 def default_dtype(provider: Any, hf: Optional[dict]) -> str:
     """The dtype to export in: the origin's (config.json `torch_dtype`/`dtype`), else the dtype
     the model trains its weights in."""
-    from megatron_bridge.models.hf.runtime import stored_dtype
-
     if hf is not None:
         named = _CONFIG_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")))
         if named:
@@ -57,11 +73,8 @@ def export_config(provider: Any, origin: Optional[str], dtype: Optional[str]) ->
     """(config.json to write, dtype) for exporting `provider`'s weights."""
     hf = origin_config(provider, origin)
     if hf is not None:
-        from megatron_bridge.models.hf.registry import family_for_config
-
         hf = family_for_config(hf).exported_config(hf)
     dtype = dtype or default_dtype(provider, hf)
-    from megatron_bridge.models.hf.writer import torch_dtype
 
     name = str(torch_dtype(dtype)).replace("torch.", "")
     return (hf if hf is not None else hf_config_from_provider(provider, name)), dtype
@@ -75,17 +88,6 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
     the model is built. `backend`: see `runtime.model_parallel`. Returns the iteration directory
     written."""
     import torch.distributed as dist
-
-    from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
-    from megatron_bridge.models.hf.runtime import (
-        build_chunks,
-        model_parallel,
-        prepare,
-        save_checkpoint_weights,
-        weights_only_config,
-    )
-    from megatron_bridge.models.hf.writer import torch_dtype
-    from megatron_bridge.training.checkpointing.layout import iteration_dir
 
     problems = Problems(hf_dir)
     provider = check_hf_directory(hf_dir, problems)
@@ -109,15 +111,10 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
 # ---------------------------------------------------------------------- ours -> HF
 def checkpoint_provider(directory: str) -> Any:
     """The model provider saved in our checkpoint iteration directory `directory`."""
-    from megatron_bridge.models import GPTModelProvider
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-    from megatron_bridge.config.serialization import from_dict, load_yaml_file
-
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
+    saved = read_run_config(directory)
+    if saved is None:
         raise ConfigValidationError(_no_config(directory))
-    data = load_yaml_file(path) or {}
-    provider = from_dict(data.get("model") or {}, GPTModelProvider)
+    provider = saved.build("model", GPTModelProvider)
     if provider.vocab_size is not None and "vocab_size" in provider.derived_fields():
         # derived from the run's tokenizer, which is not loaded here: the weights have this size
         provider.apply_default("vocab_size", provider.vocab_size)
@@ -125,8 +122,6 @@ def checkpoint_provider(directory: str) -> Any:
 
 
 def _no_config(directory: str):
-    from megatron_bridge.config.errors import ConfigProblem
-
     return ConfigProblem(directory, "no run_config.yaml: the model architecture is unknown",
                          "export a checkpoint written by megatron_bridge (or `mbridge hf import`)")  # fmt: skip
 
@@ -139,10 +134,6 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     Face model it came from, else of its training weights). The adapters of a LoRA/DoRA
     checkpoint are folded into the base weights they record (or those in `base`). `backend`: see
     `runtime.model_parallel`."""
-    from megatron_bridge.models.hf.runtime import build_chunks, load_checkpoint_weights, model_parallel, prepare, stored_dtype
-    from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, write_hf_weights
-    from megatron_bridge.training.checkpointing.layout import resolve
-
     directory, _ = resolve(ckpt, step)
     provider = checkpoint_provider(directory)
     peft, base_dir = _adapters_of(directory, base)
@@ -162,9 +153,6 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
 def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str]]:
     """(PEFT config, base weights) of a LoRA/DoRA checkpoint iteration `directory`; (None, None)
     for a checkpoint that holds whole weights."""
-    from megatron_bridge.peft.apply import saved_with_peft
-    from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
-
     if not saved_with_peft(directory):
         return None, None
     _, _, cfg, common = read_adapter_checkpoint(directory)
@@ -174,12 +162,6 @@ def _adapters_of(directory: str, base: Optional[str]) -> tuple[Any, Optional[str
 def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str) -> None:
     """Wrap `chunks` with the adapters of `peft`, fill the base weights from `base_dir` (ours or
     a Hugging Face directory) and the adapters from `adapters_dir`; the writer folds them in."""
-    from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.models.hf.load import load_hf_weights
-    from megatron_bridge.models.hf.runtime import load_checkpoint_weights
-    from megatron_bridge.peft.apply import apply_peft
-    from megatron_bridge.training.checkpointing.layout import resolve
-
     for chunk in chunks:
         apply_peft(chunk, peft)
     if is_hf_directory(base_dir):
@@ -193,7 +175,6 @@ def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str
 def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
     if has_tokenizer(origin):
         return origin
-    from megatron_bridge.models.hf.files import run_config_value
 
     if run_config_value(directory, "tokenizer", "tokenizer_type") == "HuggingFaceTokenizer":
         return run_config_value(directory, "tokenizer", "tokenizer_model")
@@ -202,8 +183,6 @@ def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
 
 def save_run(run: Any) -> Optional[str]:
     """`checkpoint.save_hf`: write the model of a finished run as `<save>/hf_iter_NNNNNNN`."""
-    from megatron_bridge.models.hf.writer import write_hf_weights
-
     cfg = run.state.cfg
     step = run.state.train_state.step
     out_dir = os.path.join(cfg.checkpoint.save, f"hf_iter_{step:07d}")
@@ -234,9 +213,6 @@ def save_run_adapters(cfg: Any, step: int, out_dir: str) -> None:
     import shutil
 
     import torch.distributed as dist
-
-    from megatron_bridge.peft.export import export_adapters
-    from megatron_bridge.training.checkpointing.layout import iteration_dir
 
     if dist.get_rank() == 0:
         checkpoint = iteration_dir(cfg.checkpoint.save, step)

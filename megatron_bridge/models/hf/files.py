@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 from typing import Any, Optional
+from megatron_bridge.runtime.checkpointing.layout import resolve
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -103,8 +105,6 @@ def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
 
 
 def _iteration_dir(path: str) -> Optional[str]:
-    from megatron_bridge.training.checkpointing.layout import resolve
-
     try:
         return resolve(path)[0]
     except (FileNotFoundError, ValueError):
@@ -112,16 +112,8 @@ def _iteration_dir(path: str) -> Optional[str]:
 
 
 def run_config_value(directory: str, section: str, name: str) -> Any:
-    """`section.name` of the run_config.yaml in checkpoint iteration `directory` (None if absent)."""
-    import yaml
-
-    from megatron_bridge.config.secrets import restore_environment
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        saved = yaml.safe_load(f) or {}
-    value = restore_environment((saved.get(section) or {}).get(name))  # `${oc.env:VAR}` as written
+    """`section.name` of the run config saved in checkpoint iteration `directory`, a string (None
+    if absent)."""
+    saved = read_run_config(directory)
+    value = saved.value(section, name) if saved is not None else None
     return value if isinstance(value, str) else None

@@ -15,7 +15,8 @@ from typing import Any, Optional
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.models.hf import mapping
 from megatron_bridge.models.hf.config import provider_from_hf_config, read_hf_config
-from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights
+from megatron_bridge.models.hf.reader import SafetensorsReader, check_index, check_weights, weight_map
+from megatron_bridge.runtime.checkpointing.weights import is_adapter_key, unwrap
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -37,8 +38,6 @@ def ignored_tensors(hf: dict) -> re.Pattern:
 
 def log_skipped(directory: str, hf: dict) -> None:
     """One log line naming the tensors of `directory` its family leaves out on purpose."""
-    from megatron_bridge.models.hf.reader import weight_map
-
     family = mapping.architecture(hf).family
     pattern = family.skipped_tensors(hf)
     if not pattern:
@@ -75,9 +74,6 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     partition follows from the shapes: the part this rank holds against the whole parameter.
     LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
     from megatron.core import parallel_state as ps
-
-    from megatron_bridge.peft.apply import is_adapter_key
-    from megatron_bridge.training.checkpointing.state_dict import unwrap
 
     arch = mapping.architecture(hf)
     model = unwrap(chunk)

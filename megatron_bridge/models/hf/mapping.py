@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
+from megatron_bridge.models.hf.registry import family_for_config
 
 if TYPE_CHECKING:
     import torch
@@ -330,8 +331,6 @@ class Architecture:
 
 def architecture(hf: dict) -> Architecture:
     """The `Architecture` of a parsed (and accepted) config.json."""
-    from megatron_bridge.models.hf.registry import family_for_config
-
     return family_for_config(hf).architecture_of(hf)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.models.hf.files import INDEX_FILE, SINGLE_FILE, read_json
+from megatron_bridge.extras import require
 
 ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
               "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
@@ -246,8 +247,6 @@ class SafetensorsReader:
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None):
         """Tensor `name`, or its [start, stop) slice along `dim`, as stored (dtype included)."""
-        from megatron_bridge.extras import require
-
         safetensors = require("safetensors", "reading Hugging Face weights")
         file = self.mapping.get(name)
         if file is None:

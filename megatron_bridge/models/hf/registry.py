@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
+from megatron_bridge.models import family_modules
 
 _REGISTERED: dict[str, Any] = {}
 _LOADED = False
@@ -32,8 +33,6 @@ def families() -> list[Any]:
     global _LOADED
     if not _LOADED:
         import importlib
-
-        from megatron_bridge.models import family_modules
 
         for module in family_modules():
             importlib.import_module(module)

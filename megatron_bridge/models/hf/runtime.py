@@ -12,6 +12,17 @@ import logging
 import os
 import shutil
 from typing import Any, Iterator, Optional
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.data.config import MockGPTDatasetConfig
+from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
+from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.config.serialization import from_dict, to_dict
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
+from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
+from megatron_bridge.runtime.distributed import checked_backend, free_port
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -28,9 +39,6 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_bridge.training import cpu_backend
-    from megatron_bridge.training.distributed import checked_backend, free_port
 
     backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
     device = "cuda" if backend == "nccl" else "cpu"
@@ -73,8 +81,6 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
     `params_dtype`, random initialization only if `initialize` (weights are loaded anyway)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.training.cpu_backend import CPU_MODEL_SETTINGS
-
     p = copy.copy(provider)
     p.apply_default("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
     p.apply_default("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
@@ -101,9 +107,6 @@ def prepare(provider: Any, device: str, params_dtype: Any = None, initialize: bo
 def _adapt_expert_mlp(provider: Any) -> None:
     """Grouped-GEMM experts on a GPU without a grouped GEMM: sequential experts where the
     grouped GEMM was a default, a config error where it was asked for (see models.experts)."""
-    from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
-    from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
-
     decision = machine_decision(provider)
     if decision.refused:
         raise ConfigValidationError(ConfigProblem("model.moe_grouped_gemm", decision.message, GROUPED_GEMM_FIX))
@@ -138,12 +141,10 @@ def stored_dtype(provider: Any) -> Any:
 
 
 def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all") -> None:
-    """Fill `chunks` (or `part` of their weights, see `state_dict.MODEL_PARTS`) from our checkpoint
+    """Fill `chunks` (or `part` of their weights, see `weights.MODEL_PARTS`) from our checkpoint
     iteration directory `directory` (resharded to this layout by dist_checkpointing)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-
-    from megatron_bridge.training.checkpointing.state_dict import load_model_state, model_state
 
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
@@ -188,10 +189,6 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
-    from megatron_bridge.training.checkpointing import layout, state_dict
-    from megatron_bridge.training.checkpointing.results_queue import use_results_queue
-
     final = layout.iteration_dir(out_dir, iteration)
     staging = final + layout.INCOMPLETE_SUFFIX
     rank = dist.get_rank()
@@ -204,7 +201,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     sd: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks)}
     _own_storage(sd, chunks)
     sd.update(
-        checkpoint_version=state_dict.CHECKPOINT_VERSION, iteration=iteration, layout=state_dict.layout(),
+        checkpoint_version=weights.CHECKPOINT_VERSION, iteration=iteration, layout=weights.layout(),
         saved_rng=False, saved_optimizer=False, saved_rerun=False, weights_only=True,
     )  # fmt: skip
     use_results_queue(persistent_worker=False)  # no helper process for the writer's results
@@ -227,25 +224,18 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
 
 def weights_only_config(provider: Any, tokenizer_dir: Optional[str], origin: Optional[str]) -> Any:
     """A loadable run config describing a weights-only checkpoint of `provider` (its model
-    section is what loading and exporting read)."""
-    from megatron_bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        TrainingConfig,
-    )
-    from megatron_bridge.training.tokenizers.config import TokenizerConfig
-
+    section is what loading and exporting read). It is written as data and decoded by the
+    registered config classes, as a saved run config is when it is read back."""
     if tokenizer_dir:
-        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+        tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer_dir}
     else:
-        tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=provider.vocab_size)
-    return ConfigContainer(
-        train=TrainingConfig(train_iters=0, global_batch_size=1, micro_batch_size=1),
-        model=provider,
-        optimizer=OptimizerConfig(),
-        dataset=MockGPTDatasetConfig(seq_length=provider.seq_length),
-        tokenizer=tokenizer,
-        checkpoint=CheckpointConfig(pretrained_checkpoint=origin),
-    )
+        tokenizer = {"tokenizer_type": "NullTokenizer", "vocab_size": provider.vocab_size}
+    return from_dict({
+        "_target_": "megatron_bridge.ConfigContainer",
+        "train": {"train_iters": 0, "global_batch_size": 1, "micro_batch_size": 1},
+        "model": to_dict(provider),
+        "optimizer": {},
+        "dataset": to_dict(MockGPTDatasetConfig(seq_length=provider.seq_length)),
+        "tokenizer": tokenizer,
+        "checkpoint": {"pretrained_checkpoint": origin},
+    })  # fmt: skip

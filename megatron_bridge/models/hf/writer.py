@@ -25,6 +25,7 @@ from typing import Any, Optional
 from megatron_bridge.models.hf import mapping
 from megatron_bridge.models.hf.files import CONFIG_FILE, INDEX_FILE, ORIGIN_FILES, SINGLE_FILE, copy_tokenizer_files
 from megatron_bridge.models.hf.load import named_global_parameters
+from megatron_bridge.peft.apply import adapters
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -96,7 +97,6 @@ def _items(chunks: list[Any], hf: dict) -> list[_Item]:
     expert_owner = ps.get_expert_data_parallel_rank() == 0 if mapping.architecture(hf).num_experts else False
     expert_writer = expert_owner and ps.get_expert_tensor_parallel_rank() == 0
     ep = ps.get_expert_model_parallel_world_size()
-    from megatron_bridge.peft.apply import adapters
 
     dense, experts = [], []
     for chunk in chunks:

@@ -15,6 +15,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.config.errors import show
+from megatron_bridge.models.gpt_provider import GPTModelProvider
 
 if TYPE_CHECKING:
     from megatron_bridge.models.hf.config import ConfigReader
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
 def no_yarn() -> dict[str, Any]:
     """The provider's `yarn_*` fields for plain rotary embeddings (`GPTModelProvider`'s
     defaults), for a provider class whose own defaults are YaRN's."""
-    from megatron_bridge.models.gpt_provider import GPTModelProvider
-
     return {f.name: f.default for f in dataclasses.fields(GPTModelProvider) if f.name.startswith("yarn_")}
 
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron_bridge.models.layers.spec_edits import edit_layers
 
 
 class LatentDotProductAttention(DotProductAttention):
@@ -71,8 +72,6 @@ def mla_layer_spec(block_spec: Any, latent_eps: float, layernorm_eps: float) -> 
     then unfused: the fused ones take the config's epsilon)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    from megatron_bridge.models.layers.spec_edits import edit_layers
 
     def edit(layer: ModuleSpec, number: Optional[int]) -> ModuleSpec:
         attention = layer.submodules.self_attention

@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_bridge.models.layers.output_norm import normed_bda
 from megatron_bridge.models.layers.projection_norm import ProjectionNorm
 from megatron_bridge.models.layers.zero_centered_norm import ZeroCenteredRMSNorm
+from megatron_bridge.models.layers.local_rotary import LocalRotarySelfAttention
 
 
 def layer_numbers(provider: Any, vp_stage: Optional[int], count: int) -> list[int]:
@@ -81,8 +82,6 @@ def apply_layer_fields(provider: Any, block_spec: Any) -> Any:
             sub.mlp_bda = normed_bda(p, norm)
         if local_rotary:
             from megatron.core.transformer.attention import SelfAttention
-
-            from megatron_bridge.models.layers.local_rotary import LocalRotarySelfAttention
 
             if sub.self_attention.module is not SelfAttention:
                 raise ValueError(f"local_rotary_base needs megatron-core's SelfAttention, not {sub.self_attention.module}")

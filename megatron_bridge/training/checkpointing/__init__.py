@@ -1,14 +1,14 @@
 """Checkpoints: saved so that no crash can corrupt the latest, resumed exactly, resharded on load.
 
-The on-disk layout (`layout`) imports nothing heavy; the manager and the architecture check load
-megatron-core, on first use of their names."""
+The on-disk layout (`megatron_bridge.runtime.checkpointing.layout`) imports nothing heavy; the
+manager and the architecture check load megatron-core, on first use of their names."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from megatron_bridge.training.checkpointing.layout import TRACKER_FILE, has_checkpoint, read_tracker, resolve
+from megatron_bridge.runtime.checkpointing.layout import TRACKER_FILE, has_checkpoint, read_tracker, resolve
 
 _LAZY = {
     "CheckpointMismatchError": "compat",

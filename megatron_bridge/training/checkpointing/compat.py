@@ -1,39 +1,14 @@
-"""Refuse to load a checkpoint whose model architecture differs from the config's: at validation
-(`check_loaded_architectures`, from the checkpoints' run_config.yaml, before anything is built)
-and again when the weights are loaded (`check_architecture`)."""
+"""Refuse to load a checkpoint whose model architecture differs from the config's, when its
+weights are loaded (`check_architecture`); validation checked the same fields before anything
+was built (`megatron_bridge.training.config.architecture`)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any
 
-from megatron_bridge.config.errors import Problems, show
-from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE
-
-ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "ffn_hidden_size",
-    "normalization",
-    "gated_linear_unit",
-    "activation_func",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "position_embedding_type",
-    "vocab_size",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "input_layernorms",
-    "output_layernorms",
-    "qk_layernorm_per_head",
-)
-"""Model fields that decide the shapes and meaning of the weights."""
+from megatron_bridge.config.serialization import ConfigEncoder
+from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.training.config.architecture import ARCHITECTURE_FIELDS
 
 
 class CheckpointMismatchError(ValueError):
@@ -43,91 +18,16 @@ class CheckpointMismatchError(ValueError):
 def architecture_differences(checkpoint_dir: str, model: Any) -> list[str]:
     """`model.<field>: checkpoint X, config Y` for each architecture field that differs; empty if
     the checkpoint has no run_config.yaml."""
-    from megatron_bridge.config.serialization import ConfigEncoder
-
-    path = os.path.join(checkpoint_dir, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
+    run_config = read_run_config(checkpoint_dir)
+    if run_config is None:
         return []
-    from megatron_bridge.config.secrets import restore_environment
-    from megatron_bridge.config.yaml_input import load_file
-
-    saved = restore_environment((load_file(path) or {}).get("model", {}))
+    saved = run_config.section("model")
     current = ConfigEncoder().value(model)  # the values themselves: both sides as this process sees them
     differences = []
     for name in ARCHITECTURE_FIELDS:
         if name in saved and name in current and saved[name] != current[name]:
             differences.append(f"model.{name}: checkpoint {saved[name]!r}, config {current[name]!r}")
     return differences
-
-
-def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
-    """(config field, path, ckpt_step) of each checkpoint of ours whose weights a run of `cfg`
-    loads, as the checkpoint manager chooses them: a resumable `load`, else `pretrained_checkpoint`;
-    a PEFT run loads both (the base, then its adapters)."""
-    from megatron_bridge.models.hf.files import is_hf_directory
-    from megatron_bridge.training.checkpointing.layout import has_checkpoint
-
-    c = cfg.checkpoint
-    resume = bool(c.load) and has_checkpoint(c.load)
-    loads_base = cfg.peft is not None or not resume
-    found = []
-    if c.pretrained_checkpoint and not is_hf_directory(c.pretrained_checkpoint) and loads_base:
-        found.append(("checkpoint.pretrained_checkpoint", c.pretrained_checkpoint, None if resume else c.ckpt_step))
-    if resume:
-        found.append(("checkpoint.load", c.load, c.ckpt_step))
-    return found
-
-
-def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
-    """Each checkpoint the run loads (see `loaded_checkpoints`) was saved with the config's model
-    architecture, by its run_config.yaml: checked before any model is built. Fields the config
-    leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading."""
-    from megatron_bridge.config.serialization import to_dict
-    from megatron_bridge.training.checkpointing.layout import resolve
-
-    current = None  # encoded only when there is a saved model to compare with (rarely)
-    for field, path, step in loaded_checkpoints(cfg):
-        try:
-            saved = _saved_model(resolve(path, step)[0])
-        except (OSError, ValueError):
-            continue  # no readable checkpoint there: reported when it is loaded
-        if saved is None:
-            continue
-        current = to_dict(cfg.model) if current is None else current
-        differing = [
-            n for n in ARCHITECTURE_FIELDS
-            if n in saved and current.get(n) is not None and saved[n] != current[n]
-        ]  # fmt: skip
-        if not differing:
-            continue
-        fields = "; ".join(f"{n}: checkpoint {show(saved[n])}, config {show(current[n])}" for n in differing)
-        problems.add(
-            field,
-            f"{path!r} holds a {_describe(saved)}, but the config's model is a {_describe(current)} ({fields})",
-            "point it at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe)",
-        )
-
-
-def _saved_model(directory: str) -> Optional[dict]:
-    from megatron_bridge.config.yaml_input import load_file
-
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    if not os.path.isfile(path):
-        return None
-    model = (load_file(path) or {}).get("model")
-    return model if isinstance(model, dict) else None
-
-
-def _describe(model: dict) -> str:
-    """'LlamaModelProvider (32 layers, hidden size 4096, 32 attention heads)' from a model section."""
-    kind = str(model.get("_target_") or "GPTModelProvider").rsplit(".", 1)[-1]
-    sizes = [
-        text.format(model[key])
-        for key, text in (("num_layers", "{} layers"), ("hidden_size", "hidden size {}"),
-                          ("num_attention_heads", "{} attention heads"), ("num_moe_experts", "{} experts"))
-        if model.get(key)
-    ]  # fmt: skip
-    return f"{kind} ({', '.join(sizes)})" if sizes else kind
 
 
 def check_architecture(checkpoint_dir: str, model: Any) -> None:

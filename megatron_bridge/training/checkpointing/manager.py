@@ -17,9 +17,15 @@ import torch
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models.hf.files import is_hf_directory
-from megatron_bridge.training.checkpointing import layout, state_dict
+from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
-from megatron_bridge.training.checkpointing.results_queue import use_results_queue
+from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.config.targets import resolve
+from megatron_bridge.models.hf.convert import save_run
+from megatron_bridge.models.hf.load import load_hf_weights
+from megatron_bridge.peft.apply import base_weights_loaded
+from megatron_bridge.training import preflight
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -212,8 +218,6 @@ class DefaultCheckpointManager:
             self._restore(run, base_dir, base_iteration, False, "base")
         self._peft_base = (base_dir, base_iteration)
         if not resume:
-            from megatron_bridge.peft.apply import base_weights_loaded
-
             base_weights_loaded(run.state.model)
             run.state.optimizer.reload_model_params()
             return base_iteration
@@ -277,8 +281,6 @@ class DefaultCheckpointManager:
     def _load_hf(self, run: "Run", path: str, what: str = "weights") -> int:
         """Weights only, from a Hugging Face directory (checked before the model was built); in
         an adapted model, its base weights."""
-        from megatron_bridge.models.hf.load import load_hf_weights
-
         load_hf_weights(run.state.model, path)
         run.state.optimizer.reload_model_params()
         _barrier()
@@ -309,8 +311,6 @@ def _spread_note(load_strategy: Any) -> str:
 @contextlib.contextmanager
 def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
     """Re-raise a write that failed for lack of space as one that says so, with the numbers."""
-    from megatron_bridge.training import preflight
-
     try:
         yield
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
@@ -335,7 +335,6 @@ def make_manager(config: "ConfigContainer") -> CheckpointManager:
     name = config.checkpoint.custom_manager_class
     if not name:
         return DefaultCheckpointManager(config)
-    from megatron_bridge.config.targets import resolve
 
     try:
         cls = resolve(name)  # a name from a config file: registered classes only
@@ -378,8 +377,6 @@ class Checkpointer:
             self.manager.save(run, "end of training")
         self.manager.finalize_async_saves(blocking=True)
         if self.config.checkpoint.save_hf and run.state.train_state.step >= self.config.train.train_iters:
-            from megatron_bridge.models.hf.convert import save_run
-
             out_dir = save_run(run)
             if run.state.is_logging_rank:
                 logger.info("saved the model in Hugging Face format to %s", out_dir)

@@ -15,25 +15,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from megatron_bridge.runtime.checkpointing.weights import CHECKPOINT_VERSION, layout, load_model_state, model_state
+
 if TYPE_CHECKING:
     from megatron_bridge.training.train import Run
 
-CHECKPOINT_VERSION = 1
 OPTIMIZER_SHARDING = "dp_reshardable"
 """Distributed-optimizer state layout: reshardable over data-parallel sizes, and supported on CPU."""
-
-
-def layout() -> dict[str, int]:
-    """The parallel layout of this job (stored to decide whether per-rank state can be reused)."""
-    from megatron.core import parallel_state as ps
-
-    return {
-        "world_size": torch.distributed.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-    }
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,54 +47,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def unwrap(chunk: Any) -> Any:
-    """The GPTModel inside the DDP and Float16Module wrappers (checkpoints hold the bare model's
-    keys, so they do not depend on how it was wrapped)."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
-
-
-MODEL_PARTS = ("all", "base", "adapters")
-"""Which weights a model entry holds: everything, the base weights of an adapted model (what a
-pretrained checkpoint provides), or only its adapters (what a PEFT run saves)."""
-
-
-def model_state(chunk: Any, part: str = "all") -> dict[str, Any]:
-    """The sharded state dict of one model chunk, or of `part` of it.
-
-    Adapter entries use one key per layer (`decoder.layers.3.`...) rather than megatron-core's
-    layers stacked into one tensor per key, because adapters may sit on some layers only."""
-    bare = unwrap(chunk)
-    if part == "all":
-        return bare.sharded_state_dict()
-    from megatron_bridge.peft.apply import is_adapter_key
-
-    if part == "adapters":
-        sd = bare.sharded_state_dict(metadata={"non_homogeneous_layers": True})
-        return {k: v for k, v in sd.items() if is_adapter_key(k)}
-    return {k: v for k, v in bare.sharded_state_dict().items() if not is_adapter_key(k)}
-
-
-def load_model_state(chunk: Any, state: dict[str, Any], part: str = "all") -> None:
-    """Load `part` of a chunk's weights; the other part must be exactly what is missing."""
-    bare = unwrap(chunk)
-    if part == "all":
-        bare.load_state_dict(state, strict=True)
-        return
-    from megatron_bridge.peft.apply import is_adapter_key
-
-    result = bare.load_state_dict(state, strict=False)
-    wrong_missing = [k for k in result.missing_keys if is_adapter_key(k) == (part == "adapters")]
-    if result.unexpected_keys or wrong_missing:
-        raise RuntimeError(
-            f"loading the {part} weights: unexpected keys {result.unexpected_keys[:5]}, missing keys {wrong_missing[:5]}"
-        )
 
 
 def model_keys(run: "Run") -> list[str]:
@@ -136,8 +76,8 @@ def build(
     `with_rerun` adds the state of megatron-core's rerun state machine (result validation);
     `rerun_requested` (the machine asked for this checkpoint) adds the data iterators' replay state
     so the resumed job re-runs the suspicious step on the same data. `model_part` picks the
-    weights (see `MODEL_PARTS`); a PEFT run saves and resumes its adapters only, and records
-    `peft_base` (the directory and iteration of the base weights it loaded).
+    weights (see `runtime.checkpointing.weights.MODEL_PARTS`); a PEFT run saves and resumes its
+    adapters only, and records `peft_base` (the directory and iteration of the base weights it loaded).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 

@@ -5,7 +5,7 @@ Each section lives in its own module here; this package gathers them under one i
 
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
 from megatron_bridge.training.config.container import ConfigContainer
-from megatron_bridge.training.config.data import (
+from megatron_bridge.data.config import (
     DataloaderConfig,
     DatasetBuildContext,
     DatasetProvider,

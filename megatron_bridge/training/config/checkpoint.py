@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import INTERVAL, SIZE, STEPS, Unsupported, field, parse
+from megatron_bridge.config.targets import TargetNotAllowedError, resolve
 
 ASYNC_FORMATS = ("torch_dist",)
 
@@ -203,8 +204,6 @@ class CheckpointConfig(ConfigBase):
                 "set checkpoint.save (or save_hf=False)",
             )
         if self.custom_manager_class is not None:
-            from megatron_bridge.config.targets import TargetNotAllowedError, resolve
-
             try:
                 manager = resolve(self.custom_manager_class)
             except TargetNotAllowedError as exc:

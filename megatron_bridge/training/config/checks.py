@@ -13,9 +13,14 @@ import os
 from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.training.config.data import FinetuningDatasetConfig
+from megatron_bridge.data.config import FinetuningDatasetConfig
+from megatron_bridge.training.config.architecture import check_loaded_architectures
+from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
+from megatron_bridge.models.hf import checks as hf_checks
+from megatron_bridge.peft.apply import check_config
+from megatron_bridge.training.config.run_rules import samples_after
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -46,8 +51,6 @@ def apply_deprecated_training_fields(cfg: "ConfigContainer", problems: Problems)
 
 def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
     """A run starting from a Hugging Face model uses its tokenizer unless the config names one."""
-    from megatron_bridge.models.hf import checks as hf_checks
-
     hf_checks.apply_pretrained_defaults(cfg, problems)
 
 
@@ -272,7 +275,6 @@ def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
     """Adapters: target modules exist, fine-tuning starts from a checkpoint, the layout supports them."""
     if cfg.peft is None:
         return
-    from megatron_bridge.peft.apply import check_config
 
     check_config(cfg, problems)
 
@@ -280,8 +282,6 @@ def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
 def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     """Hugging Face weights to start from (config.json and index against the model config), and
     a model that `checkpoint.save_hf` can write."""
-    from megatron_bridge.models.hf import checks as hf_checks
-
     hf_checks.check_pretrained(cfg, problems)
     hf_checks.check_save_hf(cfg, problems)
 
@@ -290,21 +290,12 @@ def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) ->
     """The checkpoints of ours that the run loads weights from were saved with the config's model
     architecture (their run_config.yaml against the model section): a mismatch is reported
     before the model is built."""
-    from megatron_bridge.training.checkpointing.compat import check_loaded_architectures
-
     check_loaded_architectures(cfg, problems)
-
-
-def _null_tokenizer_vocab(cfg: "ConfigContainer"):
-    tok = cfg.tokenizer
-    if tok.tokenizer_type != "NullTokenizer" or tok.vocab_size is None:
-        return None
-    return tok.vocab_size + tok.vocab_extra_ids
 
 
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
     """A vocabulary size the user set holds the NullTokenizer's tokens."""
-    m, vocab = cfg.model, _null_tokenizer_vocab(cfg)
+    m, vocab = cfg.model, null_tokenizer_vocab(cfg)
     if vocab is not None and m.is_explicit("vocab_size"):
         problems.check(
             m.vocab_size >= vocab,
@@ -338,33 +329,6 @@ def derive_eval_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
         val._derive("eval_global_batch_size", train.global_batch_size)
 
 
-def derive_vocab_size(cfg: "ConfigContainer", problems: Problems) -> None:
-    """model.vocab_size, when unset, is that of the Hugging Face weights the run starts from;
-    else the tokenizer's: a NullTokenizer's size (with its extra ids), or the size of a Hugging
-    Face tokenizer whose files are on this machine."""
-    if cfg.model.vocab_size is not None:
-        return
-    from megatron_bridge.models.hf.checks import pretrained_vocab_size
-
-    vocab = pretrained_vocab_size(cfg)
-    if vocab is not None:  # the weights decide, not the tokenizer
-        cfg.model._derive("vocab_size", vocab)
-        return
-    if problems.at("tokenizer"):
-        return
-    vocab = _null_tokenizer_vocab(cfg)
-    if vocab is not None:
-        cfg.model._derive("vocab_size", vocab)
-        return
-    from megatron_bridge.training.tokenizers.tokenizer import local_vocab_size
-
-    vocab = local_vocab_size(cfg.tokenizer)
-    if vocab is not None:
-        # Kept like a preset's value, not recomputed: a saved config must still build its model
-        # where the tokenizer's files are gone (merging adapters, exporting weights).
-        cfg.model.apply_default("vocab_size", vocab)
-
-
 def derive_weight_decay(cfg: "ConfigContainer", problems: Problems) -> None:
     """The weight-decay schedule starts and ends at optimizer.weight_decay unless set; a constant
     schedule needs equal ends."""
@@ -393,8 +357,6 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     """Scheduler lengths in samples, from iteration- or sample-based settings. Lengths given in
     iterations become the samples those iterations consume, which with a batch-size ramp-up is
     fewer than iterations x global_batch_size: the schedules end when the run does."""
-    from megatron_bridge.training.config.run_rules import samples_after
-
     s, t = cfg.scheduler, cfg.train
     gbs = t.global_batch_size
     if not gbs or (t.train_iters is None and t.train_samples is None):

@@ -12,7 +12,7 @@ from megatron_bridge.training.comm_overlap import CommOverlapConfig
 from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
 from megatron_bridge.config.fields import SIZE, field
 from megatron_bridge.training.config.checkpoint import CheckpointConfig
-from megatron_bridge.training.config.data import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.config import DatasetProvider, FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.training.config.distributed import DistributedDataParallelConfig, DistributedInitConfig, RNGConfig
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.schema import NO_DEFAULT, specs
@@ -31,49 +31,11 @@ from megatron_bridge.training.config.resiliency import (
 from megatron_bridge.training.config.scheduler import SchedulerConfig
 from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
-from megatron_bridge.training.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
+from megatron_bridge.training.config.runtime import current_world_size, validate_into
 
 logger = logging.getLogger(__name__)
-
-# Sections in the order validate() finalizes them (the model first: others read its derived values).
-SECTIONS = (
-    "model",
-    "train",
-    "validation",
-    "optimizer",
-    "scheduler",
-    "ddp",
-    "dataset",
-    "tokenizer",
-    "checkpoint",
-    "logger",
-    "dist",
-    "rng",
-    "rerun_state_machine",
-    "profiling",
-    "mixed_precision",
-    "comm_overlap",
-    "ft",
-    "straggler",
-    "nvrx_straggler",
-    "inprocess_restart",
-    "tensor_inspect",
-    "optimizer_config_override_provider",
-    "peft",
-)
-
-
-def current_world_size() -> int:
-    """World size of the initialized process group, else WORLD_SIZE, else 1."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # a broken distributed build must not break config handling
-        pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
 
 @config_dataclass(kw_only=True)
 class ConfigContainer(ConfigBase):
@@ -217,8 +179,6 @@ class ConfigContainer(ConfigBase):
 
     def validate_into(self, problems: Problems) -> None:
         """`validate()`, collecting into `problems` instead of raising."""
-        from megatron_bridge.training.config.runtime import validate_into
-
         validate_into(self, problems)
 
     # ------------------------------------------------------------------ reporting
@@ -241,28 +201,20 @@ class ConfigContainer(ConfigBase):
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (with `_target_` class paths) that `from_dict` turns back into this."""
-        from megatron_bridge.config.serialization import to_dict
-
         return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ConfigContainer":
         """Rebuild a container from `to_dict()` output (or hand-written equivalent)."""
-        from megatron_bridge.config.serialization import from_dict
-
         return from_dict(data, cls)
 
     def to_yaml(self, path: Optional[Union[str, os.PathLike]] = None) -> str:
         """YAML text of this config; also written to `path` when given."""
-        from megatron_bridge.config.serialization import to_yaml
-
         return to_yaml(self, path)
 
     @classmethod
     def from_yaml(cls, path: Union[str, os.PathLike]) -> "ConfigContainer":
         """Load a container from a YAML file written by `to_yaml` (or by hand)."""
-        from megatron_bridge.config.serialization import from_yaml
-
         return from_yaml(path, cls)
 
     def print_yaml(self) -> None:

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import INTERVAL, SIZE, STEPS, Unsupported, field
+from megatron_bridge.training.config.run_rules import sample_based_train_iters
 
 
 PREEMPTION_SIGNALS = tuple(
@@ -154,8 +155,6 @@ class TrainingConfig(ConfigBase):
             p.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
         elif self.train_iters is None and self.global_batch_size is not None:
             if rampup_ok:
-                from megatron_bridge.training.config.run_rules import sample_based_train_iters
-
                 iters = sample_based_train_iters(self.train_samples, self.global_batch_size, self.rampup_batch_size)
                 if p.check(
                     iters > 0,

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import STEPS, Unsupported, field
+from megatron_bridge import extras
 
 
 _TENSOR_INSPECT = Unsupported(
@@ -90,9 +91,7 @@ class TensorInspectConfig(ConfigBase):
         if not self.enabled:
             return
         if problems.require_package("nvdlfw_inspect", "enabled", "tensor inspection") and self.feature_dirs is None:
-            from megatron_bridge.extras import is_installed
-
-            if is_installed("transformer_engine"):
+            if extras.is_installed("transformer_engine"):
                 import importlib.util
 
                 spec = importlib.util.find_spec("transformer_engine.debug.features")

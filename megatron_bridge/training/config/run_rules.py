@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.runtime.checkpointing.run_config import find_run_config
+from megatron_bridge.data.config import FinetuningDatasetConfig
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -140,8 +142,6 @@ def check_context_parallel_finetuning(cfg: "ConfigContainer", problems: Problems
     only answer tokens, which are spread unevenly over the CP ranks; averaging per rank (or in the
     collective) weighs the ranks equally and biases the loss. The loss must be summed over tokens
     and divided by the global token count."""
-    from megatron_bridge.training.config.data import FinetuningDatasetConfig
-
     if cfg.model.context_parallel_size <= 1 or not isinstance(cfg.dataset, FinetuningDatasetConfig):
         return
     cp = cfg.model.context_parallel_size
@@ -223,16 +223,16 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
         return
     if s.override_opt_param_scheduler and s.is_explicit("override_opt_param_scheduler"):
         return
-    saved = _saved_run_config(c.load, c.ckpt_step)
+    saved = find_run_config(c.load, c.ckpt_step) if os.path.isdir(c.load) else None  # a first run: one stat
     if saved is None:
         return
     differences = []
     for section, name in SCHEDULE_FIELDS:
-        before = (saved.get(section) or {}).get(name)
+        before = saved.value(section, name)
         now = getattr(getattr(cfg, section), name)
         if before is not None and now is not None and before != now:
             differences.append(f"{section}.{name} {before!r} -> {now!r}")
-    saved_iters = (saved.get("train") or {}).get("train_iters")
+    saved_iters = saved.value("train", "train_iters")
     if not differences:
         return
     why = ", ".join(differences)
@@ -253,18 +253,3 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
         c.load, why,
     )
     s._derive("override_opt_param_scheduler", True)
-
-
-def _saved_run_config(load: str, step: Optional[int]) -> Optional[dict]:
-    """The run_config.yaml of the checkpoint a resume would load, or None when there is none."""
-    if not os.path.isdir(load):  # the common case of a first run, answered with one stat
-        return None
-    from megatron_bridge.config.yaml_input import load_file
-    from megatron_bridge.training.checkpointing.layout import RUN_CONFIG_FILE, resolve
-
-    try:
-        directory, _ = resolve(load, step)
-    except FileNotFoundError:
-        return None
-    path = os.path.join(directory, RUN_CONFIG_FILE)
-    return (load_file(path) or None) if os.path.isfile(path) else None

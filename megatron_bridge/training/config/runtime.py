@@ -21,11 +21,53 @@ from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
 from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
+from megatron_bridge.runtime import cpu_backend
+from megatron_bridge.training.mixed_precision import get_mixed_precision_config
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
 
 logger = logging.getLogger(__name__)
+
+# Sections in the order validate() finalizes them (the model first: others read its derived values).
+SECTIONS = (
+    "model",
+    "train",
+    "validation",
+    "optimizer",
+    "scheduler",
+    "ddp",
+    "dataset",
+    "tokenizer",
+    "checkpoint",
+    "logger",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "profiling",
+    "mixed_precision",
+    "comm_overlap",
+    "ft",
+    "straggler",
+    "nvrx_straggler",
+    "inprocess_restart",
+    "tensor_inspect",
+    "optimizer_config_override_provider",
+    "peft",
+)
+
+
+def current_world_size() -> int:
+    """World size of the initialized process group, else WORLD_SIZE, else 1."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # a broken distributed build must not break config handling
+        pass
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
 
 
 def runtime_config_update(
@@ -38,8 +80,6 @@ def runtime_config_update(
     adapts the config to CPU training (fused CUDA kernels off, ...); any other value (or None)
     leaves the config as it would run on GPUs. Calling it again gives the same result.
     """
-    from megatron_bridge.training.config.container import current_world_size
-
     problems = Problems()
     inputs = {
         "world_size": current_world_size() if world_size is None else world_size,
@@ -84,8 +124,6 @@ def apply_env_vars(cfg: "ConfigContainer", problems: Problems) -> None:
 def apply_mixed_precision(cfg: "ConfigContainer", problems: Problems) -> None:
     """Resolve `mixed_precision` (a preset name or config) and set its fields on model, optimizer
     and ddp, leaving the fields the user set alone."""
-    from megatron_bridge.training.mixed_precision import get_mixed_precision_config
-
     if cfg.mixed_precision is None:
         return
     name = cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else "mixed_precision config"
@@ -116,8 +154,6 @@ def apply_comm_overlap(cfg: "ConfigContainer", problems: Problems) -> None:
 def adapt_to_cpu(cfg: "ConfigContainer", problems: Problems) -> None:
     """Make the config trainable on CPU: fused CUDA kernels off, megatron-core's local layers,
     CPU initialization (unless the user chose otherwise); refuse GPU-only tools."""
-    from megatron_bridge.training import cpu_backend
-
     cpu_backend.adapt_config(cfg, problems)
 
 
@@ -132,8 +168,6 @@ def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_
 def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optional[bool] = None) -> None:
     """Each section's own checks and derived values (the model first: others read its derived
     values), and the range of every number in the container itself."""
-    from megatron_bridge.training.config.container import SECTIONS
-
     ranges.check(cfg, problems)
     for name in SECTIONS:
         if presets and name in _PRESET_SECTIONS:

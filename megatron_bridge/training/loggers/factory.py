@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron_bridge.config.secrets import conceal_argv
 from megatron_bridge.training.loggers.base import MultiTracker, NullTracker, Tracker
+from megatron_bridge.training.loggers.process import TrackerProcess
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -108,8 +109,6 @@ def build_tracker(cfg: "ConfigContainer", is_logging_rank: bool) -> Tracker:
     if not specs:
         return NullTracker()
     if cfg.logger.tracker_subprocess:
-        from megatron_bridge.training.loggers.process import TrackerProcess
-
         return TrackerProcess(specs)
     trackers: list[Tracker] = []
     argv = sys.argv

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from megatron_bridge.extras import require
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import FaultToleranceConfig

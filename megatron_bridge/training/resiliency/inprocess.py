@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 
 from megatron_bridge.extras import is_installed, require
-from megatron_bridge.training.child_processes import children_may_outlive_parent, tie_children_to_parent
+from megatron_bridge.runtime.child_processes import children_may_outlive_parent, tie_children_to_parent
+from megatron_bridge.runtime.distributed import free_port
 
 if TYPE_CHECKING:
-    from megatron_bridge.training.callbacks import Callback
+    from megatron_bridge.runtime.callbacks import Callback
     from megatron_bridge.training.config import ConfigContainer
     from megatron_bridge.training.state import GlobalState
 
@@ -41,7 +42,6 @@ def _launcher_environment():
     if "RANK" in os.environ:
         yield
         return
-    from megatron_bridge.training.distributed import free_port
 
     saved = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

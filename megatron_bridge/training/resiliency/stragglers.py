@@ -11,7 +11,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.extras import require
-from megatron_bridge.training.callbacks import Callback
+from megatron_bridge.runtime.callbacks import Callback
+from megatron_bridge.models.param_count import flops_per_token
 
 if TYPE_CHECKING:
     from megatron_bridge.training.state import GlobalState
@@ -72,8 +73,6 @@ class StragglerMonitor(Callback):
             self.mcore.stop()
             interval = state.cfg.logger.log_interval
             if state.train_state.step % interval == 0:
-                from megatron_bridge.models.param_count import flops_per_token
-
                 m = state.cfg.model
                 flops = flops_per_token(m) * state.cfg.train.global_batch_size * m.seq_length * interval
                 self.mcore.report(flops, interval)

@@ -1,1 +1,2 @@
-"""Tokenizers: the config (`config.TokenizerConfig`) and the builder used at setup."""
+"""Tokenizers (public import path): the config, `config.TokenizerConfig`. Tokenizers and their
+config live in `megatron_bridge.runtime.tokenizers`."""

@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 from typing import Any
+from megatron_bridge.runtime.child_processes import die_when_parent_dies, die_with_parent
 
 RESULT_WAIT_SECONDS = 10.0
 """How long a read waits for a result still on its way from a background writer that has
@@ -73,8 +74,6 @@ def use_results_queue(persistent_worker: bool) -> None:
         return
     if _manager_queue is None:
         from multiprocessing.managers import SyncManager
-
-        from megatron_bridge.training.child_processes import die_with_parent, die_when_parent_dies
 
         die_with_parent()
         # Spawned, not forked: forking a server from a trainer whose libraries run threads can crash it.

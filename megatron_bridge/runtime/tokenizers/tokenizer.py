@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_bridge.extras import require
-from megatron_bridge.training.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 
 SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
 """`hf_tokenizer_kwargs` keys that name special tokens; honoured by both loaders."""

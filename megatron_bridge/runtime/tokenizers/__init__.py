@@ -1,0 +1,1 @@
+"""Tokenizers: which one a run uses (`config.TokenizerConfig`) and building it (`tokenizer`)."""
