@@ -20,7 +20,7 @@ import functools
 from abc import ABCMeta
 from typing import Any, ClassVar
 
-from megatron_bridge.config import paths, ranges, status
+from megatron_bridge.config import paths, ranges, schema, status
 from megatron_bridge.config.annotations import type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
@@ -242,6 +242,9 @@ class ConfigBase(metaclass=_ConfigMeta):
         return all(values_equal(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+schema.CONFIG_BASE = ConfigBase  # the schema tells our classes from megatron-core's by it
 
 
 def unknown_field_message(cls: type, name: str) -> str:

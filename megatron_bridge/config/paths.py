@@ -11,29 +11,18 @@ run would fail where it first creates the file.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from typing import Any
 
-from megatron_bridge.config.annotations import real_arms
 from megatron_bridge.config.errors import Problems, show
+from megatron_bridge.config.schema import specs
 
 NAME_MAX = 255
 """Longest file or directory name, in bytes, on the filesystems runs write to (ext4, XFS,
 Lustre, GPFS, NFS)."""
 
-_PATH_NAME = re.compile(r"(^|_)(dir|directory|logdir|path|filepath|save|load|checkpoint|uri)$")
-
-
-def is_path_field(name: str, tp: Any, f: Any) -> bool:
-    """Whether a field `name` declared as `tp` (dataclass field `f`) holds a path whose absence is None."""
-    return bool(_PATH_NAME.search(name)) and str in real_arms(tp) and f.default is None
-
-
 def path_fields(cls: type) -> tuple[str, ...]:
-    """The fields of config class `cls` that hold a path whose absence is None."""
-    from megatron_bridge.config.schema import specs
-
+    """The fields of config class `cls` that hold a path whose absence is None (`FieldSpec.is_path`)."""
     return tuple(s.name for s in specs(cls).values() if s.is_path)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,12 @@ from megatron_bridge.config import megatron_core_fields
 from megatron_bridge.config.annotations import field_types, real_arms
 from megatron_bridge.config.docstrings import field_docs
 from megatron_bridge.config.fields import ANY, DERIVED, RANGE, STATUS, USED, Range, Unsupported, parse
-from megatron_bridge.config.paths import is_path_field
+
+_PATH_NAME = re.compile(r"(^|_)(dir|directory|logdir|path|filepath|save|load|checkpoint|uri)$")
+"""Names of the fields that hold a path (checked by `config.paths`) when None is their default."""
+
+CONFIG_BASE: Optional[type] = None
+"""`config.base.ConfigBase`, which registers itself here (it imports this module)."""
 
 NO_DEFAULT: Any = dataclasses.MISSING
 """The default of a required field."""
@@ -124,9 +130,7 @@ def _most_derived_core_field(cls: type, name: str) -> dataclasses.Field:
 
 
 def _is_ours(klass: type) -> bool:
-    from megatron_bridge.config.base import ConfigBase
-
-    return issubclass(klass, ConfigBase)
+    return CONFIG_BASE is not None and issubclass(klass, CONFIG_BASE)
 
 
 def _is_core(klass: type) -> bool:
@@ -205,7 +209,7 @@ class ClassSpecs(Mapping):
             if rng is None:
                 rng = _FLOAT if numeric is float else _INT
         status = self.declared[STATUS].get(name) or megatron_core_fields.STATUS.get(key) or (USED if f.init else DERIVED)
-        path = is_path_field(name, tp, f)
+        path = bool(_PATH_NAME.search(name)) and str in real_arms(tp) and f.default is None
         return FieldSpec(self.cls, name, tp, f.init, self.owner.get(name, self.cls), core, numeric, rng, status, path)
 
 

@@ -26,6 +26,7 @@ from megatron_bridge import extras
 from megatron_bridge.config.annotations import values_equal
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import DERIVED, NEEDS_GPU, NEEDS_TE, USED, Unsupported  # noqa: F401
+from megatron_bridge.config import schema
 from megatron_bridge.config.schema import Status, specs  # noqa: F401
 
 GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reach_megatron_core"
@@ -146,9 +147,7 @@ def _has_gpu() -> bool:
 
 def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
     """(name, section) for each config section of a container (nested config values included)."""
-    from megatron_bridge.config.base import ConfigBase
-
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name, None)
-        if isinstance(value, ConfigBase):
+        if isinstance(value, schema.CONFIG_BASE):
             yield f.name, value
