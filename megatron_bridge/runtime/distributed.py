@@ -99,6 +99,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def single_process_store() -> dist.Store:
+    """The rendezvous store of a 1-process group: in memory, so no port is opened (a free port
+    picked, then bound, can be taken in between by another process doing the same) and no
+    launcher variables are left for child processes to inherit."""
+    return dist.HashStore()
+
+
 def cpu_threads(world_size: int) -> int:
     """Intra-op threads of a CPU run: OMP_NUM_THREADS when set (torchrun sets 1 per process
     unless told otherwise), else this machine's cores shared among its local processes."""
@@ -134,18 +141,13 @@ def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = Non
         if dist.get_backend() != backend:
             logger.warning("using the existing %s process group (config asks for %s)", dist.get_backend(), backend)
         return device, False
-    init_method = None
     if "RANK" not in os.environ:
-        # A plain single process: loopback only, a free port, and no launcher variables left in
-        # the environment for child processes to inherit.
         rank, world_size = 0, 1
-        if store is None:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+        store = store if store is not None else single_process_store()
     else:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(minutes=cfg.dist.distributed_timeout_minutes),

@@ -22,7 +22,7 @@ from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
 from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
-from megatron_bridge.runtime.distributed import checked_backend, free_port
+from megatron_bridge.runtime.distributed import checked_backend, single_process_store
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -49,7 +49,7 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
         single = "RANK" not in os.environ
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{free_port()}" if single else None,
+            store=single_process_store() if single else None,
             rank=0 if single else int(os.environ["RANK"]),
             world_size=1 if single else int(os.environ["WORLD_SIZE"]),
             timeout=datetime.timedelta(minutes=timeout_minutes),
