@@ -47,6 +47,13 @@ RECIPES: dict[str, Callable[..., ConfigContainer]] = {}
 
 _SUFFIXES = {"_pretrain_config": PretrainOptions, "_finetune_config": FinetuneOptions}
 
+FINETUNE_SCHEDULE: MappingProxyType = MappingProxyType(
+    dict(train_iters=1000, global_batch_size=128, lr=1e-4, min_lr=0.0, lr_warmup_iters=50, eval_interval=100,
+         save_interval=200)  # fmt: skip
+)
+"""The fine-tuning recipes' schedule on 8 GPUs: 1000 steps of 128 samples, peak LR 1e-4 after 50
+warm-up steps decaying to 0, evaluation every 100 steps and a checkpoint every 200."""
+
 
 # ---------------------------------------------------------------------- the decorator
 def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..., ConfigContainer]]:

@@ -8,18 +8,8 @@ from __future__ import annotations
 
 from megatron_bridge.models import Gemma3ModelProvider1B, Gemma3ModelProvider4B, Gemma3ModelProvider27B
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import lora_finetune_config, pretrain_config, recipe
+from recipes._base import FINETUNE_SCHEDULE, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
-
-LORA_DEFAULTS = dict(
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-4,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
-)
 
 
 @recipe(world_size=8, seq_length=8192)
@@ -42,7 +32,7 @@ def gemma3_27b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
     return pretrain_config(model, opts)
 
 
-@recipe(world_size=8, seq_length=8192, **LORA_DEFAULTS)
+@recipe(world_size=8, seq_length=8192, **FINETUNE_SCHEDULE)
 def gemma3_1b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Gemma 3 1B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.
 
@@ -50,7 +40,7 @@ def gemma3_1b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     return lora_finetune_config(Gemma3ModelProvider1B(), opts)
 
 
-@recipe(world_size=8, seq_length=8192, **LORA_DEFAULTS)
+@recipe(world_size=8, seq_length=8192, **FINETUNE_SCHEDULE)
 def gemma3_4b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Gemma 3 4B (text) LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32.
 
@@ -59,7 +49,7 @@ def gemma3_4b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     return lora_finetune_config(Gemma3ModelProvider4B(), opts)
 
 
-@recipe(world_size=8, seq_length=8192, tensor_model_parallel_size=8, **LORA_DEFAULTS)
+@recipe(world_size=8, seq_length=8192, tensor_model_parallel_size=8, **FINETUNE_SCHEDULE)
 def gemma3_27b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Gemma 3 27B (text) LoRA fine-tuning on 8 GPUs: TP8, rank 16, alpha 32, all projections.
 

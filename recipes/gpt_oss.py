@@ -9,7 +9,7 @@ from __future__ import annotations
 from megatron_bridge.models import GptOssModelProvider20B, GptOssModelProvider120B
 from megatron_bridge.peft import LoRA
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import lora_finetune_config, pretrain_config, recipe
+from recipes._base import FINETUNE_SCHEDULE, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
 
 ATTENTION_LORA = ["linear_qkv", "linear_proj"]
@@ -33,17 +33,7 @@ def gpt_oss_120b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
     return pretrain_config(GptOssModelProvider120B(), opts)
 
 
-LORA_DEFAULTS = dict(
-    seq_length=4096,
-    expert_model_parallel_size=8,
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-4,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
-)
+LORA_DEFAULTS = dict(seq_length=4096, expert_model_parallel_size=8, **FINETUNE_SCHEDULE)
 
 
 def _lora(model, opts: FinetuneOptions) -> ConfigContainer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron_bridge.models import Olmo2ModelProvider7B
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import lora_finetune_config, pretrain_config, recipe
+from recipes._base import FINETUNE_SCHEDULE, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
 
 
@@ -19,13 +19,7 @@ def olmo2_7b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
 @recipe(
     world_size=8,
     seq_length=4096,
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-4,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
+    **FINETUNE_SCHEDULE,
 )
 def olmo2_7b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """OLMo 2 7B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.

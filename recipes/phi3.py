@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_bridge.models import Phi3ModelProviderMini
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import lora_finetune_config, pretrain_config, recipe
+from recipes._base import FINETUNE_SCHEDULE, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
 
 
@@ -17,13 +17,7 @@ def phi3_mini_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
 @recipe(
     world_size=8,
     seq_length=4096,
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-4,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
+    **FINETUNE_SCHEDULE,
 )
 def phi3_mini_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Phi-3 mini LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.

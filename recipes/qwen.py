@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_bridge.models import Qwen3ModelProvider8B, Qwen3MoEModelProvider30B_A3B, Qwen25ModelProvider7B
 from megatron_bridge.training.config import ConfigContainer
-from recipes._base import finetune_config, lora_finetune_config, pretrain_config, recipe
+from recipes._base import FINETUNE_SCHEDULE, finetune_config, lora_finetune_config, pretrain_config, recipe
 from recipes._options import FinetuneOptions, PretrainOptions
 
 
@@ -39,13 +39,7 @@ def qwen3_30b_a3b_pretrain_config(opts: PretrainOptions) -> ConfigContainer:
     seq_length=4096,
     tensor_model_parallel_size=2,
     sequence_parallel=True,
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-5,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
+    **{**FINETUNE_SCHEDULE, "lr": 1e-5},  # every weight trains: a tenth of the adapters' peak LR
 )
 def qwen3_8b_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Qwen3 8B full fine-tuning on 8 GPUs from a pretrained checkpoint: TP2, sequence parallel."""
@@ -55,13 +49,7 @@ def qwen3_8b_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
 @recipe(
     world_size=8,
     seq_length=4096,
-    train_iters=1000,
-    global_batch_size=128,
-    lr=1e-4,
-    min_lr=0.0,
-    lr_warmup_iters=50,
-    eval_interval=100,
-    save_interval=200,
+    **FINETUNE_SCHEDULE,
 )
 def qwen3_8b_lora_finetune_config(opts: FinetuneOptions) -> ConfigContainer:
     """Qwen3 8B LoRA fine-tuning on 8 GPUs (data parallel): rank 16, alpha 32, all projections.
