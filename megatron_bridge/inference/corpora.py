@@ -16,14 +16,13 @@ so every token after the first is predicted once with up to `seq_length` tokens 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_bridge.inference.errors import DataError
+from megatron_bridge.inference.errors import DataError, json_lines
 from megatron_bridge.data.chat import ChatFormatError
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit
 from megatron_bridge.data.sft_records import detect_format as detect_sft
@@ -88,18 +87,10 @@ def detect_format(path: str, text_key: str) -> str:
 
 def jsonl_rows(path: str) -> Iterator[tuple[str, dict]]:
     """(location, object) of every non-empty line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, found {type(row).__name__}")
-            yield where, row
+    for where, row in json_lines(path, DataError):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, found {type(row).__name__}")
+        yield where, row
 
 
 def text_documents(path: str, text_key: str) -> Iterator[str]:

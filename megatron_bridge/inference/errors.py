@@ -4,6 +4,9 @@ can tell them apart before torch or megatron-core load."""
 
 from __future__ import annotations
 
+import json
+from typing import Any, Iterator
+
 
 class SourceError(ValueError):
     """A model source that cannot be used: missing, incomplete, or adapters without their base."""
@@ -15,3 +18,18 @@ class PromptError(ValueError):
 
 class DataError(ValueError):
     """Evaluation data that cannot be read or scored."""
+
+
+def json_lines(path: str, error: type[ValueError]) -> Iterator[tuple[str, Any]]:
+    """(location `path:line`, value) of every non-empty line of a JSONL file; a line that is not
+    JSON raises `error` naming its location."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{where}: not JSON ({exc.msg})") from None
+            yield where, value

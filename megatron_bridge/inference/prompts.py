@@ -7,10 +7,9 @@ always rendered with the chat template). A prompts file has one per line: `{"pro
 
 from __future__ import annotations
 
-import json
 from typing import Any, Union
 
-from megatron_bridge.inference.errors import PromptError
+from megatron_bridge.inference.errors import PromptError, json_lines
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer, check_messages
 
 Prompt = Union[str, list]
@@ -20,22 +19,14 @@ def read_prompts(path: str) -> list[Prompt]:
     """The prompts of a JSONL file, in order; a bad line is an error naming it."""
     prompts: list[Prompt] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PromptError(f"{where}: not JSON ({exc.msg})") from None
-                if isinstance(row, dict) and "messages" in row:
-                    row = row["messages"]
-                elif isinstance(row, dict) and "prompt" in row:
-                    row = row["prompt"]
-                elif isinstance(row, dict):
-                    raise PromptError(f'{where}: expected {{"prompt": ...}} or {{"messages": [...]}}, found keys {sorted(row)}')
-                prompts.append(check_prompt(row, where))
+        for where, row in json_lines(path, PromptError):
+            if isinstance(row, dict) and "messages" in row:
+                row = row["messages"]
+            elif isinstance(row, dict) and "prompt" in row:
+                row = row["prompt"]
+            elif isinstance(row, dict):
+                raise PromptError(f'{where}: expected {{"prompt": ...}} or {{"messages": [...]}}, found keys {sorted(row)}')
+            prompts.append(check_prompt(row, where))
     except OSError as exc:
         raise PromptError(f"--prompts {path!r}: {exc.strerror or exc}") from None
     if not prompts:
