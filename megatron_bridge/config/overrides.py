@@ -8,11 +8,13 @@
     ~key[=value]   delete: a dataclass field goes back to its default; a dict key or list item is
                    removed (with `=value`, only if the current value is that)
 
-Keys are dotted paths; list items are addressed by index (`logger.comet_tags.1=x`). Values read
-like YAML/Hydra scalars: `5` int, `1e-4` float, `true` bool, `null` None, `'5'` string; `[a, b]`
-a list and `{A: 1}` a dict (nested freely); `${...}` interpolations are kept for OmegaConf.
-Unlike Hydra (where `a=1,2` is a multirun sweep), a bare comma-separated value is one string, so
-`dataset.split=99,1,0` works unquoted.
+Keys are dotted paths; list items are addressed by index (`logger.comet_tags.1=x`). Values are
+read by the config file reader (`config.yaml_input.ValueLoader`: the same size, depth and alias
+limits) as YAML flow values with Hydra's scalars: `5` int, `1e-4` float, `true` bool, `null`
+None, `'5'` string (quotes follow YAML: `'it''s'`, `"tab\\t"`); `[a, b]` a list and `{A: 1}` or
+`{A:1}` a dict (nested freely); `${...}` interpolations are kept whole for OmegaConf, also inside
+lists and dicts. A value that does not start with a bracket or a quote is one scalar, read as
+it is: unlike Hydra (where `a=1,2` is a multirun sweep), `dataset.split=99,1,0` is one string.
 """
 
 from __future__ import annotations
@@ -22,20 +24,16 @@ import re
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional, Union
 
+from megatron_bridge.config import yaml_input
 from megatron_bridge.config.apply import NO_VALUE, Applier, Override
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
 from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
 from megatron_bridge.config.serialization import load_yaml_file
 
 _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
-_INT = re.compile(r"[-+]?\d(_?\d)*")
-_FLOAT = re.compile(r"[-+]?((\d(_?\d)*\.\d*|\.\d+)([eE][-+]?\d+)?|\d(_?\d)*[eE][-+]?\d+|\.?inf|\.?nan)", re.IGNORECASE)
 
 MAX_VALUE_LENGTH = 100_000
 """Longest override value accepted."""
-
-MAX_DEPTH = 64
-"""Deepest nesting of lists and dicts in an override value."""
 
 def _short(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
@@ -82,144 +80,61 @@ def parse_override(text: str) -> Override:
 def parse_value(text: str) -> Any:
     """Parse an override value (see the module docstring)."""
     stripped = text.strip()
-    if not stripped:
-        return ""
     if len(stripped) > MAX_VALUE_LENGTH:
         raise OverrideSyntaxError(
             f"value of {len(stripped):,} characters is over the {MAX_VALUE_LENGTH:,}-character limit",
             "put large values in a config file",
         )
-    parser = _Parser(stripped)
-    if stripped[0] in "[{'\"":
-        value = parser.element()
-        parser.skip_ws()
-        if parser.pos != len(stripped):
-            raise OverrideSyntaxError(
-                f"unexpected text {stripped[parser.pos :]!r} after {stripped[: parser.pos]!r}", "quote the whole value"
-            )
-        return value
-    return primitive(stripped)
+    try:
+        if not stripped.startswith(("[", "{", "'", '"')):
+            return yaml_input.scalar(stripped)  # the whole text: `99,1,0` and `a: b` are strings
+        protected, pieces = _protect_interpolations(stripped)
+        return _restore_interpolations(yaml_input.parse(protected, "value", yaml_input.ValueLoader), pieces)
+    except ConfigValidationError as exc:
+        raise OverrideSyntaxError(exc.problems[0].message, exc.problems[0].fix) from None
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        digits = sum(c.isdigit() for c in stripped)
+        raise OverrideSyntaxError(
+            f"an integer of {digits:,} digits is larger than any setting", "use a number of sensible size"
+        ) from None
 
 
-def primitive(text: str) -> Any:
-    """An unquoted scalar: null, bool, int, float, else the string itself (escapes removed)."""
-    low = text.lower()
-    if low == "null":
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    if _INT.fullmatch(text):
-        try:
-            return int(text)
-        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
-            digits = sum(c.isdigit() for c in text)
-            raise OverrideSyntaxError(
-                f"an integer of {digits:,} digits is larger than any setting", "use a number of sensible size"
-            ) from None
-    if _FLOAT.fullmatch(text):
-        return float(text.replace(".", "") if low.lstrip("+-").startswith((".inf", ".nan")) else text)
-    return re.sub(r"\\(.)", r"\1", text) if "\\" in text and "${" not in text else text
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
-class _Parser:
-    def __init__(self, text: str):
-        self.text = text
-        self.pos = 0
-        self.depth = 0
-
-    def skip_ws(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos].isspace():
-            self.pos += 1
-
-    def peek(self) -> str:
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def expect(self, chars: str) -> str:
-        self.skip_ws()
-        ch = self.peek()
-        if not ch or ch not in chars:
-            found = repr(ch) if ch else "the end"
-            wanted = " or ".join(repr(c) for c in chars)
-            raise OverrideSyntaxError(
-                f"expected {wanted} at position {self.pos} of {_short(self.text)}, found {found}",
-                "check the brackets and quotes of the value",
-            )
-        self.pos += 1
-        return ch
-
-    def element(self) -> Any:
-        self.skip_ws()
-        ch = self.peek()
-        if ch in ("[", "{"):
-            self.depth += 1
-            if self.depth > MAX_DEPTH:
-                raise OverrideSyntaxError(f"value nests deeper than {MAX_DEPTH} levels", "flatten the value")
-            self.pos += 1
-            value = self.collection("]" if ch == "[" else "}")
-            self.depth -= 1
-            return value
-        if ch and ch in "'\"":
-            return self.quoted()
-        if not ch:
-            raise OverrideSyntaxError(f"{_short(self.text)} ends where a value should be", "complete the value")
-        return primitive(self.bare())
-
-    def collection(self, close: str) -> Any:
-        """The list (`close` is `]`) or mapping (`}`) whose opening bracket was just read."""
-        items: list = []
-        self.skip_ws()
-        if self.peek() == close:
-            self.pos += 1
-            return {} if close == "}" else items
-        while True:
-            items.append(self.entry() if close == "}" else self.element())
-            if self.expect("," + close) == close:
-                return dict(items) if close == "}" else items
-
-    def entry(self) -> tuple[str, Any]:
-        """`key: value` in a mapping."""
-        self.skip_ws()
-        key = self.quoted() if self.peek() and self.peek() in "'\"" else self.bare(stop=":,}")
-        if not key:
-            raise OverrideSyntaxError(f"empty key in {_short(self.text)}", "write {name: value}")
-        self.expect(":")
-        return key, self.element()
-
-    def quoted(self) -> str:
-        quote = self.text[self.pos]
-        self.pos += 1
-        chars = []
-        while self.pos < len(self.text):
-            ch = self.text[self.pos]
-            if ch == "\\" and self.pos + 1 < len(self.text) and self.text[self.pos + 1] in (quote, "\\"):
-                chars.append(self.text[self.pos + 1])
-                self.pos += 2
+def _protect_interpolations(text: str) -> tuple[str, list[str]]:
+    """`text` with each `${...}` (nested ones inside it included) replaced by a placeholder that
+    YAML reads as plain text, and the interpolations replaced."""
+    if "\ue000" in text:
+        raise OverrideSyntaxError("the value holds the private-use character U+E000", "remove it")
+    out, pieces, i = [], [], 0
+    while (start := text.find("${", i)) != -1:
+        depth, end = 0, start
+        while end < len(text):
+            if text.startswith("${", end):
+                depth, end = depth + 1, end + 2
                 continue
-            if ch == quote:
-                self.pos += 1
-                return "".join(chars)
-            chars.append(ch)
-            self.pos += 1
-        raise OverrideSyntaxError(f"unterminated quote in {_short(self.text)}", f"close the string with {quote}")
-
-    def bare(self, stop: str = ",]}") -> str:
-        """Unquoted text up to a delimiter, keeping `${...}` interpolations whole."""
-        start, depth = self.pos, 0
-        while self.pos < len(self.text):
-            ch = self.text[self.pos]
-            if ch == "\\" and self.pos + 1 < len(self.text):
-                self.pos += 2
-                continue
-            if ch == "$" and self.text.startswith("${", self.pos):
-                depth += 1
-                self.pos += 2
-                continue
-            if ch == "}" and depth:
+            if text[end] == "}":
                 depth -= 1
-            elif not depth and ch in stop:
+            end += 1
+            if not depth:
                 break
-            self.pos += 1
-        return self.text[start : self.pos].strip()
+        out.append(text[i:start] + f"\ue000{len(pieces)}\ue001")
+        pieces.append(text[start:end])
+        i = end
+    return "".join(out) + text[i:], pieces
+
+
+def _restore_interpolations(value: Any, pieces: list[str]) -> Any:
+    if not pieces:
+        return value
+    if isinstance(value, str):
+        return _PLACEHOLDER.sub(lambda m: pieces[int(m.group(1))], value)
+    if isinstance(value, list):
+        return [_restore_interpolations(v, pieces) for v in value]
+    if isinstance(value, dict):
+        return {_restore_interpolations(k, pieces): _restore_interpolations(v, pieces) for k, v in value.items()}
+    return value
 
 
 def process_config_with_overrides(

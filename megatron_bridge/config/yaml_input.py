@@ -53,6 +53,63 @@ def read_exponent_floats(cls: type) -> None:
 read_exponent_floats(YamlLoader)
 
 
+class ValueLoader(YamlLoader):  # type: ignore[misc, valid-type]
+    """Reads one value as a command line writes it: YAML flow syntax (`[a, b]`, `{k: v}`, quotes),
+    with plain scalars typed as Hydra types them. Only `true`/`false` (any case) are booleans and
+    `null` is None; integers are decimal (`1_000`), floats include `1e-4`, `inf` and `.nan`;
+    anything else (`yes`, `0x10`, `1:30`, `007`) is a string. Mapping keys are strings, and
+    `{a:1}` (no space after the colon) means `{a: 1}`."""
+
+    def construct_document(self, node: Any) -> Any:
+        _read_unspaced_keys(node)
+        return super().construct_document(node)
+
+
+ValueLoader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("null", r"(?i:null)", "nN"),
+    ("bool", r"(?i:true|false)", "tTfF"),
+    ("int", r"[-+]?\d(?:_?\d)*", "-+0123456789"),
+    ("float", r"[-+]?(?:(?:\d(?:_?\d)*\.\d*|\.\d+)(?:[eE][-+]?\d+)?|\d(?:_?\d)*[eE][-+]?\d+|\.?(?i:inf|nan))", "-+0123456789.iInN"),
+):  # fmt: skip
+    ValueLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first))
+ValueLoader.add_constructor(  # decimal, also with leading zeros (YAML 1.1 would read `017` as octal)
+    "tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node).replace("_", ""))
+)
+_STR = "tag:yaml.org,2002:str"
+
+
+def _read_unspaced_keys(node: Any) -> None:
+    """Plain keys become strings, and `{a:1}`, which YAML reads as the key `a:1` without a value,
+    becomes `{a: 1}`: the way a command line writes a mapping."""
+    if isinstance(node, yaml.MappingNode):
+        for i, (key, value) in enumerate(node.value):
+            if isinstance(key, yaml.ScalarNode) and not key.style:  # plain: "" from the C parser, None otherwise
+                key.tag = _STR
+                empty = isinstance(value, yaml.ScalarNode) and not value.style and value.value == ""
+                if empty and ":" in key.value:
+                    name, _, text = key.value.partition(":")
+                    key.value = name
+                    node.value[i] = (key, yaml.ScalarNode(_value_tag(text), text))
+    for child in node.value if isinstance(node, yaml.CollectionNode) else ():
+        for n in child if isinstance(child, tuple) else (child,):
+            _read_unspaced_keys(n)
+
+
+def _value_tag(text: str) -> str:
+    return ValueLoader.resolve(ValueLoader, yaml.ScalarNode, text, (True, False))
+
+
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+
+
+def scalar(text: str) -> Any:
+    """Plain scalar `text` typed as `ValueLoader` types it (the text itself unless it reads as
+    null, a boolean or a number)."""
+    tag = _value_tag(text)
+    return text if tag == _STR else ValueLoader.yaml_constructors[tag](_CONSTRUCTOR, yaml.ScalarNode(tag, text))
+
+
 def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
     where = f"{source}, line {line}" if line is not None else source
     return ConfigValidationError(ConfigProblem(where, message, fix))
@@ -90,12 +147,12 @@ def read_text(path: Union[str, os.PathLike]) -> str:
         ) from None
 
 
-def parse(text: str, source: str = "<config>") -> Any:
+def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any:
     """The data in YAML `text`, after checking its depth, alias expansion and recursion;
     `source` names the text in errors."""
     _check_structure(text, source)
     try:
-        return yaml.load(text, Loader=YamlLoader)
+        return yaml.load(text, Loader=loader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
@@ -110,6 +167,8 @@ def load_file(path: Union[str, os.PathLike]) -> Any:
 def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if getattr(exc, "context", None) == "while scanning a quoted scalar" and "end of stream" in problem:
+        problem = "unterminated quote"
     line = mark.line + 1 if mark is not None else None
     return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
 
