@@ -216,11 +216,8 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     # ------------------------------------------------------------------ finalize
     def _finalize(self, problems: Problems) -> None:
-        """Checks and derived values of this section; report problems into `problems`.
-
-        Subclasses override this. `finalize_into` has already put back what the previous finalize
-        derived, so a derived value is recomputed from the current fields.
-        """
+        """Checks and derived values of this section, reported into `problems` (subclasses override
+        it). What the previous finalize derived is put back first, so it is recomputed."""
 
     def finalize(self) -> None:
         """Check this config and compute its derived values. Idempotent; raises

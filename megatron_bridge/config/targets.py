@@ -32,11 +32,9 @@ from typing import Any, Optional
 _BY_NAME: dict[str, Any] = {}
 """Registered name -> object."""
 
-_NAME_OF: dict[int, str] = {}
-"""id(object) -> its canonical (first registered, or shortest public) name."""
-
-_OBJECTS: dict[int, Any] = {}
-"""id(object) -> object: keeps registered objects alive, so their ids stay theirs."""
+_REGISTERED: dict[int, tuple[Any, str]] = {}
+"""id(object) -> the object (kept alive, so its id stays its own) and its canonical name (the
+first registered, or the shortest public one)."""
 
 # Functions configs use, by module; `torch` also gives every torch dtype.
 _BUILTINS: dict[str, tuple[str, ...]] = {
@@ -86,11 +84,8 @@ def register_target(obj: Any, name: Optional[str] = None, *, canonical: bool = F
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
         raise ValueError(f"register_target: {name!r} is not a dotted name like 'pkg.mod.Name'")
     _BY_NAME[name] = obj
-    if canonical:
-        _NAME_OF[id(obj)] = name
-    else:
-        _NAME_OF.setdefault(id(obj), name)
-    _OBJECTS[id(obj)] = obj
+    if canonical or id(obj) not in _REGISTERED:
+        _REGISTERED[id(obj)] = (obj, name)
     return obj
 
 
@@ -123,7 +118,7 @@ def is_registered(obj: Any) -> bool:
     """Whether `obj` itself is a registered object."""
     for module_name in _BUILTINS:
         _load_builtins(module_name)
-    return _OBJECTS.get(id(obj)) is obj
+    return id(obj) in _REGISTERED  # no other live object has the id of a registered one
 
 
 def resolve(name: Any) -> Any:
@@ -143,7 +138,7 @@ def resolve(name: Any) -> Any:
 
         # name_of may register objects (enum classes, built-ins): list the objects before it runs
         dtype = sys.modules["torch"].dtype if "torch" in sys.modules else ()
-        known = {name_of(o) for o in list(_OBJECTS.values()) if not isinstance(o, dtype)}
+        known = {name_of(o) for o, _ in list(_REGISTERED.values()) if not isinstance(o, dtype)}
         hint = difflib.get_close_matches(name, sorted(known.union(_BUILTIN_NAMES)), n=3, cutoff=0.6)
         closest = f" (closest: {', '.join(hint)})" if hint else ""
         raise TargetNotAllowedError(
@@ -166,10 +161,9 @@ def _exported(module_name: str, attr: str) -> Any:
 
 
 def _public_alias(name: str) -> Any:
-    """`pkg.Name` where an imported `pkg` re-exports a registered object (the object found must be
-    registered), or `Enum.MEMBER` of a registered enum class. The only imports are the project's
-    packages on the name's path (each `__init__`, stopping at the first module that is not a
-    package: no module is run) and the module a lazy export table names for it."""
+    """`pkg.Name` where an imported `pkg` re-exports a registered object, or `Enum.MEMBER` of a
+    registered enum class. Imports only the project's packages on the name's path (stopping at the
+    first module that is not a package: no module is run) and what a lazy export table names."""
     module_name, _, attr = name.rpartition(".")
     owner = _BY_NAME.get(module_name)
     if isinstance(owner, type) and issubclass(owner, enum.Enum):
@@ -200,14 +194,15 @@ def name_of(obj: Any) -> Optional[str]:
         return f"{name_of(type(obj))}.{obj.name}"
     if not is_registered(obj):
         return None
-    name = _NAME_OF[id(obj)]
+    name = _REGISTERED[id(obj)][1]
     if isinstance(obj, type) and name.startswith("megatron_bridge."):
         parts = name.split(".")
         for cut in range(1, len(parts) - 1):
-            shorter = ".".join(parts[:cut]) + "." + parts[-1]
-            if _exported(".".join(parts[:cut]), parts[-1]) is obj:
-                _NAME_OF[id(obj)] = shorter
-                return shorter
+            package = ".".join(parts[:cut])
+            if _exported(package, parts[-1]) is obj:
+                name = f"{package}.{parts[-1]}"
+                _REGISTERED[id(obj)] = (obj, name)
+                break
     return name
 
 
