@@ -16,13 +16,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import traceback
 from abc import ABCMeta
 from typing import Any, ClassVar
 
 from megatron_bridge.config import paths, ranges, schema, status
-from megatron_bridge.config.annotations import type_problem, values_equal
+from megatron_bridge.config.annotations import field_types, type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
 from megatron_bridge.config.targets import register_target
@@ -65,12 +64,6 @@ def _refuse_change(obj: Any, name: str) -> None:
     raise RuntimeError(f"{type(obj).__name__}.{name} changed while the config is read-only (during a check)")
 
 
-@functools.lru_cache(maxsize=None)
-def field_names(cls: type) -> frozenset[str]:
-    """The names of the dataclass fields of `cls`."""
-    return frozenset(f.name for f in dataclasses.fields(cls))
-
-
 class _ConfigMeta(ABCMeta):
     """Registers each config class as a name configs may use; records which constructor
     arguments the caller passed, then turns on tracking."""
@@ -91,7 +84,7 @@ class _ConfigMeta(ABCMeta):
             if why:
                 raise TypeError(f"{cls.__name__}.{name}: {why}")
         obj = super().__call__(*args, **kwargs)
-        explicit = {k for k in kwargs if k in field_names(cls)}
+        explicit = {k for k in kwargs if k in field_types(cls)}
         if args:  # positional arguments fill the init fields in order
             explicit.update([f.name for f in dataclasses.fields(cls) if f.init][: len(args)])
         d = obj.__dict__
@@ -112,7 +105,7 @@ class ConfigBase(metaclass=_ConfigMeta):
         d = self.__dict__
         if _READ_ONLY in d:
             _refuse_change(self, name)
-        if d.get(_TRACKING) and name in field_names(type(self)):
+        if d.get(_TRACKING) and name in field_types(type(self)):
             why = type_problem(type(self), name, value)
             if why:
                 raise TypeError(f"{type(self).__name__}.{name}: {why}")
@@ -200,7 +193,7 @@ class ConfigBase(metaclass=_ConfigMeta):
             d[_TRACKING] = tracking
             del d[_RECORDING]
         derived = d.setdefault(_DERIVED, {})
-        names = field_names(type(self))
+        names = field_types(type(self))
         for k, old in before.items():
             if k in names and k not in derived and d.get(k, _MISSING) is not old:
                 derived[k] = old
@@ -242,7 +235,7 @@ def unknown_field_message(cls: type, name: str) -> str:
     """`cls` has no field `name`: the message names the closest fields (a typo is never silent)."""
     import difflib
 
-    names = sorted(field_names(cls) | set(cls._field_aliases))
+    names = sorted({*field_types(cls), *cls._field_aliases})
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     initials = "".join(part[:1] for part in name.split("_"))  # learning_rate -> lr
     close += [n for n in names if n == initials and n not in close]
