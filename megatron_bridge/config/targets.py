@@ -100,7 +100,7 @@ def register_lazy_exports(package: str, names: dict[str, str]) -> None:
 def _load_builtins(module_name: str, import_it: bool = False) -> None:
     """Register the names `_BUILTINS` lists for `module_name` once it is imported (importing it
     first, with `import_it`); until then, no object from it can exist."""
-    if module_name in _loaded or (module_name not in sys.modules and not import_it):
+    if module_name in _loaded or (sys.modules.get(module_name) is None and not import_it):
         return
     _loaded.add(module_name)
     try:
