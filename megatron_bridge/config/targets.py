@@ -116,8 +116,9 @@ def _load_builtins(module_name: str, import_it: bool = False) -> None:
 
 def is_registered(obj: Any) -> bool:
     """Whether `obj` itself is a registered object."""
-    for module_name in _BUILTINS:
-        _load_builtins(module_name)
+    if len(_loaded) < len(_BUILTINS):
+        for module_name in _BUILTINS:
+            _load_builtins(module_name)
     return id(obj) in _REGISTERED  # no other live object has the id of a registered one
 
 
