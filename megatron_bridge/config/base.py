@@ -155,9 +155,7 @@ class ConfigBase(metaclass=_ConfigMeta):
         d = self.__dict__
         if _READ_ONLY in d:
             _refuse_change(self, name)
-        derived = d.setdefault(_DERIVED, {})
-        if name not in derived:
-            derived[name] = d.get(name, _MISSING)
+        d.setdefault(_DERIVED, {}).setdefault(name, d.get(name, _MISSING))  # the first value it replaced
         object.__setattr__(self, name, value)
 
     def derived_fields(self) -> frozenset[str]:
