@@ -16,15 +16,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import traceback
 from abc import ABCMeta
 from typing import Any, ClassVar
 
 from megatron_bridge.config import paths, ranges, schema, status
-from megatron_bridge.config.annotations import type_problem, values_equal
+from megatron_bridge.config.annotations import field_types, type_problem, values_equal
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
-from megatron_bridge.config.targets import register_config_class
+from megatron_bridge.config.targets import register_target
 
 # Bookkeeping lives in the instance __dict__ under these names (not dataclass fields), so it is
 # carried by copy.deepcopy and pickle but ignored by dataclasses.fields/asdict/replace.
@@ -33,9 +33,8 @@ _DERIVED = "_mb_derived"
 _TRACKING = "_mb_tracking"
 _RECORDING = "_mb_recording"  # while megatron-core's __post_init__ runs: field -> value before it
 
-_MISSING = object()
-
 _READ_ONLY = "_mb_read_only"
+_MISSING = object()
 
 
 class read_only:
@@ -65,39 +64,29 @@ def _refuse_change(obj: Any, name: str) -> None:
     raise RuntimeError(f"{type(obj).__name__}.{name} changed while the config is read-only (during a check)")
 
 
-@functools.lru_cache(maxsize=None)
-def init_field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
-
-
-@functools.lru_cache(maxsize=None)
-def field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls))
-
-
 class _ConfigMeta(ABCMeta):
     """Registers each config class as a name configs may use; records which constructor
     arguments the caller passed, then turns on tracking."""
 
     def __init__(cls, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> None:
         super().__init__(name, bases, namespace, **kwargs)
-        register_config_class(cls)
+        if "<" not in cls.__qualname__:  # classes defined inside functions have no import path
+            register_target(cls)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        aliases = cls._field_aliases
-        if aliases:
-            for alias, target in aliases.items():
-                if alias in kwargs:
-                    if target in kwargs:
-                        raise TypeError(f"{cls.__name__}: pass either {alias!r} or {target!r}, not both")
-                    kwargs[target] = kwargs.pop(alias)
+        for alias, target in cls._field_aliases.items():
+            if alias in kwargs:
+                if target in kwargs:
+                    raise TypeError(f"{cls.__name__}: pass either {alias!r} or {target!r}, not both")
+                kwargs[target] = kwargs.pop(alias)
         for name, value in kwargs.items():
-            why = type_problem(cls, name, value) if name in field_names(cls) else None
+            why = type_problem(cls, name, value)  # None for a name that is no field
             if why:
                 raise TypeError(f"{cls.__name__}.{name}: {why}")
         obj = super().__call__(*args, **kwargs)
-        explicit = set(init_field_names(cls)[: len(args)])
-        explicit.update(k for k in kwargs if k in field_names(cls))
+        explicit = {k for k in kwargs if k in field_types(cls)}
+        if args:  # positional arguments fill the init fields in order
+            explicit.update([f.name for f in dataclasses.fields(cls) if f.init][: len(args)])
         d = obj.__dict__
         d[_EXPLICIT] = explicit
         d.setdefault(_DERIVED, {})
@@ -116,7 +105,7 @@ class ConfigBase(metaclass=_ConfigMeta):
         d = self.__dict__
         if _READ_ONLY in d:
             _refuse_change(self, name)
-        if d.get(_TRACKING) and name in field_names(type(self)):
+        if d.get(_TRACKING) and name in field_types(type(self)):
             why = type_problem(type(self), name, value)
             if why:
                 raise TypeError(f"{type(self).__name__}.{name}: {why}")
@@ -144,13 +133,12 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     def mark_explicit(self, name: str, explicit: bool = True) -> None:
         """Record (or forget) that the user set `name`; used when loading configs from files."""
-        d = self.__dict__
-        d.setdefault(_EXPLICIT, set())
+        names = self.__dict__.setdefault(_EXPLICIT, set())
         if explicit:
-            d[_EXPLICIT].add(name)
-            d.setdefault(_DERIVED, {}).pop(name, None)
+            names.add(name)
+            self.__dict__.setdefault(_DERIVED, {}).pop(name, None)
         else:
-            d[_EXPLICIT].discard(name)
+            names.discard(name)
 
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
@@ -167,9 +155,7 @@ class ConfigBase(metaclass=_ConfigMeta):
         d = self.__dict__
         if _READ_ONLY in d:
             _refuse_change(self, name)
-        derived = d.setdefault(_DERIVED, {})
-        if name not in derived:
-            derived[name] = d.get(name, _MISSING)
+        d.setdefault(_DERIVED, {}).setdefault(name, d.get(name, _MISSING))  # the first value it replaced
         object.__setattr__(self, name, value)
 
     def derived_fields(self) -> frozenset[str]:
@@ -177,13 +163,10 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     def _restore_derived(self) -> None:
         """Put back what finalize/presets replaced, so derived values are recomputed."""
-        d = self.__dict__
-        derived = d.get(_DERIVED)
-        if not derived:
-            return
+        derived = self.__dict__.get(_DERIVED, {})
         for name, before in derived.items():
             if before is _MISSING:  # an init=False field that lived on the class until derived
-                d.pop(name, None)
+                self.__dict__.pop(name, None)
             else:
                 object.__setattr__(self, name, before)
         derived.clear()
@@ -200,13 +183,15 @@ class ConfigBase(metaclass=_ConfigMeta):
         try:
             parent.__post_init__(self)
         except (ValueError, AssertionError, TypeError, NotImplementedError) as exc:
-            message = str(exc).strip() or _failing_line(exc)
+            frames = traceback.extract_tb(exc.__traceback__)  # for bare asserts: the line that failed
+            line = f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
+            message = str(exc).strip() or f"{type(exc).__name__}{line}"
             problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
         finally:
             d[_TRACKING] = tracking
             del d[_RECORDING]
         derived = d.setdefault(_DERIVED, {})
-        names = field_names(type(self))
+        names = field_types(type(self))
         for k, old in before.items():
             if k in names and k not in derived and d.get(k, _MISSING) is not old:
                 derived[k] = old
@@ -222,11 +207,8 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     # ------------------------------------------------------------------ finalize
     def _finalize(self, problems: Problems) -> None:
-        """Checks and derived values of this section; report problems into `problems`.
-
-        Subclasses override this. `finalize_into` has already put back what the previous finalize
-        derived, so a derived value is recomputed from the current fields.
-        """
+        """Checks and derived values of this section, reported into `problems` (subclasses override
+        it). What the previous finalize derived is put back first, so it is recomputed."""
 
     def finalize(self) -> None:
         """Check this config and compute its derived values. Idempotent; raises
@@ -251,21 +233,12 @@ def unknown_field_message(cls: type, name: str) -> str:
     """`cls` has no field `name`: the message names the closest fields (a typo is never silent)."""
     import difflib
 
-    names = sorted(field_names(cls) | set(cls._field_aliases))
+    names = sorted({*field_types(cls), *cls._field_aliases})
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     initials = "".join(part[:1] for part in name.split("_"))  # learning_rate -> lr
     close += [n for n in names if n == initials and n not in close]
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return f"{cls.__name__} has no field {name!r}{hint}"
-
-
-def _failing_line(exc: BaseException) -> str:
-    """The source line that raised `exc` (megatron-core has bare asserts without a message)."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    line = frames[-1].line if frames else ""
-    return f"{type(exc).__name__} at `{line}`" if line else type(exc).__name__
 
 
 def config_dataclass(cls: type | None = None, /, **kwargs: Any) -> Any:

@@ -18,8 +18,8 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from megatron_bridge.config.annotations import register_section_names
-from megatron_bridge.config.base import ConfigBase, config_dataclass, field_names
+from megatron_bridge.config.annotations import field_types, register_section_names
+from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import COUNT, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
@@ -217,14 +217,14 @@ def _field_conditions(preset: type) -> tuple[tuple[str, Optional[str]], ...]:
             return "fp4"
         return "fp16" if name in _LOSS_SCALING else None
 
-    return tuple((name, needs(name)) for name in field_names(preset))
+    return tuple((name, needs(name)) for name in field_types(preset))
 
 
 @functools.lru_cache(maxsize=None)
 def _shared_fields(preset: type, target: type) -> tuple[str, ...]:
     """The fields of a precision config that a target section also has."""
-    names = field_names(target)
-    return tuple(name for name in field_names(preset) if name in names)
+    names = field_types(target)
+    return tuple(name for name in field_types(preset) if name in names)
 
 
 def check_low_precision(c: object, problems: Problems, prefix: str, fix: str) -> None:
