@@ -109,6 +109,20 @@ def test_hydra_scalar_grammar():
     assert parse_value("${model.seq_length}") == "${model.seq_length}"
 
 
+def test_values_are_read_by_the_config_file_reader():
+    # YAML flow syntax, Hydra's scalars: only true/false are booleans, integers are decimal
+    assert parse_value("[yes, on, 0x10, 1:30, 007, 1_000, inf]") == ["yes", "on", "0x10", "1:30", 7, 1000, float("inf")]
+    assert parse_value("yes") == "yes" and parse_value("a: b, c") == "a: b, c" and parse_value("tRUE") is True
+    assert parse_value("{A:1, b: {c:x}, 2: [ ]}") == {"A": 1, "b": {"c": "x"}, "2": []}  # keys are strings
+    assert parse_value("""['it''s', "tab\\tend"]""") == ["it's", "tab\tend"]  # YAML's quoting rules
+    assert parse_value("[${a.b}, x${oc.select:c,${d}}y, {k: '${e}'}]") == ["${a.b}", "x${oc.select:c,${d}}y", {"k": "${e}"}]
+    with pytest.raises(ValueError, match="nests deeper than 64 levels"):  # the file reader's limits
+        parse_value("[" * 65 + "]" * 65)
+    with pytest.raises(ValueError, match="expands to more than"):
+        parse_value("[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+                    "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d], [*e,*e,*e]]")  # fmt: skip
+
+
 # ---------------------------------------------------------------------- lists and dicts
 def test_lists_replace_and_items_change_by_index():
     cfg = apply(
