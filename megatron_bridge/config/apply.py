@@ -24,7 +24,7 @@ from megatron_bridge.config.annotations import (
 )
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.serialization import ConfigDecoder, class_info, decode_field, merge_dicts, unknown_key
+from megatron_bridge.config.serialization import ConfigDecoder, decode_field, field_of, merge_dicts, unknown_key
 
 NO_VALUE = object()
 """The value of a `~key` override given without `=value`."""
@@ -92,14 +92,13 @@ class Applier:
         a field is not a section address items in its value."""
         obj, source = self.config, o.source
         for i, part in enumerate(o.key):
-            info = class_info(type(obj))
-            f = info.field(part)
+            f = field_of(type(obj), part)
             where = ".".join(o.key[: i + 1])
             if f is None:
+                message, fix = unknown_key(type(obj), part)
                 if o.op == "add" and i == len(o.key) - 1:
-                    message = f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields"
-                    return self.error(where, message, info.closest(part), source)
-                return self.error(where, *unknown_key(info, part), source)
+                    message = f"cannot add key {part!r}: {type(obj).__name__} has a fixed set of fields"
+                return self.error(where, message, fix, source)
             if i == len(o.key) - 1:
                 return self.apply_to_field(obj, f, o, where, source)
             current, classes = getattr(obj, f.name), section_classes(f.type)
