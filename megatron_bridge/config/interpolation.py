@@ -9,6 +9,7 @@ registered custom ones) work as usual.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
@@ -28,11 +29,8 @@ MAX_NESTING = 16
 
 def _nesting(text: str) -> int:
     """How deeply `${` ... `}` pairs nest in `text`."""
-    depth = deepest = 0
-    for token in re.findall(r"\$\{|\}", text):
-        depth = depth + 1 if token == "${" else max(depth - 1, 0)
-        deepest = max(deepest, depth)
-    return deepest
+    tokens = re.findall(r"\$\{|\}", text)
+    return max(itertools.accumulate(tokens, lambda depth, t: depth + 1 if t == "${" else max(depth - 1, 0), initial=0))
 
 
 def strings(value: Any) -> Iterable[str]:
@@ -93,7 +91,7 @@ def _resolve(config: Any, data: Any, overrides: list[Override], report: Callable
     for text in texts:
         for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
             refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
-    tree = OmegaConf.create(_referenced(config, refs) if config is not None else {})
+    tree = OmegaConf.create(_plain(_referenced(config, refs)) if config is not None else {})
     if data:
         tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
     for o in overrides:
@@ -138,19 +136,17 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     section is included."""
     encoder = ConfigEncoder()
     if any(ref.startswith(".") for ref in refs):
-        return {f.name: _plain(encoder.value(getattr(config, f.name), f.type)) for f in specs(type(config)).values()}
+        return {f.name: encoder.value(getattr(config, f.name), f.type) for f in specs(type(config)).values()}
     tree: dict = {}
-    whole: set[tuple[str, ...]] = set()  # the paths included with their whole value
-    for ref in sorted(set(refs), key=len):  # a shorter path may already hold a longer one
-        obj, node, parts = config, tree, tuple(ref.split("."))
+    for ref in set(refs):
+        obj, node, parts = config, tree, ref.split(".")
         for i, part in enumerate(parts):
             f = field_of(type(obj), part)
-            if parts[: i + 1] in whole or f is None:
-                break  # included already; or not in the config: the file may define it, or OmegaConf reports it
+            if f is None:
+                break  # not in the config: the file may define it, or OmegaConf reports it
             value = getattr(obj, f.name)
             if i == len(parts) - 1 or not dataclasses.is_dataclass(value) or isinstance(value, type):
-                node[part] = _plain(encoder.value(value, f.type))
-                whole.add(parts[: i + 1])
+                node[part] = encoder.value(value, f.type)
                 break
             node, obj = node.setdefault(part, {}), value
     return tree
