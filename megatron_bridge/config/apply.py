@@ -24,7 +24,7 @@ from megatron_bridge.config.annotations import (
 )
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.serialization import ConfigDecoder, decode_field, field_of, merge_dicts, unknown_key
+from megatron_bridge.config.serialization import ConfigDecoder, field_of, merge_dicts, unknown_key
 
 NO_VALUE = object()
 """The value of a `~key` override given without `=value`."""
@@ -94,7 +94,7 @@ class Applier:
                 return self.apply_to_field(obj, f, o, where, source)
             current, classes = getattr(obj, f.name), section_classes(f.type)
             named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
-            creates = current is None and o.op != "delete"  # a section below a null field
+            creates = current is None and o.op != "delete"  # `ft.enable_ft_package=true` while ft is null
             if creates and len(named) > 1:
                 picks = " or ".join(f"{where}={n}" for n in named)
                 message = f"is null, so it has no key {o.key[i + 1]!r}"
@@ -142,7 +142,7 @@ class Applier:
 
 def _decodes_to(loader: Any, f: Any, raw: Any, current: Any) -> bool:
     try:
-        return values_equal(decode_field(loader, f, raw), current)
+        return values_equal(loader.field(f, raw), current)
     except DecodeError:
         return False
 

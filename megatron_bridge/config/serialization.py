@@ -156,6 +156,7 @@ class ConfigDecoder(Decoder):
     (`merge`): the one reader of config mappings, whatever their source (see the module docstring)."""
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
+        """A new section of the class `raw` describes (`section_class`), built from `raw`."""
         cls = self.section_class(raw, declared)
         tags, values, errors = self.read_section(cls, raw)
         present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
@@ -194,8 +195,10 @@ class ConfigDecoder(Decoder):
                     raise DecodeError(items=[("", p.message, p.fix) for p in exc.problems]) from None
                 return self.section(raw, classes) if section is None else self.merge(section, raw)
             if isinstance(current, dict) and TARGET not in raw:
-                return merge_dicts(current, decode_field(self, f, raw))
-        return decode_field(self, f, raw)
+                return merge_dicts(current, self.field(f, raw))
+        # None is accepted where the default is None even if the annotation does not say Optional
+        # (as megatron-core declares many fields).
+        return None if raw is None and f.default is None else self.value(raw, f.type)
 
     def merge(self, obj: Any, raw: Mapping) -> Any:
         """Merge section mapping `raw` into dataclass `obj`; returns `obj`, or a new section when
@@ -295,14 +298,6 @@ def merge_dicts(base: dict, update: Mapping) -> dict:
     for k, v in update.items():
         out[k] = merge_dicts(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
     return out
-
-
-def decode_field(loader: Decoder, f: FieldSpec, raw: Any) -> Any:
-    """The value of field `f` from plain data. None is accepted where the default is None even
-    if the annotation does not say Optional (as megatron-core declares many fields)."""
-    if raw is None and f.default is None:
-        return None
-    return loader.value(raw, f.type)
 
 
 def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> Any:
