@@ -60,19 +60,6 @@ def resolve_interpolations(
     An unresolvable value is reported as (path, message, fix, source) and dropped; so is one
     whose interpolations nest too deeply (OmegaConf recurses over them). Data OmegaConf cannot
     hold is reported at path '' and nothing is kept: (None, [])."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return _resolve(config, data, overrides, report, file_label)
-    except RecursionError:  # OmegaConf recurses over nested data
-        report("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions", "")
-    except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
-        report("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}", "")
-    return None, []
-
-
-def _resolve(config: Any, data: Any, overrides: list[Override], report: Callable, file_label: str) -> tuple:
-    """`resolve_interpolations`, raising what OmegaConf raises about the whole tree."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -82,24 +69,6 @@ def _resolve(config: Any, data: Any, overrides: list[Override], report: Callable
             report(path, message, "simplify the ${...} expression", source)
             return _UNRESOLVED
         return value
-
-    data = _walk(data, "", shallow)
-    overrides = [o for o in overrides if o.value is NO_VALUE or shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
-    texts = [text for text in strings([data, *(o.value for o in overrides)]) if "${" in text]
-    remember_environment_reads(texts)  # what the config is written with puts `${oc.env:VAR}` back
-    refs = []
-    for text in texts:
-        for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
-            refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
-    tree = OmegaConf.create(_plain(_referenced(config, refs)) if config is not None else {})
-    if data:
-        tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
-    for o in overrides:
-        if o.op != "delete":
-            try:
-                OmegaConf.update(tree, o.dotted, o.value, merge=True, force_add=True)
-            except (OmegaConfBaseException, ValueError, KeyError, IndexError):
-                pass  # applying the override reports what is wrong with it
 
     def resolved(path: str, value: Any, source: str = file_label) -> Any:
         if not any("${" in s for s in strings(value)):
@@ -112,6 +81,30 @@ def _resolve(config: Any, data: Any, overrides: list[Override], report: Callable
             report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
+    try:
+        data = _walk(data, "", shallow)
+        overrides = [o for o in overrides if shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
+        texts = [text for text in strings([data, *(o.value for o in overrides)]) if "${" in text]
+        remember_environment_reads(texts)  # what the config is written with puts `${oc.env:VAR}` back
+        refs = []
+        for text in texts:
+            for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
+                refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
+        tree = OmegaConf.create(_plain(_referenced(config, refs)) if config is not None else {})
+        if data:
+            tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
+        for o in overrides:
+            if o.op != "delete":
+                try:
+                    OmegaConf.update(tree, o.dotted, o.value, merge=True, force_add=True)
+                except (OmegaConfBaseException, ValueError, KeyError, IndexError):
+                    pass  # applying the override reports what is wrong with it
+    except RecursionError:  # OmegaConf recurses over nested data
+        report("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions", "")
+        return None, []
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
+        report("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}", "")
+        return None, []
     out = []
     for o in overrides:
         if o.value is not NO_VALUE and o.op != "delete":
