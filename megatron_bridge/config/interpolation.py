@@ -90,9 +90,7 @@ def resolve_interpolations(
         for text in texts:
             for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
                 refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
-        tree = OmegaConf.create(_plain(_referenced(config, refs)) if config is not None else {})
-        if data:
-            tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
+        tree = OmegaConf.merge(_plain(_referenced(config, refs)) if config is not None else {}, _plain(data or {}))
         for o in overrides:
             if o.op != "delete":
                 try:
