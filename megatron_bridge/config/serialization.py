@@ -46,8 +46,7 @@ from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
-from megatron_bridge.config.targets import name_of as object_path
-from megatron_bridge.config.targets import register_target, resolve
+from megatron_bridge.config.targets import name_of, register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
 from megatron_bridge.config.yaml_input import read_exponent_floats
 
@@ -85,7 +84,7 @@ class ConfigEncoder(Encoder):
 
     def section(self, obj: Any) -> dict:
         """A dataclass section: `_target_`, the bookkeeping tags, then every field."""
-        path = object_path(type(obj))
+        path = name_of(type(obj))
         if path is None:
             return {UNSERIALIZABLE: show(obj)}
         state = obj.__dict__ if isinstance(obj, ConfigBase) else None  # its explicit/derived bookkeeping
