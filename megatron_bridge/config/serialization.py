@@ -64,7 +64,8 @@ def field_of(cls: type, key: Any) -> Optional[FieldSpec]:
     """The field of dataclass `cls` that `key` (a field name or an alias) names, or None."""
     fields = specs(cls)
     name = getattr(cls, "_field_aliases", {}).get(key, key)
-    return fields[name] if name in fields.types else None
+    made = fields.made.get(name)  # the common case, without a call
+    return made if made is not None or name not in fields.types else fields[name]
 
 
 def unknown_key(cls: type, key: Any) -> tuple[str, str]:
