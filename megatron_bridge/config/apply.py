@@ -24,7 +24,7 @@ from megatron_bridge.config.annotations import (
 )
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.serialization import ConfigDecoder, class_info, decode_field, merge_dicts, unknown_key
+from megatron_bridge.config.serialization import ConfigDecoder, field_of, merge_dicts, unknown_key
 
 NO_VALUE = object()
 """The value of a `~key` override given without `=value`."""
@@ -50,15 +50,6 @@ class Override:
         return f"override {show(self.text)}"
 
 
-def apply(config: Any, data: Mapping, source: str) -> Any:
-    """Merge mapping `data` into `config` (in place; also returned); problems are raised together
-    as one `ConfigValidationError`, each tagged with `source` (e.g. `file my.yaml`)."""
-    problems = Problems()
-    Applier(config, problems).merge(data, source)
-    problems.raise_if_any()
-    return config
-
-
 class Applier:
     """Applies mappings and parsed overrides to a config, collecting problems tagged with their source."""
 
@@ -68,7 +59,7 @@ class Applier:
         self.loader = ConfigDecoder()
 
     def error(self, path: str, message: str, fix: str, source: str) -> None:
-        self.problems.add(path, f"{message} [{source}]", fix)
+        self.problems.add(path, f"{message} [{source}]" if source else message, fix)
 
     def merge(self, data: Mapping, source: str) -> None:
         """Merge mapping `data` (a file, a recipe's options) into the config, reporting problems
@@ -92,21 +83,24 @@ class Applier:
         a field is not a section address items in its value."""
         obj, source = self.config, o.source
         for i, part in enumerate(o.key):
-            info = class_info(type(obj))
-            f = info.field(part)
+            f = field_of(type(obj), part)
             where = ".".join(o.key[: i + 1])
             if f is None:
+                message, fix = unknown_key(type(obj), part)
                 if o.op == "add" and i == len(o.key) - 1:
-                    message = f"cannot add key {part!r}: {info.cls.__name__} has a fixed set of fields"
-                    return self.error(where, message, info.closest(part), source)
-                return self.error(where, *unknown_key(info, part), source)
+                    message = f"cannot add key {part!r}: {type(obj).__name__} has a fixed set of fields"
+                return self.error(where, message, fix, source)
             if i == len(o.key) - 1:
                 return self.apply_to_field(obj, f, o, where, source)
             current, classes = getattr(obj, f.name), section_classes(f.type)
+            named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
+            creates = current is None and o.op != "delete"  # `ft.enable_ft_package=true` while ft is null
+            if creates and len(named) > 1:
+                picks = " or ".join(f"{where}={n}" for n in named)
+                message = f"is null, so it has no key {o.key[i + 1]!r}"
+                return self.error(where, message, f"choose one first: {picks}", source)
             try:
-                section = section_from_value(current, f.type)
-                if section is None and current is None and len(classes) == 1 and o.op != "delete":
-                    section = classes[0]()  # `ft.enable_ft_package=true` while ft is null
+                section = classes[0]() if creates and len(classes) == 1 else section_from_value(current, f.type)
             except ConfigValidationError as exc:
                 for p in exc.problems:
                     self.error(where, p.message, p.fix, source)
@@ -114,11 +108,6 @@ class Applier:
             except TypeError as exc:  # a section class that cannot be built without arguments
                 message = f"is null and cannot be created empty: {exc}"
                 return self.error(where, message, f"set {where} as a whole", source)
-            named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
-            if section is None and current is None and len(named) > 1 and o.op != "delete":
-                picks = " or ".join(f"{where}={n}" for n in named)
-                message = f"is null, so it has no key {o.key[i + 1]!r}"
-                return self.error(where, message, f"choose one first: {picks}", source)
             if section is None:
                 try:
                     new = _update_item(self.loader, current, f.type, o, i + 1)
@@ -153,7 +142,7 @@ class Applier:
 
 def _decodes_to(loader: Any, f: Any, raw: Any, current: Any) -> bool:
     try:
-        return values_equal(decode_field(loader, f, raw), current)
+        return values_equal(loader.field(f, raw), current)
     except DecodeError:
         return False
 
@@ -180,8 +169,7 @@ def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
             raise DecodeError(f"{here} has no key {part!r}", f"{hint} use +{o.text} to add it".strip())
         if o.op == "add" and exists:
             raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
-        value, old = loader.value(o.value, item_tp), node.get(key)
-        return {**node, key: merge_dicts(old, value) if isinstance(old, dict) and isinstance(value, dict) else value}
+        return merge_dicts(node, {key: loader.value(o.value, item_tp)})
     if isinstance(node, (list, tuple)):
         if not part.isdigit():
             raise DecodeError(f"{here} is a list; {part!r} is not an index", "use a number, e.g. .0")

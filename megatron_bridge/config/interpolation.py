@@ -9,14 +9,16 @@ registered custom ones) work as usual.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.apply import NO_VALUE, Override
 from megatron_bridge.config.errors import show
+from megatron_bridge.config.schema import specs
 from megatron_bridge.config.secrets import remember_environment_reads
-from megatron_bridge.config.serialization import ConfigEncoder, class_info
+from megatron_bridge.config.serialization import ConfigEncoder, field_of
 
 _INTERPOLATION = re.compile(r"\$\{([^{}]*)")
 _UNRESOLVED = object()
@@ -27,11 +29,8 @@ MAX_NESTING = 16
 
 def _nesting(text: str) -> int:
     """How deeply `${` ... `}` pairs nest in `text`."""
-    depth = deepest = 0
-    for token in re.findall(r"\$\{|\}", text):
-        depth = depth + 1 if token == "${" else max(depth - 1, 0)
-        deepest = max(deepest, depth)
-    return deepest
+    tokens = re.findall(r"\$\{|\}", text)
+    return max(itertools.accumulate(tokens, lambda depth, t: depth + 1 if t == "${" else max(depth - 1, 0), initial=0))
 
 
 def strings(value: Any) -> Iterable[str]:
@@ -43,18 +42,9 @@ def strings(value: Any) -> Iterable[str]:
             yield from strings(v)
 
 
-def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:
-    """`value` with `leaf(path, v)` in place of each value below it that is not a mapping (a list
-    is one value); keys whose new value is `_UNRESOLVED` are left out."""
-    if not isinstance(value, Mapping):
-        return leaf(path, value)
-    items = ((k, _walk(v, f"{path}.{k}" if path else str(k), leaf)) for k, v in value.items())
-    return {k: v for k, v in items if v is not _UNRESOLVED}
-
-
 def has_interpolation(data: Any, overrides: list[Override]) -> bool:
     """Whether the file data or an override value contains `${`."""
-    return any("${" in s for s in strings(data)) or any("${" in s for o in overrides for s in strings(o.value))
+    return any("${" in s for s in strings([data, *(o.value for o in overrides)]))
 
 
 def resolve_interpolations(
@@ -68,37 +58,19 @@ def resolve_interpolations(
     sections they refer to, the file and the overrides (so a later override of a referenced key
     is seen, as with Hydra); with `config` None, `data` is a whole config and refers to itself.
     An unresolvable value is reported as (path, message, fix, source) and dropped; so is one
-    whose interpolations nest too deeply (OmegaConf recurses over them)."""
+    whose interpolations nest too deeply (OmegaConf recurses over them). Data OmegaConf cannot
+    hold is reported at path '' and nothing is kept: (None, [])."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    def shallow(path: str, value: Any, source: str) -> Any:
+    def shallow(path: str, value: Any, source: str = file_label) -> Any:
         if any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value)):
             message = f"interpolations nest deeper than {MAX_NESTING} levels"
             report(path, message, "simplify the ${...} expression", source)
             return _UNRESOLVED
         return value
 
-    data = _walk(data, "", lambda path, v: shallow(path, v, file_label)) if data else data
-    overrides = [o for o in overrides if o.value is NO_VALUE or shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
-    refs = []
-    texts = [text for text in strings([data, *(o.value for o in overrides)]) if "${" in text]
-    for text in texts:
-        for ref in _INTERPOLATION.findall(text):
-            ref = ref.split(":", 1)[1] if ":" in ref else ref  # `oc.select:model.x,1`: look at the arguments
-            refs += [part.strip() for part in ref.split(",")]
-    remember_environment_reads(texts)  # what the config is written with puts `${oc.env:VAR}` back
-    tree = OmegaConf.create(_referenced(config, refs) if config is not None else {})
-    if data:
-        tree = OmegaConf.merge(tree, OmegaConf.create(_plain(dict(data))))
-    for o in overrides:
-        if o.op != "delete":
-            try:
-                OmegaConf.update(tree, o.dotted, o.value, merge=True, force_add=True)
-            except (OmegaConfBaseException, ValueError, KeyError, IndexError):
-                pass  # the real application below reports what is wrong with this override
-
-    def resolved(path: str, value: Any, source: str) -> Any:
+    def resolved(path: str, value: Any, source: str = file_label) -> Any:
         if not any("${" in s for s in strings(value)):
             return value
         try:
@@ -109,14 +81,44 @@ def resolve_interpolations(
             report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
-    data = _walk(data, "", lambda path, v: resolved(path, v, file_label)) if data else data
+    try:
+        data = _walk(data, "", shallow)
+        overrides = [o for o in overrides if shallow(o.dotted, o.value, o.source) is not _UNRESOLVED]
+        texts = [text for text in strings([data, *(o.value for o in overrides)]) if "${" in text]
+        remember_environment_reads(texts)  # what the config is written with puts `${oc.env:VAR}` back
+        refs = []
+        for text in texts:
+            for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
+                refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
+        tree = OmegaConf.merge(_plain(_referenced(config, refs)) if config is not None else {}, _plain(data or {}))
+        for o in overrides:
+            if o.op != "delete":
+                try:
+                    OmegaConf.update(tree, o.dotted, o.value, merge=True, force_add=True)
+                except (OmegaConfBaseException, ValueError, KeyError, IndexError):
+                    pass  # applying the override reports what is wrong with it
+    except RecursionError:  # OmegaConf recurses over nested data
+        report("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions", "")
+        return None, []
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
+        report("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}", "")
+        return None, []
     out = []
     for o in overrides:
         if o.value is not NO_VALUE and o.op != "delete":
             o = dataclasses.replace(o, value=resolved(o.dotted, o.value, o.source))
         if o.value is not _UNRESOLVED:
             out.append(o)
-    return data, out
+    return _walk(data, "", resolved), out
+
+
+def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:
+    """`value` with `leaf(path, v)` in place of each value below it that is not a mapping (a list
+    is one value); keys whose new value is `_UNRESOLVED` are left out."""
+    if not isinstance(value, Mapping):
+        return leaf(path, value)
+    items = ((k, _walk(v, f"{path}.{k}" if path else str(k), leaf)) for k, v in value.items())
+    return {k: v for k, v in items if v is not _UNRESOLVED}
 
 
 def _referenced(config: Any, refs: list[str]) -> dict:
@@ -125,19 +127,17 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     section is included."""
     encoder = ConfigEncoder()
     if any(ref.startswith(".") for ref in refs):
-        return {f.name: _plain(encoder.value(getattr(config, f.name), f.type)) for f in class_info(type(config)).fields}
+        return {f.name: encoder.value(getattr(config, f.name), f.type) for f in specs(type(config)).values()}
     tree: dict = {}
-    whole: set[tuple[str, ...]] = set()  # the paths included with their whole value
-    for ref in sorted(set(refs), key=len):  # a shorter path may already hold a longer one
-        obj, node, parts = config, tree, tuple(ref.split("."))
+    for ref in set(refs):
+        obj, node, parts = config, tree, ref.split(".")
         for i, part in enumerate(parts):
-            f = class_info(type(obj)).field(part)
-            if parts[: i + 1] in whole or f is None:
-                break  # included already; or not in the config: the file may define it, or OmegaConf reports it
+            f = field_of(type(obj), part)
+            if f is None:
+                break  # not in the config: the file may define it, or OmegaConf reports it
             value = getattr(obj, f.name)
             if i == len(parts) - 1 or not dataclasses.is_dataclass(value) or isinstance(value, type):
-                node[part] = _plain(encoder.value(value, f.type))
-                whole.add(parts[: i + 1])
+                node[part] = encoder.value(value, f.type)
                 break
             node, obj = node.setdefault(part, {}), value
     return tree

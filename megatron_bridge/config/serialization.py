@@ -21,7 +21,6 @@ class default; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 import math
@@ -47,8 +46,7 @@ from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
-from megatron_bridge.config.targets import name_of as object_path
-from megatron_bridge.config.targets import register_target, resolve
+from megatron_bridge.config.targets import name_of, register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
 from megatron_bridge.config.yaml_input import read_exponent_floats
 
@@ -62,41 +60,18 @@ SECTION_TAGS = frozenset({TARGET, EXPLICIT, IMPLICIT, DERIVED})
 _NO_DEFAULT = object()
 
 
-# ====================================================================== class metadata
-class ClassInfo:
-    """Fields (their `FieldSpec`), aliases and import path of a dataclass."""
-
-    def __init__(self, cls: type):
-        self.cls = cls
-        self.tracked = issubclass(cls, ConfigBase)
-        self.aliases: dict[str, str] = dict(getattr(cls, "_field_aliases", None) or {})
-        self.specs = specs(cls)
-
-    @property
-    def path(self) -> Optional[str]:
-        """Import path of the class (None if it has none, e.g. a class defined in a function)."""
-        return object_path(self.cls)
-
-    def closest(self, key: Any) -> str:
-        """The fix for a key that names no field: the closest field names or aliases, or removing it."""
-        return suggest(key, [*self.specs, *self.aliases]) or "remove it"
-
-    def field(self, key: Any) -> Optional[FieldSpec]:
-        """The field that `key` (a field name or an alias) names, or None."""
-        name = self.aliases.get(key, key)
-        made = self.specs.made.get(name)  # the common case, without a call
-        return made if made is not None or name not in self.specs.types else self.specs[name]
-
-    @functools.cached_property
-    def fields(self) -> tuple[FieldSpec, ...]:
-        """Every field, in declaration order."""
-        return tuple(self.specs.values())
+def field_of(cls: type, key: Any) -> Optional[FieldSpec]:
+    """The field of dataclass `cls` that `key` (a field name or an alias) names, or None."""
+    fields = specs(cls)
+    name = getattr(cls, "_field_aliases", {}).get(key, key)
+    made = fields.made.get(name)  # the common case, without a call
+    return made if made is not None or name not in fields.types else fields[name]
 
 
-@functools.lru_cache(maxsize=None)
-def class_info(cls: type) -> ClassInfo:
-    """Cached `ClassInfo` of dataclass `cls`."""
-    return ClassInfo(cls)
+def unknown_key(cls: type, key: Any) -> tuple[str, str]:
+    """(message, fix) for a key that names no field of `cls`; the fix names the closest fields."""
+    close = suggest(key, [*specs(cls), *getattr(cls, "_field_aliases", ())])
+    return f"unknown key: {cls.__name__} has no field {key!r}", close or "remove it"
 
 
 def is_default(f: FieldSpec, value: Any) -> bool:
@@ -110,31 +85,29 @@ class ConfigEncoder(Encoder):
 
     def section(self, obj: Any) -> dict:
         """A dataclass section: `_target_`, the bookkeeping tags, then every field."""
-        info = class_info(type(obj))
-        if info.path is None:
+        path = name_of(type(obj))
+        if path is None:
             return {UNSERIALIZABLE: show(obj)}
-        tracked = isinstance(obj, ConfigBase)
-        explicit = obj.__dict__.get(_EXPLICIT, ()) if tracked else ()
-        derived = obj.__dict__.get(_DERIVED, {}) if tracked else {}
+        state = obj.__dict__ if isinstance(obj, ConfigBase) else None  # its explicit/derived bookkeeping
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
-        for f in info.fields:
+        for f in specs(type(obj)).values():
             value = getattr(obj, f.name, _NO_DEFAULT)
             if value is _NO_DEFAULT:  # an init=False field never set
                 continue
             fields[f.name] = self.value(value, f.type)
-            if not tracked:
+            if state is None:
                 continue
             default = is_default(f, value)
-            if f.name in explicit:
+            if f.name in state.get(_EXPLICIT, ()):
                 if default:
                     tags[EXPLICIT].append(f.name)
             elif not default:
                 # Only a value derived from the default can be recomputed from the saved file.
-                before = derived.get(f.name, _NO_DEFAULT)
+                before = state.get(_DERIVED, {}).get(f.name, _NO_DEFAULT)
                 recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
                 tags[DERIVED if recomputable else IMPLICIT].append(f.name)
-        out: dict[str, Any] = {TARGET: info.path}
+        out: dict[str, Any] = {TARGET: path}
         out.update((tag, FlowList(sorted(names))) for tag, names in tags.items() if names)
         out.update(fields)
         return out
@@ -179,11 +152,36 @@ def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
 
 # ====================================================================== reading
 class ConfigDecoder(Decoder):
-    """`Decoder` that builds dataclass sections (`build_section`) or merges mappings into existing
-    ones (`merge`): the one reader of config mappings, whatever their source."""
+    """`Decoder` that builds dataclass sections (`section`) or merges mappings into existing ones
+    (`merge`): the one reader of config mappings, whatever their source (see the module docstring)."""
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
-        return build_section(self, self.section_class(raw, declared), raw)
+        """A new section of the class `raw` describes (`section_class`), built from `raw`."""
+        cls = self.section_class(raw, declared)
+        tags, values, errors = self.read_section(cls, raw)
+        present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
+        fields = specs(cls)
+        for f in fields.values():
+            if f.required and f.init and f.name not in present:
+                errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
+        if errors:
+            raise DecodeError(items=errors)
+        try:
+            obj = cls(**{n: v for n, v in values.items() if fields[n].init})
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise DecodeError(f"cannot build {cls.__name__}: {exc}", "fix the fields it names") from None
+        for name, value in values.items():
+            if not fields[name].init:
+                object.__setattr__(obj, name, value)
+        if isinstance(obj, ConfigBase):  # which fields are the user's: the module docstring's rule
+            if TARGET in raw:
+                explicit = {f.name for f in fields.values() if _users(tags, f, getattr(obj, f.name, None))}
+            else:
+                explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT] - tags[DERIVED]
+            obj.__dict__[_EXPLICIT] = explicit
+            # The next finalize puts the default back and recomputes the field (as `ConfigBase._derive` does).
+            obj.__dict__.setdefault(_DERIVED, {}).update((n, fields[n].fresh_default()) for n in tags[DERIVED])
+        return obj
 
     def field(self, f: FieldSpec, raw: Any, current: Any = _NO_DEFAULT) -> Any:
         """The new value of field `f` from plain data. Given the `current` value, a plain mapping
@@ -197,19 +195,18 @@ class ConfigDecoder(Decoder):
                     raise DecodeError(items=[("", p.message, p.fix) for p in exc.problems]) from None
                 return self.section(raw, classes) if section is None else self.merge(section, raw)
             if isinstance(current, dict) and TARGET not in raw:
-                return merge_dicts(current, decode_field(self, f, raw))
-        return decode_field(self, f, raw)
+                return merge_dicts(current, self.field(f, raw))
+        # None is accepted where the default is None even if the annotation does not say Optional
+        # (as megatron-core declares many fields).
+        return None if raw is None and f.default is None else self.value(raw, f.type)
 
     def merge(self, obj: Any, raw: Mapping) -> Any:
         """Merge section mapping `raw` into dataclass `obj`; returns `obj`, or a new section when
         `raw` has a `_target_` naming another class. Fields that decode are set even when others
         do not; the problems are then raised together as one DecodeError."""
-        if TARGET in raw:
-            cls = self.section_class(raw, ())
-            if cls is not type(obj):
-                return self.section(raw, (cls,))
-        info = class_info(type(obj))
-        tags, values, errors = read_section(self, info, raw, obj)
+        if TARGET in raw and self.section_class(raw, ()) is not type(obj):
+            return self.section(raw, ())
+        tags, values, errors = self.read_section(type(obj), raw, obj)
         for name, value in values.items():
             try:
                 if not (value is getattr(obj, name, None) and dataclasses.is_dataclass(value)):  # merged in place
@@ -217,14 +214,53 @@ class ConfigDecoder(Decoder):
             except (TypeError, ValueError) as exc:
                 errors.append((name, str(exc), "use a value of the declared type"))
                 continue
-            if TARGET in raw and info.tracked:  # a saved section: whether the user set it follows the file
-                f = info.field(name)
+            if TARGET in raw and isinstance(obj, ConfigBase):  # a saved section: the file says who set it
+                f = specs(type(obj))[name]
                 obj.mark_explicit(name, _users(tags, f, value))
                 if name in tags[DERIVED]:
-                    remember_derived(obj, name, f.fresh_default())
+                    obj.__dict__.setdefault(_DERIVED, {})[name] = f.fresh_default()
         if errors:
             raise DecodeError(items=errors)
         return obj
+
+    def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[dict[str, set[str]], dict, list]:
+        """Read a section mapping: (its bookkeeping tags, {field name: new value}, problems).
+
+        With `current` (the section being merged into), a plain mapping merges into the field's value.
+        A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
+        e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
+        the framework installs it again; a user's value without a YAML form is an error."""
+        tags: dict[str, set[str]] = {EXPLICIT: set(), IMPLICIT: set(), DERIVED: set()}
+        errors: list[tuple[str, str, str]] = []
+        for tag, names in tags.items():  # the field names each bookkeeping tag lists
+            listed = raw.get(tag)
+            if listed is not None and not (isinstance(listed, list) and all(isinstance(n, str) for n in listed)):
+                errors.append((tag, f"must be a list of field names, got {show(listed)}", "e.g. [num_layers]"))
+                continue
+            for n in listed or ():
+                f = field_of(cls, n)
+                if f is None:
+                    errors.append((tag, f"{n!r} is not a field of {cls.__name__}", unknown_key(cls, n)[1]))
+                else:
+                    names.add(f.name)
+        values: dict[str, Any] = {}
+        for key, item in raw.items():
+            if key in SECTION_TAGS:
+                continue
+            f = field_of(cls, key)
+            if f is None:
+                errors.append((str(key), *unknown_key(cls, key)))
+            elif f.name in values:
+                errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
+            elif f.name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(item):
+                logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
+            else:
+                try:
+                    merged_into = _NO_DEFAULT if current is None else getattr(current, f.name, None)
+                    values[f.name] = self.field(f, item, merged_into)
+                except DecodeError as exc:
+                    errors.extend(exc.under(key).items)
+        return tags, values, errors
 
     def section_class(self, raw: Mapping, declared: tuple[type, ...]) -> type:
         """The class a section mapping describes: its `_target_`, or the declared class whose
@@ -242,65 +278,18 @@ class ConfigDecoder(Decoder):
             return cls
         if not declared:
             raise DecodeError("no _target_ says which config class this is", "add _target_ or pass cls=")
-        # The concrete class that knows the most keys; build_section reports the keys it does not.
+        # The concrete class that knows the most keys; `section` reports the keys it does not.
         keys = [k for k in raw if k not in SECTION_TAGS]
         candidates = [c for c in declared if not inspect.isabstract(c)]
         if not candidates:
             raise DecodeError(f"cannot tell which {names} this is", "add _target_ with the class's import path")
-        return min(candidates, key=lambda c: sum(1 for k in keys if class_info(c).field(k) is None))
+        return min(candidates, key=lambda c: sum(1 for k in keys if field_of(c, k) is None))
 
 
 def _users(tags: dict[str, set[str]], f: FieldSpec, value: Any) -> bool:
     """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
     `_explicit_`, or not the default and not listed as the framework's."""
     return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value))
-
-
-def read_section(
-    loader: ConfigDecoder, info: ClassInfo, raw: Mapping, current: Any = None
-) -> tuple[dict[str, set[str]], dict[str, Any], list]:
-    """Read a section mapping: (its bookkeeping tags, {field name: new value}, problems).
-
-    With `current` (the section being merged into), a plain mapping merges into the field's value.
-    A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
-    e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
-    the framework installs it again; a user's value without a YAML form is an error."""
-    tags: dict[str, set[str]] = {EXPLICIT: set(), IMPLICIT: set(), DERIVED: set()}
-    errors: list[tuple[str, str, str]] = []
-    for tag, names in tags.items():  # the field names each bookkeeping tag lists
-        listed = raw.get(tag)
-        if listed is not None and (not isinstance(listed, list) or not all(isinstance(n, str) for n in listed)):
-            errors.append((tag, f"must be a list of field names, got {show(listed)}", "e.g. [num_layers]"))
-            continue
-        for n in listed or ():
-            f = info.field(n)
-            if f is not None:
-                names.add(f.name)
-            else:
-                errors.append((tag, f"{n!r} is not a field of {info.cls.__name__}", info.closest(n)))
-    values: dict[str, Any] = {}
-    for key, item in raw.items():
-        if key in SECTION_TAGS:
-            continue
-        f = info.field(key)
-        if f is None:
-            errors.append((str(key), *unknown_key(info, key)))
-        elif f.name in values:
-            errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-        elif f.name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(item):
-            logger.info("%s.%s: the saved run had a runtime object here; using the default", info.cls.__name__, f.name)
-        else:
-            try:
-                merged_into = _NO_DEFAULT if current is None else getattr(current, f.name, None)
-                values[f.name] = loader.field(f, item, merged_into)
-            except DecodeError as exc:
-                errors.extend(exc.under(key).items)
-    return tags, values, errors
-
-
-def unknown_key(info: ClassInfo, key: Any) -> tuple[str, str]:
-    """(message, fix) for a key that is not a field of the section."""
-    return f"unknown key: {info.cls.__name__} has no field {key!r}", info.closest(key)
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:
@@ -311,48 +300,6 @@ def merge_dicts(base: dict, update: Mapping) -> dict:
     return out
 
 
-def decode_field(loader: Decoder, f: FieldSpec, raw: Any) -> Any:
-    """The value of field `f` from plain data. None is accepted where the default is None even
-    if the annotation does not say Optional (as megatron-core declares many fields)."""
-    if raw is None and f.default is None:
-        return None
-    return loader.value(raw, f.type)
-
-
-def build_section(loader: Decoder, cls: type, raw: Mapping) -> Any:
-    """Build an instance of dataclass `cls` from a section mapping (see the module docstring)."""
-    info = class_info(cls)
-    tags, values, errors = read_section(loader, info, raw)
-    present = {info.aliases.get(k, k) for k in raw if k not in SECTION_TAGS}
-    for f in info.fields:
-        if f.required and f.init and f.name not in present:
-            errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
-    if errors:
-        raise DecodeError(items=errors)
-    try:
-        obj = cls(**{n: v for n, v in values.items() if info.field(n).init})
-    except (TypeError, ValueError, AssertionError) as exc:
-        raise DecodeError(f"cannot build {cls.__name__}: {exc}", "fix the fields it names") from None
-    for name, value in values.items():
-        if not info.field(name).init:
-            object.__setattr__(obj, name, value)
-    if info.tracked:  # which fields are the user's: the module docstring's rule
-        if TARGET in raw:
-            explicit = {f.name for f in info.fields if _users(tags, f, getattr(obj, f.name, None))}
-        else:
-            explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT] - tags[DERIVED]
-        obj.__dict__[_EXPLICIT] = explicit
-        for name in tags[DERIVED]:
-            remember_derived(obj, name, info.field(name).fresh_default())
-    return obj
-
-
-def remember_derived(obj: ConfigBase, name: str, before: Any) -> None:
-    """Record that finalize computed `name` from `before`, so the next finalize puts `before`
-    back and recomputes it (as `ConfigBase._derive` does)."""
-    obj.__dict__.setdefault(_DERIVED, {})[name] = before
-
-
 def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> Any:
     """Build a config from `to_dict` output or a hand-written equivalent.
 
@@ -360,40 +307,23 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
     must carry `_target_`. Names resolve through `config.targets` only. All problems are raised
     together as one `ConfigValidationError`, tagged with `source` (e.g. `file my.yaml`) if given.
     """
+    from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations  # it imports this module
+
     if not isinstance(data, Mapping):
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
     problems = Problems()
-    data = _resolved(data, problems, source)
+    if has_interpolation(data, []):  # a written config holds `${oc.env:VAR}` where a value came from the environment
+
+        def report(path: str, message: str, fix: str, where: str) -> None:
+            problems.add(path, f"{message} [{where}]" if where else message, fix)
+
+        data, _ = resolve_interpolations(None, data, [], report, source)
     if not problems:
         try:
             return ConfigDecoder().section(data, (cls,) if cls is not None else ())
         except DecodeError as exc:
             exc.report(problems, source=source)
     problems.raise_if_any()
-
-
-def _resolved(data: Mapping, problems: Problems, source: str) -> Mapping:
-    """`data` with its `${...}` interpolations resolved (a written config holds `${oc.env:VAR}`
-    where a value came from the environment); problems are added to `problems`."""
-    from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
-
-    if not has_interpolation(data, []):
-        return data
-
-    def report(path: str, message: str, fix: str, where: str) -> None:
-        problems.add(path, f"{message} [{where}]" if where else message, fix)
-
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        resolved, _ = resolve_interpolations(None, data, [], report, source)
-    except RecursionError:  # OmegaConf recurses over nested interpolations
-        problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
-        return data
-    except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
-        problems.add("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}")
-        return data
-    return resolved
 
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
