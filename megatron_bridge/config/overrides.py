@@ -170,11 +170,7 @@ def process_config_with_overrides(
     applier = Applier(config, problems)
     file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
     if has_interpolation(data, overrides):
-        try:
-            data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
-        except RecursionError:  # OmegaConf recurses over nested interpolations
-            problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
-            data, overrides = None, []
+        data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
     if data:
         applier.merge(data, file_label)
     for override in overrides:
