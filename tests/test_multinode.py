@@ -279,3 +279,24 @@ def test_slurm_errors(capsys, tmp_path, extra, message):
     assert mbridge(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.sbatch").exists()
+
+
+@pytest.mark.timeout(120)
+def test_slurm_refuses_a_credential_written_into_the_script(tmp_path):
+    script = tmp_path / "x.sbatch"
+    argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "2", "--gpus-per-node", "1", "--cpu",
+            "--dir", str(tmp_path / "runs"), "-o", str(script)]  # fmt: skip
+    literal = ["logger.comet_api_key=abc123secret", "++env_vars.HF_TOKEN=hf_abc123secret"]
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv, *literal], capture_output=True, text=True,
+                          env=clean_env(), timeout=100)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "logger.comet_api_key, env_vars.HF_TOKEN: a credential given on the command line would be written" in done.stderr
+    assert "${oc.env:COMET_API_KEY}" in done.stderr and "abc123secret" not in done.stdout + done.stderr
+    assert not script.exists()
+    # read from the job's environment, the value stays out of the script
+    from_env = ["logger.comet_api_key=${oc.env:MB_TEST_COMET_KEY}"]
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv, *from_env], capture_output=True, text=True,
+                          env=clean_env(MB_TEST_COMET_KEY="abc123secret"), timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = script.read_text()
+    assert "'logger.comet_api_key=${oc.env:MB_TEST_COMET_KEY}'" in text and "abc123secret" not in text

@@ -13,6 +13,7 @@ from megatron_bridge.cli import source
 from megatron_bridge.cli.dry_run import for_target, resolve
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.secrets import conceal_argv
 from megatron_bridge.launch.slurm import SlurmJob, render
 from megatron_bridge.planning import PlanningError, plan
 
@@ -31,9 +32,24 @@ def _command(args: argparse.Namespace, mode: str, extra: list[str]) -> list[str]
     return cmd + list(args.overrides) + extra
 
 
+def _refuse_literal_credentials(args: argparse.Namespace) -> None:
+    """The script is a file that others can read and Slurm keeps a copy of: a credential given as
+    a literal override value would be written into both."""
+    given = [*args.overrides, *args.recipe_args]
+    leaked = [arg for arg, shown in zip(given, conceal_argv(given)) if shown != arg]
+    if leaked:
+        keys = ", ".join(arg.partition("=")[0].lstrip("+~") for arg in leaked)
+        raise UsageError(
+            f"{keys}: a credential given on the command line would be written into the sbatch script; "
+            "read it from the job's environment instead, e.g. logger.comet_api_key='${oc.env:COMET_API_KEY}', "
+            "and export the variable before sbatch (jobs inherit the submitting shell's environment)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.container_mounts and not args.container:
         raise UsageError("--container-mounts needs --container IMAGE")
+    _refuse_literal_credentials(args)
     mode = args.mode or ("finetune" if (args.recipe or "").endswith("_finetune_config") else "pretrain")
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
