@@ -176,6 +176,18 @@ def test_merge_then_base_model_origins(lora_run, source, tmp_path):
     assert hf_base_model(imported) == os.path.abspath(source)
 
 
+@pytest.mark.timeout(300)
+def test_a_merged_checkpoint_keeps_its_hugging_face_origin_and_exports(lora_run, source, tmp_path):
+    expected = ours(lora_run, source)
+    merged, out = str(tmp_path / "merged"), str(tmp_path / "exported")
+    assert fresh_process("peft", "merge", lora_run, merged).returncode == 0
+    assets = os.path.join(merged, "iter_0000004", "hf")
+    assert json.load(open(os.path.join(assets, "config.json"))) == json.load(open(os.path.join(source, "config.json")))
+    proc = fresh_process("hf", "export", merged, out)
+    assert proc.returncode == 0, proc.stderr
+    assert (model_logits(hf_model(out)) - expected).abs().max() < PEFT_ATOL
+
+
 @pytest.fixture(scope="module")
 def dora_run(source, tmp_path_factory):
     """4 DoRA iterations on the Hugging Face weights."""

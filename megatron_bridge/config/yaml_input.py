@@ -70,7 +70,8 @@ for _tag, _pattern, _first in (
     ("null", r"(?i:null)", "nN"),
     ("bool", r"(?i:true|false)", "tTfF"),
     ("int", r"[-+]?\d(?:_?\d)*", "-+0123456789"),
-    ("float", r"[-+]?(?:(?:\d(?:_?\d)*\.\d*|\.\d+)(?:[eE][-+]?\d+)?|\d(?:_?\d)*[eE][-+]?\d+|\.?(?i:inf|nan))", "-+0123456789.iInN"),
+    ("float", r"[-+]?(?:(?:\d(?:_?\d)*\.\d*|\.\d+)(?:[eE][-+]?\d+)?|\d(?:_?\d)*[eE][-+]?\d+"
+              r"|\.?(?i:inf|nan))", "-+0123456789.iInN"),
 ):  # fmt: skip
     ValueLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first))
 ValueLoader.add_constructor(  # decimal, also with leading zeros (YAML 1.1 would read `017` as octal)

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from typing import Any, Optional
+from megatron_bridge.models.hf.files import copy_hf_assets, hf_origin
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
@@ -71,6 +72,7 @@ def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str
             plain_config(cfg),
             common,
             merged_from={"adapters": os.path.abspath(directory), "base": os.path.abspath(base_dir)},
+            hf_assets=hf_origin(base_dir),  # what `mbridge hf export` of the merged model describes it with
         )
     logger.info("folded %d adapters of %s into %s: %s", count, directory, base_dir, final)
     return final
@@ -87,9 +89,12 @@ def plain_config(cfg: Any) -> Any:
     return cfg
 
 
-def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **extra: Any) -> str:
+def save_model(
+    model: Any, out: str, iteration: int, cfg: Any, common: dict, hf_assets: Optional[str] = None, **extra: Any
+) -> str:
     """Save a bare model (one process) as a complete checkpoint in `out`: written under a
-    temporary name, then committed with the tracker file like the trainer's checkpoints."""
+    temporary name, then committed with the tracker file like the trainer's checkpoints. The
+    config and tokenizer of Hugging Face directory `hf_assets` are kept with it."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -115,6 +120,7 @@ def save_model(model: Any, out: str, iteration: int, cfg: Any, common: dict, **e
     use_results_queue(persistent_worker=False)  # no helper process for the writer's results
     dist_checkpointing.save(sd, staging, TorchDistSaveShardedStrategy("torch_dist", 1))
     cfg.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
+    copy_hf_assets(hf_assets, staging)
     if os.path.isdir(final):
         shutil.rmtree(final)
     os.rename(staging, final)

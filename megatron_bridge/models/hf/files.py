@@ -86,6 +86,18 @@ def copy_tokenizer_files(source: Optional[str], destination: str, names: tuple[s
     return copied
 
 
+def copy_hf_assets(origin: Optional[str], checkpoint_dir: str) -> None:
+    """Copy config.json, the tokenizer and `ORIGIN_FILES` of Hugging Face directory `origin` into
+    `checkpoint_dir/hf/`, where `hf_origin` finds them; nothing when `origin` is None."""
+    if not origin:
+        return
+    target = os.path.join(checkpoint_dir, HF_ASSETS_DIR)
+    os.makedirs(target, exist_ok=True)
+    shutil.copyfile(os.path.join(origin, CONFIG_FILE), os.path.join(target, CONFIG_FILE))
+    copy_tokenizer_files(origin, target)
+    copy_tokenizer_files(origin, target, ORIGIN_FILES)
+
+
 def hf_origin(path: Optional[str], depth: int = 4) -> Optional[str]:
     """The Hugging Face directory whose config.json and tokenizer describe the weights at `path`:
     `path` itself if it is one; for a megatron checkpoint (parent or iter_* directory), the `hf/`

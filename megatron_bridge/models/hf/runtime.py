@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.data.config import MockGPTDatasetConfig
 from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
-from megatron_bridge.models.hf.files import CONFIG_FILE, HF_ASSETS_DIR, ORIGIN_FILES, copy_tokenizer_files
+from megatron_bridge.models.hf.files import copy_hf_assets
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.config.serialization import from_dict, to_dict
 from megatron_bridge.runtime import cpu_backend
@@ -209,12 +209,7 @@ def save_checkpoint_weights(chunks: list[Any], out_dir: str, run_config: Any, as
     dist.barrier()
     if rank == 0:
         run_config.to_yaml(os.path.join(staging, layout.RUN_CONFIG_FILE))
-        if assets:
-            target = os.path.join(staging, HF_ASSETS_DIR)
-            os.makedirs(target)
-            shutil.copyfile(os.path.join(assets, CONFIG_FILE), os.path.join(target, CONFIG_FILE))
-            copy_tokenizer_files(assets, target)
-            copy_tokenizer_files(assets, target, ORIGIN_FILES)
+        copy_hf_assets(assets, staging)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(staging, final)
         layout.write_tracker(out_dir, iteration)
