@@ -109,3 +109,20 @@ def test_the_config_machinery_and_the_tokenizer_module_do_not_import_torch():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT)
     assert run.stdout.strip() == "[]"
+
+
+def test_modules_moved_to_the_base_layer_keep_their_former_import_paths():
+    moved = {
+        "training.cpu_backend": "runtime.cpu_backend",
+        "training.distributed": "runtime.distributed",
+        "training.child_processes": "runtime.child_processes",
+        "training.checkpointing.layout": "runtime.checkpointing.layout",
+        "training.checkpointing.results_queue": "runtime.checkpointing.results_queue",
+        "training.tokenizers.tokenizer": "runtime.tokenizers.tokenizer",
+    }
+    code = "; ".join(
+        f"import megatron_bridge.{old} as a, megatron_bridge.{new} as b; assert a is b, '{old}'"
+        for old, new in moved.items()
+    )  # a fresh process: the old path must work before anything imported the new one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
