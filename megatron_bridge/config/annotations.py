@@ -1,13 +1,10 @@
-"""What config field annotations allow: the shared vocabulary of checking, decoding and encoding.
+"""What config field annotations allow: the vocabulary shared by checking, decoding and encoding.
 
-A field's declared type says
-
-* whether a value fits it (`type_problem`, `checker_for`): a string where an int is declared is
-  refused when the user sets it. What typing cannot express simply (type variables, protocols,
-  forward references that do not resolve) is accepted;
-* how plain data (from YAML, an override, a recipe keyword) becomes a value, and how a value is
-  written as plain YAML data (`config.codec`);
-* what a key path below the field addresses (`section_classes`, `container_item_type`).
+A field's declared type says whether a value fits it (`type_problem`, `checker_for`; what typing
+cannot express simply, such as type variables, protocols and forward references that do not
+resolve, is accepted), how plain data becomes a value and a value plain YAML data
+(`config.codec`), and what a key path below the field addresses (`section_classes`,
+`container_item_type`).
 
 Where the declared type says what a value is, the YAML holds the plain, readable form
 (`params_dtype: bfloat16`, `exit_signal: SIGTERM`, `activation_func: torch.nn.functional.silu`,
@@ -17,7 +14,7 @@ read the plain form differently), a tagged mapping is written instead:
 * `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member,
   function);
 * `{_target_: pkg.mod.fn, _partial_: true, _args_: [...], key: value}`: `functools.partial`;
-* `{_target_: pkg.mod.Class, ...}`: a dataclass (fields as keys), or a call of the target;
+* `{_target_: pkg.mod.Class, ...}`: a dataclass, its fields as keys;
 * `{_tuple_: [...]}`, `{_path_: "..."}`: a tuple, a `pathlib.Path`;
 * `{_unserializable_: "<repr>"}`: a runtime object that has no YAML form; loading it fails,
   unless the framework (not the user) had set it: then the field takes its default.
@@ -38,9 +35,8 @@ import pathlib
 import sys
 import types
 import typing
-from collections.abc import Callable as AbcCallable
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Literal, Optional, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Optional, Union
 
 from megatron_bridge.config.errors import show
 
@@ -102,8 +98,7 @@ def got(raw: Any) -> str:
 
 def torch_dtype() -> Optional[type]:
     """`torch.dtype` if torch is imported, else None (then no value or annotation can be one)."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "dtype", None)
+    return getattr(sys.modules.get("torch"), "dtype", None)
 
 
 def union_arms(tp: Any) -> Optional[tuple]:
@@ -122,10 +117,13 @@ SEQUENCE_KINDS = {list: list, Sequence: list, tuple: tuple, set: set, frozenset:
 """Sequence annotations (bare or parametrized) and the container a decoded value becomes."""
 
 
-def sequence_items(tp: Any) -> tuple[Optional[tuple], Any]:
-    """(the item types by position, Any) for a fixed-length tuple annotation such as
-    `tuple[int, str]`; else (None, the item type, Any when the annotation does not say)."""
+def item_types(tp: Any) -> tuple[Optional[tuple], Any]:
+    """The items a container annotation declares: (their types by position, Any) for a fixed-length
+    tuple such as `tuple[int, str]`; else (None, the type of every item, or of every value of a
+    mapping; Any when the annotation does not say)."""
     args = typing.get_args(tp)
+    if kind_of(tp) == "mapping":
+        return None, args[1] if len(args) == 2 else Any
     items = [a for a in args if a is not Ellipsis]
     if typing.get_origin(tp) is tuple and len(items) > 1 and Ellipsis not in args:
         return tuple(items), Any
@@ -155,7 +153,7 @@ def kind_of(tp: Any) -> str:
         return "sequence"
     if origin in (dict, Mapping):
         return "mapping"
-    if origin is AbcCallable:  # also typing.Callable, bare or parametrized
+    if origin is Callable:  # also typing.Callable, bare or parametrized
         return "callable"
     if not isinstance(origin, type):
         return "other"
@@ -166,31 +164,24 @@ def kind_of(tp: Any) -> str:
     return "section" if dataclasses.is_dataclass(origin) else "class"
 
 
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for config values: `functools.partial` compares by function and arguments."""
+def values_equal(a: Any, b: Any, strict: bool = False) -> bool:
+    """Equality for config values: a `functools.partial` compares by function and arguments, lists
+    and tuples by type and items. `strict`: of the same types all the way down (an enum member is
+    not its name)."""
     if a is b:
         return True
+    if strict and type(a) is not type(b):
+        return False
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return values_equal(a.func, b.func) and values_equal(a.args, b.args) and values_equal(a.keywords, b.keywords)
+        return values_equal((a.func, a.args, a.keywords), (b.func, b.args, b.keywords), strict)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y, strict) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k], strict) for k in a)
     try:
         return bool(a == b)
     except Exception:
         return False
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Equal and of the same types all the way down (an enum member is not its name)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    return values_equal(a, b)
 
 
 # ====================================================================== checking
@@ -211,25 +202,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
+SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
     bool: lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
     int: lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
-    float: lambda v: None if is_number(v) else _mismatch("float", v),
+    float: lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
     str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
+"""The checkers of the scalar annotations, which decoding also asks whether a value is of the type as it is."""
 
 
 @functools.lru_cache(maxsize=None)
 def checker_for(tp: Any) -> Checker:
-    """Build (once per annotation) a function that explains why a value does not fit `tp`."""
-    try:
-        return _build_checker(tp)
-    except TypeError:  # unhashable or exotic annotation: accept
-        return _ok
-
-
-def _build_checker(tp: Any) -> Checker:
+    """A function (built once per annotation) that says why a value does not fit `tp`, or None."""
     kind, name, args = kind_of(tp), describe(tp), typing.get_args(tp)
+    if tp in SCALAR_CHECKERS:
+        return SCALAR_CHECKERS[tp]
     if kind == "union":
         arms = [checker_for(a) for a in args]
 
@@ -240,17 +227,10 @@ def _build_checker(tp: Any) -> Checker:
             return _mismatch(name, v)
 
         return check_union
-    if kind == "literal":
-
-        def check_literal(v: Any) -> Optional[str]:
-            for a in args:
-                if v == a and type(v) is type(a):  # `1` is not `True`
-                    return None
-            return f"expected one of {list(args)}, got {v!r}"
-
-        return check_literal
-    if tp in _SCALAR_CHECKERS:
-        return _SCALAR_CHECKERS[tp]
+    if kind == "literal":  # `1` is not `True`
+        return lambda v: (
+            None if any(v == a and type(v) is type(a) for a in args) else f"expected one of {list(args)}, got {v!r}"
+        )
     if kind == "sequence":
         return _sequence_checker(tp, name)
     if kind == "mapping":
@@ -265,7 +245,7 @@ def _build_checker(tp: Any) -> Checker:
 
 
 def _sequence_checker(tp: Any, name: str) -> Checker:
-    positional, item_type = sequence_items(tp)
+    positional, item_type = item_types(tp)
     per_position = [checker_for(a) for a in positional] if positional else None
     item = checker_for(item_type)
 
@@ -297,23 +277,17 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
 
 
-@functools.lru_cache(maxsize=None)
-def none_defaults(cls: type) -> frozenset[str]:
-    """Fields whose default is None even though their annotation does not say Optional."""
-    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
-
-
 def type_problem(cls: type, name: str, value: Any) -> Optional[str]:
-    """Why `value` does not fit field `name` of `cls`, or None if it fits."""
+    """Why `value` does not fit field `name` of `cls`, or None if it fits. None fits where the
+    annotation allows it, and in a field whose default is None."""
     tp = field_types(cls).get(name)
     if tp is None:
         return None
-    if value is None:
-        arms = union_arms(tp)
-        if (type(None) in arms if arms else tp in (Any, None, type(None))) or name in none_defaults(cls):
-            return None
-        return f"expected {describe(tp)}, got None"
-    return checker_for(tp)(value)
+    if value is not None:
+        return checker_for(tp)(value)
+    if type(None) in (union_arms(tp) or (tp,)) or tp in (Any, None) or cls.__dataclass_fields__[name].default is None:
+        return None
+    return f"expected {describe(tp)}, got None"
 
 
 # ====================================================================== key paths below a field
@@ -357,11 +331,8 @@ def container_item_type(tp: Any, key: Any, kind: type) -> Optional[Any]:
         arm_kind = kind_of(arm)
         if arm_kind == "any":
             return Any
-        if arm_kind == "mapping" and kind is dict:
-            args = typing.get_args(arm)
-            return args[1] if len(args) == 2 else Any
-        if arm_kind == "sequence" and kind in (list, tuple):
-            positional, item = sequence_items(arm)
+        if (arm_kind == "mapping" and kind is dict) or (arm_kind == "sequence" and kind in (list, tuple)):
+            positional, item = item_types(arm)
             if positional:
                 return positional[key] if isinstance(key, int) and key < len(positional) else Any
             return item
