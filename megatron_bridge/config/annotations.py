@@ -101,16 +101,11 @@ def torch_dtype() -> Optional[type]:
     return getattr(sys.modules.get("torch"), "dtype", None)
 
 
-def union_arms(tp: Any) -> Optional[tuple]:
-    """The arms of a Union/Optional annotation, or None if `tp` is not one."""
-    origin = typing.get_origin(tp)
-    return typing.get_args(tp) if origin is Union or origin is types.UnionType else None
-
-
 def real_arms(tp: Any) -> tuple:
     """The arms of `tp` other than None (`tp` itself when it is not a Union)."""
-    arms = union_arms(tp)
-    return (tp,) if arms is None else tuple(a for a in arms if a is not type(None))
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return (tp,)
+    return tuple(a for a in typing.get_args(tp) if a is not type(None))
 
 
 SEQUENCE_KINDS = {list: list, Sequence: list, tuple: tuple, set: set, frozenset: frozenset}
@@ -140,7 +135,7 @@ def kind_of(tp: Any) -> str:
         return "any"  # the annotation says nothing about the value
     if tp is None or tp is type(None):
         return "none"
-    if union_arms(tp) is not None:
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return "union"
     origin = typing.get_origin(tp) or tp
     if origin is Literal:
@@ -208,7 +203,7 @@ SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every a
     float: lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
     str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
-"""The checkers of the scalar annotations, which decoding also asks whether a value is of the type as it is."""
+"""Also what decoding asks whether a value is of a scalar type as it is."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,37 +227,33 @@ def checker_for(tp: Any) -> Checker:
             None if any(v == a and type(v) is type(a) for a in args) else f"expected one of {list(args)}, got {v!r}"
         )
     if kind == "sequence":
-        return _sequence_checker(tp, name)
+        positional, item_type = item_types(tp)
+        checks = [checker_for(a) for a in positional] if positional else None
+        item = checker_for(item_type)
+
+        def check_sequence(value: Any) -> Optional[str]:
+            if not isinstance(value, (list, tuple)):
+                return _mismatch(name, value)
+            if checks is not None and len(value) != len(checks):
+                return f"expected {name} with {len(checks)} items, got {len(value)}"
+            if checks is None and item is _ok:
+                return None
+            for check, v in zip(checks or itertools.repeat(item), value):
+                why = check(v)
+                if why:
+                    return f"item {v!r}: {why}"
+            return None
+
+        return check_sequence
     if kind == "mapping":
         return _accepting(lambda v: isinstance(v, Mapping), name)
     if kind == "callable":
         return _accepting(callable, "a callable")
-    if kind == "enum" and isinstance(tp, type):
+    if kind == "enum":
         return lambda v: None if isinstance(v, tp) else f"expected {name} (one of {[m.name for m in tp]}), got {v!r}"
     if kind != "any" and isinstance(tp, type):  # a parametrized class other than those above: accepted
         return _accepting(lambda v: isinstance(v, tp), name)
     return _ok
-
-
-def _sequence_checker(tp: Any, name: str) -> Checker:
-    positional, item_type = item_types(tp)
-    per_position = [checker_for(a) for a in positional] if positional else None
-    item = checker_for(item_type)
-
-    def check_sequence(value: Any) -> Optional[str]:
-        if not isinstance(value, (list, tuple)):
-            return _mismatch(name, value)
-        if per_position is not None and len(value) != len(per_position):
-            return f"expected {name} with {len(per_position)} items, got {len(value)}"
-        if per_position is None and item is _ok:
-            return None
-        for check, v in zip(per_position or itertools.repeat(item), value):
-            why = check(v)
-            if why:
-                return f"item {v!r}: {why}"
-        return None
-
-    return check_sequence
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,7 +276,8 @@ def type_problem(cls: type, name: str, value: Any) -> Optional[str]:
         return None
     if value is not None:
         return checker_for(tp)(value)
-    if type(None) in (union_arms(tp) or (tp,)) or tp in (Any, None) or cls.__dataclass_fields__[name].default is None:
+    arms = typing.get_args(tp) if kind_of(tp) == "union" else (tp,)
+    if type(None) in arms or tp in (Any, None) or cls.__dataclass_fields__[name].default is None:
         return None
     return f"expected {describe(tp)}, got None"
 

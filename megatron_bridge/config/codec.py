@@ -72,16 +72,16 @@ class Decoder:
         kind, scalar = kind_of(tp), SCALAR_CHECKERS.get(tp)
         if scalar is not None and scalar(raw) is None:
             return raw  # the common case first: a value of the declared scalar type as it is
+        if raw is None:
+            if kind in ("any", "none") or (kind == "union" and type(None) in typing.get_args(tp)):
+                return None
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if kind == "any":
             return self.any(raw)
         if kind == "union":
             return self._union(raw, tp, lenient)
         if kind == "none":
-            if raw is not None:
-                raise DecodeError(f"expected null, {got(raw)}", "remove the key")
-            return None
-        if raw is None:
-            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+            raise DecodeError(f"expected null, {got(raw)}", "remove the key")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
         if scalar is not None:  # not of the type as it is: read it as a command line spells it
@@ -206,11 +206,7 @@ class Decoder:
         return each(enumerate(zip(positional, raw)), lambda pair: self.value(pair[1], pair[0], lenient), tuple)
 
     def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
-        arms, none_ok, classes, takes_dict = _union_plan(tp)
-        if raw is None:
-            if none_ok:
-                return None
-            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+        arms, classes, takes_dict = _union_plan(tp)
         if len(arms) == 1:
             return self.value(raw, arms[0], lenient)
         if classes and isinstance(raw, classes):
@@ -233,12 +229,11 @@ class Decoder:
 
 
 @functools.lru_cache(maxsize=None)
-def _union_plan(tp: Any) -> tuple[tuple, bool, tuple[type, ...], bool]:
-    """(the arms other than None, whether None is one, the dataclass arms, whether a dict arm
-    takes mappings) of Union annotation `tp`."""
+def _union_plan(tp: Any) -> tuple[tuple, tuple[type, ...], bool]:
+    """(the arms other than None, the dataclass arms, whether a dict arm takes mappings) of Union `tp`."""
     arms = real_arms(tp)
     classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
-    return arms, type(None) in typing.get_args(tp), classes, any(kind_of(a) == "mapping" for a in arms)
+    return arms, classes, any(kind_of(a) == "mapping" for a in arms)
 
 
 def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: type) -> Any:
