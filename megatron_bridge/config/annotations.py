@@ -197,21 +197,20 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
+_SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
     bool: lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
     int: lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
     float: lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
     str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
-"""Also what decoding asks whether a value is of a scalar type as it is."""
 
 
 @functools.lru_cache(maxsize=None)
 def checker_for(tp: Any) -> Checker:
     """A function (built once per annotation) that says why a value does not fit `tp`, or None."""
     kind, name, args = kind_of(tp), describe(tp), typing.get_args(tp)
-    if tp in SCALAR_CHECKERS:
-        return SCALAR_CHECKERS[tp]
+    if tp in _SCALAR_CHECKERS:
+        return _SCALAR_CHECKERS[tp]
     if kind == "union":
         arms = [checker_for(a) for a in args]
 
