@@ -1,10 +1,7 @@
-"""What config field annotations allow: the vocabulary shared by checking, decoding and encoding.
-
-A field's declared type says whether a value fits it (`type_problem`, `checker_for`; what typing
-cannot express simply, such as type variables, protocols and forward references that do not
-resolve, is accepted), how plain data becomes a value and a value plain YAML data
-(`config.codec`), and what a key path below the field addresses (`section_classes`,
-`container_item_type`).
+"""What config field annotations allow: whether a value fits (`type_problem`, `checker_for`; what
+typing cannot express simply, such as type variables, protocols and forward references that do not
+resolve, is accepted), the forms of values in YAML (read and written by `config.codec`), and what a
+key path below a field addresses (`section_classes`, `container_item_type`).
 
 Where the declared type says what a value is, the YAML holds the plain, readable form
 (`params_dtype: bfloat16`, `exit_signal: SIGTERM`, `activation_func: torch.nn.functional.silu`,
@@ -38,7 +35,6 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
-from megatron_bridge.config.errors import show
 
 TARGET, CALL, PARTIAL, ARGS = "_target_", "_call_", "_partial_", "_args_"
 TUPLE, PATH, UNSERIALIZABLE = "_tuple_", "_path_", "_unserializable_"
@@ -65,8 +61,7 @@ class DecodeError(Exception):
         return DecodeError(items=[(f"{key}.{p}" if p else key, m, f) for p, m, f in self.items])
 
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
-        """Add each problem to `problems` (a `Problems`) below `path`, its message tagged with
-        `source` (e.g. `[file my.yaml]`) when given."""
+        """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""
         for sub, message, fix in self.items:
             problems.add(".".join(p for p in (path, sub) if p), f"{message} [{source}]" if source else message, fix)
 
@@ -91,11 +86,6 @@ def suggest(word: str, candidates: Any) -> str:
     return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def got(raw: Any) -> str:
-    """'got <type> <value>' for error messages."""
-    return f"got {type(raw).__name__} {show(raw)}"
-
-
 def torch_dtype() -> Optional[type]:
     """`torch.dtype` if torch is imported, else None (then no value or annotation can be one)."""
     return getattr(sys.modules.get("torch"), "dtype", None)
@@ -113,9 +103,8 @@ SEQUENCE_KINDS = {list: list, Sequence: list, tuple: tuple, set: set, frozenset:
 
 
 def item_types(tp: Any) -> tuple[Optional[tuple], Any]:
-    """The items a container annotation declares: (their types by position, Any) for a fixed-length
-    tuple such as `tuple[int, str]`; else (None, the type of every item, or of every value of a
-    mapping; Any when the annotation does not say)."""
+    """(the item types by position, Any) for a fixed-length tuple annotation such as `tuple[int, str]`;
+    else (None, the type of every item, or of every value of a mapping, Any when it does not say)."""
     args = typing.get_args(tp)
     if kind_of(tp) == "mapping":
         return None, args[1] if len(args) == 2 else Any
@@ -160,9 +149,8 @@ def kind_of(tp: Any) -> str:
 
 
 def values_equal(a: Any, b: Any, strict: bool = False) -> bool:
-    """Equality for config values: a `functools.partial` compares by function and arguments, lists
-    and tuples by type and items. `strict`: of the same types all the way down (an enum member is
-    not its name)."""
+    """Equality for config values (a `functools.partial` compares by function and arguments);
+    `strict`: of the same types all the way down too (an enum member is not its name)."""
     if a is b:
         return True
     if strict and type(a) is not type(b):
@@ -295,9 +283,8 @@ _SECTIONS_BY_NAME: dict[type, Callable[[str], Any]] = {}
 
 
 def register_section_names(cls: type, by_name: Callable[[str], Any]) -> None:
-    """Fields declared as section `cls` may hold a name instead (a preset): `by_name(name)` is
-    the section it stands for, which key paths below the field then address. Called by the
-    module defining `cls`."""
+    """Fields declared as section `cls` may hold a name (a preset) for the section `by_name(name)`,
+    which key paths below the field then address. Called by the module defining `cls`."""
     _SECTIONS_BY_NAME[cls] = by_name
 
 
@@ -316,8 +303,7 @@ def section_from_value(value: Any, tp: Any) -> Optional[Any]:
 
 def container_item_type(tp: Any, key: Any, kind: type) -> Optional[Any]:
     """The declared type of item `key` of a container of `kind` (dict, list or tuple) in a field
-    declared as `tp`; Any when the declaration does not say, None when `tp` allows no such
-    container."""
+    declared as `tp`; Any when the declaration does not say, None when `tp` allows no such one."""
     for arm in real_arms(tp):
         arm_kind = kind_of(arm)
         if arm_kind == "any":

@@ -36,7 +36,6 @@ from megatron_bridge.config.annotations import (
     FlowList,
     checker_for,
     describe,
-    got,
     is_number,
     is_value_tag,
     item_types,
@@ -71,10 +70,8 @@ class Decoder:
         raise DecodeError("cannot build dataclasses here")
 
     def value(self, raw: Any, tp: Any = Any, lenient: bool = True) -> Any:  # noqa: C901 - one branch per kind
-        """The value for a field declared as `tp`; raises DecodeError explaining a mismatch.
-
-        Conversions (a number in quotes, a number for a string) are made only if `lenient`; inside
-        a Union they are tried only after every arm has refused the value as it is."""
+        """The value for a field declared as `tp`, or a DecodeError saying why not. Conversions (a
+        number in quotes, a number for a string) only if `lenient`; a Union tries them last."""
         kind = kind_of(tp)
         if kind in _AS_IS and checker_for(tp)(raw) is None:
             return raw  # the common case first: a value of the declared type as it is
@@ -152,9 +149,8 @@ class Decoder:
         return each(raw.items(), self.any, dict)
 
     def instantiate(self, raw: Mapping) -> Any:
-        """The object a `_target_` mapping describes: the object itself (`_call_: false`), a
-        `functools.partial` of a function (`_partial_: true`, arguments as plain data), or a config
-        class built from the remaining keys. Nothing else is called."""
+        """The object a `_target_` mapping describes: the object (`_call_: false`), a partial of a
+        function (`_partial_: true`, plain arguments) or a config class; nothing else is called."""
         obj = self.import_path(raw[TARGET])
         if raw.get(CALL) is False:
             extra = [k for k in raw if k not in (TARGET, CALL)]
@@ -261,6 +257,11 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(v, where)
     elif type(value) not in _PLAIN:
         raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
+
+
+def got(raw: Any) -> str:
+    """'got <type> <value>' for error messages."""
+    return f"got {type(raw).__name__} {show(raw)}"
 
 
 def _is_tagged(raw: Any) -> bool:
