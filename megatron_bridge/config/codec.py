@@ -57,8 +57,8 @@ _SCALARS = {  # what to write instead of a value that is not of the type
     float: "use a number, e.g. 0.1 or 1e-4",
     str: "quote the value",
 }
-_AS_IS = frozenset({"bool", "int", "float", "str", "literal", "dtype", "enum", "path", "section", "callable", "class"})
-"""The kinds whose values are taken as they are when they fit (the others decode what they hold)."""
+_AS_IS = frozenset({"bool", "int", "float", "str", "literal", "dtype", "enum", "path", "callable"})
+"""The kinds whose values are taken as they are when they fit their type (neither containers nor classes)."""
 
 
 # ====================================================================== decoding
@@ -112,6 +112,8 @@ class Decoder:
         if kind == "callable":
             return self._function(raw)
         if kind == "section":
+            if isinstance(raw, origin):
+                return raw
             if isinstance(raw, Mapping):
                 return self.section(raw, (origin,))
             if isinstance(raw, str) and raw.strip().lower() == getattr(origin, "config_name", None):
