@@ -108,7 +108,8 @@ class Decoder:
         if kind == "mapping":
             if not isinstance(raw, Mapping):
                 raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
-            return each(raw.items(), lambda v: self.value(v, item_types(tp)[1], lenient), dict)
+            item = item_types(tp)[1]
+            return each(raw.items(), lambda v: self.value(v, item, lenient), dict)
         if kind == "callable":
             return self._function(raw)
         if kind == "section":
@@ -356,7 +357,8 @@ class Encoder:
                 return self._list(self.value(v, a) for v, a in zip(value, positional))
             return self._list(self.value(v, item) for v in value)
         if kind == "mapping" and isinstance(value, dict):
-            return {k: self.value(v, item_types(tp)[1]) for k, v in value.items()}
+            item = item_types(tp)[1]
+            return {k: self.value(v, item) for k, v in value.items()}
         if kind == "callable" or origin is type:
             path = targets.name_of(value)
             if path is not None:
