@@ -106,7 +106,7 @@ def item_types(tp: Any) -> tuple[Optional[tuple], Any]:
     """(the item types by position, Any) for a fixed-length tuple annotation such as `tuple[int, str]`;
     else (None, the type of every item, or of every value of a mapping, Any when it does not say)."""
     args = typing.get_args(tp)
-    if kind_of(tp) == "mapping":
+    if typing.get_origin(tp) in (dict, Mapping):
         return None, args[1] if len(args) == 2 else Any
     items = [a for a in args if a is not Ellipsis]
     if typing.get_origin(tp) is tuple and len(items) > 1 and Ellipsis not in args:
@@ -185,20 +185,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
-    bool: lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
-    int: lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
-    float: lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
-    str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
+SCALAR_CHECKERS: dict[str, Checker] = {  # written out: checking runs on every assignment
+    "bool": lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
+    "int": lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
+    "float": lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
+    "str": lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
+"""The checkers of the scalar kinds, by name; decoding asks them first whether a value is taken as it is."""
 
 
 @functools.lru_cache(maxsize=None)
 def checker_for(tp: Any) -> Checker:
     """A function (built once per annotation) that says why a value does not fit `tp`, or None."""
     kind, name, args = kind_of(tp), describe(tp), typing.get_args(tp)
-    if tp in _SCALAR_CHECKERS:
-        return _SCALAR_CHECKERS[tp]
+    if kind in SCALAR_CHECKERS:
+        return SCALAR_CHECKERS[kind]
     if kind == "union":
         arms = [checker_for(a) for a in args]
 
@@ -209,10 +210,9 @@ def checker_for(tp: Any) -> Checker:
             return _mismatch(name, v)
 
         return check_union
-    if kind == "literal":  # `1` is not `True`
-        return lambda v: (
-            None if any(v == a and type(v) is type(a) for a in args) else f"expected one of {list(args)}, got {v!r}"
-        )
+    if kind == "literal":
+        allowed = [(type(a), a) for a in args]  # `1` is not `True`
+        return lambda v: None if (type(v), v) in allowed else f"expected one of {list(args)}, got {v!r}"
     if kind == "sequence":
         positional, item_type = item_types(tp)
         checks = [checker_for(a) for a in positional] if positional else None

@@ -27,6 +27,7 @@ from megatron_bridge.config.annotations import (
     CALL,
     PARTIAL,
     PATH,
+    SCALAR_CHECKERS,
     SEQUENCE_KINDS,
     TARGET,
     TUPLE,
@@ -51,14 +52,7 @@ _PLAIN = (str, int, float, bool, type(None))
 _INT_RE = re.compile(r"[-+]?\d+")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "fp8": "float8_e4m3fn"}
-_SCALARS = {  # what to write instead of a value that is not of the type
-    bool: "use true or false",
-    int: "use a whole number, e.g. 8",
-    float: "use a number, e.g. 0.1 or 1e-4",
-    str: "quote the value",
-}
-_AS_IS = frozenset({"bool", "int", "float", "str", "literal", "dtype", "enum", "path", "callable"})
-"""The kinds whose values are taken as they are when they fit their type (neither containers nor classes)."""
+_FIXES = {"bool": "use true or false", "int": "use a whole number, e.g. 8", "float": "use a number, e.g. 0.1 or 1e-4"}
 
 
 # ====================================================================== decoding
@@ -73,8 +67,9 @@ class Decoder:
         """The value for a field declared as `tp`, or a DecodeError saying why not. Conversions (a
         number in quotes, a number for a string) only if `lenient`; a Union tries them last."""
         kind = kind_of(tp)
-        if kind in _AS_IS and checker_for(tp)(raw) is None:
-            return raw  # the common case first: a value of the declared type as it is
+        scalar = SCALAR_CHECKERS.get(kind)
+        if scalar is not None and scalar(raw) is None:
+            return raw  # the common case first: a value of the declared scalar type as it is
         if raw is None:
             if kind in ("any", "none") or (kind == "union" and type(None) in typing.get_args(tp)):
                 return None
@@ -87,10 +82,10 @@ class Decoder:
             raise DecodeError(f"expected null, {got(raw)}", "remove the key")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
-        if tp in _SCALARS:  # not of the type as it is: read it as a command line spells it
+        if scalar is not None:  # not of the type as it is: read it as a command line spells it
             value = _convert(tp, raw) if lenient else None
             if value is None:
-                raise DecodeError(f"expected {kind}, {got(raw)}", _SCALARS[tp])
+                raise DecodeError(f"expected {kind}, {got(raw)}", _FIXES.get(kind, "quote the value"))
             return value
         origin = typing.get_origin(tp) or tp
         if kind == "literal":
@@ -100,9 +95,9 @@ class Decoder:
         if kind == "enum":
             return _enum(origin, raw)
         if kind == "path":
-            if not isinstance(raw, str):
+            if not isinstance(raw, (str, origin)):
                 raise DecodeError(f"expected a path, {got(raw)}", "use a string")
-            return origin(raw)
+            return raw if isinstance(raw, origin) else origin(raw)
         if kind == "sequence":
             return self._sequence(raw, tp, origin, lenient)
         if kind == "mapping":
@@ -185,6 +180,8 @@ class Decoder:
         return _checked(value, tp)
 
     def _function(self, raw: Any) -> Any:
+        if callable(raw):
+            return raw
         if not isinstance(raw, str):
             raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
         obj = self.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
@@ -288,6 +285,9 @@ def _convert(tp: type, raw: Any) -> Any:
 
 
 def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
+    for a in allowed:
+        if raw == a and type(raw) is type(a):
+            return a
     if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
         for a in allowed:
             if str(a) == str(raw):
@@ -297,6 +297,8 @@ def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
 
 
 def _dtype(raw: Any) -> Any:
+    if isinstance(raw, torch_dtype()):
+        return raw
     if isinstance(raw, str):
         name = raw.strip().lower().removeprefix("torch.")
         found = getattr(sys.modules["torch"], _DTYPE_ALIASES.get(name, name), None) if name.isidentifier() else None
@@ -306,6 +308,8 @@ def _dtype(raw: Any) -> Any:
 
 
 def _enum(cls: Any, raw: Any) -> Any:
+    if isinstance(raw, cls):
+        return raw
     if isinstance(raw, str):
         name = raw.strip().rsplit(".", 1)[-1]
         member = cls.__members__.get(name) or {n.lower(): m for n, m in cls.__members__.items()}.get(name.lower())
