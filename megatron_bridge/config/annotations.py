@@ -1,13 +1,7 @@
-"""What config field annotations allow: the shared vocabulary of checking, decoding and encoding.
-
-A field's declared type says
-
-* whether a value fits it (`type_problem`, `checker_for`): a string where an int is declared is
-  refused when the user sets it. What typing cannot express simply (type variables, protocols,
-  forward references that do not resolve) is accepted;
-* how plain data (from YAML, an override, a recipe keyword) becomes a value, and how a value is
-  written as plain YAML data (`config.codec`);
-* what a key path below the field addresses (`section_classes`, `container_item_type`).
+"""What config field annotations allow: whether a value fits (`type_problem`, `checker_for`; what
+typing cannot express simply, such as type variables, protocols and forward references that do not
+resolve, is accepted), the forms of values in YAML (read and written by `config.codec`), and what a
+key path below a field addresses (`section_classes`, `container_item_type`).
 
 Where the declared type says what a value is, the YAML holds the plain, readable form
 (`params_dtype: bfloat16`, `exit_signal: SIGTERM`, `activation_func: torch.nn.functional.silu`,
@@ -17,7 +11,7 @@ read the plain form differently), a tagged mapping is written instead:
 * `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member,
   function);
 * `{_target_: pkg.mod.fn, _partial_: true, _args_: [...], key: value}`: `functools.partial`;
-* `{_target_: pkg.mod.Class, ...}`: a dataclass (fields as keys), or a call of the target;
+* `{_target_: pkg.mod.Class, ...}`: a dataclass, its fields as keys;
 * `{_tuple_: [...]}`, `{_path_: "..."}`: a tuple, a `pathlib.Path`;
 * `{_unserializable_: "<repr>"}`: a runtime object that has no YAML form; loading it fails,
   unless the framework (not the user) had set it: then the field takes its default.
@@ -38,11 +32,9 @@ import pathlib
 import sys
 import types
 import typing
-from collections.abc import Callable as AbcCallable
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Literal, Optional, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Optional, Union
 
-from megatron_bridge.config.errors import show
 
 TARGET, CALL, PARTIAL, ARGS = "_target_", "_call_", "_partial_", "_args_"
 TUPLE, PATH, UNSERIALIZABLE = "_tuple_", "_path_", "_unserializable_"
@@ -69,8 +61,7 @@ class DecodeError(Exception):
         return DecodeError(items=[(f"{key}.{p}" if p else key, m, f) for p, m, f in self.items])
 
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
-        """Add each problem to `problems` (a `Problems`) below `path`, its message tagged with
-        `source` (e.g. `[file my.yaml]`) when given."""
+        """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""
         for sub, message, fix in self.items:
             problems.add(".".join(p for p in (path, sub) if p), f"{message} [{source}]" if source else message, fix)
 
@@ -95,37 +86,28 @@ def suggest(word: str, candidates: Any) -> str:
     return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def got(raw: Any) -> str:
-    """'got <type> <value>' for error messages."""
-    return f"got {type(raw).__name__} {show(raw)}"
-
-
 def torch_dtype() -> Optional[type]:
     """`torch.dtype` if torch is imported, else None (then no value or annotation can be one)."""
-    torch = sys.modules.get("torch")
-    return getattr(torch, "dtype", None)
-
-
-def union_arms(tp: Any) -> Optional[tuple]:
-    """The arms of a Union/Optional annotation, or None if `tp` is not one."""
-    origin = typing.get_origin(tp)
-    return typing.get_args(tp) if origin is Union or origin is types.UnionType else None
+    return getattr(sys.modules.get("torch"), "dtype", None)
 
 
 def real_arms(tp: Any) -> tuple:
     """The arms of `tp` other than None (`tp` itself when it is not a Union)."""
-    arms = union_arms(tp)
-    return (tp,) if arms is None else tuple(a for a in arms if a is not type(None))
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return (tp,)
+    return tuple(a for a in typing.get_args(tp) if a is not type(None))
 
 
 SEQUENCE_KINDS = {list: list, Sequence: list, tuple: tuple, set: set, frozenset: frozenset}
 """Sequence annotations (bare or parametrized) and the container a decoded value becomes."""
 
 
-def sequence_items(tp: Any) -> tuple[Optional[tuple], Any]:
-    """(the item types by position, Any) for a fixed-length tuple annotation such as
-    `tuple[int, str]`; else (None, the item type, Any when the annotation does not say)."""
+def item_types(tp: Any) -> tuple[Optional[tuple], Any]:
+    """(the item types by position, Any) for a fixed-length tuple annotation such as `tuple[int, str]`;
+    else (None, the type of every item, or of every value of a mapping, Any when it does not say)."""
     args = typing.get_args(tp)
+    if typing.get_origin(tp) in (dict, Mapping):
+        return None, args[1] if len(args) == 2 else Any
     items = [a for a in args if a is not Ellipsis]
     if typing.get_origin(tp) is tuple and len(items) > 1 and Ellipsis not in args:
         return tuple(items), Any
@@ -142,7 +124,7 @@ def kind_of(tp: Any) -> str:
         return "any"  # the annotation says nothing about the value
     if tp is None or tp is type(None):
         return "none"
-    if union_arms(tp) is not None:
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return "union"
     origin = typing.get_origin(tp) or tp
     if origin is Literal:
@@ -155,7 +137,7 @@ def kind_of(tp: Any) -> str:
         return "sequence"
     if origin in (dict, Mapping):
         return "mapping"
-    if origin is AbcCallable:  # also typing.Callable, bare or parametrized
+    if origin is Callable:  # also typing.Callable, bare or parametrized
         return "callable"
     if not isinstance(origin, type):
         return "other"
@@ -166,31 +148,23 @@ def kind_of(tp: Any) -> str:
     return "section" if dataclasses.is_dataclass(origin) else "class"
 
 
-def values_equal(a: Any, b: Any) -> bool:
-    """Equality for config values: `functools.partial` compares by function and arguments."""
+def values_equal(a: Any, b: Any, strict: bool = False) -> bool:
+    """Equality for config values (a `functools.partial` compares by function and arguments);
+    `strict`: of the same types all the way down too (an enum member is not its name)."""
     if a is b:
         return True
+    if strict and type(a) is not type(b):
+        return False
     if isinstance(a, functools.partial) and isinstance(b, functools.partial):
-        return values_equal(a.func, b.func) and values_equal(a.args, b.args) and values_equal(a.keywords, b.keywords)
+        return values_equal((a.func, a.args, a.keywords), (b.func, b.args, b.keywords), strict)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y, strict) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k], strict) for k in a)
     try:
         return bool(a == b)
     except Exception:
         return False
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Equal and of the same types all the way down (an enum member is not its name)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    return values_equal(a, b)
 
 
 # ====================================================================== checking
@@ -211,25 +185,21 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_SCALAR_CHECKERS: dict[Any, Checker] = {  # written out: checking runs on every assignment
-    bool: lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
-    int: lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
-    float: lambda v: None if is_number(v) else _mismatch("float", v),
-    str: lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
+SCALAR_CHECKERS: dict[str, Checker] = {  # written out: checking runs on every assignment
+    "bool": lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
+    "int": lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
+    "float": lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
+    "str": lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
 }
+"""The checkers of the scalar kinds, by name; decoding asks them first whether a value is taken as it is."""
 
 
 @functools.lru_cache(maxsize=None)
 def checker_for(tp: Any) -> Checker:
-    """Build (once per annotation) a function that explains why a value does not fit `tp`."""
-    try:
-        return _build_checker(tp)
-    except TypeError:  # unhashable or exotic annotation: accept
-        return _ok
-
-
-def _build_checker(tp: Any) -> Checker:
+    """A function (built once per annotation) that says why a value does not fit `tp`, or None."""
     kind, name, args = kind_of(tp), describe(tp), typing.get_args(tp)
+    if kind in SCALAR_CHECKERS:
+        return SCALAR_CHECKERS[kind]
     if kind == "union":
         arms = [checker_for(a) for a in args]
 
@@ -241,48 +211,36 @@ def _build_checker(tp: Any) -> Checker:
 
         return check_union
     if kind == "literal":
-
-        def check_literal(v: Any) -> Optional[str]:
-            for a in args:
-                if v == a and type(v) is type(a):  # `1` is not `True`
-                    return None
-            return f"expected one of {list(args)}, got {v!r}"
-
-        return check_literal
-    if tp in _SCALAR_CHECKERS:
-        return _SCALAR_CHECKERS[tp]
+        allowed = [(type(a), a) for a in args]  # `1` is not `True`
+        return lambda v: None if (type(v), v) in allowed else f"expected one of {list(args)}, got {v!r}"
     if kind == "sequence":
-        return _sequence_checker(tp, name)
+        positional, item_type = item_types(tp)
+        checks = [checker_for(a) for a in positional] if positional else None
+        item = checker_for(item_type)
+
+        def check_sequence(value: Any) -> Optional[str]:
+            if not isinstance(value, (list, tuple)):
+                return _mismatch(name, value)
+            if checks is not None and len(value) != len(checks):
+                return f"expected {name} with {len(checks)} items, got {len(value)}"
+            if checks is None and item is _ok:
+                return None
+            for check, v in zip(checks or itertools.repeat(item), value):
+                why = check(v)
+                if why:
+                    return f"item {v!r}: {why}"
+            return None
+
+        return check_sequence
     if kind == "mapping":
         return _accepting(lambda v: isinstance(v, Mapping), name)
     if kind == "callable":
         return _accepting(callable, "a callable")
-    if kind == "enum" and isinstance(tp, type):
+    if kind == "enum":
         return lambda v: None if isinstance(v, tp) else f"expected {name} (one of {[m.name for m in tp]}), got {v!r}"
     if kind != "any" and isinstance(tp, type):  # a parametrized class other than those above: accepted
         return _accepting(lambda v: isinstance(v, tp), name)
     return _ok
-
-
-def _sequence_checker(tp: Any, name: str) -> Checker:
-    positional, item_type = sequence_items(tp)
-    per_position = [checker_for(a) for a in positional] if positional else None
-    item = checker_for(item_type)
-
-    def check_sequence(value: Any) -> Optional[str]:
-        if not isinstance(value, (list, tuple)):
-            return _mismatch(name, value)
-        if per_position is not None and len(value) != len(per_position):
-            return f"expected {name} with {len(per_position)} items, got {len(value)}"
-        if per_position is None and item is _ok:
-            return None
-        for check, v in zip(per_position or itertools.repeat(item), value):
-            why = check(v)
-            if why:
-                return f"item {v!r}: {why}"
-        return None
-
-    return check_sequence
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,23 +255,18 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
 
 
-@functools.lru_cache(maxsize=None)
-def none_defaults(cls: type) -> frozenset[str]:
-    """Fields whose default is None even though their annotation does not say Optional."""
-    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
-
-
 def type_problem(cls: type, name: str, value: Any) -> Optional[str]:
-    """Why `value` does not fit field `name` of `cls`, or None if it fits."""
+    """Why `value` does not fit field `name` of `cls`, or None if it fits. None fits where the
+    annotation allows it, and in a field whose default is None."""
     tp = field_types(cls).get(name)
     if tp is None:
         return None
-    if value is None:
-        arms = union_arms(tp)
-        if (type(None) in arms if arms else tp in (Any, None, type(None))) or name in none_defaults(cls):
-            return None
-        return f"expected {describe(tp)}, got None"
-    return checker_for(tp)(value)
+    if value is not None:
+        return checker_for(tp)(value)
+    arms = typing.get_args(tp) if kind_of(tp) == "union" else (tp,)
+    if type(None) in arms or tp in (Any, None) or cls.__dataclass_fields__[name].default is None:
+        return None
+    return f"expected {describe(tp)}, got None"
 
 
 # ====================================================================== key paths below a field
@@ -330,9 +283,8 @@ _SECTIONS_BY_NAME: dict[type, Callable[[str], Any]] = {}
 
 
 def register_section_names(cls: type, by_name: Callable[[str], Any]) -> None:
-    """Fields declared as section `cls` may hold a name instead (a preset): `by_name(name)` is
-    the section it stands for, which key paths below the field then address. Called by the
-    module defining `cls`."""
+    """Fields declared as section `cls` may hold a name (a preset) for the section `by_name(name)`,
+    which key paths below the field then address. Called by the module defining `cls`."""
     _SECTIONS_BY_NAME[cls] = by_name
 
 
@@ -351,17 +303,13 @@ def section_from_value(value: Any, tp: Any) -> Optional[Any]:
 
 def container_item_type(tp: Any, key: Any, kind: type) -> Optional[Any]:
     """The declared type of item `key` of a container of `kind` (dict, list or tuple) in a field
-    declared as `tp`; Any when the declaration does not say, None when `tp` allows no such
-    container."""
+    declared as `tp`; Any when the declaration does not say, None when `tp` allows no such one."""
     for arm in real_arms(tp):
         arm_kind = kind_of(arm)
         if arm_kind == "any":
             return Any
-        if arm_kind == "mapping" and kind is dict:
-            args = typing.get_args(arm)
-            return args[1] if len(args) == 2 else Any
-        if arm_kind == "sequence" and kind in (list, tuple):
-            positional, item = sequence_items(arm)
+        if (arm_kind == "mapping" and kind is dict) or (arm_kind == "sequence" and kind in (list, tuple)):
+            positional, item = item_types(arm)
             if positional:
                 return positional[key] if isinstance(key, int) and key < len(positional) else Any
             return item

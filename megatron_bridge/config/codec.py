@@ -1,12 +1,11 @@
-"""The plain forms of field values: plain data (from YAML, an override, a recipe keyword) to the
-value a field declares (`Decoder`), and a value to plain data for YAML (`Encoder`). The forms are
-described in `config.annotations`.
+"""Plain data to field values and back: `Decoder` turns plain data (from YAML, an override, a
+recipe keyword) into the value a field declares, `Encoder` a value into plain data for YAML, in
+the forms described in `config.annotations`.
 
 Decoding also accepts what people type on a command line: `bf16` for a dtype, an enum member
 name in any case, `silu` for `torch.nn.functional.silu`, numbers in quotes, a number where a
-string is declared. The tagged mappings of `config.annotations` are honoured. Names (`_target_`,
-functions) resolve only through the registry of `config.targets`, and decoding calls nothing but
-config-class constructors.
+string is declared. Names (`_target_`, functions) resolve only through the registry of
+`config.targets`, and decoding calls nothing but config-class constructors.
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterable
 
+from megatron_bridge.config import targets
 from megatron_bridge.config.annotations import (
     ARGS,
     CALL,
     PARTIAL,
     PATH,
+    SCALAR_CHECKERS,
     SEQUENCE_KINDS,
     TARGET,
     TUPLE,
@@ -36,100 +37,74 @@ from megatron_bridge.config.annotations import (
     FlowList,
     checker_for,
     describe,
-    got,
     is_number,
     is_value_tag,
+    item_types,
     kind_of,
     real_arms,
-    same_value,
-    sequence_items,
     suggest,
     torch_dtype,
-    union_arms,
+    values_equal,
 )
-from megatron_bridge.config import targets
 from megatron_bridge.config.errors import show
 
 _PLAIN = (str, int, float, bool, type(None))
-
-# ====================================================================== decoding
 _INT_RE = re.compile(r"[-+]?\d+")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "fp8": "float8_e4m3fn"}
+_FIXES = {"bool": "use true or false", "int": "use a whole number, e.g. 8", "float": "use a number, e.g. 0.1 or 1e-4"}
 
 
-@functools.lru_cache(maxsize=None)
-def dtype_aliases() -> dict[str, Any]:
-    """Short dtype spellings (`bf16`, `fp32`, ...); only asked for once torch is imported."""
-    import torch
-
-    aliases = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
-    aliases.update(float=torch.float32, fp64=torch.float64, double=torch.float64)
-    if hasattr(torch, "float8_e4m3fn"):
-        aliases["fp8"] = torch.float8_e4m3fn
-    return aliases
-
-
+# ====================================================================== decoding
 class Decoder:
-    """Turns plain data (from YAML or an override) into the value a field declares.
-
-    Names (`_target_`, functions) resolve only through the registry of `config.targets`, and
-    decoding calls nothing but config-class constructors.
-    """
+    """Turns plain data (from YAML or an override) into the value a field declares."""
 
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
         """Decode a dataclass mapping; overridden by the serializer."""
         raise DecodeError("cannot build dataclasses here")
 
-    def value(self, raw: Any, tp: Any = Any) -> Any:
-        """The value for a field declared as `tp`; raises DecodeError explaining a mismatch.
-
-        Conversions (a number in quotes, a number for a string) are allowed; inside a Union they
-        are tried only after every arm has refused the value as it is."""
-        return self.read(raw, tp, True)
-
-    def read(self, raw: Any, tp: Any, lenient: bool) -> Any:  # noqa: C901 - one branch per kind of annotation
-        """`value`, with conversions only if `lenient`."""
+    def value(self, raw: Any, tp: Any = Any, lenient: bool = True) -> Any:  # noqa: C901 - one branch per kind
+        """The value for a field declared as `tp`, or a DecodeError saying why not. Conversions (a
+        number in quotes, a number for a string) only if `lenient`; a Union tries them last."""
         kind = kind_of(tp)
-        scalar = _SCALARS.get(kind)
-        if scalar is not None and scalar[0](raw):
+        scalar = SCALAR_CHECKERS.get(kind)
+        if scalar is not None and scalar(raw) is None:
             return raw  # the common case first: a value of the declared scalar type as it is
+        if raw is None:
+            if kind in ("any", "none") or (kind == "union" and type(None) in typing.get_args(tp)):
+                return None
+            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
         if kind == "any":
             return self.any(raw)
         if kind == "union":
             return self._union(raw, tp, lenient)
         if kind == "none":
-            if raw is not None:
-                raise DecodeError(f"expected null, {got(raw)}", "remove the key")
-            return None
-        if raw is None:
-            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+            raise DecodeError(f"expected null, {got(raw)}", "remove the key")
         if _is_tagged(raw) and not (kind == "section" and TARGET in raw):
             return self._tagged(raw, tp)
         if scalar is not None:  # not of the type as it is: read it as a command line spells it
             value = _convert(tp, raw) if lenient else None
             if value is None:
-                raise DecodeError(f"expected {kind}, {got(raw)}", scalar[1])
+                raise DecodeError(f"expected {kind}, {got(raw)}", _FIXES.get(kind, "quote the value"))
             return value
-        origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+        origin = typing.get_origin(tp) or tp
         if kind == "literal":
-            return _literal(args, raw, lenient)
+            return _literal(typing.get_args(tp), raw, lenient)
         if kind == "dtype":
             return _dtype(raw)
         if kind == "enum":
             return _enum(origin, raw)
         if kind == "path":
-            if isinstance(raw, origin):
-                return raw
-            if isinstance(raw, str):
-                return origin(raw)
-            raise DecodeError(f"expected a path, {got(raw)}", "use a string")
+            if not isinstance(raw, (str, origin)):
+                raise DecodeError(f"expected a path, {got(raw)}", "use a string")
+            return raw if isinstance(raw, origin) else origin(raw)
         if kind == "sequence":
             return self._sequence(raw, tp, origin, lenient)
         if kind == "mapping":
             if not isinstance(raw, Mapping):
                 raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
-            item = args[1] if len(args) == 2 else Any
-            return each(raw.items(), lambda v: self.read(v, item, lenient), dict)
+            item = item_types(tp)[1]
+            return each(raw.items(), lambda v: self.value(v, item, lenient), dict)
         if kind == "callable":
             return self._function(raw)
         if kind == "section":
@@ -172,9 +147,8 @@ class Decoder:
         return each(raw.items(), self.any, dict)
 
     def instantiate(self, raw: Mapping) -> Any:
-        """The object a `_target_` mapping describes: the object itself (`_call_: false`), a
-        `functools.partial` of a function (`_partial_: true`, arguments as plain data), or a config
-        class built from the remaining keys. Nothing else is called."""
+        """The object a `_target_` mapping describes: the object (`_call_: false`), a partial of a
+        function (`_partial_: true`, plain arguments) or a config class; nothing else is called."""
         obj = self.import_path(raw[TARGET])
         if raw.get(CALL) is False:
             extra = [k for k in raw if k not in (TARGET, CALL)]
@@ -206,37 +180,33 @@ class Decoder:
         return _checked(value, tp)
 
     def _function(self, raw: Any) -> Any:
-        if isinstance(raw, str):
-            obj = self.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
-            if obj is None:
-                hint = suggest(raw, targets.short_callable_names())
-                where = " or ".join(targets.SHORT_NAME_NAMESPACES)
-                raise DecodeError(f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn")
-            if callable(obj) and not isinstance(obj, type):
-                return obj
-            raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
         if callable(raw):
             return raw
-        raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
+        if not isinstance(raw, str):
+            raise DecodeError(f"expected a function, {got(raw)}", "use an import path such as torch.nn.functional.silu")
+        obj = self.import_path(raw) if "." in raw else targets.resolve_short_callable(raw)
+        if obj is None:
+            hint = suggest(raw, targets.short_callable_names())
+            where = " or ".join(targets.SHORT_NAME_NAMESPACES)
+            raise DecodeError(f"no function {raw!r} in {where}", hint or "give its import path, e.g. mypkg.mod.fn")
+        if not callable(obj) or isinstance(obj, type):
+            raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
+        return obj
 
     def _sequence(self, raw: Any, tp: Any, origin: Any, lenient: bool) -> Any:
         if not isinstance(raw, (list, tuple)):
             raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
-        positional, item = sequence_items(tp)
+        positional, item = item_types(tp)
         if positional is None:
-            return each(enumerate(raw), lambda v: self.read(v, item, lenient), SEQUENCE_KINDS[origin])
+            return each(enumerate(raw), lambda v: self.value(v, item, lenient), SEQUENCE_KINDS[origin])
         if len(raw) != len(positional):
             raise DecodeError(f"expected {len(positional)} items, got {len(raw)}: {show(raw)}", f"use {describe(tp)}")
-        return each(enumerate(zip(positional, raw)), lambda pair: self.read(pair[1], pair[0], lenient), tuple)
+        return each(enumerate(zip(positional, raw)), lambda pair: self.value(pair[1], pair[0], lenient), tuple)
 
     def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
-        arms, none_ok, classes, takes_dict = _union_plan(tp)
-        if raw is None:
-            if none_ok:
-                return None
-            raise DecodeError(f"expected {describe(tp)}, got null", f"use a value of type {describe(tp)}")
+        arms, classes, takes_dict = _union_plan(tp)
         if len(arms) == 1:
-            return self.read(raw, arms[0], lenient)
+            return self.value(raw, arms[0], lenient)
         if classes and isinstance(raw, classes):
             return raw
         if classes and isinstance(raw, Mapping) and not is_value_tag(raw) and (TARGET in raw or not takes_dict):
@@ -246,7 +216,7 @@ class Decoder:
         for mode in (False, True) if lenient else (False,):
             for arm in arms:
                 try:
-                    return self.read(raw, arm, mode)
+                    return self.value(raw, arm, mode)
                 except DecodeError:
                     pass
         named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
@@ -257,12 +227,11 @@ class Decoder:
 
 
 @functools.lru_cache(maxsize=None)
-def _union_plan(tp: Any) -> tuple[tuple, bool, tuple[type, ...], bool]:
-    """(the arms other than None, whether None is one, the dataclass arms, whether a dict arm
-    takes mappings) of Union annotation `tp`."""
+def _union_plan(tp: Any) -> tuple[tuple, tuple[type, ...], bool]:
+    """(the arms other than None, the dataclass arms, whether a dict arm takes mappings) of Union `tp`."""
     arms = real_arms(tp)
     classes = tuple(a for a in arms if isinstance(a, type) and dataclasses.is_dataclass(a))
-    return arms, len(arms) < len(union_arms(tp)), classes, any(kind_of(a) == "mapping" for a in arms)
+    return arms, classes, any(kind_of(a) == "mapping" for a in arms)
 
 
 def each(items: Iterable[tuple[Any, Any]], decode: Callable[[Any], Any], kind: type) -> Any:
@@ -290,18 +259,15 @@ def _check_plain(value: Any, where: str) -> None:
         raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
 
 
+def got(raw: Any) -> str:
+    """'got <type> <value>' for error messages."""
+    return f"got {type(raw).__name__} {show(raw)}"
+
+
 def _is_tagged(raw: Any) -> bool:
     if type(raw) in _PLAIN:  # the common case, without the Mapping check
         return False
     return isinstance(raw, Mapping) and (TARGET in raw or is_value_tag(raw))
-
-
-_SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {  # kind -> (accepts a value as it is, fix)
-    "bool": (lambda raw: isinstance(raw, bool), "use true or false"),
-    "int": (lambda raw: isinstance(raw, int) and not isinstance(raw, bool), "use a whole number, e.g. 8"),
-    "float": (is_number, "use a number, e.g. 0.1 or 1e-4"),  # an int stays an int (float fields with int defaults)
-    "str": (lambda raw: isinstance(raw, str), "quote the value"),
-}
 
 
 def _convert(tp: type, raw: Any) -> Any:
@@ -331,14 +297,12 @@ def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
 
 
 def _dtype(raw: Any) -> Any:
-    dtype = torch_dtype()
-    if isinstance(raw, dtype):
+    if isinstance(raw, torch_dtype()):
         return raw
     if isinstance(raw, str):
         name = raw.strip().lower().removeprefix("torch.")
-        torch = sys.modules["torch"]
-        found = dtype_aliases().get(name, getattr(torch, name, None) if name.isidentifier() else None)
-        if isinstance(found, dtype):
+        found = getattr(sys.modules["torch"], _DTYPE_ALIASES.get(name, name), None) if name.isidentifier() else None
+        if isinstance(found, torch_dtype()):
             return found
     raise DecodeError(f"expected a torch dtype, {got(raw)}", "use e.g. bfloat16, bf16, float16, fp16 or float32")
 
@@ -361,15 +325,15 @@ def _enum(cls: Any, raw: Any) -> Any:
     raise DecodeError(f"expected {cls.__name__} (one of {names}), {got(raw)}", hint or f"use one of {names}")
 
 
+def _checked(value: Any, tp: Any) -> Any:
+    """`value` if it fits annotation `tp`, else a DecodeError saying why."""
+    why = checker_for(tp)(value)
+    if why:
+        raise DecodeError(why, f"use a value of type {describe(tp)}")
+    return value
+
+
 # ====================================================================== encoding
-def _self_describing(value: Any) -> bool:
-    """Whether the plain form of `value` does not depend on the declared type: a number, a
-    dataclass section, a partial."""
-    if isinstance(value, numbers.Real):
-        return not isinstance(value, (enum.Enum, bool))
-    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
-
-
 class Encoder:
     """Turns config values into plain data (dicts, lists, scalars) for YAML."""
 
@@ -392,13 +356,13 @@ class Encoder:
         if kind == "path" and isinstance(value, pathlib.PurePath):
             return str(value)
         if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
-            positional, item = sequence_items(tp)
+            positional, item = item_types(tp)
             if positional and len(positional) == len(value):
                 return self._list(self.value(v, a) for v, a in zip(value, positional))
             return self._list(self.value(v, item) for v in value)
         if kind == "mapping" and isinstance(value, dict):
-            args = typing.get_args(tp)
-            return {k: self.value(v, args[1] if len(args) == 2 else Any) for k, v in value.items()}
+            item = item_types(tp)[1]
+            return {k: self.value(v, item) for k, v in value.items()}
         if kind == "callable" or origin is type:
             path = targets.name_of(value)
             if path is not None:
@@ -413,8 +377,15 @@ class Encoder:
             return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return self.section(value)
-        if isinstance(value, functools.partial):
-            return self.partial(value)
+        if isinstance(value, functools.partial):  # {_target_: func, _partial_: true, _args_: [...], **keywords}
+            path = targets.name_of(value.func)
+            if path is None:
+                return {UNSERIALIZABLE: show(value)}
+            out: dict[str, Any] = {TARGET: path, PARTIAL: True}
+            if value.args:
+                out[ARGS] = self._list(self.any(a) for a in value.args)
+            out.update((k, self.any(v)) for k, v in value.keywords.items())
+            return out
         if type(value) is list:
             return self._list(self.any(v) for v in value)
         if type(value) is tuple:
@@ -429,17 +400,6 @@ class Encoder:
         path = targets.name_of(value) if isinstance(value, enum.Enum) or callable(value) else None
         return {UNSERIALIZABLE: show(value)} if path is None else {TARGET: path, CALL: False}
 
-    def partial(self, value: functools.partial) -> Any:
-        """`{_target_: func, _partial_: true, _args_: [...], **keywords}`."""
-        path = targets.name_of(value.func)
-        if path is None:
-            return {UNSERIALIZABLE: show(value)}
-        out: dict[str, Any] = {TARGET: path, PARTIAL: True}
-        if value.args:
-            out[ARGS] = self._list(self.any(a) for a in value.args)
-        out.update((k, self.any(v)) for k, v in value.keywords.items())
-        return out
-
     def _union(self, value: Any, tp: Any, arms: tuple) -> Any:
         """The plain form for the first arm `value` fits, if it reads back as the same value;
         else the tagged form, which says what the value is."""
@@ -447,7 +407,7 @@ class Encoder:
         if arm is not None:
             plain = self.value(value, arm)
             try:
-                if same_value(_TRIAL_DECODER.value(plain, tp), value):
+                if values_equal(_TRIAL_DECODER.value(plain, tp), value, strict=True):
                     return plain
             except DecodeError:
                 pass
@@ -459,13 +419,13 @@ class Encoder:
         return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
 
 
+def _self_describing(value: Any) -> bool:
+    """Whether the plain form of `value` does not depend on the declared type: a number, a
+    dataclass section, a partial."""
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, (enum.Enum, bool))
+    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
 _TRIAL_DECODER = Decoder()
 """Reads an encoding back to check it (builds no sections)."""
-
-
-def _checked(value: Any, tp: Any) -> Any:
-    """`value` if it fits annotation `tp`, else a DecodeError saying why."""
-    why = checker_for(tp)(value)
-    if why:
-        raise DecodeError(why, f"use a value of type {describe(tp)}")
-    return value
