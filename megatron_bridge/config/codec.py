@@ -15,7 +15,6 @@ import enum
 import functools
 import numbers
 import pathlib
-import re
 import sys
 import typing
 from collections.abc import Mapping, Sequence
@@ -47,10 +46,9 @@ from megatron_bridge.config.annotations import (
     values_equal,
 )
 from megatron_bridge.config.errors import show
+from megatron_bridge.config.yaml_input import scalar
 
 _PLAIN = (str, int, float, bool, type(None))
-_INT_RE = re.compile(r"[-+]?\d+")
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "fp8": "float8_e4m3fn"}
 _FIXES = {"bool": "use true or false", "int": "use a whole number, e.g. 8", "float": "use a number, e.g. 0.1 or 1e-4"}
 
@@ -279,9 +277,13 @@ def _convert(tp: type, raw: Any) -> Any:
         return int(raw)
     if not isinstance(raw, str):
         return None
+    try:
+        value = scalar(raw.strip())  # read as an override value is
+    except ValueError:  # an integer of more digits than Python converts
+        return None
     if tp is bool:
-        return raw.lower() == "true" if raw.lower() in ("true", "false") else None
-    return tp(raw) if (_INT_RE if tp is int else _FLOAT_RE).fullmatch(raw.strip()) else None
+        return value if isinstance(value, bool) else None
+    return tp(value) if is_number(value) and (tp is float or type(value) is int) else None
 
 
 def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
