@@ -90,8 +90,10 @@ def parse_value(text: str) -> Any:
             return yaml_input.scalar(stripped)  # the whole text: `99,1,0` and `a: b` are strings
         protected, pieces = _protect_interpolations(stripped)
         return _restore_interpolations(yaml_input.parse(protected, "value", yaml_input.ValueLoader), pieces)
-    except ConfigValidationError as exc:
-        raise OverrideSyntaxError(exc.problems[0].message, exc.problems[0].fix) from None
+    except ConfigValidationError as exc:  # the reader's YAML error or limit, naming no file
+        problem = exc.problems[0]
+        fix = "check the brackets and quotes of the value" if problem.message.startswith("invalid YAML") else problem.fix
+        raise OverrideSyntaxError(problem.message, fix) from None
     except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
         digits = sum(c.isdigit() for c in stripped)
         raise OverrideSyntaxError(
