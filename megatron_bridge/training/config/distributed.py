@@ -82,10 +82,6 @@ class DistributedInitConfig(ConfigBase):
     """Use ProcessGroupCollection passed through functions instead of relying on mcore's global
     parallel state (mpu) variables."""
 
-    @property
-    def lazy_init(self) -> bool:
-        return self.lazy_mpu_init
-
 
 @config_dataclass(kw_only=True)
 class RNGConfig(ConfigBase):

@@ -146,28 +146,27 @@ class LoggerConfig(ConfigBase):
     """Skips logging of training metrics to all logging backends and to the console as well."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         if self.tensorboard_dir is not None:
-            p.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
+            problems.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
         if self.wandb_project is not None:
-            p.require_package("wandb", "wandb_project", "W&B logging")
+            problems.require_package("wandb", "wandb_project", "W&B logging")
         if self.mlflow_experiment is not None:
-            p.check(
+            problems.check(
                 bool(self.mlflow_run_name),
                 "mlflow_run_name",
                 f"mlflow_experiment={self.mlflow_experiment!r} is set but mlflow_run_name is not",
                 "set logger.mlflow_run_name",
             )
-            p.require_package("mlflow", "mlflow_experiment", "MLflow logging")
+            problems.require_package("mlflow", "mlflow_experiment", "MLflow logging")
         if self.comet_project is not None:
-            p.check(
+            problems.check(
                 bool(self.comet_experiment_name),
                 "comet_experiment_name",
                 f"comet_project={self.comet_project!r} is set but comet_experiment_name is not",
                 "set logger.comet_experiment_name",
             )
-            p.require_package("comet_ml", "comet_project", "Comet logging")
-        p.check(
+            problems.require_package("comet_ml", "comet_project", "Comet logging")
+        problems.check(
             self.comet_api_key != REDACTED,
             "comet_api_key",
             f"is {REDACTED!r}: the config was written without the credential",

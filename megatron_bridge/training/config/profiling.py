@@ -50,8 +50,7 @@ class ProfilingConfig(ConfigBase):
     """Emit NVTX ranges around forward/backward/optimizer (GPU only)."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
-        p.check(
+        problems.check(
             not (self.use_nsys_profiler and self.use_pytorch_profiler),
             "use_pytorch_profiler",
             "use_nsys_profiler and use_pytorch_profiler are both on",
@@ -59,7 +58,7 @@ class ProfilingConfig(ConfigBase):
         )
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
             # profile_step_start and profile_ranks are >= 0 by their declared ranges
-            p.check(
+            problems.check(
                 self.profile_step_end > self.profile_step_start,
                 "profile_step_end",
                 f"profile_step_end ({self.profile_step_end}) must be greater than "

@@ -182,10 +182,9 @@ class InProcessRestartConfig(ConfigBase):
     """Directory for monitor process log files. If None, monitor process logging is disabled."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         if not self.enabled:
             return
-        p.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
+        problems.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
         # the orderings nvidia-resiliency-ext requires of its intervals and timeouts
         for shorter, longer in (
             ("soft_timeout", "hard_timeout"),
@@ -198,7 +197,7 @@ class InProcessRestartConfig(ConfigBase):
             ("progress_watchdog_interval", "soft_timeout"),
         ):
             a, b = getattr(self, shorter), getattr(self, longer)
-            p.check(
+            problems.check(
                 a < b,
                 shorter,
                 f"{shorter} ({a}) must be shorter than {longer} ({b})",
