@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig
+from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig, get_standard_config_overrides
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
@@ -89,6 +89,4 @@ class OptimizerConfigOverrideProvider(ConfigBase):
         """By default weight decay is skipped for biases and 1-D parameters (norm weights), except
         q/k layernorms when `optimizer.apply_wd_to_qk_layernorm` is set; `optimizer.decoupled_lr`
         gives embedding and output layers their own learning rate."""
-        from megatron.core.optimizer import get_standard_config_overrides
-
         return get_standard_config_overrides(context.optimizer_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -91,8 +92,6 @@ class TensorInspectConfig(ConfigBase):
             return
         if problems.require_package("nvdlfw_inspect", "enabled", "tensor inspection") and self.feature_dirs is None:
             if extras.is_installed("transformer_engine"):
-                import importlib.util
-
                 spec = importlib.util.find_spec("transformer_engine.debug.features")
                 if spec is not None and spec.submodule_search_locations:
                     self.apply_default("feature_dirs", list(spec.submodule_search_locations))

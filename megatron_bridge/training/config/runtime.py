@@ -197,7 +197,7 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
     values), and the range of every number in the container itself."""
     ranges.check(cfg, problems)
     for name in SECTIONS:
-        if presets and name in _PRESET_SECTIONS:
+        if presets and name in ("mixed_precision", "comm_overlap"):
             continue  # their preset rules just finalized them
         section = getattr(cfg, name)
         if section is None or isinstance(section, str):
@@ -206,8 +206,6 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
             continue  # reported as data_parallel_size
         finalize_into(section, problems.at(name))
 
-
-_PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 
 RULES: tuple[Rule, ...] = (
     Rule("environment variables", "setup", apply_env_vars, validate=False),
