@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import STEPS, Unsupported, field
-from megatron_bridge import extras
 
 
 _TENSOR_INSPECT = Unsupported(
@@ -86,12 +84,3 @@ class TensorInspectConfig(ConfigBase):
 
     init_training_step: int = field(0, range=STEPS, status=_TENSOR_INSPECT)
     """Initial training step for the inspector (used when resuming)."""
-
-    def _finalize(self, problems: Problems) -> None:
-        if not self.enabled:
-            return
-        if problems.require_package("nvdlfw_inspect", "enabled", "tensor inspection") and self.feature_dirs is None:
-            if extras.is_installed("transformer_engine"):
-                spec = importlib.util.find_spec("transformer_engine.debug.features")
-                if spec is not None and spec.submodule_search_locations:
-                    self.apply_default("feature_dirs", list(spec.submodule_search_locations))
