@@ -2,8 +2,8 @@
 FP8 parameters and their gathering, context-parallel fine-tuning losses, the schedule's length,
 and the number of iterations of sample-based training with a batch-size ramp-up.
 
-The `check_*` functions only report; the values computed here (`rampup_train_iters`) are used by
-the derive steps of the sections.
+The `check_*` functions only report; `sample_based_train_iters` and `samples_after` count a
+ramp-up's iterations and samples for the training section and the scheduler steps.
 """
 
 from __future__ import annotations

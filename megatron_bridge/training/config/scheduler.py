@@ -98,13 +98,13 @@ class SchedulerConfig(ConfigBase):
                 f"iteration-based fields {iteration_set} are mixed with sample-based fields {sample_set}",
                 "give schedule lengths either all in iterations or all in samples",
             )
-        if self.lr_warmup_fraction is not None:  # in [0, 1] by its declared range
-            if self.lr_warmup_iters or self.lr_warmup_samples:
-                problems.add(
-                    "lr_warmup_fraction",
-                    "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
-                    "set only one way of giving the warmup length",
-                )
+        # lr_warmup_fraction is in [0, 1] by its declared range
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
+            problems.add(
+                "lr_warmup_fraction",
+                "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
+                "set only one way of giving the warmup length",
+            )
         if self.lr_decay_style == "WSD":
             problems.check(
                 bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
