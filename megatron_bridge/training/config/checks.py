@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
-from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
+from megatron_bridge.models.vocab import null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 from megatron_bridge.models.hf import checks as hf_checks
@@ -103,7 +103,9 @@ def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
     val = cfg.validation
     eval_sizes_given = not {"eval_micro_batch_size", "eval_global_batch_size"} <= val.derived_fields()
     if val.eval_iters and eval_sizes_given:  # derived from train's: already checked above
-        _check_divisible(problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_")
+        _check_divisible(
+            problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_"
+        )
 
 
 def _check_divisible(problems: Problems, section: str, gbs: int, mbs: int, dp: int, prefix: str = "") -> None:
@@ -178,7 +180,8 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
             f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
         )
     problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
-    check_low_precision(m, problems, "model.", "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'")
+    preset = "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'"
+    check_low_precision(m, problems, "model.", preset)
 
 
 # ---------------------------------------------------------------------- sequence

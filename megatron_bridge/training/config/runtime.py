@@ -21,6 +21,7 @@ from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
 from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.models.hf import checks as hf_checks
+from megatron_bridge.models.vocab import derive_vocab_size
 from megatron_bridge.peft.apply import check_config as check_peft_config
 from megatron_bridge.training.config.architecture import check_loaded_architectures
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
@@ -200,7 +201,7 @@ RULES: tuple[Rule, ...] = (
     Rule("pretrained model's tokenizer", "preset", hf_checks.apply_pretrained_defaults),
     Rule("sections", "finalize", finalize_sections, inputs=("presets",)),
     Rule("evaluation batch sizes", "derive", checks.derive_eval_batch_sizes),
-    Rule("vocabulary size", "derive", checks.derive_vocab_size),
+    Rule("vocabulary size", "derive", derive_vocab_size),
     Rule("batch sizes", "check", checks.check_batch_sizes),
     Rule("pipeline layout", "check", checks.check_pipeline_layout),
     Rule("mixed precision consistency", "check", checks.check_mixed_precision_consistency),
