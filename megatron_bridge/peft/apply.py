@@ -29,8 +29,7 @@ logger = logging.getLogger("megatron_bridge")
 
 # ---------------------------------------------------------------------- before building
 def check_config(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Cross-section checks of `cfg.peft`: pretrained weights, targets against the model's
-    modules, layers adapters cannot wrap."""
+    """Adapters: target modules exist, fine-tuning starts from a checkpoint, the layout supports them."""
     peft, m = cfg.peft, cfg.model
     if peft is None:
         return

@@ -37,6 +37,7 @@ def _starts_from_hf(cfg: "ConfigContainer") -> bool:
 
 
 def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
+    """A run starting from a Hugging Face model uses its tokenizer unless the config names one."""
     tok = cfg.tokenizer
     if tok.tokenizer_type is not None or tok.is_explicit("tokenizer_type") or not cfg.checkpoint.pretrained_checkpoint:
         return

@@ -14,28 +14,12 @@ from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
 from megatron_bridge.models.hf.files import is_hf_directory
 
 ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "ffn_hidden_size",
-    "normalization",
-    "gated_linear_unit",
-    "activation_func",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "position_embedding_type",
-    "vocab_size",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "input_layernorms",
-    "output_layernorms",
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "normalization", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "position_embedding_type", "vocab_size", "share_embeddings_and_output_weights", "num_moe_experts",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "input_layernorms", "output_layernorms",
     "qk_layernorm_per_head",
-)
+)  # fmt: skip
 """Model fields that decide the shapes and meaning of the weights."""
 
 
@@ -55,17 +39,19 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
 
 
 def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
-    """Each checkpoint the run loads (see `loaded_checkpoints`) was saved with the config's model
-    architecture, by its run_config.yaml: checked before any model is built. Fields the config
+    """The checkpoints of ours that the run loads weights from were saved with the config's model
+    architecture (their run_config.yaml against the model section): a mismatch is reported
+    before the model is built. Which checkpoints: see `loaded_checkpoints`. Fields the config
     leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading."""
     current = None  # encoded only when there is a saved model to compare with (rarely)
     for field, path, step in loaded_checkpoints(cfg):
         try:
-            saved = _saved_model(resolve(path, step)[0])
+            run_config = read_run_config(resolve(path, step)[0])
+            saved = run_config.section("model") if run_config is not None else {}
         except (OSError, ValueError):
             continue  # no readable checkpoint there: reported when it is loaded
-        if saved is None:
-            continue
+        if not saved:
+            continue  # a directory without our run config, or one without a model section
         current = to_dict(cfg.model) if current is None else current
         differing = [
             n for n in ARCHITECTURE_FIELDS
@@ -79,11 +65,6 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
             f"{path!r} holds a {_describe(saved)}, but the config's model is a {_describe(current)} ({fields})",
             "point it at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe)",
         )
-
-
-def _saved_model(directory: str) -> Optional[dict]:
-    run_config = read_run_config(directory)
-    return run_config.section("model") if run_config is not None and run_config.has_section("model") else None
 
 
 def _describe(model: dict) -> str:

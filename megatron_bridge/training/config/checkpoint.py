@@ -104,8 +104,7 @@ class CheckpointConfig(ConfigBase):
     """Write checkpoints in the background while training continues (torch_dist only)."""
 
     use_persistent_ckpt_worker: bool = True
-    """Use a persistent background worker for async checkpoint saves. When enabled, creates a
-    dedicated worker for async saves; otherwise temporary workers are created per save."""
+    """Use one persistent background worker for async saves (False: a temporary one per save)."""
 
     async_strategy: Literal["nvrx", "mcore"] = field(
         "nvrx",
@@ -136,8 +135,7 @@ class CheckpointConfig(ConfigBase):
     """How to treat mismatching keys between the checkpoint and the model when loading."""
 
     storage_writers_per_rank: int = field(1, range=SIZE)
-    """Number of storage writers per rank for torch_dist checkpoint format. Affects the number of
-    checkpoint files: saving_ranks * storage_writers_per_rank."""
+    """Storage writers per rank (torch_dist); a checkpoint has saving ranks x this many files."""
 
     strict_fsdp_dtensor_load: bool = field(
         False,

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
-from megatron_bridge.training.config.architecture import check_loaded_architectures
-from megatron_bridge.models.vocab import derive_vocab_size, null_tokenizer_vocab
+from megatron_bridge.models.vocab import null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
 from megatron_bridge.models.hf import checks as hf_checks
-from megatron_bridge.peft.apply import check_config
 from megatron_bridge.training.config.run_rules import samples_after
 
 if TYPE_CHECKING:
@@ -47,11 +45,6 @@ def apply_deprecated_training_fields(cfg: "ConfigContainer", problems: Problems)
             continue
         logger.warning("train.%s is deprecated: using it as validation.%s=%r", name, name, old)
         cfg.validation.apply_default(name, old)
-
-
-def apply_pretrained_defaults(cfg: "ConfigContainer", problems: Problems) -> None:
-    """A run starting from a Hugging Face model uses its tokenizer unless the config names one."""
-    hf_checks.apply_pretrained_defaults(cfg, problems)
 
 
 def sync_distributed_optimizer(cfg: "ConfigContainer", problems: Problems) -> None:
@@ -110,7 +103,9 @@ def check_batch_sizes(cfg: "ConfigContainer", problems: Problems) -> None:
     val = cfg.validation
     eval_sizes_given = not {"eval_micro_batch_size", "eval_global_batch_size"} <= val.derived_fields()
     if val.eval_iters and eval_sizes_given:  # derived from train's: already checked above
-        _check_divisible(problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_")
+        _check_divisible(
+            problems, "validation", val.eval_global_batch_size, val.eval_micro_batch_size, dp, prefix="eval_"
+        )
 
 
 def _check_divisible(problems: Problems, section: str, gbs: int, mbs: int, dp: int, prefix: str = "") -> None:
@@ -185,7 +180,8 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
             f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
         )
     problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
-    check_low_precision(m, problems, "model.", "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'")
+    preset = "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'"
+    check_low_precision(m, problems, "model.", preset)
 
 
 # ---------------------------------------------------------------------- sequence
@@ -271,26 +267,11 @@ def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None
     )
 
 
-def check_peft(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Adapters: target modules exist, fine-tuning starts from a checkpoint, the layout supports them."""
-    if cfg.peft is None:
-        return
-
-    check_config(cfg, problems)
-
-
 def check_hugging_face(cfg: "ConfigContainer", problems: Problems) -> None:
     """Hugging Face weights to start from (config.json and index against the model config), and
     a model that `checkpoint.save_hf` can write."""
     hf_checks.check_pretrained(cfg, problems)
     hf_checks.check_save_hf(cfg, problems)
-
-
-def check_checkpoint_architecture(cfg: "ConfigContainer", problems: Problems) -> None:
-    """The checkpoints of ours that the run loads weights from were saved with the config's model
-    architecture (their run_config.yaml against the model section): a mismatch is reported
-    before the model is built."""
-    check_loaded_architectures(cfg, problems)
 
 
 def check_vocab(cfg: "ConfigContainer", problems: Problems) -> None:
@@ -363,32 +344,24 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         return
     sample_based = t.train_samples is not None
     if sample_based:
-        iteration_fields = [n for n in ITERATION_FIELDS if getattr(s, n)]
-        problems.check(
-            not iteration_fields,
-            f"scheduler.{iteration_fields[0]}" if iteration_fields else "scheduler",
-            f"sample-based training (train.train_samples) with iteration-based scheduler fields {iteration_fields}",
-            "give scheduler lengths in samples (lr_decay_samples, lr_warmup_samples, lr_wsd_decay_samples)",
-        )
-        total = t.train_samples
-        decay_length, warmup_length = s.lr_decay_samples or total, s.lr_warmup_samples
-        wsd_length = s.lr_wsd_decay_samples
-        decay, warmup, wsd = decay_length, warmup_length, wsd_length
+        suffix, unit, kind, other_kind = "samples", "samples", "sample", "iteration"
     else:
-        sample_fields = [n for n in SAMPLE_FIELDS if getattr(s, n)]
-        problems.check(
-            not sample_fields,
-            f"scheduler.{sample_fields[0]}" if sample_fields else "scheduler",
-            f"iteration-based training (train.train_iters) with sample-based scheduler fields {sample_fields}",
-            "give scheduler lengths in iterations (lr_decay_iters, lr_warmup_iters, lr_wsd_decay_iters)",
-        )
+        suffix, unit, kind, other_kind = "iters", "iterations", "iteration", "sample"
+    other_fields = [n for n in (ITERATION_FIELDS if sample_based else SAMPLE_FIELDS) if getattr(s, n)]
+    problems.check(
+        not other_fields,
+        f"scheduler.{other_fields[0]}" if other_fields else "scheduler",
+        f"{kind}-based training (train.train_{suffix}) with {other_kind}-based scheduler fields {other_fields}",
+        f"give scheduler lengths in {unit} (lr_decay_{suffix}, lr_warmup_{suffix}, lr_wsd_decay_{suffix})",
+    )
+    length = t.train_samples if sample_based else s.max_steps or t.train_iters
+    decay_length = getattr(s, f"lr_decay_{suffix}") or length
+    warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, f"lr_wsd_decay_{suffix}")
+    if sample_based:
+        total, decay, warmup, wsd = length, decay_length, warmup_length, wsd_length
+    else:
         rampup = t.rampup_batch_size if not problems.at("train.rampup_batch_size") else None
-        length = s.max_steps or t.train_iters
-        decay_length, warmup_length = s.lr_decay_iters or length, s.lr_warmup_iters
-        wsd_length = s.lr_wsd_decay_iters
-        total = samples_after(length, gbs, rampup)
-        decay = samples_after(decay_length, gbs, rampup)
-        warmup = samples_after(warmup_length, gbs, rampup)
+        total, decay, warmup = (samples_after(n, gbs, rampup) for n in (length, decay_length, warmup_length))
         # WSD's final phase is the end of the decay: the samples of its last lr_wsd_decay_iters iterations
         wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
@@ -398,18 +371,18 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
-    unit = "samples" if sample_based else "iterations"  # lengths reported as the user gave them
+    # lengths are reported as the user gave them
     if s.lr_decay_style != "constant":
         problems.check(
             warmup < decay,
-            "scheduler.lr_warmup_samples" if sample_based else "scheduler.lr_warmup_iters",
+            f"scheduler.lr_warmup_{suffix}",
             f"warmup ({warmup_length} {unit}) is not shorter than the decay ({decay_length} {unit})",
             "shorten the warmup or lengthen lr_decay_iters / the training run",
         )
     if wsd is not None:
         problems.check(
             wsd_length <= decay_length,
-            "scheduler.lr_wsd_decay_samples" if sample_based else "scheduler.lr_wsd_decay_iters",
+            f"scheduler.lr_wsd_decay_{suffix}",
             f"the WSD decay phase ({wsd_length} {unit}) is longer than the whole decay ({decay_length} {unit})",
-            "shorten lr_wsd_decay_samples" if sample_based else "shorten lr_wsd_decay_iters",
+            f"shorten lr_wsd_decay_{suffix}",
         )

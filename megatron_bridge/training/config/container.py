@@ -33,7 +33,7 @@ from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
-from megatron_bridge.training.config.runtime import current_world_size, validate_into
+from megatron_bridge.training.config.runtime import validate_into
 
 logger = logging.getLogger(__name__)
 
@@ -127,59 +127,13 @@ class ConfigContainer(ConfigBase):
     data_parallel_size: Optional[int] = field(init=False, default=None, range=SIZE)
     """Derived: world size // (TP x PP x CP), set by runtime_config_update."""
 
-    # ------------------------------------------------------------------ derived sizes
-    def get_data_parallel_size(self, world_size: int) -> int:
-        """Data-parallel size for `world_size` ranks (raises ValueError if it does not divide)."""
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world size {world_size!r} is not a positive number of processes")
-        m = self.model
-        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-        if model_parallel <= 0 or world_size % model_parallel != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
-                f"= {m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} x {m.context_parallel_size}"
-            )
-        return world_size // model_parallel
-
-    def set_data_parallel_size(self, world_size: Optional[int] = None, problems: Optional[Problems] = None) -> None:
-        """Compute `data_parallel_size` (and the comm-overlap copy of it) for `world_size`."""
-        world = current_world_size() if world_size is None else world_size
-        try:
-            dp = self.get_data_parallel_size(world)
-        except ValueError as exc:
-            if problems is None:
-                raise
-            problems.add(
-                "data_parallel_size",
-                str(exc),
-                "launch a multiple of TP x PP x CP processes or change the parallel sizes",
-            )
-            return
-        if self.is_explicit("data_parallel_size") and self.data_parallel_size != dp:
-            if problems is None:
-                raise ValueError(f"data_parallel_size={self.data_parallel_size} but the layout gives {dp}")
-            problems.add(
-                "data_parallel_size",
-                f"set to {self.data_parallel_size}, but {world} ranks with TP x PP x CP = "
-                f"{world // dp} give {dp}",
-                "leave data_parallel_size unset (it is derived), or launch the matching number of ranks",
-            )
-            return
-        self.apply_default("data_parallel_size", dp)
-        if self.comm_overlap is not None:
-            self.comm_overlap.apply_default("data_parallel_size", dp)
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Run the validation rules (`mbridge config rules`): finalize every section, derive values,
         check across sections; raise one `ConfigValidationError` listing every problem found."""
         problems = Problems()
-        self.validate_into(problems)
-        problems.raise_if_any()
-
-    def validate_into(self, problems: Problems) -> None:
-        """`validate()`, collecting into `problems` instead of raising."""
         validate_into(self, problems)
+        problems.raise_if_any()
 
     # ------------------------------------------------------------------ reporting
     def log_non_default_values(self) -> dict[str, dict[str, tuple[Any, Any]]]:
@@ -191,7 +145,13 @@ class ConfigContainer(ConfigBase):
             section = getattr(self, f.name)
             if not dataclasses.is_dataclass(section):
                 continue
-            diff = non_default_values(section)
+            derived = section.derived_fields() if isinstance(section, ConfigBase) else frozenset()
+            diff = {}
+            for spec in specs(type(section)).values():
+                default = spec.core_default
+                value = getattr(section, spec.name, default)
+                if default is not NO_DEFAULT and spec.name not in derived and not values_equal(value, default):
+                    diff[spec.name] = (value, default)
             if diff:
                 report[f.name] = diff
                 lines = ", ".join(f"{k}={printable(k, v[0])} (default {v[1]!r})" for k, v in diff.items())
@@ -221,17 +181,3 @@ class ConfigContainer(ConfigBase):
         """Print this config as YAML."""
         print(self.to_yaml(), end="")
 
-
-def non_default_values(obj: Any) -> dict[str, tuple[Any, Any]]:
-    """Fields of `obj` that differ from the default, as name -> (value, default); the default of a
-    field megatron-core defines is megatron-core's. Values finalize derived are left out."""
-    derived = obj.derived_fields() if isinstance(obj, ConfigBase) else frozenset()
-    diff = {}
-    for spec in specs(type(obj)).values():
-        default = spec.core_default
-        if default is NO_DEFAULT:
-            continue
-        value = getattr(obj, spec.name, default)
-        if spec.name not in derived and not values_equal(value, default):
-            diff[spec.name] = (value, default)
-    return diff

@@ -1,7 +1,7 @@
 """The dataset section of a run (public import path): its classes live in
 `megatron_bridge.data.config`, below the packages that build datasets."""
 
-from megatron_bridge.data.config import (
+from megatron_bridge.data.config import (  # noqa: F401
     DataloaderConfig,
     DatasetBuildContext,
     DatasetProvider,
@@ -11,14 +11,3 @@ from megatron_bridge.data.config import (
     MockGPTDatasetConfig,
     PackedSequenceSpecs,
 )
-
-__all__ = [
-    "DataloaderConfig",
-    "DatasetBuildContext",
-    "DatasetProvider",
-    "FinetuningDatasetConfig",
-    "GPTDatasetConfig",
-    "GPTFIMDatasetConfig",
-    "MockGPTDatasetConfig",
-    "PackedSequenceSpecs",
-]

@@ -69,8 +69,7 @@ class DistributedInitConfig(ConfigBase):
     """Turn off the TorchScript/nvFuser JIT fuser."""
 
     external_gpu_device_mapping: bool = False
-    """If True, indicates that GPU device mapping has been externally managed (e.g., via
-    CUDA_VISIBLE_DEVICES). When True, uses device 0 instead of local rank for CUDA device selection."""
+    """GPUs are mapped to processes outside (e.g. CUDA_VISIBLE_DEVICES): use device 0, not the local rank."""
 
     enable_megatron_core_experimental: bool = field(False, status=Unsupported('not implemented'))
     """Enable experimental features for Megatron Core."""
@@ -79,12 +78,7 @@ class DistributedInitConfig(ConfigBase):
         False,
         status=Unsupported("not implemented: megatron-core's global process groups are used"),
     )
-    """Use ProcessGroupCollection passed through functions instead of relying on mcore's global
-    parallel state (mpu) variables."""
-
-    @property
-    def lazy_init(self) -> bool:
-        return self.lazy_mpu_init
+    """Pass process groups through functions instead of megatron-core's global parallel state."""
 
 
 @config_dataclass(kw_only=True)

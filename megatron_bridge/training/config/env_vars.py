@@ -14,7 +14,7 @@ the run starts (checkpoint writers, tracker, data workers) fail with E2BIG.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.config.secrets import REDACTED
@@ -90,26 +90,17 @@ CODE_LOADING_PREFIXES: tuple[tuple[str, str], ...] = (
 HOW_TO_SET = "set it in the environment that launches the run, not in the config"
 
 
-def why_refused(name: str) -> Optional[str]:
-    """What variable `name` would make a process load or run, if `env_vars` may not set it."""
-    upper = name.upper()  # Windows reads names case-insensitively
-    reason = CODE_LOADING.get(upper)
-    if reason is None:
-        reason = next((why for prefix, why in CODE_LOADING_PREFIXES if upper.startswith(prefix)), None)
-    return reason
-
-
 def check(env_vars: Any, problems: Problems) -> None:
     """Report each entry of `env_vars` that cannot or may not be set (`problems` is at `env_vars`)."""
     if not isinstance(env_vars, dict):
-        kind = type(env_vars).__name__
-        problems.add("", f"must be a mapping of names to values, got {kind}", "use {NAME: value}")
+        problems.add("", f"must be a mapping of names to values, got {type(env_vars).__name__}", "use {NAME: value}")
         return
     for name, value in env_vars.items():
         if not isinstance(name, str) or not name.strip() or "=" in name or "\0" in name:
             problems.add(show(name), "is not a valid environment variable name", "use a non-empty name without '='")
             continue
-        reason = why_refused(name)
+        upper = name.upper()  # Windows reads names case-insensitively
+        reason = CODE_LOADING.get(upper) or next((w for pre, w in CODE_LOADING_PREFIXES if upper.startswith(pre)), None)
         if reason is not None:
             problems.add(name, f"may not be set from a config: {reason}", HOW_TO_SET)
             continue

@@ -146,28 +146,24 @@ class LoggerConfig(ConfigBase):
     """Skips logging of training metrics to all logging backends and to the console as well."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
-        if self.tensorboard_dir is not None:
-            p.require_package("tensorboard", "tensorboard_dir", "TensorBoard logging")
-        if self.wandb_project is not None:
-            p.require_package("wandb", "wandb_project", "W&B logging")
-        if self.mlflow_experiment is not None:
-            p.check(
-                bool(self.mlflow_run_name),
-                "mlflow_run_name",
-                f"mlflow_experiment={self.mlflow_experiment!r} is set but mlflow_run_name is not",
-                "set logger.mlflow_run_name",
-            )
-            p.require_package("mlflow", "mlflow_experiment", "MLflow logging")
-        if self.comet_project is not None:
-            p.check(
-                bool(self.comet_experiment_name),
-                "comet_experiment_name",
-                f"comet_project={self.comet_project!r} is set but comet_experiment_name is not",
-                "set logger.comet_experiment_name",
-            )
-            p.require_package("comet_ml", "comet_project", "Comet logging")
-        p.check(
+        for name, run_name, module, what in (
+            ("tensorboard_dir", None, "tensorboard", "TensorBoard logging"),
+            ("wandb_project", None, "wandb", "W&B logging"),
+            ("mlflow_experiment", "mlflow_run_name", "mlflow", "MLflow logging"),
+            ("comet_project", "comet_experiment_name", "comet_ml", "Comet logging"),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if run_name is not None:
+                problems.check(
+                    bool(getattr(self, run_name)),
+                    run_name,
+                    f"{name}={value!r} is set but {run_name} is not",
+                    f"set logger.{run_name}",
+                )
+            problems.require_package(module, name, what)
+        problems.check(
             self.comet_api_key != REDACTED,
             "comet_api_key",
             f"is {REDACTED!r}: the config was written without the credential",

@@ -117,65 +117,54 @@ class TrainingConfig(ConfigBase):
     skip_train: Optional[bool] = None
     """Deprecated: use validation.skip_train."""
 
-    def _check_rampup_reaches_global(self, p: Problems) -> bool:
-        """megatron-core ramps start, start + increment, ... up to exactly global_batch_size, and
-        needs at least one step (its samples per step divide by the number of steps)."""
-        start, increment, _ = self.rampup_batch_size
-        gbs = self.global_batch_size
-        if gbs is None:
-            return False  # reported as global_batch_size
-        return p.check(
-            start < gbs and (gbs - start) % increment == 0,
-            "rampup_batch_size",
-            f"a ramp from {start} in steps of {increment} does not end at global_batch_size={gbs}",
-            f"choose a start below {gbs} that differs from it by a multiple of the increment",
-        )
-
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         # Numbers out of their range (declared ranges: sizes >= 1, intervals >= 1, ...) never get here.
-        p.check(self.micro_batch_size is not None, "micro_batch_size", "is not set", "set train.micro_batch_size")
-        p.check(self.global_batch_size is not None, "global_batch_size", "is not set", "set train.global_batch_size")
-        rampup_ok = self.rampup_batch_size is None or (
-            p.check(
-                len(self.rampup_batch_size) == 3 and all(v > 0 for v in self.rampup_batch_size),
-                "rampup_batch_size",
-                f"must be three positive ints [start, increment, samples], got {self.rampup_batch_size}",
-                "e.g. [32, 32, 1000000]",
-            )
-            and self._check_rampup_reaches_global(p)
+        mbs, gbs, rampup = self.micro_batch_size, self.global_batch_size, self.rampup_batch_size
+        problems.check(mbs is not None, "micro_batch_size", "is not set", "set train.micro_batch_size")
+        problems.check(gbs is not None, "global_batch_size", "is not set", "set train.global_batch_size")
+        rampup_ok = rampup is None or problems.check(
+            len(rampup) == 3 and all(v > 0 for v in rampup),
+            "rampup_batch_size",
+            f"must be three positive ints [start, increment, samples], got {rampup}",
+            "e.g. [32, 32, 1000000]",
         )
+        if rampup is not None and rampup_ok and gbs is not None:
+            # megatron-core ramps start, start + increment, ... up to exactly global_batch_size, and
+            # needs at least one step (its samples per step divide by the number of steps)
+            start, increment, _ = rampup
+            rampup_ok = problems.check(
+                start < gbs and (gbs - start) % increment == 0,
+                "rampup_batch_size",
+                f"a ramp from {start} in steps of {increment} does not end at global_batch_size={gbs}",
+                f"choose a start below {gbs} that differs from it by a multiple of the increment",
+            )
         if self.train_iters is not None and self.train_samples is not None:
-            p.add(
+            problems.add(
                 "train_iters",
                 f"train_iters ({self.train_iters}) and train_samples ({self.train_samples}) are both set",
                 "set exactly one of train.train_iters / train.train_samples",
             )
         elif self.train_iters is None and self.train_samples is None:
-            p.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
-        elif self.train_iters is None and self.global_batch_size is not None:
-            if rampup_ok:
-                iters = sample_based_train_iters(self.train_samples, self.global_batch_size, self.rampup_batch_size)
-                if p.check(
-                    iters > 0,
-                    "train_samples",
-                    f"{self.train_samples} samples make no whole global batch of {self.global_batch_size}",
-                    f"use at least {self.global_batch_size} samples",
-                ):
-                    self._derive("train_iters", iters)
-        p.check(
-            self.exit_signal in PREEMPTION_SIGNALS,
+            problems.add("train_iters", "neither train_iters nor train_samples is set", "set train.train_iters")
+        elif self.train_iters is None and gbs is not None and rampup_ok:
+            iters = sample_based_train_iters(self.train_samples, gbs, rampup)
+            if problems.check(
+                iters > 0,
+                "train_samples",
+                f"{self.train_samples} samples make no whole global batch of {gbs}",
+                f"use at least {gbs} samples",
+            ):
+                self._derive("train_iters", iters)
+        sig = self.exit_signal
+        problems.check(
+            sig in PREEMPTION_SIGNALS,
             "exit_signal",
-            f"{_signal_name(self.exit_signal)} "
+            f"{sig.name if isinstance(sig, signal.Signals) else repr(sig)} "
             + ("cannot be caught, so no checkpoint could be saved on it"
-               if self.exit_signal in (signal.SIGKILL, signal.SIGSTOP)
+               if sig in (signal.SIGKILL, signal.SIGSTOP)
                else "is not a stop request: processes also get it in normal operation, which would stop a healthy run"),
             f"use one of {', '.join(s.name for s in PREEMPTION_SIGNALS)}",
         )
-
-
-def _signal_name(sig: object) -> str:
-    return sig.name if isinstance(sig, signal.Signals) else repr(sig)
 
 
 @config_dataclass(kw_only=True)

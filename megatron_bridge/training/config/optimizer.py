@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig
+from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig, get_standard_config_overrides
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
@@ -26,33 +26,32 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
         """Skip megatron-core's post-init; `finalize()` runs it."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         # lr is in its range [0, 10] here; 0 is a run that computes gradients and changes nothing
-        if p.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
+        if problems.check(self.lr is not None, "lr", "the learning rate is not set", "set optimizer.lr, e.g. 3e-4"):
             if self.min_lr is None:
                 # megatron-core copies min_lr into every param group; its scheduler fails on None
                 self._derive("min_lr", 0.0)
             else:
-                p.check(
+                problems.check(
                     0.0 <= self.min_lr <= self.lr,
                     "min_lr",
                     f"min_lr ({self.min_lr}) must be within [0, lr={self.lr}]",
                     "lower optimizer.min_lr",
                 )
-        p.check(
+        problems.check(
             self.optimizer in SUPPORTED_OPTIMIZERS,
             "optimizer",
             f"unknown optimizer {self.optimizer!r}",
             f"use one of {list(SUPPORTED_OPTIMIZERS)}",
         )
         if self.use_precision_aware_optimizer:
-            p.check(
+            problems.check(
                 self.optimizer == "adam",
                 "use_precision_aware_optimizer",
                 "the precision-aware optimizer only supports adam",
                 "set optimizer.optimizer='adam'",
             )
-            p.check(
+            problems.check(
                 self.use_distributed_optimizer,
                 "use_precision_aware_optimizer",
                 "the precision-aware optimizer needs the distributed optimizer",
@@ -61,14 +60,14 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
         else:
             for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
                 value = getattr(self, name)
-                p.check(
+                problems.check(
                     value == torch.float32,
                     name,
                     f"{value} needs the precision-aware optimizer",
                     f"set optimizer.use_precision_aware_optimizer=True or {name}=torch.float32",
                 )
-        if not p:
-            self._run_parent_post_init(MCoreOptimizerConfig, p)
+        if not problems:
+            self._run_parent_post_init(MCoreOptimizerConfig, problems)
 
 
 @dataclass
@@ -90,6 +89,4 @@ class OptimizerConfigOverrideProvider(ConfigBase):
         """By default weight decay is skipped for biases and 1-D parameters (norm weights), except
         q/k layernorms when `optimizer.apply_wd_to_qk_layernorm` is set; `optimizer.decoupled_lr`
         gives embedding and output layers their own learning rate."""
-        from megatron.core.optimizer import get_standard_config_overrides
-
         return get_standard_config_overrides(context.optimizer_config)

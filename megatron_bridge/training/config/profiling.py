@@ -8,7 +8,6 @@ from typing import Any, Optional, Union
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import STEPS, Unsupported, field
-from megatron_bridge import extras
 
 
 _TENSOR_INSPECT = Unsupported(
@@ -50,8 +49,7 @@ class ProfilingConfig(ConfigBase):
     """Emit NVTX ranges around forward/backward/optimizer (GPU only)."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
-        p.check(
+        problems.check(
             not (self.use_nsys_profiler and self.use_pytorch_profiler),
             "use_pytorch_profiler",
             "use_nsys_profiler and use_pytorch_profiler are both on",
@@ -59,7 +57,7 @@ class ProfilingConfig(ConfigBase):
         )
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
             # profile_step_start and profile_ranks are >= 0 by their declared ranges
-            p.check(
+            problems.check(
                 self.profile_step_end > self.profile_step_start,
                 "profile_step_end",
                 f"profile_step_end ({self.profile_step_end}) must be greater than "
@@ -86,14 +84,3 @@ class TensorInspectConfig(ConfigBase):
 
     init_training_step: int = field(0, range=STEPS, status=_TENSOR_INSPECT)
     """Initial training step for the inspector (used when resuming)."""
-
-    def _finalize(self, problems: Problems) -> None:
-        if not self.enabled:
-            return
-        if problems.require_package("nvdlfw_inspect", "enabled", "tensor inspection") and self.feature_dirs is None:
-            if extras.is_installed("transformer_engine"):
-                import importlib.util
-
-                spec = importlib.util.find_spec("transformer_engine.debug.features")
-                if spec is not None and spec.submodule_search_locations:
-                    self.apply_default("feature_dirs", list(spec.submodule_search_locations))

@@ -24,8 +24,7 @@ class RerunStateMachineConfig(ConfigBase):
     """Report a loss far above the recent maximum (see spiky_loss_factor)."""
 
     spiky_loss_factor: float = field(10.0, range="(1, inf)")
-    """Factor for detecting spiky loss. A loss is considered spiky if it exceeds this multiple of
-    the max observed loss over the sample window."""
+    """A loss above this multiple of the maximum loss over the recent window is spiky."""
 
     error_injection_rate: int = field(0, range=COUNT)
     """Inject a fault into one in N validated results (0: never); for testing the machinery."""
@@ -96,8 +95,7 @@ class NVRxStragglerDetectionConfig(ConfigBase):
     """Calculate individual GPU performance scores."""
 
     num_gpu_perf_scores_to_print: int = field(5, range=COUNT)
-    """How many best and worst perf scores to print (0 - does not print periodically, but only if
-    stragglers are detected)."""
+    """Best and worst performance scores to print periodically (0: only when stragglers are detected)."""
 
     gpu_relative_perf_threshold: float = field(0.7, range=PROBABILITY)
     """Threshold for relative GPU performance scores."""
@@ -169,8 +167,7 @@ class InProcessRestartConfig(ConfigBase):
     """Granularity for in-process restart."""
 
     active_world_size: Optional[int] = field(None, range=SIZE)
-    """The number of ranks initially executing the workload. The remaining ranks from the
-    allocation are set aside as warm reserve. If None, defaults to WORLD_SIZE environment variable."""
+    """Ranks that run the workload at first; the rest of the allocation is a warm reserve (None: WORLD_SIZE)."""
 
     empty_cuda_cache: bool = True
     """Empty CUDA cache during restart finalization."""
@@ -182,10 +179,9 @@ class InProcessRestartConfig(ConfigBase):
     """Directory for monitor process log files. If None, monitor process logging is disabled."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         if not self.enabled:
             return
-        p.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
+        problems.require_package("nvidia_resiliency_ext", "enabled", "in-process restart")
         # the orderings nvidia-resiliency-ext requires of its intervals and timeouts
         for shorter, longer in (
             ("soft_timeout", "hard_timeout"),
@@ -198,7 +194,7 @@ class InProcessRestartConfig(ConfigBase):
             ("progress_watchdog_interval", "soft_timeout"),
         ):
             a, b = getattr(self, shorter), getattr(self, longer)
-            p.check(
+            problems.check(
                 a < b,
                 shorter,
                 f"{shorter} ({a}) must be shorter than {longer} ({b})",

@@ -2,8 +2,8 @@
 FP8 parameters and their gathering, context-parallel fine-tuning losses, the schedule's length,
 and the number of iterations of sample-based training with a batch-size ramp-up.
 
-The `check_*` functions only report; the values computed here (`rampup_train_iters`) are used by
-the derive steps of the sections.
+The `check_*` functions only report; `sample_based_train_iters` and `samples_after` count a
+ramp-up's iterations and samples for the training section and the scheduler steps.
 """
 
 from __future__ import annotations
@@ -93,17 +93,13 @@ def check_fp8_param_gather_optimizer(cfg: "ConfigContainer", problems: Problems)
     was set by the user."""
     if not cfg.ddp.fp8_param_gather or cfg.ddp.use_distributed_optimizer:
         return
-    mp = cfg.mixed_precision
-    set_by_user = [
-        where
-        for where, section, name in (
-            ("mixed_precision.fp8_param_gather", mp, "fp8_param_gather"),
-            ("ddp.fp8_param_gather", cfg.ddp, "fp8_param_gather"),
-            ("model.fp8_param", cfg.model, "fp8_param"),
-        )
-        if isinstance(section, ConfigBase) and section.is_explicit(name) and getattr(section, name)
-    ]
-    where = (set_by_user or ["ddp.fp8_param_gather"])[0]
+    for name, attr in (("mixed_precision", "fp8_param_gather"), ("ddp", "fp8_param_gather"), ("model", "fp8_param")):
+        section = getattr(cfg, name)
+        if isinstance(section, ConfigBase) and section.is_explicit(attr) and getattr(section, attr):
+            where = f"{name}.{attr}"  # the first field the user set
+            break
+    else:
+        where = "ddp.fp8_param_gather"
     problems.add(
         where,
         "True asks for parameters gathered in FP8, which needs the distributed optimizer (megatron-core "
@@ -184,10 +180,8 @@ def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
     s, t = cfg.scheduler, cfg.train
     if t.train_samples is not None or not t.train_iters or s.lr_warmup_fraction is not None:
         return
-    if s.is_explicit("lr_warmup_iters") or s.lr_decay_style == "constant":
-        return
     decay = s.lr_decay_iters or s.max_steps or t.train_iters
-    if s.lr_warmup_iters < decay:
+    if s.is_explicit("lr_warmup_iters") or s.lr_decay_style == "constant" or s.lr_warmup_iters < decay:
         return
     scaled = decay // 10
     logger.info(
@@ -199,16 +193,10 @@ def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 SCHEDULE_FIELDS = (
-    ("scheduler", "lr_decay_style"),
-    ("scheduler", "lr_decay_steps"),
-    ("scheduler", "lr_warmup_steps"),
-    ("scheduler", "wd_incr_steps"),
-    ("scheduler", "weight_decay_incr_style"),
-    ("scheduler", "start_weight_decay"),
-    ("scheduler", "end_weight_decay"),
-    ("optimizer", "lr"),
-    ("optimizer", "min_lr"),
-)
+    ("scheduler", "lr_decay_style"), ("scheduler", "lr_decay_steps"), ("scheduler", "lr_warmup_steps"),
+    ("scheduler", "wd_incr_steps"), ("scheduler", "weight_decay_incr_style"), ("scheduler", "start_weight_decay"),
+    ("scheduler", "end_weight_decay"), ("optimizer", "lr"), ("optimizer", "min_lr"),
+)  # fmt: skip
 """What megatron-core's scheduler compares with a checkpoint's when it resumes."""
 
 
@@ -232,10 +220,10 @@ def derive_resume_schedule(cfg: "ConfigContainer", problems: Problems) -> None:
         now = getattr(getattr(cfg, section), name)
         if before is not None and now is not None and before != now:
             differences.append(f"{section}.{name} {before!r} -> {now!r}")
-    saved_iters = saved.value("train", "train_iters")
     if not differences:
         return
     why = ", ".join(differences)
+    saved_iters = saved.value("train", "train_iters")
     if saved_iters is not None and saved_iters != cfg.train.train_iters:
         why = f"train.train_iters {saved_iters} -> {cfg.train.train_iters}: {why}"
     if s.is_explicit("override_opt_param_scheduler"):

@@ -20,6 +20,10 @@ from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
 from megatron_bridge.models.experts import adapt_expert_mlp
+from megatron_bridge.models.hf import checks as hf_checks
+from megatron_bridge.models.vocab import derive_vocab_size
+from megatron_bridge.peft.apply import check_config as check_peft_config
+from megatron_bridge.training.config.architecture import check_loaded_architectures
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.mixed_precision import get_mixed_precision_config
@@ -31,30 +35,10 @@ logger = logging.getLogger(__name__)
 
 # Sections in the order validate() finalizes them (the model first: others read its derived values).
 SECTIONS = (
-    "model",
-    "train",
-    "validation",
-    "optimizer",
-    "scheduler",
-    "ddp",
-    "dataset",
-    "tokenizer",
-    "checkpoint",
-    "logger",
-    "dist",
-    "rng",
-    "rerun_state_machine",
-    "profiling",
-    "mixed_precision",
-    "comm_overlap",
-    "ft",
-    "straggler",
-    "nvrx_straggler",
-    "inprocess_restart",
-    "tensor_inspect",
-    "optimizer_config_override_provider",
-    "peft",
-)
+    "model", "train", "validation", "optimizer", "scheduler", "ddp", "dataset", "tokenizer", "checkpoint", "logger",
+    "dist", "rng", "rerun_state_machine", "profiling", "mixed_precision", "comm_overlap", "ft", "straggler",
+    "nvrx_straggler", "inprocess_restart", "tensor_inspect", "optimizer_config_override_provider", "peft",
+)  # fmt: skip
 
 
 def current_world_size() -> int:
@@ -133,9 +117,8 @@ def apply_mixed_precision(cfg: "ConfigContainer", problems: Problems) -> None:
         problems.absorb(exc)
         return
     cfg.apply_default("mixed_precision", mp)
-    p = problems.at("mixed_precision")
     before = len(problems)
-    finalize_into(mp, p)
+    finalize_into(mp, problems.at("mixed_precision"))
     if len(problems) == before:
         mp.apply(cfg.model, cfg.optimizer, cfg.ddp, problems, name)
 
@@ -162,7 +145,32 @@ def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_
     unset (for the current world size)."""
     if world_size is None and cfg.data_parallel_size is not None:
         return
-    cfg.set_data_parallel_size(world_size, problems)
+    world = current_world_size() if world_size is None else world_size
+    fix = "launch a multiple of TP x PP x CP processes or change the parallel sizes"
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        problems.add("data_parallel_size", f"world size {world!r} is not a positive number of processes", fix)
+        return
+    m = cfg.model
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    if model_parallel <= 0 or world % model_parallel != 0:
+        sizes = f"{m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} x {m.context_parallel_size}"
+        problems.add(
+            "data_parallel_size",
+            f"world size {world} is not divisible by tensor x pipeline x context parallel = {sizes}",
+            fix,
+        )
+        return
+    dp = world // model_parallel
+    if cfg.is_explicit("data_parallel_size") and cfg.data_parallel_size != dp:
+        problems.add(
+            "data_parallel_size",
+            f"set to {cfg.data_parallel_size}, but {world} ranks with TP x PP x CP = {model_parallel} give {dp}",
+            "leave data_parallel_size unset (it is derived), or launch the matching number of ranks",
+        )
+        return
+    cfg.apply_default("data_parallel_size", dp)
+    if cfg.comm_overlap is not None:
+        cfg.comm_overlap.apply_default("data_parallel_size", dp)
 
 
 def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optional[bool] = None) -> None:
@@ -170,7 +178,7 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
     values), and the range of every number in the container itself."""
     ranges.check(cfg, problems)
     for name in SECTIONS:
-        if presets and name in _PRESET_SECTIONS:
+        if presets and name in ("mixed_precision", "comm_overlap"):
             continue  # their preset rules just finalized them
         section = getattr(cfg, name)
         if section is None or isinstance(section, str):
@@ -179,8 +187,6 @@ def finalize_sections(cfg: "ConfigContainer", problems: Problems, presets: Optio
             continue  # reported as data_parallel_size
         finalize_into(section, problems.at(name))
 
-
-_PRESET_SECTIONS = ("mixed_precision", "comm_overlap")
 
 RULES: tuple[Rule, ...] = (
     Rule("environment variables", "setup", apply_env_vars, validate=False),
@@ -192,19 +198,19 @@ RULES: tuple[Rule, ...] = (
     Rule("communication overlap", "preset", apply_comm_overlap, validate=False),
     Rule("deprecated training fields", "alias", checks.apply_deprecated_training_fields),
     Rule("overlapped parameter gather", "sync", checks.sync_overlap_param_gather),
-    Rule("pretrained model's tokenizer", "preset", checks.apply_pretrained_defaults),
+    Rule("pretrained model's tokenizer", "preset", hf_checks.apply_pretrained_defaults),
     Rule("sections", "finalize", finalize_sections, inputs=("presets",)),
     Rule("evaluation batch sizes", "derive", checks.derive_eval_batch_sizes),
-    Rule("vocabulary size", "derive", checks.derive_vocab_size),
+    Rule("vocabulary size", "derive", derive_vocab_size),
     Rule("batch sizes", "check", checks.check_batch_sizes),
     Rule("pipeline layout", "check", checks.check_pipeline_layout),
     Rule("mixed precision consistency", "check", checks.check_mixed_precision_consistency),
     Rule("sequence lengths", "check", checks.check_sequence_lengths),
     Rule("context parallelism", "check", checks.check_context_parallel),
     Rule("deterministic mode", "check", checks.check_deterministic_mode),
-    Rule("adapters", "check", checks.check_peft),
+    Rule("adapters", "check", check_peft_config),
     Rule("Hugging Face weights", "check", checks.check_hugging_face),
-    Rule("checkpoint architecture", "check", checks.check_checkpoint_architecture),
+    Rule("checkpoint architecture", "check", check_loaded_architectures),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
     Rule("environment variables", "check", check_env_vars),

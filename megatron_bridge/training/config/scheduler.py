@@ -84,9 +84,8 @@ class SchedulerConfig(ConfigBase):
     """Derived: WSD final-decay length in samples."""
 
     def _finalize(self, problems: Problems) -> None:
-        p = problems
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            p.add(
+            problems.add(
                 "override_opt_param_scheduler",
                 "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set",
                 "set at most one of them",
@@ -94,20 +93,20 @@ class SchedulerConfig(ConfigBase):
         iteration_set = [n for n in ITERATION_FIELDS if getattr(self, n)]
         sample_set = [n for n in SAMPLE_FIELDS if getattr(self, n)]
         if iteration_set and sample_set:
-            p.add(
+            problems.add(
                 sample_set[0],
                 f"iteration-based fields {iteration_set} are mixed with sample-based fields {sample_set}",
                 "give schedule lengths either all in iterations or all in samples",
             )
-        if self.lr_warmup_fraction is not None:  # in [0, 1] by its declared range
-            if self.lr_warmup_iters or self.lr_warmup_samples:
-                p.add(
-                    "lr_warmup_fraction",
-                    "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
-                    "set only one way of giving the warmup length",
-                )
+        # lr_warmup_fraction is in [0, 1] by its declared range
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
+            problems.add(
+                "lr_warmup_fraction",
+                "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
+                "set only one way of giving the warmup length",
+            )
         if self.lr_decay_style == "WSD":
-            p.check(
+            problems.check(
                 bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
                 "lr_wsd_decay_iters",
                 "the WSD schedule needs the length of its final decay phase",
