@@ -14,12 +14,28 @@ from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
 from megatron_bridge.models.hf.files import is_hf_directory
 
 ARCHITECTURE_FIELDS = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-    "normalization", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "position_embedding_type", "vocab_size", "share_embeddings_and_output_weights", "num_moe_experts",
-    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "input_layernorms", "output_layernorms",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "gated_linear_unit",
+    "activation_func",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "position_embedding_type",
+    "vocab_size",
+    "share_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "input_layernorms",
+    "output_layernorms",
     "qk_layernorm_per_head",
-)  # fmt: skip
+)
 """Model fields that decide the shapes and meaning of the weights."""
 
 

@@ -193,10 +193,16 @@ def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 SCHEDULE_FIELDS = (
-    ("scheduler", "lr_decay_style"), ("scheduler", "lr_decay_steps"), ("scheduler", "lr_warmup_steps"),
-    ("scheduler", "wd_incr_steps"), ("scheduler", "weight_decay_incr_style"), ("scheduler", "start_weight_decay"),
-    ("scheduler", "end_weight_decay"), ("optimizer", "lr"), ("optimizer", "min_lr"),
-)  # fmt: skip
+    ("scheduler", "lr_decay_style"),
+    ("scheduler", "lr_decay_steps"),
+    ("scheduler", "lr_warmup_steps"),
+    ("scheduler", "wd_incr_steps"),
+    ("scheduler", "weight_decay_incr_style"),
+    ("scheduler", "start_weight_decay"),
+    ("scheduler", "end_weight_decay"),
+    ("optimizer", "lr"),
+    ("optimizer", "min_lr"),
+)
 """What megatron-core's scheduler compares with a checkpoint's when it resumes."""
 
 

@@ -35,10 +35,30 @@ logger = logging.getLogger(__name__)
 
 # Sections in the order validate() finalizes them (the model first: others read its derived values).
 SECTIONS = (
-    "model", "train", "validation", "optimizer", "scheduler", "ddp", "dataset", "tokenizer", "checkpoint", "logger",
-    "dist", "rng", "rerun_state_machine", "profiling", "mixed_precision", "comm_overlap", "ft", "straggler",
-    "nvrx_straggler", "inprocess_restart", "tensor_inspect", "optimizer_config_override_provider", "peft",
-)  # fmt: skip
+    "model",
+    "train",
+    "validation",
+    "optimizer",
+    "scheduler",
+    "ddp",
+    "dataset",
+    "tokenizer",
+    "checkpoint",
+    "logger",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "profiling",
+    "mixed_precision",
+    "comm_overlap",
+    "ft",
+    "straggler",
+    "nvrx_straggler",
+    "inprocess_restart",
+    "tensor_inspect",
+    "optimizer_config_override_provider",
+    "peft",
+)
 
 
 def current_world_size() -> int:
