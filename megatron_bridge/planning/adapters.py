@@ -7,7 +7,19 @@ registered after the base layer's:
     column-parallel (linear_qkv, linear_fc1):  lora_A [r, in]     lora_B [out/TP, r]   magnitude [out/TP]
     row-parallel (linear_proj, linear_fc2):    lora_A [r, in/TP]  lora_B [out, r]      magnitude [out]
 
-(magnitude: DoRA only; experts split by ETP, which must be 1). Only these are trainable, so
+(magnitude: DoRA only; experts split by ETP, which must be 1). Multi-latent attention on local
+layers builds all its projections but the output one as column-parallel layers that do not
+gather their output, the down projections included (their outputs are gathered afterwards), so
+they are adapted like linear_qkv:
+
+    linear_q_proj       hidden -> heads x (qk_head_dim + qk_rope_dim)
+    linear_q_down_proj  hidden -> q_lora_rank;  linear_q_up_proj  q_lora_rank -> heads x (qk_head_dim + qk_rope_dim)
+    linear_kv_down_proj hidden -> kv_lora_rank + qk_rope_dim
+    linear_kv_up_proj   kv_lora_rank -> heads x (qk_head_dim + v_head_dim)
+    linear_proj         heads x v_head_dim -> hidden (row-parallel)
+
+(TransformerEngine layers keep the down projections whole on every rank; adapters do not wrap
+TransformerEngine's layers, so that case is planned as built but cannot run.) Only these are trainable, so
 megatron-core's DDP puts only them into gradient buffers (and, with the distributed optimizer,
 parameter buffers) and the optimizer holds state for them alone; the frozen base stays in its
 16-bit parameters.
@@ -57,6 +69,8 @@ def module_shape(inp: PlanInputs, rel: str) -> Adapted:
         ffn, split, fraction, expert = inp.shared_expert_ffn, inp.tp, 1.0, False
     else:
         ffn, split, fraction, expert = inp.ffn, inp.tp, 1.0, False
+    if inp.mla and leaf in _MLA_LEAVES:
+        return _mla_shape(inp, leaf)
     if leaf == "linear_qkv":
         return Adapted(True, h, q + 2 * inp.query_groups * inp.kv_channels, inp.tp, False, 1.0)
     if leaf == "linear_proj":
@@ -64,6 +78,28 @@ def module_shape(inp: PlanInputs, rel: str) -> Adapted:
     if leaf == "linear_fc1":
         return Adapted(True, h, ffn * gated, split, expert, fraction)
     return Adapted(False, ffn, h, split, expert, fraction)
+
+
+_MLA_LEAVES = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+               "linear_kv_up_proj", "linear_proj")  # fmt: skip
+
+
+def _mla_shape(inp: PlanInputs, leaf: str) -> Adapted:
+    """The shape of a projection of multi-latent attention (see the module docstring)."""
+    h, heads, tp = inp.hidden, inp.heads, inp.tp
+    query = heads * (inp.qk_head_dim + inp.qk_rope_dim)
+    down_split = 1 if inp.transformer_engine else tp
+    width = {
+        "linear_q_proj": (h, query, tp),
+        "linear_q_down_proj": (h, inp.q_lora_rank, down_split),
+        "linear_q_up_proj": (inp.q_lora_rank, query, tp),
+        "linear_kv_down_proj": (h, inp.kv_lora_rank + inp.qk_rope_dim, down_split),
+        "linear_kv_up_proj": (inp.kv_lora_rank, heads * (inp.qk_head_dim + inp.v_head_dim), tp),
+    }
+    if leaf == "linear_proj":
+        return Adapted(False, heads * inp.v_head_dim, h, tp, False, 1.0)
+    in_features, out_features, split = width[leaf]
+    return Adapted(True, in_features, out_features, split, False, 1.0)
 
 
 def adapter_params(inp: PlanInputs, rel: str) -> list[tuple[str, int]]:
