@@ -27,7 +27,7 @@ parameter buffers) and the optimizer holds state for them alone; the frozen base
 In the forward pass an adapter keeps, besides the input its base layer keeps anyway: the rank-r
 intermediate A x (the input of B), with dropout its mask and dropped input ('pre') or output
 mask ('post'), and with DoRA the update before the per-row magnitude scaling (one value per
-output feature and token).
+output feature and token) and, per output feature, the weight norm and the magnitude's ratio to it.
 """
 
 from __future__ import annotations
@@ -163,4 +163,6 @@ def activation_terms(inp: PlanInputs, adapted: tuple[str, ...], s: float, b: int
             add("adapter dropout masks", out_tokens * out_width)
         if inp.peft == "dora":
             add("DoRA updates before the magnitude scaling", e * out_tokens * out_width)
+            # the magnitude over the weight norm, and that norm (the divisor), per output feature
+            add("DoRA magnitude ratios and weight norms", 2 * e * a.out_features / (a.split if a.column else 1))
     return terms
