@@ -210,7 +210,9 @@ MLA_CASES = {
     # adapted layers keep their inputs, frozen ones none: here the layer input and both norm outputs
     "LoRA on every projection": dict(peft=LoRA(dim=8, target_modules=[*LATENT_PROJECTIONS, "linear_proj"])),
     # frozen up projections: the latent norms' outputs are not kept
-    "LoRA on the down projections": dict(peft=LoRA(dim=8, target_modules=["linear_q_down_proj", "linear_kv_down_proj"])),
+    "LoRA on the down projections": dict(
+        peft=LoRA(dim=8, target_modules=["linear_q_down_proj", "linear_kv_down_proj"])
+    ),
     "DoRA on the up and output projections, full query projection": dict(
         q_lora_rank=None, peft=DoRA(dim=4, target_modules=["linear_q_proj", "linear_kv_up_proj", "linear_proj"])
     ),

@@ -94,7 +94,9 @@ def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float
     return terms
 
 
-def _mla_terms(inp: PlanInputs, s: float, b: int, q_up_input: bool = True, kv_up_input: bool = True) -> dict[str, float]:
+def _mla_terms(
+    inp: PlanInputs, s: float, b: int, q_up_input: bool = True, kv_up_input: bool = True
+) -> dict[str, float]:
     """What multi-latent attention keeps between its input and its core attention: the latents
     (down-projection outputs, the inputs of their norms) and the norms' outputs (the inputs of the
     up projections, kept where `q_up_input` / `kv_up_input`: with PEFT only for adapted up
@@ -161,7 +163,8 @@ def layer_terms(
     if not norms_recomputed and input_kept(*attention_inputs):
         add("QKV projection input", e * sbh / sp)
     if inp.mla:
-        for name, value in _mla_terms(inp, s, b, input_kept("linear_q_up_proj"), input_kept("linear_kv_up_proj")).items():
+        up_inputs = input_kept("linear_q_up_proj"), input_kept("linear_kv_up_proj")
+        for name, value in _mla_terms(inp, s, b, *up_inputs).items():
             add(name, value)
     elif not local:
         add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)

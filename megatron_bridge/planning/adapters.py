@@ -7,22 +7,24 @@ registered after the base layer's:
     column-parallel (linear_qkv, linear_fc1):  lora_A [r, in]     lora_B [out/TP, r]   magnitude [out/TP]
     row-parallel (linear_proj, linear_fc2):    lora_A [r, in/TP]  lora_B [out, r]      magnitude [out]
 
-(magnitude: DoRA only; experts split by ETP, which must be 1). Multi-latent attention on local
-layers builds all its projections but the output one as column-parallel layers that do not
-gather their output, the down projections included (their outputs are gathered afterwards), so
-they are adapted like linear_qkv:
-
-    linear_q_proj       hidden -> heads x (qk_head_dim + qk_rope_dim)
-    linear_q_down_proj  hidden -> q_lora_rank;  linear_q_up_proj  q_lora_rank -> heads x (qk_head_dim + qk_rope_dim)
-    linear_kv_down_proj hidden -> kv_lora_rank + qk_rope_dim
-    linear_kv_up_proj   kv_lora_rank -> heads x (qk_head_dim + v_head_dim)
-    linear_proj         heads x v_head_dim -> hidden (row-parallel)
-
-(TransformerEngine layers keep the down projections whole on every rank; adapters do not wrap
-TransformerEngine's layers, so that case is planned as built but cannot run.) Only these are trainable, so
+(magnitude: DoRA only; experts split by ETP, which must be 1). Only these are trainable, so
 megatron-core's DDP puts only them into gradient buffers (and, with the distributed optimizer,
 parameter buffers) and the optimizer holds state for them alone; the frozen base stays in its
 16-bit parameters.
+
+Multi-latent attention on local layers builds every projection but the output one as a
+column-parallel layer that does not gather its output, the down projections included (their
+outputs are gathered after them), so these are adapted like linear_qkv (in -> out features):
+
+    linear_q_proj        hidden -> heads x (qk_head_dim + qk_rope_dim)     (q_lora_rank unset)
+    linear_q_down_proj   hidden -> q_lora_rank
+    linear_q_up_proj     q_lora_rank -> heads x (qk_head_dim + qk_rope_dim)
+    linear_kv_down_proj  hidden -> kv_lora_rank + qk_rope_dim
+    linear_kv_up_proj    kv_lora_rank -> heads x (qk_head_dim + v_head_dim)
+    linear_proj          heads x v_head_dim -> hidden                      (row-parallel)
+
+TransformerEngine layers keep the down projections whole on every rank, and they are planned so;
+adapters do not wrap TransformerEngine's layers, so such a plan is of a run that refuses to start.
 
 In the forward pass an adapter keeps, besides the input its base layer keeps anyway: the rank-r
 intermediate A x (the input of B), with dropout its mask and dropped input ('pre') or output
@@ -89,7 +91,7 @@ def _mla_shape(inp: PlanInputs, leaf: str) -> Adapted:
     h, heads, tp = inp.hidden, inp.heads, inp.tp
     query = heads * (inp.qk_head_dim + inp.qk_rope_dim)
     down_split = 1 if inp.transformer_engine else tp
-    width = {
+    shapes = {  # in features, out features, split
         "linear_q_proj": (h, query, tp),
         "linear_q_down_proj": (h, inp.q_lora_rank, down_split),
         "linear_q_up_proj": (inp.q_lora_rank, query, tp),
@@ -98,7 +100,7 @@ def _mla_shape(inp: PlanInputs, leaf: str) -> Adapted:
     }
     if leaf == "linear_proj":
         return Adapted(False, heads * inp.v_head_dim, h, tp, False, 1.0)
-    in_features, out_features, split = width[leaf]
+    in_features, out_features, split = shapes[leaf]
     return Adapted(True, in_features, out_features, split, False, 1.0)
 
 

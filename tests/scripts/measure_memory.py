@@ -36,7 +36,9 @@ MOE = dict(
     softmax_type="learnable",
 )
 
-DENSE_MLA = dict(num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None)
+DENSE_MLA = dict(
+    num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None
+)
 
 LAYOUTS = {
     # name: (model fields, ddp fields, mixed precision preset); "tp2" also saves the base that the
