@@ -24,7 +24,7 @@ from recipes import get_recipe, list_recipes
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
 LAYOUTS = (
     "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
-    "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt",
+    "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt", "mla_dora_tp2",
 )  # fmt: skip
 
 
@@ -49,7 +49,8 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
     """Ten layouts (two of them multi-latent attention) trained for one iteration with pretrain()
-    under torchrun (2 processes), and two LoRA/DoRA runs (finetune() of the first one's weights): the bytes of parameters, gradient
+    under torchrun (2 processes), and three LoRA/DoRA runs (finetune() of the weights two of them
+    save; one adapts multi-latent attention split over TP 2): the bytes of parameters, gradient
     buffers, optimizer state (main copies + moments) and torch's step counters equal the
     planner's on each rank, and so does the parameter list (adapters after their base layer)."""
     out = tmp_path / "memory"
@@ -89,12 +90,13 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         differing_shards += a != b
     assert differing_shards == 2
     rank0 = json.loads(Path(f"{out}.rank0").read_text())
-    for layout in ("lora_tp2", "dora_dp2_distopt"):  # only adapters have gradients and optimizer state
-        peft, full = rank0[layout]["measured"], rank0["tp2"]["measured"]
+    for layout, base in (("lora_tp2", "tp2"), ("dora_dp2_distopt", "tp2"), ("mla_dora_tp2", "mla_tp2")):
+        # only adapters have gradients and optimizer state
+        peft, full = rank0[layout]["measured"], rank0[base]["measured"]
         assert 0 < peft["grads"] < full["grads"] / 2 and 0 < peft["optimizer"] < full["optimizer"] / 2
         names = [n for n, _ in rank0[layout]["names"]]
         assert any(n.endswith(".lora_A") for n in names) and any(n.endswith(".lora_magnitude") for n in names) == (
-            layout.startswith("dora")
+            "dora" in layout
         )
 
 
@@ -278,19 +280,40 @@ def test_every_recipe_plans_and_llama3_8b_fits_on_8_h100(tmp_path):
 
 
 def test_what_the_planner_does_not_model_of_deepseek_models_is_named():
-    """Multi-token prediction, and LoRA on multi-latent attention, are refused by name rather
-    than planned without them."""
-    from megatron_bridge.peft import LoRA
+    """Multi-token prediction is refused by name rather than planned without it."""
     from megatron_bridge.planning import PlanningError
 
     cfg = resolved("moonlight_16b_pretrain_config")
     cfg.model.mtp_num_layers = 1
     with pytest.raises(PlanningError, match=r"multi-token prediction \(model.mtp_num_layers\) is not modeled"):
         plan(cfg)
-    cfg = resolved("moonlight_16b_pretrain_config")
-    cfg.peft = LoRA(dim=8, target_modules=["linear_kv_up_proj"])
-    with pytest.raises(PlanningError, match=r"fine-tuning \(peft\) of multi-latent attention is not modeled"):
-        plan(cfg)
+
+
+def test_lora_on_multi_latent_attention_is_planned_on_its_projections(tmp_path):
+    """Moonlight (multi-latent attention, full query projection) with LoRA on its attention
+    projections: the default targets name linear_qkv, which multi-latent attention does not have
+    (refused before planning); with its own projection names the adapters are planned."""
+    from megatron_bridge.config.errors import ConfigValidationError
+
+    lora = ["peft=lora", "peft.dim=16", "model.transformer_impl=local", f"checkpoint.pretrained_checkpoint={tmp_path}"]
+    with pytest.raises(ConfigValidationError, match=r"'linear_qkv' matches no module of this model"):
+        resolved("moonlight_16b_pretrain_config", overrides=lora)
+    targets = "peft.target_modules=[linear_q_proj,linear_kv_down_proj,linear_kv_up_proj,linear_proj]"
+    cfg = resolved("moonlight_16b_pretrain_config", overrides=[*lora, targets])
+    p = plan(cfg)
+    (record,) = p.to_json()
+    assert record["peft"] == "lora" and record["layer_impl"] == "local" and record["tp"] == 1
+    m, r = cfg.model, 16
+    assert m.q_lora_rank is None and m.num_layers == 27
+    q_proj = r * (m.hidden_size + m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim))
+    kv_down = r * (m.hidden_size + m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    kv_up = r * (m.kv_lora_rank + m.num_attention_heads * (m.qk_head_dim + m.v_head_dim))
+    proj = r * (m.num_attention_heads * m.v_head_dim + m.hidden_size)
+    assert record["trainable_parameters"] == m.num_layers * (q_proj + kv_down + kv_up + proj)
+    # gradients and Adam state for the adapters only (fp32 gradients; optimizer state over DP 8)
+    assert record["grads_bytes"] < 4 * record["trainable_parameters"] * 1.01
+    assert record["optimizer_bytes"] < 12 * record["trainable_parameters"] / 8 * 1.01
+    assert "peft: LoRA rank 16 on 108 linear layers" in "\n".join(p.text())
 
 
 def test_fp8_parameters_are_planned_at_one_byte_per_linear_weight():

@@ -201,10 +201,25 @@ MLA_LAYER = dict(
 )  # fmt: skip
 """A dense DeepSeek-V3 layer (`factories.tiny_deepseek_model`): multi-latent attention, RMSNorm."""
 
+LATENT_PROJECTIONS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"]
+
 MLA_CASES = {
     "low-rank queries": {},
     "full query projection, fp32": dict(q_lora_rank=None, precision=None),
     "selective recompute of core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    # adapted layers keep their inputs, frozen ones none: here the layer input and both norm outputs
+    "LoRA on every projection": dict(peft=LoRA(dim=8, target_modules=[*LATENT_PROJECTIONS, "linear_proj"])),
+    # frozen up projections: the latent norms' outputs are not kept
+    "LoRA on the down projections": dict(
+        peft=LoRA(dim=8, target_modules=["linear_q_down_proj", "linear_kv_down_proj"])
+    ),
+    "DoRA on the up and output projections, full query projection": dict(
+        q_lora_rank=None, peft=DoRA(dim=4, target_modules=["linear_q_proj", "linear_kv_up_proj", "linear_proj"])
+    ),
+    # input dropout: the adapters keep dropped copies, not the inputs themselves
+    "LoRA with input dropout, fp32": dict(
+        precision=None, peft=LoRA(dim=4, dropout=0.1, target_modules=["linear_q_down_proj", "linear_kv_up_proj"])
+    ),
 }
 
 
@@ -224,8 +239,48 @@ def test_latent_attention_layer_terms_equal_what_autograd_saves(megatron, tmp_pa
         # the fused GPU norm keeps its input, a view of the key/value down projection's output with
         # the rope part; torch's CPU composite keeps an fp32 copy of the latent part instead
         measured += inp.activation_bytes * SEQ * inp.qk_rope_dim
+    measured -= cpu_dropout_mask_surplus(model, inp.activation_bytes) if inp.peft_dropout else 0
     assert measured == pytest.approx(planned, rel=2e-3), terms
+    if cfg.peft is not None:  # without recompute, to the byte (DoRA's per-feature ratios and norms too)
+        assert measured == planned, terms
     assert ("Q, K, V" in terms) and ("attention softmax output (fp32)" in terms) == ("selective" not in case)
+    assert ("adapter rank-r intermediates (A x)" in terms) == (cfg.peft is not None)
+
+
+def cpu_dropout_mask_surplus(model, element_bytes):
+    """What the adapters' input dropout keeps on CPU beyond the GPU kernel's one-byte mask per
+    element: torch's CPU dropout keeps its scaled mask in the input's dtype."""
+    from megatron_bridge.peft.apply import adapters
+
+    widths = [a.base_layer.weight.shape[1] for a in adapters(model.decoder.layers[0])]  # column-parallel inputs
+    return (element_bytes - 1) * SEQ * sum(widths)
+
+
+@ON_CPU
+@pytest.mark.parametrize(
+    "model_fields, peft",
+    [
+        (dict(), LoRA(dim=8, target_modules=[*LATENT_PROJECTIONS, "linear_proj", "*.experts.*.linear_fc1"])),
+        (dict(q_lora_rank=None), DoRA(dim=4, target_modules=["linear_q_proj", "linear_kv_down_proj", "linear_proj"])),
+    ],
+    ids=["LoRA, low-rank queries, experts", "DoRA, full query projection"],
+)
+def test_planned_parameters_of_adapted_latent_attention_are_the_models(megatron, tmp_path, model_fields, peft):
+    """The planner's parameter list of a multi-latent attention model with adapters (a dense and a
+    mixture-of-experts layer) is the adapted model's: names, sizes, and which train."""
+    from factories import tiny_deepseek_model
+
+    from megatron_bridge.peft.apply import trainable_counts
+    from megatron_bridge.planning.params import chunk_params
+
+    cfg = resolved(tmp_path, provider=tiny_deepseek_model, base=dict(seq_length=SEQ), peft=peft, **model_fields)
+    model = build(cfg)
+    inp = PlanInputs.from_config(cfg)
+    planned = [(p.name, p.numel, p.trainable) for c in chunks(inp)[0] for p in chunk_params(inp, c)]
+    assert planned == [(n, p.numel(), p.requires_grad) for n, p in model.named_parameters()]
+    trainable, total = trainable_counts(model)
+    assert sum(k for _, k, trains in planned if trains) == trainable
+    assert 0 < trainable < total / 5
 
 
 def peak_of_a_step(model, vocab):

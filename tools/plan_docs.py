@@ -55,7 +55,10 @@ layers, except for the recipes that ask for megatron-core's local layers (LoRA/D
 planned with SDPA core attention; `--no-te` plans local layers, `model.attention_backend=unfused`
 megatron-core's unfused attention.
 LoRA/DoRA runs: a frozen 16-bit base without gradients or optimizer state, buffers and optimizer
-state for the adapters only (exact against the tensors of real runs in the tests).
+state for the adapters only (exact against the tensors of real runs in the tests). Multi-latent
+attention has no `linear_qkv` (the default targets do not apply): its adapters are planned on the
+projections named in `peft.target_modules` (`linear_q_proj` or `linear_q_down_proj` and
+`linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`, `linear_proj`).
 
 Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
 buffers (inside the workspace allowance). With TE layers the parameter order, and so a few

@@ -94,16 +94,19 @@ def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float
     return terms
 
 
-def _mla_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
+def _mla_terms(
+    inp: PlanInputs, s: float, b: int, q_up_input: bool = True, kv_up_input: bool = True
+) -> dict[str, float]:
     """What multi-latent attention keeps between its input and its core attention: the latents
     (down-projection outputs, the inputs of their norms) and the norms' outputs (the inputs of the
-    up projections), whole on every tensor-parallel rank, with local layers' norm statistics and
+    up projections, kept where `q_up_input` / `kv_up_input`: with PEFT only for adapted up
+    projections), whole on every tensor-parallel rank, with local layers' norm statistics and
     rotary tables; and the up-projected Q, K (rope parts joined on) and V this rank's heads hand
     to the core attention, unless `mla_up_proj` is recomputed from the latents in backward."""
     e, t = inp.activation_bytes, inp.tp
     q_width = inp.heads * (inp.qk_head_dim + inp.qk_rope_dim)
     v_width = inp.heads * inp.v_head_dim
-    latents = 2 * inp.q_lora_rank + 2 * inp.kv_lora_rank + inp.qk_rope_dim
+    latents = (1 + q_up_input) * inp.q_lora_rank + (1 + kv_up_input) * inp.kv_lora_rank + inp.qk_rope_dim
     terms = {"query and key/value latents and their norm outputs": e * s * b * latents}
     if not inp.transformer_engine:
         norms = 2 if inp.q_lora_rank else 1
@@ -140,10 +143,15 @@ def layer_terms(
         if value:
             terms[name] = terms.get(name, 0.0) + value
 
-    def input_kept(linear: str) -> bool:
-        """A linear layer keeps its input for its weight gradient: with PEFT a frozen one does
-        not (megatron-core's LinearWithFrozenWeight), an adapted one does (its adapter's A)."""
-        return inp.peft is None or any(rel.endswith(linear) for rel in adapted)
+    def input_kept(*linears: str) -> bool:
+        """The input of these linear layers is kept for a weight gradient: with PEFT a frozen layer
+        keeps none (megatron-core's LinearWithFrozenWeight), an adapted one keeps it for its
+        adapter's A, unless the adapter's dropout acts on the input (A then keeps the dropped copy)."""
+        if inp.peft is None:
+            return True
+        if inp.peft_dropout > 0 and inp.peft_dropout_position == "pre":
+            return False
+        return any(rel.endswith(linear) for rel in adapted for linear in linears)
 
     # --- attention block
     norms_recomputed = _selective(inp, "layernorm") and inp.input_norms  # megatron-core skips identity norms
@@ -151,10 +159,12 @@ def layer_terms(
         add("attention norm input", e * sbh / sp)
         if local:
             add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
-    if not norms_recomputed and input_kept("linear_qkv"):
+    attention_inputs = ("linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if inp.mla else ("linear_qkv",)
+    if not norms_recomputed and input_kept(*attention_inputs):
         add("QKV projection input", e * sbh / sp)
     if inp.mla:
-        for name, value in _mla_terms(inp, s, b).items():
+        up_inputs = input_kept("linear_q_up_proj"), input_kept("linear_kv_up_proj")
+        for name, value in _mla_terms(inp, s, b, *up_inputs).items():
             add(name, value)
     elif not local:
         add("Q, K, V", e * s * b * (q_width + 2 * kv_width) / t)

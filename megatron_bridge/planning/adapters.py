@@ -12,10 +12,24 @@ megatron-core's DDP puts only them into gradient buffers (and, with the distribu
 parameter buffers) and the optimizer holds state for them alone; the frozen base stays in its
 16-bit parameters.
 
+Multi-latent attention on local layers builds every projection but the output one as a
+column-parallel layer that does not gather its output, the down projections included (their
+outputs are gathered after them), so these are adapted like linear_qkv (in -> out features):
+
+    linear_q_proj        hidden -> heads x (qk_head_dim + qk_rope_dim)     (q_lora_rank unset)
+    linear_q_down_proj   hidden -> q_lora_rank
+    linear_q_up_proj     q_lora_rank -> heads x (qk_head_dim + qk_rope_dim)
+    linear_kv_down_proj  hidden -> kv_lora_rank + qk_rope_dim
+    linear_kv_up_proj    kv_lora_rank -> heads x (qk_head_dim + v_head_dim)
+    linear_proj          heads x v_head_dim -> hidden                      (row-parallel)
+
+TransformerEngine layers keep the down projections whole on every rank, and they are planned so;
+adapters do not wrap TransformerEngine's layers, so such a plan is of a run that refuses to start.
+
 In the forward pass an adapter keeps, besides the input its base layer keeps anyway: the rank-r
 intermediate A x (the input of B), with dropout its mask and dropped input ('pre') or output
 mask ('post'), and with DoRA the update before the per-row magnitude scaling (one value per
-output feature and token).
+output feature and token) and, per output feature, the weight norm and the magnitude's ratio to it.
 """
 
 from __future__ import annotations
@@ -57,6 +71,8 @@ def module_shape(inp: PlanInputs, rel: str) -> Adapted:
         ffn, split, fraction, expert = inp.shared_expert_ffn, inp.tp, 1.0, False
     else:
         ffn, split, fraction, expert = inp.ffn, inp.tp, 1.0, False
+    if inp.mla and leaf in _MLA_LEAVES:
+        return _mla_shape(inp, leaf)
     if leaf == "linear_qkv":
         return Adapted(True, h, q + 2 * inp.query_groups * inp.kv_channels, inp.tp, False, 1.0)
     if leaf == "linear_proj":
@@ -64,6 +80,28 @@ def module_shape(inp: PlanInputs, rel: str) -> Adapted:
     if leaf == "linear_fc1":
         return Adapted(True, h, ffn * gated, split, expert, fraction)
     return Adapted(False, ffn, h, split, expert, fraction)
+
+
+_MLA_LEAVES = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+               "linear_kv_up_proj", "linear_proj")  # fmt: skip
+
+
+def _mla_shape(inp: PlanInputs, leaf: str) -> Adapted:
+    """The shape of a projection of multi-latent attention (see the module docstring)."""
+    h, heads, tp = inp.hidden, inp.heads, inp.tp
+    query = heads * (inp.qk_head_dim + inp.qk_rope_dim)
+    down_split = 1 if inp.transformer_engine else tp
+    shapes = {  # in features, out features, split
+        "linear_q_proj": (h, query, tp),
+        "linear_q_down_proj": (h, inp.q_lora_rank, down_split),
+        "linear_q_up_proj": (inp.q_lora_rank, query, tp),
+        "linear_kv_down_proj": (h, inp.kv_lora_rank + inp.qk_rope_dim, down_split),
+        "linear_kv_up_proj": (inp.kv_lora_rank, heads * (inp.qk_head_dim + inp.v_head_dim), tp),
+    }
+    if leaf == "linear_proj":
+        return Adapted(False, heads * inp.v_head_dim, h, tp, False, 1.0)
+    in_features, out_features, split = shapes[leaf]
+    return Adapted(True, in_features, out_features, split, False, 1.0)
 
 
 def adapter_params(inp: PlanInputs, rel: str) -> list[tuple[str, int]]:
@@ -127,4 +165,6 @@ def activation_terms(inp: PlanInputs, adapted: tuple[str, ...], s: float, b: int
             add("adapter dropout masks", out_tokens * out_width)
         if inp.peft == "dora":
             add("DoRA updates before the magnitude scaling", e * out_tokens * out_width)
+            # the magnitude over the weight norm, and that norm (the divisor), per output feature
+            add("DoRA magnitude ratios and weight norms", 2 * e * a.out_features / (a.split if a.column else 1))
     return terms

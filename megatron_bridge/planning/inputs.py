@@ -223,10 +223,6 @@ class PlanInputs:
             )
         if getattr(m, "mtp_num_layers", None):
             raise PlanningError("multi-token prediction (model.mtp_num_layers) is not modeled by the planner")
-        if getattr(m, "multi_latent_attention", False) and getattr(cfg, "peft", None) is not None:
-            raise PlanningError(
-                "parameter-efficient fine-tuning (peft) of multi-latent attention is not modeled by the planner"
-            )
         if (
             getattr(ddp, "use_megatron_fsdp", False)
             or getattr(ddp, "use_custom_fsdp", False)

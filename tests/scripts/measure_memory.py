@@ -36,6 +36,10 @@ MOE = dict(
     softmax_type="learnable",
 )
 
+DENSE_MLA = dict(
+    num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None
+)
+
 LAYOUTS = {
     # name: (model fields, ddp fields, mixed precision preset); "tp2" also saves the base that the
     # PEFT layouts ("lora_", "dora_") adapt
@@ -74,8 +78,7 @@ LAYOUTS = {
     # projections split over TP 2 (megatron-core trains MoE with TP only with sequence parallelism,
     # which local layers on CPU do not run)
     "mla_moe_ep2": (dict(expert_model_parallel_size=2), dict(use_distributed_optimizer=True), "bf16_mixed"),
-    "mla_tp2": (dict(tensor_model_parallel_size=2, num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None,
-                     moe_shared_expert_intermediate_size=None), {}, None),
+    "mla_tp2": (dict(tensor_model_parallel_size=2, **DENSE_MLA), {}, None),
     "pp2_vp2_distopt": (
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4),
         dict(use_distributed_optimizer=True),
@@ -85,11 +88,24 @@ LAYOUTS = {
     "lora_tp2": (dict(tensor_model_parallel_size=2), {}, "bf16_mixed"),
     # some projections only, DoRA magnitudes, the distributed optimizer sharding the adapters
     "dora_dp2_distopt": (dict(), dict(use_distributed_optimizer=True), "bf16_mixed"),
+    # multi-latent attention (the base mla_tp2 saves): every projection adapted, the latent down
+    # projections column-parallel over TP 2 like the up projections
+    "mla_dora_tp2": (dict(tensor_model_parallel_size=2, **DENSE_MLA), {}, "bf16_mixed"),
 }
 PEFT = {
     "lora_tp2": lambda: LoRA(dim=8, alpha=16),
     "dora_dp2_distopt": lambda: DoRA(dim=4, alpha=8, target_modules=["linear_qkv", "*.layers.1.*.linear_fc2"]),
+    "mla_dora_tp2": lambda: DoRA(
+        dim=4, alpha=8, target_modules=["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                                        "linear_kv_up_proj", "linear_proj"],
+    ),  # fmt: skip
 }
+BASES = {"tp2": "base", "mla_tp2": "mla_base"}
+"""The layouts that save the base a PEFT layout of their model adapts, and where (under --out)."""
+
+
+def base_layout(peft_layout):
+    return "mla_tp2" if peft_layout.startswith("mla") else "tp2"
 
 
 def _storages(tensors):
@@ -166,7 +182,7 @@ class Measure(Callback):
         }
 
 
-def run_layout(name, base_dir, backend):
+def run_layout(name, out, backend):
     model_fields, ddp_fields, precision = LAYOUTS[name]
     cfg = tiny_config(
         train=TrainingConfig(train_iters=1, global_batch_size=4, micro_batch_size=1),
@@ -183,11 +199,11 @@ def run_layout(name, base_dir, backend):
     recorder = Measure()
     if name in PEFT:
         cfg.peft = PEFT[name]()
-        cfg.checkpoint.pretrained_checkpoint = base_dir
+        cfg.checkpoint.pretrained_checkpoint = f"{out}.{BASES[base_layout(name)]}"
         finetune(cfg, forward_step, callbacks=[recorder])
         return recorder.result
-    if name == "tp2":
-        cfg.checkpoint.save, cfg.checkpoint.save_optim, cfg.checkpoint.save_rng = base_dir, False, False
+    if name in BASES:
+        cfg.checkpoint.save, cfg.checkpoint.save_optim, cfg.checkpoint.save_rng = f"{out}.{BASES[name]}", False, False
     pretrain(cfg, forward_step, callbacks=[recorder])
     return recorder.result
 
@@ -206,10 +222,10 @@ def main():
         moe_utils.te_general_gemm = None
     # One process group for all layouts: pretrain() joins it and leaves it up between runs.
     dist.init_process_group(args.backend)
-    base_dir = f"{args.out}.base"
-    if any(name in PEFT for name in args.layouts) and "tp2" not in args.layouts:
-        raise SystemExit("the PEFT layouts adapt the base the tp2 layout saves: list tp2 before them")
-    results = {name: run_layout(name, base_dir, args.backend) for name in args.layouts}
+    for name in args.layouts:
+        if name in PEFT and base_layout(name) not in args.layouts[: args.layouts.index(name)]:
+            raise SystemExit(f"{name} adapts the base the {base_layout(name)} layout saves: list it before")
+    results = {name: run_layout(name, args.out, args.backend) for name in args.layouts}
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
