@@ -14,18 +14,12 @@ import textwrap
 def own_field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings written in the body of `cls` itself (not its bases)."""
     try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # built-in, or defined where the source is not available
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # built-in, or defined where the source is not available
         return {}
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return {}
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if node is None:
-        return {}
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef)), [])
     docs = {}
-    for stmt, after in zip(node.body, node.body[1:]):
+    for stmt, after in zip(body, body[1:]):
         if (
             isinstance(stmt, ast.AnnAssign)
             and isinstance(stmt.target, ast.Name)
