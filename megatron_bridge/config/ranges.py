@@ -1,9 +1,8 @@
 """The check that every numeric config field holds a value in its range.
 
-Each numeric field's range is part of its `FieldSpec` (`config.schema`): declared next to the
-field in our classes, in `config.megatron_core_fields` for fields megatron-core declares. A value
-outside its range is a configuration problem that names the range. Lists of numbers (e.g.
-`moe_aux_loss_coeff` per layer) are checked item by item.
+Each numeric field's range is part of its `FieldSpec` (`config.schema` says where it is
+declared). A value outside its range is a configuration problem that names the range. Lists of
+numbers (e.g. `moe_aux_loss_coeff` per layer) are checked item by item.
 """
 
 from __future__ import annotations

@@ -145,10 +145,9 @@ class ClassSpecs(Mapping):
             for name, f in fields.items():
                 if first is not None:
                     first.setdefault(name, klass)
-                if f.metadata:
-                    for key, found in self.declared.items():
-                        if key in f.metadata:
-                            found[name] = f.metadata[key]
+                for key, found in self.declared.items():
+                    if key in f.metadata:
+                        found[name] = f.metadata[key]
         self.made: dict[str, FieldSpec] = {}
 
     def __getitem__(self, name: str) -> FieldSpec:

@@ -9,10 +9,8 @@
   errors: a dry run plans such a config and reports "would fail on this machine"; the real run
   refuses it before building the model (`machine_problems`).
 
-A field's status is declared next to it (`field(status=...)`, `config.fields`); fields that
-megatron-core declares take theirs from `config.megatron_core_fields`. Both are compiled into the
-field's `FieldSpec` (`config.schema`). `docs/unsupported-fields.md` is generated from them by
-`tools/gen_unsupported_fields.py`.
+Where a status is declared: `config.schema`. `docs/unsupported-fields.md` lists the unsupported
+fields (`tools/gen_unsupported_fields.py` writes it).
 """
 
 from __future__ import annotations
