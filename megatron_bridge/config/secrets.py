@@ -108,10 +108,9 @@ def _interpolation(value: str) -> str | None:
 def scrub(text: str) -> str:
     """`text` with values read from the environment replaced by their interpolation and URL
     passwords redacted (for log lines and messages)."""
-    if text in _FROM_ENVIRONMENT:
-        whole = _interpolation(text)
-        if whole is not None:
-            return whole
+    whole = _interpolation(text)
+    if whole is not None:
+        return whole
     for value in list(_EMBEDDED):
         if value in text:
             written = _interpolation(value)
