@@ -14,33 +14,22 @@ import textwrap
 def own_field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings written in the body of `cls` itself (not its bases)."""
     try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):  # built-in, or defined where the source is not available
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # built-in, or defined where the source is not available
         return {}
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return {}
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if node is None:
-        return {}
-    docs = {}
-    for stmt, after in zip(node.body, node.body[1:]):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
-    return docs
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef)), [])
+    return {
+        stmt.target.id: inspect.cleandoc(after.value.value)
+        for stmt, after in zip(body, body[1:])
+        if isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }
 
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of `cls` and its bases; the most derived class that documents a field wins."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        docs.update(own_field_docs(klass))
-    return docs
+    return {name: doc for klass in reversed(cls.__mro__) for name, doc in own_field_docs(klass).items()}

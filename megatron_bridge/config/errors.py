@@ -64,8 +64,7 @@ class MissingPackageError(ConfigValidationError, ModuleNotFoundError):
 
     def __init__(self, problems: list[ConfigProblem]):
         ConfigValidationError.__init__(self, problems)
-        missing = [p.missing_module for p in self.problems if p.missing_module]
-        self.name = missing[0] if missing else None
+        self.name = next((p.missing_module for p in self.problems if p.missing_module), None)
 
 
 def show(value: Any) -> str:

@@ -61,11 +61,11 @@ def unsupported_markdown() -> str:
         "| field | reason |",
         "|---|---|",
     ]
-    rows = []
-    for (owner, name), (cls, status) in declared_fields().items():
-        if isinstance(status, field_status.Unsupported):
-            rows.append(f"| `{owner}.{name}` | {status.reason} |")
-    lines += sorted(rows)
+    lines += sorted(
+        f"| `{owner}.{name}` | {status.reason} |"
+        for (owner, name), (_, status) in declared_fields().items()
+        if isinstance(status, field_status.Unsupported)
+    )
     lines += ["", "## Unsupported config classes", ""]
     unsupported = {c.__name__: field_status.unsupported_class(c) for c in config_classes()}
     lines += [f"- `{name}`: {why.reason}" for name, why in sorted(unsupported.items()) if why is not None]

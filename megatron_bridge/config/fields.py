@@ -1,18 +1,12 @@
 """What a config class declares about a field beyond its type and default: the numbers it allows
-(`Range`) and whether the run honours it (its status). Both sit next to the field:
+(`Range`) and whether the run honours it (its status: used, derived or unsupported, as
+`config.status` explains). Both sit next to the field:
 
     num_workers: int = field(default=2, range=COUNT)
     lazy_mpu_init: bool = field(default=False, status=Unsupported("not implemented"))
 
 Fields inherited from megatron-core are declared in `config.megatron_core_fields`. `config.schema`
 compiles both into one `FieldSpec` per class and field.
-
-A field's status is **used** (the runtime reads it: our code, or megatron-core, which receives
-the fields our classes inherit from its config classes), **derived** (a rule computes it:
-`init=False` fields, and hooks the build installs), or **unsupported** (accepted for configs
-written for other systems, but not honoured: a value other than the default is a
-`ConfigValidationError` naming the reason; reasons about the machine, "needs a GPU", are checked
-where the run starts instead).
 """
 
 from __future__ import annotations
@@ -41,11 +35,6 @@ class Unsupported:
     """`"gpu"` or `"transformer_engine"` when only the machine is missing; None otherwise."""
 
 
-NOT_IMPLEMENTED = "not implemented"
-NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
-NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
-
-
 @dataclass(frozen=True)
 class Range:
     """Numbers from `low` to `high` (each inclusive or not; `None` is unbounded), and the values
@@ -66,19 +55,15 @@ class Range:
         closing = "]" if self.high_inclusive and self.high is not None else ")"
         return "".join(f"{_num(v)} or " for v in self.also) + f"{opening}{lo}, {hi}{closing}"
 
-    def contains(self, value: float) -> bool:
-        if value in self.also:
-            return True
-        above_low = self.low is None or value > self.low or (value == self.low and self.low_inclusive)
-        return above_low and (self.high is None or value < self.high or (value == self.high and self.high_inclusive))
-
     def problem(self, value: Any) -> Optional[str]:
         """Why `value` is outside this range, or None (non-numbers are the type check's)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         if isinstance(value, float) and not math.isfinite(value):
             return f"{value!r} is not a finite number (the allowed range is {self})"
-        if self.contains(value):
+        above_low = self.low is None or value > self.low or (value == self.low and self.low_inclusive)
+        below_high = self.high is None or value < self.high or (value == self.high and self.high_inclusive)
+        if value in self.also or (above_low and below_high):
             return None
         if self.below and self.low is not None and value <= self.low:
             return f"{self.below}, got {show(value)}"
@@ -111,7 +96,6 @@ def parse(spec: str, also: tuple = (), below: str = "") -> Range:
 # Named ranges, for the tables and declarations.
 PROBABILITY = "[0, 1]"
 POSITIVE = "(0, inf)"
-NON_NEGATIVE = "[0, inf)"
 ANY = "(-inf, inf)"
 SIZE = "[1, 2**31)"  # larger model sizes and counts are not real configurations (and overflow int32 kernels)
 COUNT = "[0, 2**31)"

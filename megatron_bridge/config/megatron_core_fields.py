@@ -13,9 +13,6 @@ from megatron_bridge.config.fields import (
     FACTOR,
     LEARNING_RATE,
     LOSS_WEIGHT,
-    NEEDS_GPU,
-    NEEDS_TE,
-    NOT_IMPLEMENTED,
     POSITIVE,
     PROBABILITY,
     SEED,
@@ -23,7 +20,9 @@ from megatron_bridge.config.fields import (
     STEPS,
     WEIGHT_DECAY,
     WEIGHT_STD,
+    Range,
     Unsupported,
+    parse,
 )
 
 _RANGES_BY_CLASS: dict[str, tuple[tuple[str, str], ...]] = {  # class -> (range, the fields that have it)
@@ -94,12 +93,14 @@ _RANGES_BY_CLASS: dict[str, tuple[tuple[str, str], ...]] = {  # class -> (range,
     ),
 }
 
-RANGES: dict[str, str] = {
-    f"{cls}.{name}": spec for cls, by_range in _RANGES_BY_CLASS.items() for spec, names in by_range
+RANGES: dict[str, Range] = {
+    f"{cls}.{name}": parse(spec) for cls, by_range in _RANGES_BY_CLASS.items() for spec, names in by_range
     for name in names.split()
 }  # fmt: skip
 """`Class.field` -> the range of a numeric megatron-core field."""
 
+NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
+NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
 _FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
 
 STATUS: dict[str, object] = {
@@ -113,7 +114,7 @@ STATUS: dict[str, object] = {
     },  # fmt: skip
     "OptimizerConfig.timers": DERIVED,
     "DistributedDataParallelConfig.use_megatron_fsdp": Unsupported(
-        f"{NOT_IMPLEMENTED}: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
+        "not implemented: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
     ),
     **{
         f"DistributedDataParallelConfig.{name}": _FSDP_ONLY

@@ -21,31 +21,17 @@ NAME_MAX = 255
 """Longest file or directory name, in bytes, on the filesystems runs write to (ext4, XFS,
 Lustre, GPFS, NFS)."""
 
-def path_fields(cls: type) -> tuple[str, ...]:
-    """The fields of config class `cls` that hold a path whose absence is None (`FieldSpec.is_path`)."""
-    return tuple(s.name for s in specs(cls).values() if s.is_path)
-
-
-def too_long_component(path: str) -> str:
-    """The first component of `path` longer than NAME_MAX bytes, or ''."""
-    if len(path) <= NAME_MAX:  # no component can be longer (a character is at least one byte)
-        return ""
-    return next((part for part in path.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX), "")
-
-
 _BY_CLASS: dict[type, tuple[str, ...]] = {}
-"""`path_fields` by class, looked up without a call: `check` runs for every section of every update."""
+"""The path fields of each class (`FieldSpec.is_path`), looked up without a call: `check` runs
+for every section of every update."""
 
 
 def check(obj: Any, problems: Problems) -> None:
     """Add a problem for each path field of config `obj` that is empty or has a component too
     long for a filesystem."""
     names = _BY_CLASS.get(obj.__class__)
-    if not names:
-        if names is None:
-            _BY_CLASS[obj.__class__] = path_fields(obj.__class__)
-            check(obj, problems)
-        return
+    if names is None:
+        names = _BY_CLASS[obj.__class__] = tuple(s.name for s in specs(obj.__class__).values() if s.is_path)
     values = obj.__dict__
     for name in names:
         value = values.get(name)
@@ -54,7 +40,8 @@ def check(obj: Any, problems: Problems) -> None:
         if not value.strip():
             problems.add(name, f"{show(value)} is not a path", "give a path, or null to turn it off")
             continue
-        part = too_long_component(value)
+        parts = value.split("/") if len(value) > NAME_MAX else ()
+        part = next((p for p in parts if len(p.encode(errors="surrogateescape")) > NAME_MAX), "")
         if part:
             size = len(part.encode(errors="surrogateescape"))
             problems.add(

@@ -1,9 +1,8 @@
 """The check that every numeric config field holds a value in its range.
 
-Each numeric field's range is part of its `FieldSpec` (`config.schema`): declared next to the
-field in our classes, in `config.megatron_core_fields` for fields megatron-core declares. A value
-outside its range is a configuration problem that names the range. Lists of numbers (e.g.
-`moe_aux_loss_coeff` per layer) are checked item by item.
+Each numeric field's range is part of its `FieldSpec` (`config.schema` says where it is
+declared). A value outside its range is a configuration problem that names the range. Lists of
+numbers (e.g. `moe_aux_loss_coeff` per layer) are checked item by item.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from megatron_bridge.config.fields import Range
 from megatron_bridge.config.schema import specs
 
 
-@functools.lru_cache(maxsize=None)
 def numeric_fields(cls: type) -> tuple[tuple[str, Range], ...]:
     """(name, range) of every numeric field of config class `cls`."""
     return tuple((s.name, s.range) for s in specs(cls).values() if s.range is not None)
@@ -48,8 +46,6 @@ def _bounds(cls: type) -> tuple[tuple[tuple[str, Any], ...], dict[str, tuple[flo
 def _in_range_default(default: Any, rng: Range) -> Any:
     """`default` if it is in `rng` (a value identical to it needs no check), else a marker no
     value is identical to (some megatron-core defaults, like num_layers=0, must be set)."""
-    if default is None:
-        return None
     items = default if isinstance(default, (list, tuple)) else (default,)
     if default is dataclasses.MISSING or any(rng.problem(item) for item in items):
         return _NO_DEFAULT

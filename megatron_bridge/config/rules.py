@@ -93,13 +93,6 @@ class Rule:
         if self.kind not in KINDS:
             raise ValueError(f"rule {self.name!r}: unknown kind {self.kind!r} (one of {', '.join(KINDS)})")
 
-    @property
-    def doc(self) -> str:
-        """The first sentence of the rule function's docstring, on one line."""
-        text = " ".join((self.run.__doc__ or "").split())
-        end = text.find(". ")
-        return text if end < 0 else text[: end + 1]
-
 
 def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mapping[str, Any]) -> None:
     """Run `rules` in order on `cfg`, collecting problems; each rule taken is logged (DEBUG).
@@ -143,6 +136,7 @@ def describe(rules: Sequence[Rule]) -> str:
             notes.append(f"only on {rule.device}")
         suffix = f"  [{'; '.join(notes)}]" if notes else ""
         lines.append(f"{i:2d}. {rule.kind:8s} {rule.name}{suffix}")
-        if rule.doc:
-            lines.append(f"    {'':8s} {rule.doc}")
+        doc = " ".join((rule.run.__doc__ or "").split())
+        if doc:  # its first sentence
+            lines.append(f"    {'':8s} {doc[: doc.find('. ') + 1] or doc}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ import re
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megatron_bridge.config import megatron_core_fields
 from megatron_bridge.config.annotations import field_types, real_arms
@@ -70,21 +70,19 @@ class FieldSpec:
         or NO_DEFAULT for a required field."""
         return _default_of(self.cls.__dataclass_fields__[self.name])
 
-    @functools.cached_property
-    def factory(self) -> Optional[Callable[[], Any]]:
-        f = self.cls.__dataclass_fields__[self.name]
-        return None if f.default_factory is dataclasses.MISSING else f.default_factory  # type: ignore[misc]
-
     def fresh_default(self) -> Any:
         """A new default value (a fresh object for default_factory fields)."""
-        return self.factory() if self.factory is not None else self.default
+        factory = self.cls.__dataclass_fields__[self.name].default_factory
+        return self.default if factory is dataclasses.MISSING else factory()  # type: ignore[misc]
 
     @functools.cached_property
     def core_default(self) -> Any:
-        """megatron-core's default for a field it declares, else the class default."""
-        if self.core_owner is None:
-            return self.default
-        return _default_of(_most_derived_core_field(self.cls, self.name))
+        """megatron-core's default for a field it declares (in the most derived megatron-core class
+        that has it), else the class default."""
+        for klass in self.cls.__mro__:
+            if _is_core(klass) and self.name in vars(klass).get("__dataclass_fields__", {}):
+                return _default_of(klass.__dataclass_fields__[self.name])
+        return self.default
 
     @property
     def required(self) -> bool:
@@ -94,18 +92,6 @@ class FieldSpec:
     def doc(self) -> str:
         """The field's docstring (the most derived class that documents it wins)."""
         return field_docs(self.cls).get(self.name, "")
-
-    @property
-    def checks(self) -> tuple[str, ...]:
-        """The value checks this field goes through when a config is validated (besides its type)."""
-        found = []
-        if self.range is not None:
-            found.append(f"range {self.range}")
-        if self.is_path:
-            found.append("path")
-        if isinstance(self.status, Unsupported) and self.status.needs is None:
-            found.append("default only")
-        return tuple(found)
 
     def status_text(self) -> str:
         """`used`, `derived`, or `unsupported: <reason>`."""
@@ -120,13 +106,6 @@ def _default_of(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         return f.default_factory()  # type: ignore[misc]
     return NO_DEFAULT
-
-
-def _most_derived_core_field(cls: type, name: str) -> dataclasses.Field:
-    for klass in cls.__mro__:
-        if _is_core(klass) and name in klass.__dict__.get("__dataclass_fields__", {}):
-            return klass.__dataclass_fields__[name]
-    raise KeyError(name)
 
 
 def _is_ours(klass: type) -> bool:
@@ -145,18 +124,6 @@ def numeric_kind(tp: Any) -> Optional[type]:
         arms = real_arms(tp)
     kinds = {numeric_kind(a) if typing.get_origin(a) in (list, tuple) else a for a in arms}
     return float if float in kinds else int if int in kinds else None
-
-
-@functools.lru_cache(maxsize=None)
-def _numeric_kind_of(tp: Any) -> Optional[type]:
-    return numeric_kind(tp)
-
-
-def _kind(tp: Any) -> Optional[type]:
-    try:
-        return _numeric_kind_of(tp)
-    except TypeError:  # an annotation that cannot be hashed
-        return numeric_kind(tp)
 
 
 class ClassSpecs(Mapping):
@@ -178,10 +145,9 @@ class ClassSpecs(Mapping):
             for name, f in fields.items():
                 if first is not None:
                     first.setdefault(name, klass)
-                if f.metadata:
-                    for key, found in self.declared.items():
-                        if key in f.metadata:
-                            found[name] = f.metadata[key]
+                for key, found in self.declared.items():
+                    if key in f.metadata:
+                        found[name] = f.metadata[key]
         self.made: dict[str, FieldSpec] = {}
 
     def __getitem__(self, name: str) -> FieldSpec:
@@ -200,14 +166,11 @@ class ClassSpecs(Mapping):
         f = self.cls.__dataclass_fields__[name]
         core = self.core.get(name)
         key = f"{core.__name__}.{name}" if core is not None else None
-        numeric = _kind(tp)
+        numeric = numeric_kind(tp)
         rng = None
         if numeric is not None:
-            rng = self.declared[RANGE].get(name)
-            if rng is None and key in megatron_core_fields.RANGES:
-                rng = _parsed(megatron_core_fields.RANGES[key])
-            if rng is None:
-                rng = _FLOAT if numeric is float else _INT
+            declared = self.declared[RANGE].get(name) or megatron_core_fields.RANGES.get(key)
+            rng = declared or (_FLOAT if numeric is float else _INT)
         status = self.declared[STATUS].get(name) or megatron_core_fields.STATUS.get(key) or (USED if f.init else DERIVED)
         path = bool(_PATH_NAME.search(name)) and str in real_arms(tp) and f.default is None
         return FieldSpec(self.cls, name, tp, f.init, self.owner.get(name, self.cls), core, numeric, rng, status, path)
@@ -217,11 +180,6 @@ class ClassSpecs(Mapping):
 def specs(cls: type) -> ClassSpecs:
     """The `FieldSpec` of every field of dataclass `cls`, by name, in declaration order."""
     return ClassSpecs(cls)
-
-
-@functools.lru_cache(maxsize=None)
-def _parsed(text: str) -> Range:
-    return parse(text)
 
 
 def undeclared_ranges(cls: type) -> list[str]:

@@ -22,6 +22,7 @@ config read as plain data (not through `from_dict`, which resolves every interpo
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Any, Iterable
 
@@ -52,15 +53,13 @@ _EMBEDDED: list[str] = []
 """The keys of `_FROM_ENVIRONMENT` replaced inside longer strings, longest first."""
 
 
+@functools.lru_cache(maxsize=8192)  # the same field names come back with every config written
 def is_credential_name(name: Any) -> bool:
     """Whether a field or key called `name` holds a credential: it has a word like password,
     secret, credential or apikey, or ends in token, key, pwd, auth or cookie (`comet_api_key`,
     `HF_TOKEN`; not `pad_token`, a tokenizer's vocabulary entry)."""
-    return isinstance(name, str) and _is_credential_name(name)
-
-
-@functools.lru_cache(maxsize=8192)  # the same field names come back with every config written
-def _is_credential_name(name: str) -> bool:
+    if not isinstance(name, str):
+        return False
     words = [w.lower() for w in _WORDS.split(name) if w]
     if not words:
         return False
@@ -75,8 +74,6 @@ def _is_credential_name(name: str) -> bool:
 def remember_environment_reads(texts: Iterable[str]) -> None:
     """Record the values that the `${oc.env:VAR}` interpolations in `texts` read from the
     environment of this process, so that writers put the interpolation back in their place."""
-    import os
-
     changed = False
     for text in texts:
         if "oc.env" not in text:
@@ -98,8 +95,6 @@ def _interpolation(value: str) -> str | None:
     """`${oc.env:VAR}` for a remembered `value` while VAR still holds it. A variable since unset
     or changed (a config built earlier in a long-lived process, a test's temporary environment)
     is forgotten: writing its name would make configs that no longer resolve here."""
-    import os
-
     var = _FROM_ENVIRONMENT.get(value)
     if var is None:
         return None
@@ -113,10 +108,9 @@ def _interpolation(value: str) -> str | None:
 def scrub(text: str) -> str:
     """`text` with values read from the environment replaced by their interpolation and URL
     passwords redacted (for log lines and messages)."""
-    if text in _FROM_ENVIRONMENT:
-        whole = _interpolation(text)
-        if whole is not None:
-            return whole
+    whole = _interpolation(text)
+    if whole is not None:
+        return whole
     for value in list(_EMBEDDED):
         if value in text:
             written = _interpolation(value)
@@ -138,18 +132,13 @@ def conceal(data: Any, name: Any = None) -> Any:
         if text == data and data and credential and not _WRITTEN_ENV_READ.fullmatch(data):
             return REDACTED
         return text
-    if credential and _holds_value(data):
+    if credential and not (
+        data is None or isinstance(data, bool) or (isinstance(data, (list, tuple, dict)) and not data)
+    ):  # None, a flag or an empty container hides nothing
         return REDACTED
     if isinstance(data, (list, tuple)):
         return type(data)(conceal(v) for v in data)
     return data
-
-
-def _holds_value(data: Any) -> bool:
-    """Whether a credential-named field holds something to hide (not None, a flag or empty)."""
-    if data is None or isinstance(data, bool):
-        return False
-    return not (isinstance(data, (list, tuple, dict)) and not data)
 
 
 def printable(name: Any, value: Any) -> str:
@@ -161,8 +150,6 @@ def printable(name: Any, value: Any) -> str:
 def restore_environment(data: Any) -> Any:
     """Plain data read from a written config with each `${oc.env:VAR}` replaced by the value of
     VAR in this process's environment (left as it is where VAR is unset)."""
-    import os
-
     if isinstance(data, dict):
         return {k: restore_environment(v) for k, v in data.items()}
     if isinstance(data, list):

@@ -9,10 +9,8 @@
   errors: a dry run plans such a config and reports "would fail on this machine"; the real run
   refuses it before building the model (`machine_problems`).
 
-A field's status is declared next to it (`field(status=...)`, `config.fields`); fields that
-megatron-core declares take theirs from `config.megatron_core_fields`. Both are compiled into the
-field's `FieldSpec` (`config.schema`). `docs/unsupported-fields.md` is generated from them by
-`tools/gen_unsupported_fields.py`.
+Where a status is declared: `config.schema`. `docs/unsupported-fields.md` lists the unsupported
+fields (`tools/gen_unsupported_fields.py` writes it).
 """
 
 from __future__ import annotations
@@ -25,20 +23,15 @@ from typing import Any, Optional
 from megatron_bridge import extras
 from megatron_bridge.config.annotations import values_equal
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
-from megatron_bridge.config.fields import DERIVED, NEEDS_GPU, NEEDS_TE, USED, Unsupported  # noqa: F401
+from megatron_bridge.config.fields import DERIVED, USED, Unsupported  # noqa: F401
 from megatron_bridge.config import schema
-from megatron_bridge.config.schema import Status, specs  # noqa: F401
+from megatron_bridge.config.schema import Status, specs
 
 GENERIC_MCORE_TEST = "tests/test_field_status.py::test_megatron_core_fields_reach_megatron_core"
 """The test that shows fields inherited from megatron-core reach the megatron-core object."""
 
 
 # ---------------------------------------------------------------------- lookups
-def declaring_class(cls: type, name: str) -> type:
-    """The first of our config classes (from the base down) that has field `name`."""
-    return specs(cls)[name].owner
-
-
 def from_megatron_core(cls: type, name: str) -> bool:
     """True if `name` is a field of a megatron-core dataclass that `cls` inherits from."""
     return specs(cls)[name].core_owner is not None
@@ -67,16 +60,14 @@ def __getattr__(name: str) -> Any:
 
 
 @functools.cache
-def _unsupported_fields(cls: type) -> tuple[tuple[str, Any, Unsupported], ...]:
+def _unsupported_fields(cls: type, refused_only: bool = False) -> tuple[tuple[str, Any, Unsupported], ...]:
     """(name, default, why) of each unsupported field of `cls` (dataclasses.MISSING when the
-    field has no default)."""
-    return tuple((s.name, s.default, s.status) for s in specs(cls).values() if isinstance(s.status, Unsupported))
-
-
-@functools.cache
-def _refused_fields(cls: type) -> tuple[tuple[str, Any, Unsupported], ...]:
-    """`_unsupported_fields` whose reason is not the machine: a config error anywhere."""
-    return tuple(entry for entry in _unsupported_fields(cls) if entry[2].needs is None)
+    field has no default); with `refused_only`, those whose reason is not the machine."""
+    return tuple(
+        (s.name, s.default, s.status)
+        for s in specs(cls).values()
+        if isinstance(s.status, Unsupported) and not (refused_only and s.status.needs)
+    )
 
 
 def _changed(config: Any, fields: tuple[tuple[str, Any, Unsupported], ...]) -> Iterator[tuple[str, Any, Unsupported]]:
@@ -100,7 +91,7 @@ def unsupported_settings(config: Any) -> Iterator[tuple[str, Any, Unsupported]]:
 def check_unsupported(config: Any, problems: Problems) -> None:
     """Report unsupported settings of one section into `problems` (machine reasons excepted)."""
     cls = type(config)
-    refused = _refused_fields(cls)
+    refused = _unsupported_fields(cls, True)
     why = unsupported_class(cls)
     if why is not None and why.needs is None:
         problems.add("", f"{cls.__name__} is not supported: {why.reason}", "use another config class")
@@ -123,10 +114,15 @@ def refuse_on_this_machine(cfg: Any, device: Optional[str] = None) -> None:
 
 
 def _machine_problems(cfg: Any, device: Optional[str]) -> list[ConfigProblem]:
-    has_gpu = _has_gpu()
+    import torch
+
+    has_gpu = torch.cuda.is_available()
     on_gpu = has_gpu if device is None else device == "cuda"
     found = []
-    for section_name, section in sections(cfg):
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name, None)
+        if not isinstance(section, schema.CONFIG_BASE):
+            continue
         for name, value, why in unsupported_settings(section):
             if why.needs == "transformer_engine" and not extras.is_installed("transformer_engine"):
                 fix = "pip install transformer-engine, or leave it unset"
@@ -135,19 +131,5 @@ def _machine_problems(cfg: Any, device: Optional[str]) -> list[ConfigProblem]:
                 fix = f"{where}, or leave it unset"
             else:
                 continue
-            found.append(ConfigProblem(f"{section_name}.{name}", f"{name}={value!r} {why.reason}", fix))
+            found.append(ConfigProblem(f"{f.name}.{name}", f"{name}={value!r} {why.reason}", fix))
     return found
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def sections(cfg: Any) -> Iterator[tuple[str, Any]]:
-    """(name, section) for each config section of a container (nested config values included)."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name, None)
-        if isinstance(value, schema.CONFIG_BASE):
-            yield f.name, value
