@@ -87,21 +87,19 @@ def sequence_parallel_layer_spec(provider, vp_stage=None):
 
 
 def one_process_group():
-    """A 1-process gloo group on a free loopback port, unless one exists; a context manager that
-    destroys the group it made."""
+    """A 1-process gloo group (an in-memory store: no port that parallel test workers could race
+    for), unless one exists; a context manager that destroys the group it made."""
     import contextlib
-    import socket
 
     import torch.distributed as dist
+
+    from megatron_bridge.runtime.distributed import single_process_store
 
     @contextlib.contextmanager
     def group():
         owned = not dist.is_initialized()
         if owned:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            dist.init_process_group("gloo", store=single_process_store(), rank=0, world_size=1)
         try:
             yield
         finally:

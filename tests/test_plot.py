@@ -1,7 +1,7 @@
 """`mbridge plot`: curves from TensorBoard event files (of a real training run) and from MLflow."""
 
 import pytest
-from factories import tiny_config
+from factories import needs, tiny_config
 
 from megatron_bridge.cli.main import main
 from megatron_bridge.cli.plot import short_labels
@@ -75,6 +75,7 @@ def test_two_runs_side_by_side_from_event_files(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_mlflow_runs_by_name(tmp_path, monkeypatch):
+    needs("mlflow")
     from megatron_bridge.training.loggers.mlflow_tracker import MlflowTracker
 
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -112,6 +113,8 @@ def test_mlflow_runs_by_name(tmp_path, monkeypatch):
     ],
 )
 def test_plot_usage_errors(tmp_path, monkeypatch, capsys, argv, message):
+    if "--mlflow-uri" in argv:
+        needs("mlflow")  # without it, the error is that MLflow is missing
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(argv) == 2
