@@ -3,6 +3,7 @@ and tear down — or abort, so a failing rank does not leave the others hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -93,10 +94,22 @@ def run_backend(dist_config) -> str:
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A loopback port that is free now, with the `count - 1` ports after it free as well (a
+    launcher's store and the ones numbered from it)."""
+    for _ in range(100):
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                for offset in range(1, count):
+                    after = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    after.bind(("127.0.0.1", port + offset))
+            except OSError:  # taken, or past the last port: try another
+                continue
+            return port
+    raise OSError(f"no {count} consecutive free loopback ports found")
 
 
 def single_process_store() -> dist.Store:

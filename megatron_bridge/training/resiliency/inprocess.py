@@ -46,8 +46,8 @@ def _launcher_environment():
     saved = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # the process-group store and the wrapper's store use the next two ports
-    os.environ["MASTER_PORT"] = str(free_port())
+    # the process-group store and the wrapper's store use the next two ports: all three must be free
+    os.environ["MASTER_PORT"] = str(free_port(3))
     try:
         yield
     finally:
