@@ -270,7 +270,10 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
     cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path),
            "train.exit_signal_handler=false", "train.train_iters=2000", "logger.log_interval=1", "~logger.tensorboard_dir"]  # fmt: skip
-    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Ctrl-C as a terminal delivers it, also when the suite itself runs as a background job
+    # (which starts its children with SIGINT ignored)
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     lines = []
     try:
         for line in job.stdout:
