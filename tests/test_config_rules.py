@@ -145,6 +145,24 @@ def test_iteration_and_sample_scheduler_fields_do_not_mix():
     )
 
 
+def test_one_fact_is_reported_once():
+    """A mistake megatron-core would also refuse, or that two rules see, gives one problem."""
+    mixed = tiny_config(scheduler=SchedulerConfig(lr_decay_iters=10, lr_decay_samples=100))
+    assert only_problem(mixed).startswith(
+        "scheduler.lr_decay_samples: iteration-based fields ['lr_decay_iters'] are mixed with sample-based fields"
+    )
+    no_experts = tiny_config(model=tiny_model(expert_model_parallel_size=2))
+    assert only_problem(no_experts, world_size=2) == (
+        "model.expert_model_parallel_size: expert parallelism (2) on a model without experts (num_moe_experts is not set) "
+        "(set num_moe_experts or expert_model_parallel_size=1)"
+    )
+    both = tiny_config(
+        model=tiny_model(bf16=True, fp16=True), optimizer=OptimizerConfig(lr=1e-3, bf16=True, fp16=True)
+    )
+    both.mixed_precision = None
+    assert only_problem(both) == "model.bf16: model.bf16 and model.fp16 are both on (choose one)"
+
+
 def test_weight_decay_range():
     errors = problems_of(tiny_config(scheduler=SchedulerConfig(start_weight_decay=-0.1, end_weight_decay=0.1)))
     assert "scheduler.start_weight_decay: -0.1 is outside the allowed range [0, 10] (choose a value in that range)" in errors

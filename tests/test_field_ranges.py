@@ -23,6 +23,7 @@ RELATED = {
     "CheckpointConfig.ckpt_step": "load",
     "TrainingConfig.rampup_batch_size": "global_batch_size",
     "OptimizerConfig.min_lr": "lr",
+    "GPTModelProvider.expert_model_parallel_size": "num_moe_experts",
     "GPTModelProvider.local_rotary_base": "window_size",
     **{f"GPTModelProvider.{n}": "position_embedding_type" for n in (
         "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",

@@ -198,6 +198,15 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             p.check(getattr(self, name) is not None, name, "is not set", f"set model.{name}")
         if p:
             return
+        # Reported here, before megatron-core's post-init would refuse them with its own message.
+        p.check(not (self.bf16 and self.fp16), "bf16", "model.bf16 and model.fp16 are both on", "choose one")
+        p.check(
+            self.num_moe_experts or self.expert_model_parallel_size == 1,
+            "expert_model_parallel_size",
+            f"expert parallelism ({self.expert_model_parallel_size}) on a model without experts "
+            "(num_moe_experts is not set)",
+            "set num_moe_experts or expert_model_parallel_size=1",
+        )
         tp = self.tensor_model_parallel_size
         p.check(
             self.num_attention_heads % tp == 0,

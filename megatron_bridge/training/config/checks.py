@@ -160,12 +160,6 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
                 f"EP x expert TP = {m.expert_model_parallel_size} x {etp}",
                 "choose EP so that it divides DP x CP x TP / expert TP",
             )
-    elif m.expert_model_parallel_size > 1:
-        problems.add(
-            "model.expert_model_parallel_size",
-            f"expert parallelism ({m.expert_model_parallel_size}) on a model without experts",
-            "set num_moe_experts or expert_model_parallel_size=1",
-        )
 
 
 # ---------------------------------------------------------------------- precision
@@ -179,7 +173,6 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
             f"model.{name}={getattr(m, name)} but optimizer.{name}={getattr(opt, name)}",
             f"set both alike, or use mixed_precision='{name}_mixed' which sets both",
         )
-    problems.check(not (m.bf16 and m.fp16), "model.bf16", "model.bf16 and model.fp16 are both on", "choose one")
     preset = "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'"
     check_low_precision(m, problems, "model.", preset)
 
@@ -348,8 +341,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     else:
         suffix, unit, kind, other_kind = "iters", "iterations", "iteration", "sample"
     other_fields = [n for n in (ITERATION_FIELDS if sample_based else SAMPLE_FIELDS) if getattr(s, n)]
-    problems.check(
-        not other_fields,
+    mixed = any(getattr(s, n) for n in (SAMPLE_FIELDS if sample_based else ITERATION_FIELDS))
+    problems.check(  # fields mixed within the scheduler are reported by the scheduler alone
+        not other_fields or mixed,
         f"scheduler.{other_fields[0]}" if other_fields else "scheduler",
         f"{kind}-based training (train.train_{suffix}) with {other_kind}-based scheduler fields {other_fields}",
         f"give scheduler lengths in {unit} (lr_decay_{suffix}, lr_warmup_{suffix}, lr_wsd_decay_{suffix})",
