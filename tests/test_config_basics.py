@@ -191,3 +191,20 @@ def test_min_lr_defaults_to_zero_and_stays_derived():
     cfg.optimizer.min_lr = 1e-4
     runtime_config_update(cfg)
     assert cfg.optimizer.min_lr == 1e-4
+
+
+def test_a_path_name_over_255_bytes_is_refused_however_short_the_text():
+    """The limit is in bytes: 100 three-byte characters make one 300-byte name."""
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.config.paths import check
+    from megatron_bridge.training.config import CheckpointConfig
+
+    for save, bytes_ in (("/tmp/" + "é" * 128, 256), ("runs/" + "名" * 100 + "/x", 300), ("n" * 256, 256)):
+        problems = Problems()
+        check(CheckpointConfig(save=save), problems)
+        assert [p.path for p in problems] == ["save"], save
+        assert f"is {bytes_:,} bytes, over the 255 bytes a filesystem allows" in problems.items[0].message
+    for fine in ("/tmp/" + "é" * 127, "runs/" + "名" * 85, "a/" * 200):
+        problems = Problems()
+        check(CheckpointConfig(save=fine), problems)
+        assert not problems, fine

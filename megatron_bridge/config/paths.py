@@ -35,13 +35,17 @@ def check(obj: Any, problems: Problems) -> None:
     values = obj.__dict__
     for name in names:
         value = values.get(name)
-        if value.__class__ is not str or (value and len(value) <= NAME_MAX and not value[0].isspace()):
-            continue  # the common case: unset, or a short path
+        if value.__class__ is not str:
+            continue  # unset
+        # the common case: a path too short for any name in it to reach NAME_MAX bytes (a
+        # character takes at most 4 bytes in UTF-8)
+        short = len(value) <= NAME_MAX // 4 or (len(value) <= NAME_MAX and value.isascii())
+        if value and short and not value[0].isspace():
+            continue
         if not value.strip():
             problems.add(name, f"{show(value)} is not a path", "give a path, or null to turn it off")
             continue
-        parts = value.split("/") if len(value) > NAME_MAX else ()
-        part = next((p for p in parts if len(p.encode(errors="surrogateescape")) > NAME_MAX), "")
+        part = next((p for p in value.split("/") if len(p.encode(errors="surrogateescape")) > NAME_MAX), "")
         if part:
             size = len(part.encode(errors="surrogateescape"))
             problems.add(
