@@ -173,6 +173,28 @@ def test_nan_loss_is_reported_and_not_trained_on():
     assert not torch.distributed.is_initialized()
 
 
+def test_an_inf_loss_in_one_micro_batch_stops_the_step_before_its_update():
+    """The losses of a step are checked together after its last micro batch (one wait for the
+    device per step); one bad micro batch among four still stops the run before the update."""
+    rec, calls = Record(), []
+
+    def inf_in_second_micro_batch(state, data_iterator, model):
+        output, loss_func = forward_step(state, data_iterator, model)
+        calls.append(state.train_state.step)
+        if state.train_state.step == 1 and calls.count(1) == 2:
+            output = output.masked_fill(torch.ones_like(output, dtype=torch.bool), float("inf"))
+        return output, loss_func
+
+    cfg = tiny_config(train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2))
+    with pytest.raises(RuntimeError) as err:
+        pretrain(cfg, inf_in_second_micro_batch, callbacks=[rec])
+    assert "found Inf in the loss" in str(err.value)
+    assert "iteration 2" in str(err.value)
+    assert calls.count(1) == 4  # the step's other micro batches ran
+    assert rec.events.count("step_end") == 1
+    assert not torch.distributed.is_initialized()
+
+
 def _write_indexed_dataset(prefix, vocab, docs=200, seed=0):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Iterator, Optional
 
@@ -70,11 +71,15 @@ def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
 
 
 def _validate_loss(loss: torch.Tensor, state: GlobalState) -> None:
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
     rerun = state.cfg.rerun_state_machine
     machine = get_rerun_state_machine()
-    if rerun.check_for_nan_in_loss:
+    if rerun.check_for_nan_in_loss and loss.requires_grad and machine.mode == RerunMode.DISABLED:
+        # Checked once per step (`check_step_losses`): a check per micro batch would wait for
+        # the GPU twice per micro batch and leave it idle while the next one is launched.
+        state.unchecked_losses.append(loss.detach())
+    elif rerun.check_for_nan_in_loss:
         machine.validate_result(
             result=loss, rejection_func=torch.isnan, message="found NaN in the loss", tolerance=0.0, fatal=True
         )
@@ -89,6 +94,27 @@ def _validate_loss(loss: torch.Tensor, state: GlobalState) -> None:
             tolerance=0.0,
             fatal=False,
         )
+
+
+def check_step_losses(state: GlobalState) -> None:
+    """Raise the error megatron-core's result validation raises if a training loss of this step
+    was NaN or Inf: before the optimizer step, so no update is made from it."""
+    losses, state.unchecked_losses = state.unchecked_losses, []
+    if not losses:
+        return
+    stacked = torch.stack(losses)
+    bad = ~torch.isfinite(stacked)
+    if not bad.any():  # the one wait for the device per step
+        return
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    value = float(stacked[bad][0])
+    kind = "NaN" if value != value else "Inf"
+    iteration = get_rerun_state_machine().current_iteration
+    raise RuntimeError(
+        f"Rank {state.rank}, node {os.uname()[1]}, iteration {iteration}: "
+        f"Unexpected result {value} (message='found {kind} in the loss')"
+    )
 
 
 def forward_step(state: GlobalState, data_iterator: Iterator[dict], model: torch.nn.Module, return_schedule_plan: bool = False):

@@ -108,6 +108,10 @@ class GlobalState:
     exit_code: int = 0
     """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""
 
+    unchecked_losses: list = field(default_factory=list)
+    """This step's training losses (on the device), checked for NaN/Inf together once the
+    forward/backward passes end (`gpt_step.check_step_losses`)."""
+
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == self.logging_rank

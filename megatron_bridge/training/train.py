@@ -14,6 +14,7 @@ import torch
 from megatron_bridge.training import console, profiling
 from megatron_bridge.runtime.callbacks import CallbackList
 from megatron_bridge.training.evaluate import evaluate
+from megatron_bridge.training.gpt_step import check_step_losses
 from megatron_bridge.training.loss_reduction import LossAccumulator
 from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.training.metrics import EnergyMeter, eval_metrics, reduced_metrics, timer_values, train_metrics
@@ -102,6 +103,7 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
             decoder_seq_length=seq,
             forward_only=False,
         )
+        check_step_losses(run.state)
     checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
     result.rerun_checkpoint = checkpoint
     if should_exit:
