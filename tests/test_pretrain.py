@@ -155,44 +155,42 @@ def test_custom_optimizer_override_provider_changes_param_groups():
     assert len(custom.param_groups) > len(default.param_groups)
 
 
-def test_nan_loss_is_reported_and_not_trained_on():
-    rec = Record()
+def _stopped_by_the_loss(spoil):
+    """(the error, the events) of a 6-iteration run whose forward step passes its output
+    through `spoil(step, micro batch of the step, output)`."""
+    rec, calls = Record(), []
 
-    def nan_at_step_3(state, data_iterator, model):
+    def spoiled(state, data_iterator, model):
         output, loss_func = forward_step(state, data_iterator, model)
-        if state.train_state.step == 2:  # the third iteration
-            output = output * float("nan")
-        return output, loss_func
+        calls.append(state.train_state.step)
+        return spoil(state.train_state.step, calls.count(state.train_state.step), output), loss_func
 
     cfg = tiny_config(train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2))
     with pytest.raises(RuntimeError) as err:
-        pretrain(cfg, nan_at_step_3, callbacks=[rec])
-    assert "found NaN in the loss" in str(err.value)
-    assert "iteration 3" in str(err.value)
-    assert rec.events.count("step_end") == 2  # no optimizer step with the NaN loss
+        pretrain(cfg, spoiled, callbacks=[rec])
     assert not torch.distributed.is_initialized()
+    return str(err.value), rec.events, calls
+
+
+def test_nan_loss_is_reported_and_not_trained_on():
+    # the third iteration
+    err, events, _ = _stopped_by_the_loss(lambda step, _, out: out * float("nan") if step == 2 else out)
+    assert "found NaN in the loss" in err
+    assert "iteration 3" in err
+    assert events.count("step_end") == 2  # no optimizer step with the NaN loss
 
 
 def test_an_inf_loss_in_one_micro_batch_stops_the_step_before_its_update():
     """The losses of a step are checked together after its last micro batch (one wait for the
     device per step); one bad micro batch among four still stops the run before the update."""
-    rec, calls = Record(), []
-
-    def inf_in_second_micro_batch(state, data_iterator, model):
-        output, loss_func = forward_step(state, data_iterator, model)
-        calls.append(state.train_state.step)
-        if state.train_state.step == 1 and calls.count(1) == 2:
-            output = output.masked_fill(torch.ones_like(output, dtype=torch.bool), float("inf"))
-        return output, loss_func
-
-    cfg = tiny_config(train=TrainingConfig(train_iters=6, global_batch_size=8, micro_batch_size=2))
-    with pytest.raises(RuntimeError) as err:
-        pretrain(cfg, inf_in_second_micro_batch, callbacks=[rec])
-    assert "found Inf in the loss" in str(err.value)
-    assert "iteration 2" in str(err.value)
+    err, events, calls = _stopped_by_the_loss(
+        lambda step, micro, out: out.masked_fill(torch.ones_like(out, dtype=torch.bool), float("inf"))
+        if (step, micro) == (1, 2) else out
+    )
+    assert "found Inf in the loss" in err
+    assert "iteration 2" in err
     assert calls.count(1) == 4  # the step's other micro batches ran
-    assert rec.events.count("step_end") == 1
-    assert not torch.distributed.is_initialized()
+    assert events.count("step_end") == 1
 
 
 def _write_indexed_dataset(prefix, vocab, docs=200, seed=0):
