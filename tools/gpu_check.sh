@@ -142,8 +142,12 @@ else
 fi
 if [ "$(left)" -ge "$SUITE_MIN_S" ]; then
     # shellcheck disable=SC2086
-    step suite "$(left)" "$PYTHON" -m pytest -q -p no:cacheprovider $SUITE_ARGS
-    tail -n 3 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+    # -v names each failure as it happens, so a run cut short still says which tests failed;
+    # -rfEs lists failures, errors and skips (with their reasons) at the end
+    step suite "$(left)" "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider $SUITE_ARGS
+    grep -E "(FAILED|ERROR) tests/" "$LOG_DIR/suite.log" 2>/dev/null | sed -E 's/^.*(FAILED|ERROR) (tests\/[^ ]+).*$/  \1 \2/' | sort -u |
+        tee -a "$SUMMARY"
+    tail -n 1 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 else
     echo "suite: skipped ($(left) s left, it needs ${SUITE_MIN_S} s)" | tee -a "$SUMMARY"
 fi
