@@ -20,8 +20,9 @@
 #   2. the README main job: mbridge pretrain --recipe tiny_gpt_pretrain_config;
 #   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, unfused attention, LoRA, the
 #      hand-written loop, each with measured and planned memory;
-#   4. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
-#   5. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
+#   4. tools/profile_step.py (PROFILE=0 leaves it out): the step's time by part of the model;
+#   5. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
+#   6. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
 # Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing.
@@ -45,12 +46,14 @@ SUITE_MIN_S="${SUITE_MIN_S:-200}"
 if [ "$SMOKE" = 1 ]; then
     BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused}"
     BENCH_ARGS="--tiny --rounds 1 --iters 2 --warmup 1"
+    PROFILE_ARGS="--tiny --steps 1 --warmup 1"
     JOB_ARGS="train.train_iters=5 validation.eval_iters=1"
     SUITE_WORKERS=2
     SUITE_ARGS="tests/test_bench_gpu.py -k refused"  # the xdist path, on two cheap tests
 else
     BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused,lora,handwritten}"
     BENCH_ARGS="--rounds 1 --iters ${BENCH_ITERS:-10} --warmup 4"
+    PROFILE_ARGS="--steps 3 --warmup 2"
     JOB_ARGS=""
     SUITE_WORKERS=12
     SUITE_ARGS=""
@@ -130,11 +133,19 @@ step readme_job 120 "$PYTHON" -m megatron_bridge pretrain --recipe tiny_gpt_pret
 step bench 300 "$PYTHON" tools/bench_gpu.py --variants "$BENCH_VARIANTS" $BENCH_ARGS
 grep -E "^(device|[a-z+]+ +(median|FAILED)|ratio|trackers|unfused/|LoRA/)" "$LOG_DIR/bench.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 
-# 4. the GPU test lane
+# 4. the step's time by part of the model
+if [ "${PROFILE:-1}" != 0 ]; then
+    # shellcheck disable=SC2086
+    step profile 150 "$PYTHON" tools/profile_step.py $PROFILE_ARGS
+    grep -E "^(device|[0-9]+ steps profiled)| ms/step " "$LOG_DIR/profile.log" 2>/dev/null | sed 's/^/  /' |
+        tee -a "$SUMMARY"
+fi
+
+# 5. the GPU test lane
 step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
 tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 
-# 5. the whole suite, when there is time for it
+# 6. the whole suite, when there is time for it
 if "$PYTHON" -c "import xdist" 2> /dev/null; then
     SUITE_ARGS="-n $SUITE_WORKERS $SUITE_ARGS"
 else
