@@ -53,7 +53,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused,lora,handwritten}"
     BENCH_ARGS="--rounds 1 --iters ${BENCH_ITERS:-10} --warmup 4"
-    PROFILE_ARGS="--steps 3 --warmup 2"
+    PROFILE_ARGS="--steps 2 --warmup 2"
     JOB_ARGS=""
     SUITE_WORKERS=12
     SUITE_ARGS=""
