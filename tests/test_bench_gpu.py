@@ -1,5 +1,6 @@
 """tools/bench_gpu.py runs on CPU with its tiny shape (so the GPU benchmark cannot rot)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -50,3 +51,12 @@ def test_gpu_benchmark_runs_on_cpu_with_the_tiny_shape():
 def test_unknown_tracker_or_variant_is_refused(argv, message):
     out = subprocess.run([sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_the_fused_variant_is_refused_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--variants", "pretrain,fused"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 2
+    assert "the fused variant needs CUDA: megatron-core's fused SwiGLU and cross-entropy are GPU kernels" in out.stderr

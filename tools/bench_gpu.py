@@ -18,13 +18,16 @@ Variants (`--variants`, in the order given, alternating fresh processes per roun
                      sqlite, Comet offline) logging every iteration
   unfused            pretrain() with attention_backend=unfused and selective recompute of the scores
                      (megatron-core's local attention as it ran before SDPA)
+  fused              pretrain() with megatron-core's fused SwiGLU (bias_activation_fusion) and
+                     cross-entropy (cross_entropy_loss_fusion, native), both compiled by
+                     torch.compile: the fusions local layers have without TransformerEngine
   lora               finetune() with LoRA rank 16 (alpha 32) on linear_qkv, linear_proj,
                      linear_fc1 and linear_fc2, from a base saved by a one-iteration run first
 Each run prints its line as soon as it ends (median iteration time after warm-up, tokens/s and
 MFU on a GPU, torch.cuda.max_memory_allocated next to the planner's estimate for the same config
 without its fixed workspace allowance, which the allocator does not see), so a run cut short
 still leaves figures; then the medians over all rounds, pretrain()/hand-written, trackers on/off,
-unfused/SDPA and LoRA/full time per iteration. A variant that fails is reported and the others go
+unfused/SDPA, fused/plain and LoRA/full time per iteration. A variant that fails is reported and the others go
 on (exit status 1 at the end).
 """
 
@@ -61,7 +64,7 @@ TINY_SHAPE = dict(
     mbs=1,
     gbs=4,
 )
-VARIANTS = ("handwritten", "pretrain", "pretrain+trackers", "unfused", "lora")
+VARIANTS = ("handwritten", "pretrain", "pretrain+trackers", "unfused", "fused", "lora")
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet": "comet_ml"}
 
 
@@ -255,6 +258,8 @@ def bench_config(shape: dict, variant: str, iters: int, te: bool, cuda: bool, wo
         fields.pop(key)
     if variant == "unfused":
         fields.update(attention_backend=AttnBackend.unfused, recompute_granularity="selective")
+    if variant == "fused":
+        fields.update(bias_activation_fusion=True, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     base = os.path.join(workdir, "base")
     cfg = ConfigContainer(
         model=GPTModelProvider(
@@ -438,6 +443,8 @@ def main() -> None:
     import torch
 
     cuda = torch.cuda.is_available()
+    if "fused" in variants and not cuda:
+        p.error("the fused variant needs CUDA: megatron-core's fused SwiGLU and cross-entropy are GPU kernels")
     args.tiny = args.tiny or not cuda
     shape = TINY_SHAPE if args.tiny else GPU_SHAPE
     if args.worker:
@@ -531,6 +538,8 @@ class Report:
             )
         if m.get("pretrain") and m.get("unfused"):
             out.append(f"unfused/SDPA time per iteration: {m['unfused'] / m['pretrain']:.3f}")
+        if m.get("pretrain") and m.get("fused"):
+            out.append(f"fused/plain SwiGLU and cross-entropy time per iteration: {m['fused'] / m['pretrain']:.3f}")
         if m.get("pretrain") and m.get("lora"):
             out.append(f"LoRA/full training time per iteration: {m['lora'] / m['pretrain']:.3f}")
         return out

@@ -18,8 +18,8 @@
 # deadline of 470 s (DEADLINE_S) so that the whole run fits 8 minutes:
 #   1. install the wheels into a temporary directory, put it and the repository on PYTHONPATH;
 #   2. the README main job: mbridge pretrain --recipe tiny_gpt_pretrain_config;
-#   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, unfused attention, LoRA, the
-#      hand-written loop, each with measured and planned memory;
+#   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, the hand-written loop, fused SwiGLU and
+#      cross-entropy, unfused attention, LoRA, each with measured and planned memory;
 #   4. tools/profile_step.py (PROFILE=0 leaves it out): the step's time by part of the model;
 #   5. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
 #   6. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
@@ -51,7 +51,7 @@ if [ "$SMOKE" = 1 ]; then
     SUITE_WORKERS=2
     SUITE_ARGS="tests/test_bench_gpu.py -k refused"  # the xdist path, on two cheap tests
 else
-    BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,unfused,lora,handwritten}"
+    BENCH_VARIANTS="${BENCH_VARIANTS:-pretrain,handwritten,fused,unfused,lora}"
     BENCH_ARGS="--rounds 1 --iters ${BENCH_ITERS:-10} --warmup 4"
     PROFILE_ARGS="--steps 2 --warmup 2"
     JOB_ARGS=""
