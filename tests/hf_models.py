@@ -111,16 +111,20 @@ def save_tiny(name: str, directory: str, seed: int = 0, max_shard_size: Optional
     return directory
 
 
-def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def hf_reference_model(directory: str):
+    """transformers' fp32 model of `directory` in eval mode, the reference our logits are compared
+    with. Soft-capped attention scores (Gemma 2) exist only in transformers' eager attention, and
+    older transformers (5.17 among them) loads Gemma 2 with SDPA by default, which drops the cap:
+    such models are loaded with eager attention explicitly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from transformers import AutoConfig
-
-    # Soft-capped attention scores (Gemma 2) exist only in transformers' eager attention
     softcapped = getattr(AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None) is not None
     extra = {"attn_implementation": "eager"} if softcapped else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
-    model.eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra).eval()
+
+
+def hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
+    model = hf_reference_model(directory)
     with torch.no_grad():
         return model(tokens).logits
 

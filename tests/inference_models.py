@@ -9,7 +9,7 @@ import sys
 
 import torch
 from factories import source_tree_env
-from hf_models import family_configs, save_tiny
+from hf_models import family_configs, hf_reference_model, save_tiny
 from text_data import train_tokenizer
 
 VOCAB = 320
@@ -32,9 +32,7 @@ def hf_tokenizer(directory: str):
 
 
 def transformers_model(directory: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return hf_reference_model(directory)
 
 
 def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:

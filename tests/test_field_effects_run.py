@@ -32,6 +32,13 @@ from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 
 
+def training_rng_state(state) -> torch.Tensor:
+    """The state of the default generator of the device the run trains on, the one its dropout
+    draws from (a CUDA run leaves the CPU generator where the seeding put it)."""
+    device = next(state.model[0].parameters()).device
+    return (torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()).clone()
+
+
 class Recorder(Callback):
     """What a run did: metrics per step, what reached the tracker, and state around the loop."""
 
@@ -40,7 +47,7 @@ class Recorder(Callback):
         self.logged: list[tuple[int, dict]] = []
 
     def on_train_start(self, state):
-        self.rng_at_start = torch.get_rng_state().clone()
+        self.rng_at_start = training_rng_state(state)
         optimizers = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
         self.optimizer_state_at_start = [s for o in optimizers for s in o.optimizer.state.values()]
         send = state.tracker.log_metrics
@@ -55,7 +62,7 @@ class Recorder(Callback):
         self.steps[state.train_state.step] = metrics
 
     def on_train_end(self, state):
-        self.rng_at_end = torch.get_rng_state().clone()
+        self.rng_at_end = training_rng_state(state)
 
 
 def short_run(iters=4, **sections):

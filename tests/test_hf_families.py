@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from factories import tiny_config
-from hf_models import family_configs, random_tokens, save_tiny
+from hf_models import family_configs, hf_reference_model, random_tokens, save_tiny
 
 from megatron_bridge import models as M
 from megatron_bridge.config.errors import ConfigValidationError, Problems
@@ -209,7 +209,6 @@ def test_lora_adapters_on_an_imported_model_load_in_peft_with_our_logits(tmp_pat
     export them: `peft` puts them on transformers' model of the same directory and computes our
     adapted model's logits."""
     import peft
-    from transformers import AutoModelForCausalLM
 
     from megatron_bridge.cli.main import main
     from megatron_bridge.peft import LoRA
@@ -247,7 +246,7 @@ def test_lora_adapters_on_an_imported_model_load_in_peft_with_our_logits(tmp_pat
         with torch.no_grad():
             on_model = tokens.to(device)
             adapted = ours(on_model, torch.arange(tokens.shape[1], device=device).expand_as(on_model), None).float().cpu()
-    hf_base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    hf_base = hf_reference_model(source)
     with torch.no_grad():
         plain = hf_base(tokens).logits
         theirs = peft.PeftModel.from_pretrained(hf_base, adapters).eval()(tokens).logits
