@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from factories import one_process_group, tiny_config, tiny_model
+from factories import on_cpu, one_process_group, tiny_config, tiny_model
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.config.targets import register_target
@@ -337,7 +337,8 @@ def built(process_group):
         fp16=True, params_dtype=torch.half, min_loss_scale=8.0, loss_scale_window=7, hysteresis=3
     )
     overlap = CommOverlapConfig(overlap_grad_reduce=True, overlap_param_gather=True, align_param_gather=True)
-    cfg = tiny_config(mixed_precision=precision, comm_overlap=overlap)
+    # a CPU run on every machine: it is set up in the module's gloo group
+    cfg = on_cpu(tiny_config(mixed_precision=precision, comm_overlap=overlap))
     cfg.ddp.use_distributed_optimizer = True
     cfg.validation.eval_interval = None
     cfg.dist.align_grad_reduce = False

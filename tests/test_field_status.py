@@ -264,21 +264,16 @@ def test_gpu_only_settings_are_refused_before_the_build_on_a_cpu_machine():
 
 @pytest.mark.timeout(120)
 def test_the_run_refuses_machine_problems_before_building(monkeypatch):
-    import torch
-
     from megatron_bridge.training import build
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
-    from tests.factories import tiny_config
-
-    if torch.cuda.is_available():
-        pytest.skip("checks the refusal on a machine without a GPU")
+    from tests.factories import on_cpu, tiny_config
 
     def no_build(*args, **kwargs):
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(build, "build_model", no_build)
-    cfg = tiny_config()
+    cfg = on_cpu(tiny_config())  # a CPU run: without a GPU, or on a machine with GPUs left unused
     cfg.model.external_cuda_graph = True
     with pytest.raises(
         ConfigValidationError, match=r"model\.external_cuda_graph: external_cuda_graph=True needs a GPU"

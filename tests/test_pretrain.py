@@ -265,7 +265,8 @@ def test_forward_step_signatures_are_adapted():
 
     def without_state(data_iterator, model):
         seen.append("plain")
-        batch = next(data_iterator)
+        device = next(model.parameters()).device  # batches come on the CPU; the model is on the GPU where there is one
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
         from functools import partial
 

@@ -51,7 +51,8 @@ def test_inprocess_restart_resumes_from_the_last_checkpoint_and_finishes_like_an
     # restart monitor (a double-forked daemon) must still start.
     die_with_parent()
     clean = Losses()
-    pretrain(restart_config(str(tmp_path / "clean")), forward_step, callbacks=[clean])
+    # on CPU on every machine: the losses are compared bit for bit
+    pretrain(on_cpu(restart_config(str(tmp_path / "clean"))), forward_step, callbacks=[clean])
 
     faults = []
 
@@ -63,7 +64,7 @@ def test_inprocess_restart_resumes_from_the_last_checkpoint_and_finishes_like_an
 
     faulted = Losses()
     with caplog.at_level(logging.INFO):
-        state = pretrain(restart_config(str(tmp_path / "faulted")), fault_at_7, callbacks=[faulted])
+        state = pretrain(on_cpu(restart_config(str(tmp_path / "faulted"))), fault_at_7, callbacks=[faulted])
     assert faults == [7] and state.train_state.step == 10
     assert "in-process restart 1: resuming from the last checkpoint" in caplog.text
     assert "resumed from iteration 5" in caplog.text

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from factories import tiny_config
+from factories import source_tree_env, tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training import build
@@ -225,6 +225,53 @@ def test_killing_the_trainer_during_an_async_save_leaves_no_process_behind(tmp_p
         assert left == [], f"processes of the killed run remain: {left} (helpers seen before the kill: {helpers})"
     finally:
         _kill_session(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_spawned_checkpoint_worker_dies_with_a_killed_trainer(tmp_path):
+    """megatron-core's persistent checkpoint worker (spawned for async saves on a GPU run; a CPU
+    run saves from forked processes) waits on its job queue for ever once its trainer is killed,
+    unless the manager ties it to the trainer. A stand-in trainer spawns a worker the same way
+    and is killed: the tied worker dies with it, an untied one lives on."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    from megatron_bridge.runtime import child_processes
+    from megatron_bridge.training.checkpointing.manager import DefaultCheckpointManager
+
+    original = PersistentAsyncCaller.__dict__["async_loop"]
+    cfg = _config(str(tmp_path / "ckpt"))
+    cfg.checkpoint.async_save = True  # and use_persistent_ckpt_worker, its default
+    try:
+        DefaultCheckpointManager(cfg)._queue()
+        tied = inspect.getattr_static(PersistentAsyncCaller, "async_loop")
+        assert tied.func is child_processes._run_tied and tied.args == (os.getpid(), PersistentAsyncCaller, "async_loop")
+    finally:
+        PersistentAsyncCaller.async_loop = original
+
+    lives_on = {}
+    for mode in ("tied", "untied"):
+        pid_file = tmp_path / f"{mode}.pid"
+        trainer = subprocess.Popen(
+            [sys.executable, str(SCRIPT.parent / "spawn_worker.py"), str(pid_file), mode],
+            env=source_tree_env(), start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.time() + 60
+            while not pid_file.exists():
+                assert time.time() < deadline and trainer.poll() is None, f"the {mode} worker never started"
+                time.sleep(0.05)
+            worker = psutil.Process(int(pid_file.read_text()))
+            trainer.kill()
+            trainer.wait()
+            deadline = time.time() + 5
+            while _alive([worker]) and time.time() < deadline:
+                time.sleep(0.1)
+            lives_on[mode] = bool(_alive([worker]))
+        finally:
+            _kill_session(trainer)
+    assert lives_on == {"tied": False, "untied": True}
 
 
 def _signal_after_steps(tmp_path, sig, times, steps=3):

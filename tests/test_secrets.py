@@ -13,14 +13,13 @@ import sys
 import zipfile
 
 import pytest
-from factories import tiny_config
+from factories import needs, source_tree_env, tiny_config
 
 from megatron_bridge.config import secrets
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.config.overrides import process_config_with_overrides
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "Zq-token-4f1d9c2b7e-from-the-environment"
 LITERAL = "literal-credential-8a7b6c"
 
@@ -162,10 +161,10 @@ def test_the_file_search_finds_a_secret_in_a_file_and_in_a_zip_member(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_run_with_every_tracker_leaves_no_secret_in_its_directory(tmp_path):
+    needs("mlflow", "wandb", "comet_ml")
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(
-        PYTHONPATH=REPO, MB_TEST_SECRET=SECRET, HOME=str(tmp_path), WANDB_MODE="offline", WANDB_DIR=str(run / "wandb"),
+    env = source_tree_env(
+        MB_TEST_SECRET=SECRET, HOME=str(tmp_path), WANDB_MODE="offline", WANDB_DIR=str(run / "wandb"),
         WANDB_CACHE_DIR=str(run / "wandb-cache"), WANDB_CONFIG_DIR=str(run / "wandb-config"),
         WANDB_DATA_DIR=str(run / "wandb-data"), MLFLOW_DISABLE_TELEMETRY="true", COMET_ERROR_TRACKING_ENABLE="false",
     )  # fmt: skip

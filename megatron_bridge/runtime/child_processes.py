@@ -4,7 +4,8 @@ megatron-core's checkpoint writer forks processes (a background saver, one write
 If the trainer is killed with SIGKILL, nothing tells them to stop: they were re-parented to init
 and lived on, holding hundreds of MB each. Here every process forked by the trainer asks Linux to
 SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`); spawned helpers (worker pools, the results
-manager of a persistent checkpoint worker) do the same when they start.
+manager of a persistent checkpoint worker, megatron-core's persistent checkpoint worker itself)
+do the same when they start.
 
 Some helpers must outlive their parent on purpose: nvidia-resiliency-ext's restart monitor is
 a daemon made by a double fork, whose middle process exits at once. They are started inside
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import inspect
 import multiprocessing as mp
 import os
 import signal
@@ -90,6 +93,24 @@ def tie_children_to_parent() -> None:
 def _start_worker(parent_pid: int, initializer: Callable[..., None], initargs: tuple) -> None:
     die_when_parent_dies(parent_pid)
     initializer(*initargs)
+
+
+def tie_spawned_target(owner: type, name: str) -> None:
+    """Processes spawned from now on with the target `owner.name` (a static method that the
+    spawning code looks up when it starts the process, as megatron-core does for its persistent
+    checkpoint worker) die when this process dies, and so do the processes they fork: otherwise
+    such a worker, blocked on its job queue, outlives a killed trainer forever (on a GPU, with
+    its CUDA context). Call again after a fork (the pid of the spawning process is recorded)."""
+    setattr(owner, name, functools.partial(_run_tied, os.getpid(), owner, name))
+
+
+def _run_tied(parent_pid: int, owner: type, name: str, *args: Any, **kwargs: Any) -> Any:
+    die_when_parent_dies(parent_pid)
+    die_with_parent()
+    target = inspect.getattr_static(owner, name)  # the class as imported here: not tied
+    if isinstance(target, functools.partial):
+        raise RuntimeError(f"{owner.__qualname__}.{name} is tied in the spawned process too")
+    return (target.__func__ if isinstance(target, staticmethod) else target)(*args, **kwargs)
 
 
 def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple = ()) -> Any:

@@ -21,6 +21,7 @@ from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
+from megatron_bridge.runtime.child_processes import tie_spawned_target
 from megatron_bridge.config.targets import resolve
 from megatron_bridge.models.hf.convert import save_run
 from megatron_bridge.models.hf.load import load_hf_weights
@@ -157,8 +158,10 @@ class DefaultCheckpointManager:
 
     def _queue(self):
         if self._async_queue is None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, PersistentAsyncCaller
 
+            if self.ckpt.use_persistent_ckpt_worker:
+                tie_spawned_target(PersistentAsyncCaller, "async_loop")  # it must not outlive a killed trainer
             self._async_queue = AsyncCallsQueue(persistent=self.ckpt.use_persistent_ckpt_worker)
         return self._async_queue
 
