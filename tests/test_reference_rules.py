@@ -254,11 +254,20 @@ def test_deterministic_mode_turns_on_torch_deterministic_algorithms(tmp_path):
     cfg.train.train_iters = 2
     cfg.validation.eval_iters = 0
     cfg.env_vars = {"NCCL_ALGO": "Ring"}
+    from megatron_bridge.training.callbacks import Callback
+
+    class During(Callback):
+        def on_step_end(self, state, metrics):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+
+    seen = []
     assert not torch.are_deterministic_algorithms_enabled()
     try:
-        state = pretrain(cfg, forward_step)
-        assert torch.are_deterministic_algorithms_enabled()
+        state = pretrain(cfg, forward_step, callbacks=[During()])
+        assert seen == [True, True]
         assert state.train_state.step == 2
+        # the setting is the run's: a later run in this process starts from torch's own
+        assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -121,3 +121,7 @@ def _shutdown(state: GlobalState) -> None:
         if state.cpu_backend_activated:
             cpu_backend.deactivate()
             state.cpu_backend_activated = False
+        if state.deterministic_before is not None:
+            enabled, warn_only = state.deterministic_before
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+            state.deterministic_before = None

@@ -127,8 +127,6 @@ def set_seeds(cfg: ConfigContainer) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if cfg.model.deterministic_mode:
-        use_deterministic_algorithms()
     model_parallel_cuda_manual_seed(seed, te_rng_tracker=cfg.rng.te_rng_tracker, inference_rng_tracker=cfg.rng.inference_rng_tracker)
 
 
@@ -141,14 +139,17 @@ def rank_seed(rng, pipeline_rank: int, data_parallel_rank: int) -> int:
     return seed
 
 
-def use_deterministic_algorithms() -> None:
+def use_deterministic_algorithms() -> tuple[bool, bool]:
     """What model.deterministic_mode asks of torch (as Megatron-LM does): deterministic kernels
-    only, failing on an op that has none; cuBLAS needs a fixed workspace for that."""
+    only, failing on an op that has none; cuBLAS needs a fixed workspace for that. Returns torch's
+    setting before (on, warn only), which the run puts back when it ends."""
     import os
 
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     logger.info("deterministic mode: torch.use_deterministic_algorithms(True)")
+    return before
 
 
 def _rng_snapshot() -> dict[str, Any]:
@@ -304,6 +305,8 @@ def setup(
         state.rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, cfg.data_parallel_size, t.decrease_batch_size_if_needed
     )
     set_seeds(cfg)
+    if cfg.model.deterministic_mode:
+        state.deterministic_before = use_deterministic_algorithms()
     init_rerun_state_machine(cfg)
     state.timers = Timers(max(cfg.logger.timing_log_level, 0), cfg.logger.timing_log_option)
     state.tokenizer = build_checked_tokenizer(cfg)

@@ -78,6 +78,9 @@ class GlobalState:
     """True if `pretrain()` created the process group (and so must destroy it)."""
 
     cpu_backend_activated: bool = False
+    deterministic_before: Optional[tuple[bool, bool]] = None
+    """torch's deterministic-algorithms setting (on, warn only) before `model.deterministic_mode`
+    turned it on; put back when the run ends, so a later run in the process is not affected."""
     tp_communicators: bool = False
     """True while TransformerEngine's userbuffers for tensor-parallel overlap exist."""
 
