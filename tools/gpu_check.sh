@@ -22,7 +22,8 @@
 #      cross-entropy, unfused attention, LoRA, each with measured and planned memory;
 #   4. tools/profile_step.py (PROFILE=0 leaves it out): the step's time by part of the model;
 #   5. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
-#   6. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
+#   6. with RETEST set (test ids), those tests alone, with full tracebacks;
+#   7. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
 # Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing.
@@ -145,7 +146,14 @@ fi
 step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
 tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 
-# 6. the whole suite, when there is time for it
+# 6. chosen tests with full tracebacks (RETEST="tests/a.py::test_x tests/b.py"), before the suite
+if [ -n "${RETEST:-}" ]; then
+    # shellcheck disable=SC2086
+    step retest 240 "$PYTHON" -m pytest -q --tb=long -rfEs -p no:cacheprovider $RETEST
+    tail -n 1 "$LOG_DIR/retest.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+fi
+
+# 7. the whole suite, when there is time for it
 if "$PYTHON" -c "import xdist" 2> /dev/null; then
     SUITE_ARGS="-n $SUITE_WORKERS $SUITE_ARGS"
 else
