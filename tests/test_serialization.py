@@ -14,7 +14,7 @@ import yaml
 from factories import tiny_config
 from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
 
-from megatron_bridge.config.base import values_equal
+from megatron_bridge.config.base import ConfigBase, config_dataclass, values_equal
 from megatron_bridge.peft import DoRA
 from megatron_bridge.training.config import (
     ConfigContainer,
@@ -167,6 +167,24 @@ def test_ambiguous_declarations_get_tagged_forms():
         "T": {"_tuple_": [1, 2]}, "dtype": {"_target_": "torch.float16", "_call_": False}, "where": {"_path_": "/p"}
     }  # fmt: skip
     assert data["tensor_inspect"]["features"] == {"_path_": "/f.yaml"}  # Union[dict, str, Path]
+
+
+@config_dataclass(kw_only=True)
+class SetFieldsConfig(ConfigBase):
+    """A user's section with set-typed fields."""
+
+    tags: set[str] = dataclasses.field(default_factory=set)
+    ids: frozenset[int] = frozenset()
+
+
+def test_set_fields_take_sets_and_round_trip_as_sorted_lists(tmp_path):
+    cfg = SetFieldsConfig(tags={"b", "a"}, ids=frozenset({3, 1}))
+    text = to_yaml(cfg, tmp_path / "sets.yaml")
+    assert "tags: [a, b]" in text and "ids: [1, 3]" in text
+    back = from_yaml(tmp_path / "sets.yaml")
+    assert back == cfg and type(back.tags) is set and type(back.ids) is frozenset
+    with pytest.raises(TypeError, match=r"SetFieldsConfig.tags: item 1: expected str, got int 1"):
+        SetFieldsConfig(tags={1})
 
 
 def test_print_yaml(capsys):

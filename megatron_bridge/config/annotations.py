@@ -217,9 +217,10 @@ def checker_for(tp: Any) -> Checker:
         positional, item_type = item_types(tp)
         checks = [checker_for(a) for a in positional] if positional else None
         item = checker_for(item_type)
+        accepted = (list, tuple, set, frozenset) if typing.get_origin(tp) in (set, frozenset) else (list, tuple)
 
         def check_sequence(value: Any) -> Optional[str]:
-            if not isinstance(value, (list, tuple)):
+            if not isinstance(value, accepted):
                 return _mismatch(name, value)
             if checks is not None and len(value) != len(checks):
                 return f"expected {name} with {len(checks)} items, got {len(value)}"

@@ -192,6 +192,8 @@ class Decoder:
         return obj
 
     def _sequence(self, raw: Any, tp: Any, origin: Any, lenient: bool) -> Any:
+        if isinstance(raw, (set, frozenset)) and origin in (set, frozenset):
+            raw = list(raw)
         if not isinstance(raw, (list, tuple)):
             raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
         positional, item = item_types(tp)
@@ -357,6 +359,8 @@ class Encoder:
             return str(value).replace("torch.", "")
         if kind == "path" and isinstance(value, pathlib.PurePath):
             return str(value)
+        if isinstance(value, (set, frozenset)) and origin in (set, frozenset):  # written in a stable order
+            return self._list(sorted((self.value(v, item_types(tp)[1]) for v in value), key=repr))
         if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
             positional, item = item_types(tp)
             if positional and len(positional) == len(value):
