@@ -123,6 +123,15 @@ def backend_overrides(ranks: int) -> list[str]:
     return [f"dist.distributed_backend={backend_for(ranks)}"]
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The command that starts a single-node job of `nproc` processes. torchrun picks and holds
+    its own rendezvous port (`--standalone`): a port chosen free beforehand could be taken by
+    another test's connections before torchrun binds it (tests run in parallel on GPU machines)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+
+
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for its processes: a test's subprocess must not inherit them."""
 

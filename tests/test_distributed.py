@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import backend_for
+from factories import backend_for, torchrun
 
-from megatron_bridge.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
 
@@ -23,8 +22,7 @@ def run(tmp_path, name, *args, nproc=1, timeout=300):
         cmd = [sys.executable, str(SCRIPT)]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            *torchrun(nproc),
             str(SCRIPT),
         ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -90,8 +88,7 @@ def test_one_rank_raising_stops_both_quickly_with_its_error(tmp_path):
     import time
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(SCRIPT), "--iters", "50", "--fail-at", "5", "--fail-rank", "1",
+        *torchrun(2), str(SCRIPT), "--iters", "50", "--fail-at", "5", "--fail-rank", "1",
         "--timeout-minutes", "1", "--backend", backend_for(2), "--out", str(tmp_path / "o"),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

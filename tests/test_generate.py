@@ -324,15 +324,12 @@ def test_truncated_shard_is_reported(checkpoints, tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_generation_under_torchrun_equals_one_process(models):
     import subprocess
-    import sys
 
-    from factories import backend_for, source_tree_env
+    from factories import backend_for, source_tree_env, torchrun
 
-    from megatron_bridge.runtime.distributed import free_port
 
     backend = backend_for(2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "megatron_bridge", "generate", models["llama"],
+    cmd = [*torchrun(2), "-m", "megatron_bridge", "generate", models["llama"],
            *[a for p in PROMPTS for a in ("--prompt", p)], "--max-new-tokens", "12", "--ignore-eos", "--json",
            "--backend", backend]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=source_tree_env())

@@ -5,24 +5,22 @@ import and export split over ranks stay bit-identical."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from factories import backend_for
+from factories import torchrun as torchrun_cmd
 from hf_models import family_configs, in_subprocess_env, megatron_logits, random_tokens, save_tiny
 from test_hf_weights import assert_bit_identical, read_all
 
-from megatron_bridge.runtime.distributed import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_logits.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def torchrun(*args: str, timeout: int = 300) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *args]  # fmt: skip
+    cmd = [*torchrun_cmd(2), *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=in_subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from factories import tiny_config
+from factories import tiny_config, torchrun
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.runtime import cpu_backend
@@ -79,13 +79,11 @@ def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_pat
     """More processes than this machine's GPUs with NCCL: the processes stop with exit status 2 and
     the launch error before building anything (torchrun reports the first to stop, ends the
     others, and exits 1 itself)."""
-    from megatron_bridge.runtime.distributed import free_port
 
     visible = torch.cuda.device_count()
     nproc = max(2, visible + 1)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
+        *torchrun(nproc), "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
         "--dir", str(tmp_path), "dist.distributed_backend=nccl",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=clean_env())
@@ -107,14 +105,12 @@ def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_pat
 def test_hf_import_with_more_processes_than_gpus_exits_2(tmp_path):
     from hf_models import save_tiny
 
-    from megatron_bridge.runtime.distributed import free_port
 
     source = save_tiny("llama", str(tmp_path / "hf"))
     visible = torch.cuda.device_count()
     nproc = max(2, visible + 1)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "megatron_bridge", "hf", "import", source, str(tmp_path / "ckpt"),
+        *torchrun(nproc), "-m", "megatron_bridge", "hf", "import", source, str(tmp_path / "ckpt"),
         "--tp", str(nproc), "--backend", "nccl",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=clean_env())

@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import backend_for, tiny_config, tiny_llama_model
+from factories import backend_for, tiny_config, tiny_llama_model, torchrun
 
 from megatron_bridge.peft.export import read_adapter_tensors
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.config import CheckpointConfig, TrainingConfig, ValidationConfig
-from megatron_bridge.runtime.distributed import free_port
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 
@@ -27,7 +26,7 @@ def run(tmp_path, name, *args, nproc=1, timeout=400):
     out = tmp_path / name
     cmd = [sys.executable, str(SCRIPT)]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPT)]  # fmt: skip
+        cmd = [*torchrun(nproc), str(SCRIPT)]  # fmt: skip
     env = {
         k: v
         for k, v in os.environ.items()

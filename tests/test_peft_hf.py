@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from factories import REPO, backend_for, on_cpu, source_tree_env, tiny_config
+from factories import REPO, backend_for, on_cpu, source_tree_env, tiny_config, torchrun
 from hf_models import save_tiny
 
 from megatron_bridge.cli.main import main as mbridge
@@ -231,14 +231,12 @@ def test_dora_export_split_over_tensor_parallel_ranks(dora_run, tmp_path):
     summed over both): the same weights as one process."""
     from test_hf_weights import read_all
 
-    from megatron_bridge.runtime.distributed import free_port
 
     save, _ = dora_run
     single, split = str(tmp_path / "single"), str(tmp_path / "tp2")
     backend = ["--backend", backend_for(2)]  # both on the backend of the larger run
     assert mbridge(["hf", "export", save, single, *backend]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "megatron_bridge", "hf", "export", save, split, "--tp", "2", *backend]  # fmt: skip
+    cmd = [*torchrun(2), "-m", "megatron_bridge", "hf", "export", save, split, "--tp", "2", *backend]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=source_tree_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = read_all(single), read_all(split)

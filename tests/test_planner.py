@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import backend_for
+from factories import backend_for, torchrun
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.planning import plan
@@ -17,7 +17,6 @@ from megatron_bridge.planning.activations import in_flight_micro_batches, layer_
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.params import chunks
 from megatron_bridge.training.config import runtime_config_update
-from megatron_bridge.runtime.distributed import free_port
 from megatron_bridge.config.overrides import process_config_with_overrides
 from recipes import get_recipe, list_recipes
 
@@ -61,12 +60,7 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
     }
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *torchrun(2),
         str(SCRIPT),
         "--out",
         str(out),

@@ -73,10 +73,10 @@ def test_inprocess_restart_resumes_from_the_last_checkpoint_and_finishes_like_an
 
 
 def test_inprocess_restart_refuses_an_existing_process_group(tmp_path):
-    from megatron_bridge.runtime.distributed import free_port
+    from megatron_bridge.runtime.distributed import single_process_store
     from megatron_bridge.training.resiliency.inprocess import ProcessGroupExistsError
 
-    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    store = single_process_store()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         with pytest.raises(ProcessGroupExistsError, match="a torch.distributed process group already exists"):

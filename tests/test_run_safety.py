@@ -341,13 +341,11 @@ def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
 def test_killing_the_launcher_stops_every_process_of_the_job(tmp_path):
     """torchrun killed with -9: both ranks notice their launcher is gone and stop as on SIGTERM
     (the recipe's SIGTERM handler saves a checkpoint first); their tracker helper ends with them."""
-    from factories import backend_overrides
+    from factories import backend_overrides, torchrun
 
-    from megatron_bridge.runtime.distributed import free_port
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
+        *torchrun(2), "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config",
         "--dir", str(tmp_path), "train.train_iters=100000", "logger.log_interval=1", *backend_overrides(2),
     ]  # fmt: skip
     env = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
