@@ -193,6 +193,47 @@ def test_an_inf_loss_in_one_micro_batch_stops_the_step_before_its_update():
     assert events.count("step_end") == 1
 
 
+def test_a_nan_loss_in_evaluation_stops_the_run():
+    """Evaluation batches check their losses together too, after the batch's micro batches."""
+    evaluating = []
+
+    def spoiled(state, data_iterator, model):
+        output, loss_func = forward_step(state, data_iterator, model)
+        evaluating.append(not torch.is_grad_enabled())
+        return (output * float("nan") if evaluating[-1] else output), loss_func
+
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=4, global_batch_size=8, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=2, eval_iters=1),
+    )
+    with pytest.raises(RuntimeError, match="found NaN in the loss"):
+        pretrain(cfg, spoiled)
+    assert evaluating.count(True) == 4  # the evaluation batch's four micro batches ran first
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_loss_computed_outside_a_step_is_checked_at_once():
+    """A user's own loop that calls the loss function is not deferred to a check it never makes."""
+    from megatron_bridge.training.gpt_step import masked_next_token_loss
+    from megatron_bridge.training.state import GlobalState
+
+    from megatron_bridge.runtime import cpu_backend
+
+    state = GlobalState(tiny_config())
+    output = torch.full((2, 4), float("nan"), requires_grad=True)
+    activated = cpu_backend.activate()  # megatron-core's error message names the CUDA device
+    try:
+        with pytest.raises(RuntimeError, match="found NaN in the loss"):
+            masked_next_token_loss(torch.ones(2, 4), output, state)
+    finally:
+        from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+        destroy_rerun_state_machine()  # the loss check made one; a run in this process makes its own
+        if activated:
+            cpu_backend.deactivate()
+    assert state.unchecked_losses is None
+
+
 def _write_indexed_dataset(prefix, vocab, docs=200, seed=0):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

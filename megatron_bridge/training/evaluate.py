@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_bridge.training.gpt_step import check_step_losses, defer_loss_checks
 from megatron_bridge.training.loss_reduction import LossAccumulator
 from megatron_bridge.training.state import GlobalState
 
@@ -38,6 +39,7 @@ def evaluate(
     try:
         with torch.no_grad():
             for _ in range(num_iters):
+                defer_loss_checks(state)
                 reports = fwd_bwd(
                     forward_step_func=forward_step,
                     data_iterator=data_iterator,
@@ -48,6 +50,7 @@ def evaluate(
                     decoder_seq_length=seq,
                     forward_only=True,
                 )
+                check_step_losses(state)
                 if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
                     totals.add(reports)
                 state.train_state.consumed_valid_samples += v.eval_global_batch_size

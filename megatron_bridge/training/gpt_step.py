@@ -75,7 +75,7 @@ def _validate_loss(loss: torch.Tensor, state: GlobalState) -> None:
 
     rerun = state.cfg.rerun_state_machine
     machine = get_rerun_state_machine()
-    if rerun.check_for_nan_in_loss and loss.requires_grad and machine.mode == RerunMode.DISABLED:
+    if rerun.check_for_nan_in_loss and state.unchecked_losses is not None and machine.mode == RerunMode.DISABLED:
         # Checked once per step (`check_step_losses`): a check per micro batch would wait for
         # the GPU twice per micro batch and leave it idle while the next one is launched.
         state.unchecked_losses.append(loss.detach())
@@ -96,10 +96,16 @@ def _validate_loss(loss: torch.Tensor, state: GlobalState) -> None:
         )
 
 
+def defer_loss_checks(state: GlobalState) -> None:
+    """Collect the losses of the micro batches that follow for one `check_step_losses`."""
+    state.unchecked_losses = []
+
+
 def check_step_losses(state: GlobalState) -> None:
-    """Raise the error megatron-core's result validation raises if a training loss of this step
-    was NaN or Inf: before the optimizer step, so no update is made from it."""
-    losses, state.unchecked_losses = state.unchecked_losses, []
+    """Raise the error megatron-core's result validation raises if a loss collected since
+    `defer_loss_checks` was NaN or Inf: in training before the optimizer step, so no update is
+    made from it."""
+    losses, state.unchecked_losses = state.unchecked_losses, None
     if not losses:
         return
     stacked = torch.stack(losses)

@@ -111,9 +111,10 @@ class GlobalState:
     exit_code: int = 0
     """Non-zero when the job must end with this status (the rerun state machine asks for a restart)."""
 
-    unchecked_losses: list = field(default_factory=list)
-    """This step's training losses (on the device), checked for NaN/Inf together once the
-    forward/backward passes end (`gpt_step.check_step_losses`)."""
+    unchecked_losses: Optional[list] = None
+    """While a training step or an evaluation batch runs its micro batches: their losses (on the
+    device), checked for NaN/Inf together once the passes end (`gpt_step.check_step_losses`);
+    None elsewhere, where each loss is checked as it is computed."""
 
     @property
     def is_logging_rank(self) -> bool:

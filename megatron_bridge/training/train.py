@@ -14,7 +14,7 @@ import torch
 from megatron_bridge.training import console, profiling
 from megatron_bridge.runtime.callbacks import CallbackList
 from megatron_bridge.training.evaluate import evaluate
-from megatron_bridge.training.gpt_step import check_step_losses
+from megatron_bridge.training.gpt_step import check_step_losses, defer_loss_checks
 from megatron_bridge.training.loss_reduction import LossAccumulator
 from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.training.metrics import EnergyMeter, eval_metrics, reduced_metrics, timer_values, train_metrics
@@ -92,6 +92,7 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
         for chunk in run.state.model:
             chunk.zero_grad_buffer()
         run.state.optimizer.zero_grad()
+        defer_loss_checks(run.state)
         # megatron-core's schedule times itself as "forward-backward" (model config `timers`)
         result.reports = fwd_bwd(
             forward_step_func=run.forward_step,

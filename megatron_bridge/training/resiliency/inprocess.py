@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -154,5 +155,9 @@ def _run(execute: Callable[..., "GlobalState"], config: "ConfigContainer", forwa
     # The wrapper finds the parameter to pass itself in by its annotation, which must be the
     # class itself (this module's annotations are strings).
     attempt.__annotations__ = {"call_wrapper": Optional[inprocess.CallWrapper]}
+    # The wrapper forks its monitor daemon from this process. Garbage the child would collect
+    # (a failed run's model or process groups, say) runs native finalizers there, in a copy
+    # without the threads those objects belong to, which can crash the monitor: collect it here.
+    gc.collect()
     with children_may_outlive_parent():  # the wrapper's monitor is a double-forked daemon
         return build_wrapper(config)(attempt)()
