@@ -214,10 +214,9 @@ def test_a_nan_loss_in_evaluation_stops_the_run():
 
 def test_a_loss_computed_outside_a_step_is_checked_at_once():
     """A user's own loop that calls the loss function is not deferred to a check it never makes."""
+    from megatron_bridge.runtime import cpu_backend
     from megatron_bridge.training.gpt_step import masked_next_token_loss
     from megatron_bridge.training.state import GlobalState
-
-    from megatron_bridge.runtime import cpu_backend
 
     state = GlobalState(tiny_config())
     output = torch.full((2, 4), float("nan"), requires_grad=True)
