@@ -123,7 +123,9 @@ def _signature(options_cls: type, defaults: dict[str, Any]) -> inspect.Signature
 def _scheduler(opts: RecipeOptions) -> SchedulerConfig:
     """Cosine decay after a linear warmup. The warmup is a default, not a user setting: a run
     shorter than it gets a warmup scaled to the run at validation (logged)."""
-    scheduler = SchedulerConfig(lr_decay_style="cosine", lr_decay_iters=opts.lr_decay_iters, lr_warmup_init=0.0)
+    scheduler = SchedulerConfig(lr_decay_style="cosine", lr_warmup_init=0.0)
+    if opts.lr_decay_iters is not None:  # left unset otherwise: validation fills in the run's length
+        scheduler.lr_decay_iters = opts.lr_decay_iters
     scheduler.apply_default("lr_warmup_iters", opts.lr_warmup_iters)
     return scheduler
 

@@ -311,3 +311,36 @@ def test_yaml_floats_at_their_shortest_round_trip_form(tmp_path):
     path.write_text(text)
     back = ConfigContainer.from_yaml(str(path))
     assert (back.optimizer.adam_eps, back.optimizer.lr, back.optimizer.min_lr) == (1e-8, 3e-4, 1e-16)
+
+
+def test_an_unset_decay_length_is_filled_in_from_the_run_and_recomputed_after_an_edit():
+    cfg = tiny_config(scheduler=SchedulerConfig(max_steps=None))
+    cfg.validate()
+    assert cfg.scheduler.lr_decay_iters == cfg.train.train_iters == 20
+    assert cfg.scheduler.lr_decay_steps == 20 * 8
+    cfg.train.train_iters = 40
+    cfg.validate()
+    assert cfg.scheduler.lr_decay_iters == 40 and cfg.scheduler.lr_decay_steps == 40 * 8
+    samples = tiny_config(train=TrainingConfig(train_samples=160, global_batch_size=8, micro_batch_size=2))
+    samples.validate()
+    assert samples.scheduler.lr_decay_samples == 160 and samples.scheduler.lr_decay_iters is None
+    own = tiny_config(scheduler=SchedulerConfig(lr_decay_iters=None))  # the user's None is kept
+    own.validate()
+    assert own.scheduler.lr_decay_iters is None and own.scheduler.lr_decay_steps == 20 * 8
+
+
+def test_data_parallel_size_methods(monkeypatch):
+    from megatron_bridge.training.comm_overlap import CommOverlapConfig
+
+    cfg = tiny_config(model=tiny_model(tensor_model_parallel_size=2), comm_overlap=CommOverlapConfig())
+    assert cfg.get_data_parallel_size(8) == 4 and cfg.data_parallel_size is None
+    with pytest.raises(ConfigValidationError) as err:
+        cfg.get_data_parallel_size(7)
+    assert err.value.errors == [
+        "data_parallel_size: world size 7 is not divisible by tensor x pipeline x context parallel = 2 x 1 x 1 "
+        "(launch a multiple of TP x PP x CP processes or change the parallel sizes)"
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg.set_data_parallel_size()
+    assert cfg.data_parallel_size == 2 and cfg.comm_overlap.data_parallel_size == 2
+    assert cfg.scheduler.lr_decay_steps is None  # nothing else is resolved

@@ -350,6 +350,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     )
     length = t.train_samples if sample_based else s.max_steps or t.train_iters
     decay_length = getattr(s, f"lr_decay_{suffix}") or length
+    decay_field = f"lr_decay_{suffix}"
+    if getattr(s, decay_field) is None and not s.is_explicit(decay_field):  # unset: shows the one in use
+        s._derive(decay_field, decay_length)
     warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, f"lr_wsd_decay_{suffix}")
     if sample_based:
         total, decay, warmup, wsd = length, decay_length, warmup_length, wsd_length

@@ -33,7 +33,12 @@ from megatron_bridge.peft.config import DoRA, LoRA
 from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 from megatron_bridge.config.serialization import from_dict, from_yaml, to_dict, to_yaml
-from megatron_bridge.training.config.runtime import validate_into
+from megatron_bridge.training.config.runtime import (
+    current_world_size,
+    data_parallel_size_for,
+    derive_data_parallel_size,
+    validate_into,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +138,21 @@ class ConfigContainer(ConfigBase):
         check across sections; raise one `ConfigValidationError` listing every problem found."""
         problems = Problems()
         validate_into(self, problems)
+        problems.raise_if_any()
+
+    def get_data_parallel_size(self, world_size: int) -> int:
+        """world_size // (TP x PP x CP) of this config's model; `ConfigValidationError` if it does
+        not divide."""
+        problems = Problems()
+        dp = data_parallel_size_for(self.model, world_size, problems)
+        problems.raise_if_any()
+        return dp
+
+    def set_data_parallel_size(self) -> None:
+        """Set `data_parallel_size` (here and on `comm_overlap`) for the current world size (the
+        process group's, else WORLD_SIZE, else 1) without finalizing or validating anything else."""
+        problems = Problems()
+        derive_data_parallel_size(self, problems, current_world_size())
         problems.raise_if_any()
 
     # ------------------------------------------------------------------ reporting

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config import ranges
 from megatron_bridge.config.base import finalize_into
@@ -160,17 +160,13 @@ def adapt_to_cpu(cfg: "ConfigContainer", problems: Problems) -> None:
     cpu_backend.adapt_config(cfg, problems)
 
 
-def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_size: Optional[int] = None) -> None:
-    """`data_parallel_size` = world size // (TP x PP x CP); `validate()` alone computes it only if
-    unset (for the current world size)."""
-    if world_size is None and cfg.data_parallel_size is not None:
-        return
-    world = current_world_size() if world_size is None else world_size
+def data_parallel_size_for(model: Any, world: Any, problems: Problems) -> Optional[int]:
+    """world // (TP x PP x CP) of `model`, or None with the reason added to `problems`."""
     fix = "launch a multiple of TP x PP x CP processes or change the parallel sizes"
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         problems.add("data_parallel_size", f"world size {world!r} is not a positive number of processes", fix)
-        return
-    m = cfg.model
+        return None
+    m = model
     model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
     if model_parallel <= 0 or world % model_parallel != 0:
         sizes = f"{m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} x {m.context_parallel_size}"
@@ -179,8 +175,21 @@ def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_
             f"world size {world} is not divisible by tensor x pipeline x context parallel = {sizes}",
             fix,
         )
+        return None
+    return world // model_parallel
+
+
+def derive_data_parallel_size(cfg: "ConfigContainer", problems: Problems, world_size: Optional[int] = None) -> None:
+    """`data_parallel_size` = world size // (TP x PP x CP); `validate()` alone computes it only if
+    unset (for the current world size)."""
+    if world_size is None and cfg.data_parallel_size is not None:
         return
-    dp = world // model_parallel
+    world = current_world_size() if world_size is None else world_size
+    dp = data_parallel_size_for(cfg.model, world, problems)
+    if dp is None:
+        return
+    m = cfg.model
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
     if cfg.is_explicit("data_parallel_size") and cfg.data_parallel_size != dp:
         problems.add(
             "data_parallel_size",

@@ -26,10 +26,12 @@ class SchedulerConfig(ConfigBase):
     """Shape of the decay from optimizer.lr to optimizer.min_lr after warmup."""
 
     lr_decay_iters: Optional[int] = field(None, range=STEPS)
-    """Iterations over which to decay the LR (default: the schedule length, max_steps or train_iters)."""
+    """Iterations over which to decay the LR (unset: the schedule length, max_steps or train_iters,
+    which validate() fills in)."""
 
     lr_decay_samples: Optional[int] = field(None, range=STEPS)
-    """Samples over which to decay the LR (sample-based training; default: train_samples)."""
+    """Samples over which to decay the LR (sample-based training; unset: train_samples, which
+    validate() fills in)."""
 
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """Shape of the final decay phase of the warmup-stable-decay (WSD) schedule."""
