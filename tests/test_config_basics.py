@@ -15,6 +15,7 @@ from megatron_bridge.training.config import (
     ConfigValidationError,
     DistributedDataParallelConfig,
     GPTDatasetConfig,
+    MockGPTDatasetConfig,
     OptimizerConfig,
     TrainingConfig,
     runtime_config_update,
@@ -208,3 +209,21 @@ def test_a_path_name_over_255_bytes_is_refused_however_short_the_text():
         problems = Problems()
         check(CheckpointConfig(save=fine), problems)
         assert not problems, fine
+
+
+def test_positional_constructor_arguments_are_named_checked_and_tracked():
+    mock = MockGPTDatasetConfig(32)  # the sequence length, as in the reference system's signature
+    assert mock.sequence_length == 32 and mock.explicit_fields() == {"sequence_length"}
+    data = GPTDatasetConfig(64, False, "/data/a")
+    assert (data.sequence_length, data.skip_getting_attention_mask_from_dataset, data.data_path) == (64, False, "/data/a")
+    assert OptimizerConfig(1e-3).explicit_fields() == {"lr"}  # megatron-core's own order
+    refusals = {
+        "MockGPTDatasetConfig takes at most 1 positional arguments ('seq_length',), got 2": lambda: MockGPTDatasetConfig(32, 5),
+        "MockGPTDatasetConfig.sequence_length: expected Optional[int], got str 'x'": lambda: MockGPTDatasetConfig("x"),
+        "MockGPTDatasetConfig: got 'seq_length' both as positional and keyword argument": lambda: MockGPTDatasetConfig(32, seq_length=3),
+        "TrainingConfig takes keyword arguments only, got 1 positional": lambda: TrainingConfig(5),
+    }  # fmt: skip
+    for message, make in refusals.items():
+        with pytest.raises(TypeError) as err:
+            make()
+        assert str(err.value) == message

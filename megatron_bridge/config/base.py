@@ -16,9 +16,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import traceback
 from abc import ABCMeta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 from megatron_bridge.config import paths, ranges, schema, status
 from megatron_bridge.config.annotations import field_types, type_problem, values_equal
@@ -74,6 +75,20 @@ class _ConfigMeta(ABCMeta):
             register_target(cls)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args:  # named like keyword arguments, so they are type-checked and tracked the same way
+            names = cls._positional_fields
+            if names is None:
+                params = inspect.signature(cls.__init__).parameters.values()
+                names = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)[1:]  # after self
+            if not names:
+                raise TypeError(f"{cls.__name__} takes keyword arguments only, got {len(args)} positional")
+            if len(args) > len(names):
+                raise TypeError(f"{cls.__name__} takes at most {len(names)} positional arguments {names}, got {len(args)}")
+            for name, value in zip(names, args):
+                if name in kwargs:
+                    raise TypeError(f"{cls.__name__}: got {name!r} both as positional and keyword argument")
+                kwargs[name] = value
+            args = ()
         for alias, target in cls._field_aliases.items():
             if alias in kwargs:
                 if target in kwargs:
@@ -85,8 +100,6 @@ class _ConfigMeta(ABCMeta):
                 raise TypeError(f"{cls.__name__}.{name}: {why}")
         obj = super().__call__(*args, **kwargs)
         explicit = {k for k in kwargs if k in field_types(cls)}
-        if args:  # positional arguments fill the init fields in order
-            explicit.update([f.name for f in dataclasses.fields(cls) if f.init][: len(args)])
         d = obj.__dict__
         d[_EXPLICIT] = explicit
         d.setdefault(_DERIVED, {})
@@ -99,6 +112,9 @@ class ConfigBase(metaclass=_ConfigMeta):
 
     _field_aliases: ClassVar[dict[str, str]] = {}
     """Alternative constructor/override names for fields, e.g. `seq_length` for `sequence_length`."""
+
+    _positional_fields: ClassVar[Optional[tuple[str, ...]]] = None
+    """The names positional constructor arguments stand for, in order (None: the dataclass's)."""
 
     # ------------------------------------------------------------------ user-set fields
     def __setattr__(self, name: str, value: Any) -> None:

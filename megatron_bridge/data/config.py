@@ -135,6 +135,7 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
     """
 
     _field_aliases = {"seq_length": "sequence_length"}
+    _positional_fields = ("seq_length", "skip_getting_attention_mask_from_dataset", "data_path")
 
     random_seed: int = 1234
     """The seed for all RNG during dataset creation (sample order, mock data)."""
@@ -222,6 +223,9 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
     """Configuration object for GPT fill-in-the-middle (FIM) datasets."""
 
     unsupported_reason: ClassVar[Unsupported] = FIM
+    _positional_fields = (
+        "fim_rate", "fim_spm_rate", "fim_extra_tokens", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix",
+    )  # fmt: skip
 
     fim_rate: Optional[float] = field(None, range=PROBABILITY, status=FIM)
     """Probability to convert a training sample into a FIM format."""
@@ -255,6 +259,8 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
 @config_dataclass(kw_only=True)
 class MockGPTDatasetConfig(GPTDatasetConfig):
     """GPT dataset of random tokens (no files): for smoke tests, benchmarks and CPU runs."""
+
+    _positional_fields = ("seq_length",)
 
     blend: None = field(init=False, repr=False, default=None)
     """Always None: mock data has no files."""
