@@ -539,3 +539,41 @@ def test_mixed_precision_section_and_string_both_round_trip(tmp_path):
     assert_same_config(cfg, reload(cfg, tmp_path))
     cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=32))
     assert_same_config(cfg, reload(cfg, tmp_path))
+
+
+REFERENCE_YAML = """\
+_target_: megatron.bridge.training.config.ConfigContainer
+train:
+  _target_: megatron.bridge.training.config.TrainingConfig
+  train_iters: 20
+  global_batch_size: 8
+  micro_batch_size: 2
+  exit_signal: {_target_: signal.Signals, _call_: true, _args_: [15]}
+model:
+  _target_: megatron.bridge.models.llama.llama_provider.Llama3ModelProvider8B
+  num_layers: 2
+  params_dtype: {_target_: torch.bfloat16, _call_: false}
+  activation_func: {_target_: torch.nn.functional.silu, _call_: false}
+  transformer_layer_spec: {_target_: megatron.bridge.models.gpt_provider.default_layer_spec, _call_: false}
+optimizer: {_target_: megatron.bridge.training.config.OptimizerConfig, lr: 0.001}
+dataset: {_target_: megatron.bridge.training.config.MockGPTDatasetConfig, sequence_length: 32}
+comm_overlap: {_target_: megatron.bridge.training.comm_overlap.CommOverlapConfig, tp_comm_overlap: false}
+"""
+
+
+def test_yaml_written_by_the_reference_system_loads(tmp_path):
+    from megatron_bridge.models import Llama3ModelProvider8B
+    from megatron_bridge.training.comm_overlap import CommOverlapConfig
+
+    path = tmp_path / "reference.yaml"
+    path.write_text(REFERENCE_YAML)
+    cfg = ConfigContainer.from_yaml(path)
+    assert cfg.train.exit_signal is signal.SIGTERM and type(cfg.model) is Llama3ModelProvider8B
+    assert cfg.model.params_dtype is torch.bfloat16 and cfg.model.activation_func is torch.nn.functional.silu
+    assert cfg.model.transformer_layer_spec is None and cfg.model.num_layers == 2
+    assert type(cfg.comm_overlap) is CommOverlapConfig and cfg.dataset.sequence_length == 32
+    path.write_text(REFERENCE_YAML.replace("[15]", "[99]").replace("llama_provider.Llama3", "llama_provider.Llama9"))
+    with pytest.raises(ConfigValidationError) as err:
+        ConfigContainer.from_yaml(path)
+    assert "train.exit_signal: 99 is not a value of signal.Signals" in str(err.value)
+    assert "model: _target_: 'megatron.bridge.models.llama.llama_provider.Llama9ModelProvider8B' is not a name" in str(err.value)

@@ -146,13 +146,24 @@ class Decoder:
 
     def instantiate(self, raw: Mapping) -> Any:
         """The object a `_target_` mapping describes: the object (`_call_: false`), a partial of a
-        function (`_partial_: true`, plain arguments) or a config class; nothing else is called."""
+        function (`_partial_: true`, plain arguments), a member of an enum (`_args_: [value]`, as
+        the reference system writes them) or a config class; nothing else is called."""
+        if raw.get(CALL) is False and raw[TARGET] in targets.REFERENCE_DEFAULTS:
+            return None  # the reference system's name for what our None means
         obj = self.import_path(raw[TARGET])
         if raw.get(CALL) is False:
             extra = [k for k in raw if k not in (TARGET, CALL)]
             if extra:
                 raise DecodeError(f"keys {extra} make no sense with _call_: false", "remove them")
             return obj
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            args = raw.get(ARGS)
+            if set(raw) - {TARGET, CALL, ARGS} or not isinstance(args, list) or len(args) != 1:
+                raise DecodeError(f"{raw[TARGET]!r} is an enum", "give its member as _args_: [value]")
+            try:
+                return obj(args[0])
+            except ValueError:
+                raise DecodeError(f"{args[0]!r} is not a value of {raw[TARGET]}", "use one of its values") from None
         if raw.get(PARTIAL):
             if not callable(obj) or isinstance(obj, type):
                 raise DecodeError(f"{raw[TARGET]!r} is not a function", "_partial_ needs a function")

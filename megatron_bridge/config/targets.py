@@ -134,6 +134,8 @@ def resolve(name: Any) -> Any:
     obj = _BY_NAME.get(name)
     if obj is None:
         obj = _public_alias(name)
+    if obj is None and name.startswith(REFERENCE_PACKAGE + "."):
+        obj = _from_reference(name)
     if obj is None:
         import difflib  # only for the hint of an error: `import megatron_bridge` stays light
 
@@ -148,6 +150,37 @@ def resolve(name: Any) -> Any:
             "megatron_bridge.config.targets.register_target(obj)",
         )
     return obj
+
+
+REFERENCE_PACKAGE = "megatron.bridge"
+"""The package of the reference system this project's configs follow: files it wrote name our
+classes under it (`megatron.bridge.training.config.TrainingConfig`)."""
+
+
+REFERENCE_DEFAULTS = frozenset({f"{REFERENCE_PACKAGE}.models.gpt_provider.default_layer_spec"})
+"""Functions the reference system writes as a field's default where ours is None."""
+
+
+def _from_reference(name: str) -> Any:
+    """Our registered object for a name under `REFERENCE_PACKAGE`: at the same path under
+    `megatron_bridge`, else the one class or function of ours with that name (our modules are
+    laid out differently); None if there is none or several."""
+    ours = "megatron_bridge" + name[len(REFERENCE_PACKAGE) :]
+    try:
+        return resolve(ours)
+    except TargetNotAllowedError:
+        pass
+    attr = name.rpartition(".")[2]
+    candidates = {n for n in [*_BY_NAME, *_LAZY] if n.startswith("megatron_bridge.") and n.endswith("." + attr)}
+    found = {id(obj): obj for obj in (_resolve_or_none(n) for n in sorted(candidates)) if obj is not None}
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _resolve_or_none(name: str) -> Any:
+    try:
+        return resolve(name)
+    except TargetNotAllowedError:
+        return None
 
 
 def _exported(module_name: str, attr: str) -> Any:
