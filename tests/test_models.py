@@ -14,6 +14,7 @@ from factories import one_process_group
 
 from megatron_bridge import models as M
 from megatron_bridge.models import count_parameters
+from megatron_bridge.training.config import ConfigValidationError
 
 # provider class -> (published total parameters, published active parameters per token)
 PUBLISHED = {
@@ -198,6 +199,17 @@ def test_count_matches_built_model(model_parallel, make):
         expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         per_token = expert // provider.num_moe_experts * provider.moe_router_topk
         assert count.active == built - expert + per_token
+
+
+def test_provide_finalizes_a_provider_not_finalized_yet(model_parallel):
+    provider = M.GPTModelProvider(**SMALL)
+    provider.hidden_size = 32  # changed after construction: the derived values follow it
+    model = provider.provide(pre_process=True, post_process=True)
+    assert provider.is_finalized() and provider.ffn_hidden_size == 96 and provider.kv_channels == 8
+    assert model.embedding.word_embeddings.weight.shape == (384, 32)  # 300 padded to a multiple of 128
+    with pytest.raises(ConfigValidationError) as err:  # finalize's error, not a crash inside megatron-core
+        M.GPTModelProvider(**{**SMALL, "num_attention_heads": 5}).provide()
+    assert err.value.errors[0].startswith("hidden_size: hidden_size 64 is not a multiple of num_attention_heads 5")
 
 
 def test_family_modules_import_nothing_heavy():

@@ -35,6 +35,7 @@ _TRACKING = "_mb_tracking"
 _RECORDING = "_mb_recording"  # while megatron-core's __post_init__ runs: field -> value before it
 
 _READ_ONLY = "_mb_read_only"
+_FINALIZED = "_mb_finalized"  # the last finalize found no problem
 _MISSING = object()
 
 
@@ -233,6 +234,10 @@ class ConfigBase(metaclass=_ConfigMeta):
         finalize_into(self, problems)
         problems.raise_if_any()
 
+    def is_finalized(self) -> bool:
+        """Whether the last `finalize()` (or validation of a container holding it) succeeded."""
+        return bool(self.__dict__.get(_FINALIZED))
+
     # ------------------------------------------------------------------ equality
     def __eq__(self, other: Any) -> bool:
         if other.__class__ is not self.__class__:
@@ -277,10 +282,12 @@ def finalize_into(config: Any, problems: Problems) -> None:
         # Out-of-range numbers are reported alone: the section's own checks and megatron-core's
         # derivations would only trip over them (divide by zero, overflow) with worse messages.
         config._restore_derived()
+        before = len(problems)
         paths.check(config, problems)
         if ranges.check(config, problems):
             config._finalize(problems)
         status.check_unsupported(config, problems)
+        config.__dict__[_FINALIZED] = len(problems) == before
         return
     finalize = getattr(config, "finalize", None)
     if callable(finalize):

@@ -484,9 +484,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         return False
 
     def provide(self, pre_process: Optional[bool] = None, post_process: Optional[bool] = None, vp_stage: Optional[int] = None):
-        """Build the `GPTModel` of this pipeline stage (and virtual stage `vp_stage`)."""
+        """Build the `GPTModel` of this pipeline stage (and virtual stage `vp_stage`); a provider
+        not finalized yet is finalized first (megatron-core's layers need its derived values)."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
+
+        if not self.is_finalized():
+            self.finalize()
 
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
