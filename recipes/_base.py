@@ -74,6 +74,11 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
         @functools.wraps(fn)
         def build(**kwargs: Any) -> ConfigContainer:
             _check_names(fn.__name__, options_cls, kwargs)
+            aliases = options_cls._field_aliases
+            if any(aliases.get(key) in kwargs for key in kwargs):
+                both = next(key for key in kwargs if aliases.get(key) in kwargs)
+                raise TypeError(f"{fn.__name__}(): pass either {both!r} or {aliases[both]!r}, not both")
+            kwargs = {aliases.get(key, key): value for key, value in kwargs.items()}  # they replace the recipe's defaults
             try:
                 opts = options_cls(**{**merged, **kwargs})
             except TypeError as exc:

@@ -16,6 +16,16 @@ from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 class RecipeOptions(ConfigBase):
     """Options shared by pretraining and fine-tuning recipes."""
 
+    _field_aliases = {  # the reference system's recipe argument names
+        "tensor_parallelism": "tensor_model_parallel_size",
+        "pipeline_parallelism": "pipeline_model_parallel_size",
+        "virtual_pipeline_parallelism": "virtual_pipeline_model_parallel_size",
+        "context_parallelism": "context_parallel_size",
+        "expert_parallelism": "expert_model_parallel_size",
+        "expert_tensor_parallelism": "expert_tensor_parallel_size",
+        "sequence_parallelism": "sequence_parallel",
+    }
+
     dir: str = "runs"
     """Base output directory (relative to the current directory unless absolute)."""
 
@@ -121,7 +131,7 @@ class PretrainOptions(RecipeOptions):
 class FinetuneOptions(RecipeOptions):
     """Options of fine-tuning recipes."""
 
-    _field_aliases = {"pretrained": "pretrained_checkpoint"}
+    _field_aliases = {**RecipeOptions._field_aliases, "pretrained": "pretrained_checkpoint"}
 
     dataset_root: Optional[str] = None
     """Fine-tuning data: a directory with training.jsonl / validation.jsonl / test.jsonl, data files,

@@ -324,3 +324,16 @@ def test_tiny_recipes_pretrain_then_finetune_for_real(tmp_path):
     state = finetune(ft, forward_step)
     assert state.train_state.step == 6  # a new step count from the pretrained weights
     assert read_tracker(str(tmp_path / "ft" / "checkpoints")) == 6
+
+
+def test_recipes_take_the_reference_systems_argument_names():
+    llama = recipes.get_recipe("llama3_8b_pretrain_config")
+    cfg = llama(tensor_parallelism=2, pipeline_parallelism=2, context_parallelism=1, sequence_parallelism=True)
+    m = cfg.model
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) == (2, 2, 1)
+    assert m.sequence_parallel is True
+    with pytest.raises(TypeError) as err:
+        llama(tensor_parallelism=2, tensor_model_parallel_size=4)
+    assert str(err.value) == (
+        "llama3_8b_pretrain_config(): pass either 'tensor_parallelism' or 'tensor_model_parallel_size', not both"
+    )
