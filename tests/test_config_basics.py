@@ -227,3 +227,15 @@ def test_positional_constructor_arguments_are_named_checked_and_tracked():
         with pytest.raises(TypeError) as err:
             make()
         assert str(err.value) == message
+
+
+def test_distributed_init_lazy_init_is_an_alias_of_lazy_mpu_init():
+    from megatron_bridge.training.config import DistributedInitConfig
+
+    dist = DistributedInitConfig()
+    assert dist.lazy_init is False
+    dist.lazy_init = False
+    assert dist.is_explicit("lazy_mpu_init")
+    with pytest.raises(ConfigValidationError) as err:
+        DistributedInitConfig(lazy_init=True).finalize()
+    assert err.value.errors[0].startswith("lazy_mpu_init: lazy_mpu_init=True is not supported")

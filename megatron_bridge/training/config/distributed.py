@@ -80,6 +80,13 @@ class DistributedInitConfig(ConfigBase):
     )
     """Pass process groups through functions instead of megatron-core's global parallel state."""
 
+    _field_aliases = {"lazy_init": "lazy_mpu_init"}
+
+    @property
+    def lazy_init(self) -> bool:
+        """Alias of `lazy_mpu_init`."""
+        return self.lazy_mpu_init
+
 
 @config_dataclass(kw_only=True)
 class RNGConfig(ConfigBase):
