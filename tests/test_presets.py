@@ -34,6 +34,12 @@ def test_hyphen_and_case_spellings_resolve(name):
     assert get_mixed_precision_config(name).bf16
 
 
+def test_the_registry_under_the_reference_systems_name():
+    from megatron_bridge.training.mixed_precision import MIXED_PRECISION_RECIPES
+
+    assert MIXED_PRECISION_RECIPES["fp16_mixed"]().fp16 and set(MIXED_PRECISION_RECIPES) == set(PRESETS)
+
+
 def test_unknown_preset_lists_the_available_ones():
     cfg = tiny_config(mixed_precision="bf15_mixed")
     with pytest.raises(ConfigValidationError) as err:

@@ -357,6 +357,9 @@ PRESETS: dict[str, Callable[[], MixedPrecisionConfig]] = {
 }
 """The preset registry: name -> function returning a fresh `MixedPrecisionConfig`."""
 
+MIXED_PRECISION_RECIPES = PRESETS
+"""The registry under the reference system's name."""
+
 
 def register_preset(name: str, factory: Callable[[], MixedPrecisionConfig]) -> None:
     """Add a preset (e.g. from a user package) under `name`."""
