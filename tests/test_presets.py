@@ -7,7 +7,12 @@ import torch
 from factories import tiny_config, tiny_model
 
 from megatron_bridge.training.comm_overlap import DEFAULT_BUCKET_SIZE, CommOverlapConfig
-from megatron_bridge.training.config import ConfigValidationError, OptimizerConfig, runtime_config_update
+from megatron_bridge.training.config import (
+    ConfigValidationError,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    runtime_config_update,
+)
 from megatron_bridge.training.mixed_precision import PRESETS, MixedPrecisionConfig, get_mixed_precision_config
 
 
@@ -171,6 +176,20 @@ def test_data_parallel_overlap_only_with_dp_and_distributed_optimizer():
     single.ddp.use_distributed_optimizer = True
     runtime_config_update(single, world_size=1)
     assert not single.ddp.overlap_grad_reduce and single.ddp.bucket_size is None
+
+
+def test_comm_overlap_setup_applies_it_once_the_data_parallel_size_is_set():
+    cfg = tiny_config(ddp=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    overlap = CommOverlapConfig(tp_comm_overlap=False)
+    with pytest.raises(ConfigValidationError) as err:
+        overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)
+    assert err.value.errors == [
+        "comm_overlap.data_parallel_size: is unknown: comm_overlap is finalized by runtime_config_update "
+        "(call runtime_config_update(cfg), or set comm_overlap.data_parallel_size before finalize()/setup())"
+    ]
+    overlap.data_parallel_size = 2
+    overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)
+    assert cfg.ddp.overlap_grad_reduce and cfg.ddp.bucket_size == DEFAULT_BUCKET_SIZE
 
 
 def test_user_values_win_over_comm_overlap_defaults():

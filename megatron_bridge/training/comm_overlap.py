@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Union
 
-from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import COUNT, INTERVAL, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
@@ -74,7 +74,7 @@ class CommOverlapConfig(ConfigBase):
             problems.add(
                 "data_parallel_size",
                 "is unknown: comm_overlap is finalized by runtime_config_update",
-                "call runtime_config_update(cfg) instead of finalizing comm_overlap directly",
+                "call runtime_config_update(cfg), or set comm_overlap.data_parallel_size before finalize()/setup()",
             )
 
     # ------------------------------------------------------------------ applying
@@ -140,6 +140,16 @@ class CommOverlapConfig(ConfigBase):
         if message not in said:
             said.add(message)
             logger.warning("%s", message)
+
+    def setup(self, model_config: Any, optimizer_config: Any, ddp_config: Any) -> None:
+        """Finalize this config and apply it to the three configs (the reference system's entry
+        point; `runtime_config_update` does this). Needs `data_parallel_size` set first;
+        raises `ConfigValidationError` listing every problem."""
+        problems = Problems()
+        finalize_into(self, problems.at("comm_overlap"))
+        if not problems:
+            self.apply(model_config, ddp_config, optimizer_config, problems)
+        problems.raise_if_any()
 
     def apply(self, model: Any, ddp: Any, optimizer: Any, problems: Problems) -> None:
         """Apply `planned()` values to fields the user did not set explicitly on the targets."""
