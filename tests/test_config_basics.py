@@ -229,9 +229,13 @@ def test_positional_constructor_arguments_are_named_checked_and_tracked():
         assert str(err.value) == message
 
 
-def test_distributed_init_lazy_init_is_an_alias_of_lazy_mpu_init():
-    from megatron_bridge.training.config import DistributedInitConfig
+def test_field_aliases_read_and_write_the_field():
+    from megatron_bridge.training.config import CheckpointConfig, DistributedInitConfig
 
+    checkpoint = CheckpointConfig(save_hf_weights=True)
+    assert checkpoint.save_hf is True and checkpoint.save_hf_weights is True
+    with pytest.raises(AttributeError, match="'CheckpointConfig' object has no attribute 'save_hf_weight'"):
+        checkpoint.save_hf_weight
     dist = DistributedInitConfig()
     assert dist.lazy_init is False
     dist.lazy_init = False

@@ -141,6 +141,13 @@ class ConfigBase(metaclass=_ConfigMeta):
             recording[name] = d.get(name, _MISSING)
         object.__setattr__(self, name, value)
 
+    def __getattr__(self, name: str) -> Any:
+        """Reading a field by its alias (only called when normal lookup fails)."""
+        aliased = type(self)._field_aliases.get(name)
+        if aliased is not None:
+            return getattr(self, aliased)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def is_explicit(self, name: str) -> bool:
         """True if the user set `name` (constructor, assignment, YAML or override)."""
         return name in self.__dict__.get(_EXPLICIT, ())

@@ -82,11 +82,6 @@ class DistributedInitConfig(ConfigBase):
 
     _field_aliases = {"lazy_init": "lazy_mpu_init"}
 
-    @property
-    def lazy_init(self) -> bool:
-        """Alias of `lazy_mpu_init`."""
-        return self.lazy_mpu_init
-
 
 @config_dataclass(kw_only=True)
 class RNGConfig(ConfigBase):
