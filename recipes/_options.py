@@ -16,7 +16,7 @@ from megatron_bridge.training.mixed_precision import MixedPrecisionConfig
 class RecipeOptions(ConfigBase):
     """Options shared by pretraining and fine-tuning recipes."""
 
-    _field_aliases = {  # the reference system's recipe argument names
+    _field_aliases = {  # NVIDIA Megatron Bridge's recipe argument names
         "tensor_parallelism": "tensor_model_parallel_size",
         "pipeline_parallelism": "pipeline_model_parallel_size",
         "virtual_pipeline_parallelism": "virtual_pipeline_model_parallel_size",

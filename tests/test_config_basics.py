@@ -212,7 +212,7 @@ def test_a_path_name_over_255_bytes_is_refused_however_short_the_text():
 
 
 def test_positional_constructor_arguments_are_named_checked_and_tracked():
-    mock = MockGPTDatasetConfig(32)  # the sequence length, as in the reference system's signature
+    mock = MockGPTDatasetConfig(32)  # the sequence length, as in Megatron Bridge's signature
     assert mock.sequence_length == 32 and mock.explicit_fields() == {"sequence_length"}
     data = GPTDatasetConfig(64, False, "/data/a")
     assert (data.sequence_length, data.skip_getting_attention_mask_from_dataset, data.data_path) == (64, False, "/data/a")

@@ -207,6 +207,10 @@ def test_provide_finalizes_a_provider_not_finalized_yet(model_parallel):
     model = provider.provide(pre_process=True, post_process=True)
     assert provider.is_finalized() and provider.ffn_hidden_size == 96 and provider.kv_channels == 8
     assert model.embedding.word_embeddings.weight.shape == (384, 32)  # 300 padded to a multiple of 128
+    provider.hidden_size = 64  # a change after finalize: finalized again, for the new size
+    assert not provider.is_finalized()
+    provider.provide(pre_process=True, post_process=True)
+    assert provider.is_finalized() and provider.kv_channels == 16
     with pytest.raises(ConfigValidationError) as err:  # finalize's error, not a crash inside megatron-core
         M.GPTModelProvider(**{**SMALL, "num_attention_heads": 5}).provide()
     assert err.value.errors[0].startswith("hidden_size: hidden_size 64 is not a multiple of num_attention_heads 5")

@@ -129,6 +129,8 @@ class ConfigBase(metaclass=_ConfigMeta):
             object.__setattr__(self, name, value)
             d[_EXPLICIT].add(name)
             d[_DERIVED].pop(name, None)
+            if name[0] != "_":  # a setting, not megatron-core's runtime state: derived values may be stale now
+                d.pop(_FINALIZED, None)
             return
         aliased = type(self)._field_aliases.get(name)
         if aliased is not None:

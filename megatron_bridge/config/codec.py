@@ -147,9 +147,9 @@ class Decoder:
     def instantiate(self, raw: Mapping) -> Any:
         """The object a `_target_` mapping describes: the object (`_call_: false`), a partial of a
         function (`_partial_: true`, plain arguments), a member of an enum (`_args_: [value]`, as
-        the reference system writes them) or a config class; nothing else is called."""
+        NVIDIA Megatron Bridge writes them) or a config class; nothing else is called."""
         if raw.get(CALL) is False and raw[TARGET] in targets.REFERENCE_DEFAULTS:
-            return None  # the reference system's name for what our None means
+            return None  # Megatron Bridge's name for what our None means
         obj = self.import_path(raw[TARGET])
         if raw.get(CALL) is False:
             extra = [k for k in raw if k not in (TARGET, CALL)]

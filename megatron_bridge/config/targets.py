@@ -153,12 +153,12 @@ def resolve(name: Any) -> Any:
 
 
 REFERENCE_PACKAGE = "megatron.bridge"
-"""The package of the reference system this project's configs follow: files it wrote name our
+"""The package of NVIDIA Megatron Bridge, whose config files this project reads: they name our
 classes under it (`megatron.bridge.training.config.TrainingConfig`)."""
 
 
 REFERENCE_DEFAULTS = frozenset({f"{REFERENCE_PACKAGE}.models.gpt_provider.default_layer_spec"})
-"""Functions the reference system writes as a field's default where ours is None."""
+"""Functions Megatron Bridge writes as a field's default where ours is None."""
 
 
 def _from_reference(name: str) -> Any:

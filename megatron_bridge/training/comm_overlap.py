@@ -142,7 +142,7 @@ class CommOverlapConfig(ConfigBase):
             logger.warning("%s", message)
 
     def setup(self, model_config: Any, optimizer_config: Any, ddp_config: Any) -> None:
-        """Finalize this config and apply it to the three configs (the reference system's entry
+        """Finalize this config and apply it to the three configs (NVIDIA Megatron Bridge's entry
         point; `runtime_config_update` does this). Needs `data_parallel_size` set first;
         raises `ConfigValidationError` listing every problem."""
         problems = Problems()

@@ -358,7 +358,7 @@ PRESETS: dict[str, Callable[[], MixedPrecisionConfig]] = {
 """The preset registry: name -> function returning a fresh `MixedPrecisionConfig`."""
 
 MIXED_PRECISION_RECIPES = PRESETS
-"""The registry under the reference system's name."""
+"""The registry under the name NVIDIA Megatron Bridge gives it."""
 
 
 def register_preset(name: str, factory: Callable[[], MixedPrecisionConfig]) -> None:
