@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from megatron_bridge.inference.errors import PromptError, json_lines
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer, check_messages
+from megatron_bridge.runtime.tokenizers.tokenizer import NotTokenIdsError
 
 Prompt = Union[str, list]
 
@@ -60,9 +61,10 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length
                 text = renderer.render(messages, add_generation_prompt=True)
             except ChatFormatError as exc:
                 raise PromptError(f"prompt {i + 1}: {exc}") from None
-            ids = tokenizer.tokenize(text)  # the template writes the special tokens itself
-        else:
-            ids = tokenizer.encode(prompt)
+        try:  # a rendered template holds its special tokens already
+            ids = tokenizer.tokenize(text) if renderer is not None else tokenizer.encode(prompt)
+        except NotTokenIdsError as exc:
+            raise PromptError(f"prompt {i + 1}: {exc}") from None
         if not ids:
             raise PromptError(f"prompt {i + 1} is empty (it encodes to no tokens)")
         if len(ids) >= seq_length:

@@ -18,6 +18,10 @@ SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
 """`hf_tokenizer_kwargs` keys that name special tokens; honoured by both loaders."""
 
 
+class NotTokenIdsError(ValueError):
+    """Text given to a `NullTokenizer` that is not token ids of its vocabulary."""
+
+
 class NullTokenizer:
     """Token ids are the data: "3 4 5" tokenizes to [3, 4, 5]. The last id is end-of-document."""
 
@@ -30,7 +34,19 @@ class NullTokenizer:
         self.bos = None
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        """The ids in `text`; `NotTokenIdsError` naming the first word that is not one."""
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            ids = None
+        if ids is not None and all(0 <= i < self.vocab_size for i in ids):
+            return ids
+        word = next(w for w in text.split() if not (w.lstrip("-").isdigit() and 0 <= int(w) < self.vocab_size))
+        shown = repr(word if len(word) <= 40 else word[:40] + "...")
+        raise NotTokenIdsError(
+            f"{shown} is not a token id: without a vocabulary (NullTokenizer), text is read as token ids from 0 to "
+            f"{self.vocab_size - 1} separated by spaces (write it as ids, e.g. '3 4 5', or use a model with a tokenizer)"
+        )
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
