@@ -1,6 +1,7 @@
 """Files from elsewhere given to the command line, each case in a fresh process: a checkpoint whose
 pickled files (`.metadata`, `common.pt`) were altered to run code is refused before anything
-loads it, by every command that reads checkpoints; a text prompt for a model without a tokenizer
+loads it, by every command that reads checkpoints; JSON nested past the parser's recursion limit
+is reported as malformed; a text prompt for a model without a tokenizer
 is reported, not a traceback; a dry run does not print a value read from the environment.
 
 One tiny checkpoint is trained first; the cases then start together (a few processes at a time)
@@ -76,10 +77,22 @@ def cases(work) -> dict[str, tuple[Future, str]]:
     meta = _tampered(runs, "meta", ".metadata", mark["generate"])
     common = _tampered(runs, "common", "common.pt", mark["resume"])
     export = _tampered(runs, "export", ".metadata", mark["export"])
+    deep = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit
+    hf_dir = os.path.join(str(work), "hf-deep")
+    os.makedirs(hf_dir)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        f.write('{"architectures": ["LlamaForCausalLM"], "nested": ' + deep + "}")
+    with open(os.path.join(hf_dir, "model.safetensors"), "wb") as f:
+        f.write(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    prompts = os.path.join(str(work), "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.write('{"prompt": "1 2"}\n{"prompt": ' + deep + "}\n")
     argvs = {
         "generate": (["generate", meta, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
         "resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "common", "train.train_iters=2"], None),
         "export": (["hf", "export", export, os.path.join(str(work), "hf-out")], None),
+        "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
+        "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
         "text prompt": (["generate", clean, "--prompt", "hello world", "--max-new-tokens", "1"], None),
         "secret path": (["pretrain", "--recipe", TINY, "--dry-run", "--recipe-arg", "tokenizer=${oc.env:MB_TEST_TOKENIZER}"],
                         _env(MB_TEST_TOKENIZER=SECRET)),
@@ -118,6 +131,14 @@ def test_resume_refuses_tampered_common_state(cases):
 def test_hf_export_refuses_tampered_metadata(cases):
     err = _refused(cases, "export")
     assert ".metadata is not loaded: it names pathlib.Path.touch" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_json_nested_past_the_recursion_limit(cases):
+    err = _refused(cases, "deep config.json")
+    assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
+    err = _refused(cases, "deep prompts")
+    assert "prompts.jsonl:2: not JSON (arrays or objects nested too deeply)" in err, err
 
 
 @pytest.mark.timeout(400)

@@ -17,6 +17,7 @@ from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
 from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError, load_common, read_metadata
+from megatron_bridge.runtime import json_input
 
 if TYPE_CHECKING:
     from megatron_bridge.runtime.checkpointing.run_config import SavedRunConfig
@@ -174,11 +175,9 @@ def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> 
 
 
 def read_json(path: str) -> dict:
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json_input.load(f)
     except (OSError, ValueError) as exc:
         raise SourceError(f"{path} cannot be read as JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime import json_input
 
 SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
 """`hf_tokenizer_kwargs` keys that name special tokens; honoured by both loaders."""
@@ -182,8 +183,14 @@ def _load_with_transformers(directory: str, kwargs: dict[str, Any]) -> tuple[Any
 def _read_settings(directory: Path) -> dict:
     settings = directory / "tokenizer_config.json"
     if settings.is_file():
-        with open(settings) as f:
-            return json.load(f)
+        with open(settings, encoding="utf-8") as f:
+            try:
+                found = json_input.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{settings} is not valid JSON ({exc})") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"{settings} holds no JSON object (a tokenizer's settings are one)")
+        return found
     return {}
 
 
