@@ -1,7 +1,7 @@
 """Files from elsewhere given to the command line, each case in a fresh process: a checkpoint whose
 pickled files (`.metadata`, `common.pt`) were altered to run code is refused before anything
 loads it, by every command that reads checkpoints; JSON nested past the parser's recursion limit
-is reported as malformed; a text prompt for a model without a tokenizer
+is reported as malformed; prompts are not read from a device (/dev/zero never ends); a text prompt for a model without a tokenizer
 is reported, not a traceback; a dry run does not print a value read from the environment.
 
 One tiny checkpoint is trained first; the cases then start together (a few processes at a time)
@@ -93,6 +93,7 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         "export": (["hf", "export", export, os.path.join(str(work), "hf-out")], None),
         "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
         "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
+        "endless prompts": (["generate", clean, "--prompts", os.devnull.replace("null", "zero")], None),
         "text prompt": (["generate", clean, "--prompt", "hello world", "--max-new-tokens", "1"], None),
         "secret path": (["pretrain", "--recipe", TINY, "--dry-run", "--recipe-arg", "tokenizer=${oc.env:MB_TEST_TOKENIZER}"],
                         _env(MB_TEST_TOKENIZER=SECRET)),
@@ -139,6 +140,12 @@ def test_json_nested_past_the_recursion_limit(cases):
     assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
     err = _refused(cases, "deep prompts")
     assert "prompts.jsonl:2: not JSON (arrays or objects nested too deeply)" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_prompts_from_a_device_are_refused(cases):
+    err = _refused(cases, "endless prompts")
+    assert "--prompts '/dev/zero' is a character device, not a file of prompts" in err, err
 
 
 @pytest.mark.timeout(400)

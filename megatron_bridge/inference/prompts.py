@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from megatron_bridge.config.paths import file_kind
 from megatron_bridge.inference.errors import PromptError, json_lines
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer, check_messages
 from megatron_bridge.runtime.tokenizers.tokenizer import NotTokenIdsError
@@ -17,7 +18,11 @@ Prompt = Union[str, list]
 
 
 def read_prompts(path: str) -> list[Prompt]:
-    """The prompts of a JSONL file, in order; a bad line is an error naming it."""
+    """The prompts of a JSONL file (or a pipe), in order; a bad line is an error naming it."""
+    kind = file_kind(path)
+    if kind not in ("a regular file", "a FIFO (named pipe)"):
+        what = "does not exist" if kind == "missing" else f"is {kind}, not a file of prompts"
+        raise PromptError(f"--prompts {path!r} {what} (give a JSONL file, one prompt per line)")
     prompts: list[Prompt] = []
     try:
         for where, row in json_lines(path, PromptError):
