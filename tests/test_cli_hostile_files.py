@@ -1,7 +1,7 @@
 """Files from elsewhere given to the command line, each case in a fresh process: a checkpoint whose
 pickled files (`.metadata`, `common.pt`) were altered to run code is refused before anything
 loads it, by every command that reads checkpoints; JSON nested past the parser's recursion limit
-is reported as malformed; prompts are not read from a device (/dev/zero never ends); a text prompt for a model without a tokenizer
+is reported as malformed; prompts are not read from a device (/dev/zero never ends); a run name is one directory under --dir; a text prompt for a model without a tokenizer
 is reported, not a traceback; a dry run does not print a value read from the environment.
 
 One tiny checkpoint is trained first; the cases then start together (a few processes at a time)
@@ -94,6 +94,7 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
         "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
         "endless prompts": (["generate", clean, "--prompts", os.devnull.replace("null", "zero")], None),
+        "escaping name": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "../escaped", "--dry-run"], None),
         "text prompt": (["generate", clean, "--prompt", "hello world", "--max-new-tokens", "1"], None),
         "secret path": (["pretrain", "--recipe", TINY, "--dry-run", "--recipe-arg", "tokenizer=${oc.env:MB_TEST_TOKENIZER}"],
                         _env(MB_TEST_TOKENIZER=SECRET)),
@@ -146,6 +147,12 @@ def test_json_nested_past_the_recursion_limit(cases):
 def test_prompts_from_a_device_are_refused(cases):
     err = _refused(cases, "endless prompts")
     assert "--prompts '/dev/zero' is a character device, not a file of prompts" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_run_name_that_leaves_the_output_directory(cases):
+    err = _refused(cases, "escaping name")
+    assert "name: '../escaped' is not a run name: the outputs go to dir/name" in err, err
 
 
 @pytest.mark.timeout(400)
