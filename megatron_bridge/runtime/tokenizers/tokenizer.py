@@ -23,6 +23,13 @@ class NotTokenIdsError(ValueError):
     """Text given to a `NullTokenizer` that is not token ids of its vocabulary."""
 
 
+def _is_token_id(word: str) -> bool:
+    try:
+        return int(word) >= 0
+    except ValueError:
+        return False
+
+
 class NullTokenizer:
     """Token ids are the data: "3 4 5" tokenizes to [3, 4, 5]. The last id is end-of-document."""
 
@@ -35,14 +42,15 @@ class NullTokenizer:
         self.bos = None
 
     def tokenize(self, text: str) -> list[int]:
-        """The ids in `text`; `NotTokenIdsError` naming the first word that is not one."""
+        """The ids in `text`; `NotTokenIdsError` naming the first word that is not a whole number
+        of at least 0 (ids past the vocabulary are for the caller to report: it knows the model's)."""
         try:
             ids = [int(x) for x in text.split()]
         except ValueError:
             ids = None
-        if ids is not None and all(0 <= i < self.vocab_size for i in ids):
+        if ids is not None and all(i >= 0 for i in ids):
             return ids
-        word = next(w for w in text.split() if not (w.lstrip("-").isdigit() and 0 <= int(w) < self.vocab_size))
+        word = next(w for w in text.split() if not _is_token_id(w))
         shown = repr(word if len(word) <= 40 else word[:40] + "...")
         raise NotTokenIdsError(
             f"{shown} is not a token id: without a vocabulary (NullTokenizer), text is read as token ids from 0 to "
