@@ -18,7 +18,7 @@ import torch
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.runtime.checkpointing import layout
-from megatron_bridge.runtime.checkpointing.safe_reading import check_pickled_files, load_common
+from megatron_bridge.runtime.checkpointing.safe_reading import load_common
 from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
@@ -243,8 +243,7 @@ class DefaultCheckpointManager:
         its optimizer, scheduler, counters and RNG states."""
         from megatron.core import dist_checkpointing
 
-        check_architecture(directory, self.config.model)
-        check_pickled_files(directory)
+        check_architecture(directory, self.config.model)  # the config's checks read its pickled files too
         common = load_common(directory)
         same_layout = common.get("layout") == state_dict.layout()
         with_optimizer = resume and self.ckpt.load_optim and common.get("saved_optimizer", True)
