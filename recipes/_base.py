@@ -21,6 +21,7 @@ import typing
 from types import MappingProxyType
 from typing import Any, Callable, Optional, Union
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.peft import LoRA
 from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
@@ -83,6 +84,7 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
                 opts = options_cls(**{**merged, **kwargs})
             except TypeError as exc:
                 raise TypeError(f"{fn.__name__}(): {exc}") from None
+            _check_run_name(opts.name)
             cfg = fn(opts)
             if cfg.recipe_world_size is None:  # survives to_yaml / --config-file
                 cfg.apply_default("recipe_world_size", world_size)
@@ -99,6 +101,18 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
         return build
 
     return wrap
+
+
+def _check_run_name(name: str) -> None:
+    """The run name is one directory under `dir`: a name that is empty, '.', '..', holds a '/' or
+    control characters would put the outputs somewhere else (or nowhere one can type)."""
+    if name and name not in (".", "..") and "/" not in name and os.sep not in name and name.isprintable():
+        return
+    raise ConfigValidationError(ConfigProblem(
+        "name", f"{name!r} is not a run name: the outputs go to dir/name, so it is one directory name, not empty, "
+        "'.' or '..', without '/' or control characters",
+        "give a plain name such as 'try1' (with --name), and the directory above it with --dir",
+    ))  # fmt: skip
 
 
 def _check_names(recipe_name: str, options_cls: type, kwargs: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ class RecipeOptions(ConfigBase):
 
     name: str = "run"
     """Run name: checkpoints go to dir/name/checkpoints, TensorBoard logs to dir/name/tb_logs.
-    Defaults to the recipe name without '_config'."""
+    One directory name (no '/', not '.' or '..'). Defaults to the recipe name without '_config'."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (TP)."""

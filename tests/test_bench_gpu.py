@@ -62,3 +62,15 @@ def test_the_fused_variant_is_refused_without_cuda():
     )
     assert out.returncode == 2
     assert "the fused variant needs CUDA: megatron-core's fused SwiGLU and cross-entropy are GPU kernels" in out.stderr
+
+
+def test_counts_that_time_nothing_are_refused():
+    for argv, message in (
+        (["--rounds", "0"], "--rounds 0: give at least 1"),
+        (["--iters", "-1"], "--iters -1: give at least 1"),
+        (["--warmup", "-1"], "--warmup -1: give 0 or more, fewer than --iters (30)"),
+        (["--iters", "3", "--warmup", "3"], "--warmup 3: give 0 or more, fewer than --iters (3)"),
+    ):
+        out = subprocess.run([sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr

@@ -26,3 +26,13 @@ def test_help_shows_the_steps():
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert "--cpu-smoke" in out.stdout and "pytest -m gpu" in out.stdout and "summary.txt" in out.stdout
+
+
+def test_unknown_option_or_extra_argument_is_refused(tmp_path):
+    for args in (["--bogus"], ["--cpu-smoke", "--log"], [str(tmp_path / "a"), str(tmp_path / "b")]):
+        out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 2, (args, out.stderr)
+        given = " ".join(a for a in args if a != "--cpu-smoke")
+        assert f"unexpected arguments: {given}" in out.stderr, out.stderr
+        assert "usage: bash tools/gpu_check.sh [--cpu-smoke] [LOG_DIR]" in out.stderr
+        assert not any(tmp_path.iterdir()), "no log directory is made for a refused command line"

@@ -300,3 +300,24 @@ def test_slurm_refuses_a_credential_written_into_the_script(tmp_path):
     assert done.returncode == 0, done.stderr
     text = script.read_text()
     assert "'logger.comet_api_key=${oc.env:MB_TEST_COMET_KEY}'" in text and "abc123secret" not in text
+
+
+@pytest.mark.timeout(120)
+def test_slurm_refuses_values_that_would_break_out_of_their_line(tmp_path):
+    script = tmp_path / "x.sbatch"
+    argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "1", "--gpus-per-node", "2", "--cpu",
+            "--dir", str(tmp_path / "runs")]  # fmt: skip
+    cases = [
+        (["-o", str(script), "--partition", "batch\n#SBATCH --uid=0"],
+         "--partition 'batch\\n#SBATCH --uid=0': an #SBATCH value is one word without spaces or control characters"),
+        (["-o", str(script), "--time", "4h"], "--time '4h': not a Slurm time limit (give MM, HH:MM:SS"),
+        (["--job-name", "../x"], "job name '../x' names the script file ../x.sbatch: give one without '/'"),
+        (["-o", str(script), "logger.wandb_project=a\nNODE_EOF\nid"],
+         "'logger.wandb_project=a\\nNODE_EOF\\nid': the sbatch script cannot hold a line break or control character"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        done = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv, *extra], capture_output=True, text=True,
+                              env=clean_env(), timeout=100, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 2 and message in done.stderr, (extra, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        assert not script.exists() and not (tmp_path.parent / "x.sbatch").exists()

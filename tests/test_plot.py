@@ -1,5 +1,9 @@
 """`mbridge plot`: curves from TensorBoard event files (of a real training run) and from MLflow."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from factories import needs, tiny_config
 
@@ -131,3 +135,12 @@ def test_a_run_without_the_plotted_metrics_is_named(tmp_path, capsys):
         "mbridge plot: error: run 'odd' has none of the plotted metrics "
         "(lm loss, lm loss validation, learning-rate, tokens-per-second); it has: something-else"
     )
+
+
+@pytest.mark.timeout(120)
+def test_an_output_that_is_a_directory_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", "plot", str(tmp_path), "-o", str(tmp_path)],
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"--output {str(tmp_path)!r} is a directory; give the image file to write, e.g. {tmp_path}/training_curves.png" in done.stderr
+    assert not os.path.exists(f"{tmp_path}.png")

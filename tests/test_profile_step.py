@@ -81,3 +81,11 @@ def test_the_breakdown_covers_a_pretrain_step():
     assert abs(sum(share for _, share in rows.values()) - 100) < 0.5, out.stdout
     assert rows.get("outside the model", (0, 0))[1] < 30, out.stdout  # nearly all the step is placed
     assert "1 steps profiled after 1" in out.stdout
+
+
+def test_step_counts_that_profile_nothing_are_refused():
+    for argv, message in ((["--steps", "0"], "--steps 0: give at least 1"), (["--warmup", "-1"], "--warmup -1: give 0 or more")):
+        out = subprocess.run([sys.executable, os.path.join(TOOLS, "profile_step.py"), *argv], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 2 and message in out.stderr, (argv, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr

@@ -417,13 +417,13 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shape (the default without CUDA)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per variant (at least 1)")
+    p.add_argument("--iters", type=int, default=30, help="training iterations per process (at least 1)")
     p.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help="comma-separated variants to run, in this order, each round (default: %(default)s)",
+        help=f"comma-separated variants to run, in this order, each round (default: {','.join(VARIANTS)}; "
+        "without CUDA all but fused)",
     )
     p.add_argument(
         "--trackers",
@@ -436,13 +436,20 @@ def main() -> None:
     unknown = set(filter(None, args.trackers.split(","))) - set(TRACKER_MODULES)
     if unknown:
         p.error(f"unknown trackers {sorted(unknown)}; choose from {', '.join(TRACKER_MODULES)}")
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     wrong = [v for v in variants if v not in VARIANTS]
     if wrong or not variants:
         p.error(f"unknown variants {wrong}; choose from {', '.join(VARIANTS)}")
+    for name in ("rounds", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: give at least 1")
+    if not args.worker and not 0 <= args.warmup < args.iters:  # workers time every iteration they run
+        p.error(f"--warmup {args.warmup}: give 0 or more, fewer than --iters ({args.iters}), so that iterations are timed")
     import torch
 
     cuda = torch.cuda.is_available()
+    if args.variants is None and not cuda:
+        variants.remove("fused")  # a GPU kernel; the default list is for GPUs
     if "fused" in variants and not cuda and not args.worker:
         p.error("the fused variant needs CUDA: megatron-core's fused SwiGLU and cross-entropy are GPU kernels")
     args.tiny = args.tiny or not cuda
@@ -455,8 +462,6 @@ def main() -> None:
             result = with_pretrain(shape, args.worker, args.iters, trackers, args.workdir)
         print("BENCH " + json.dumps(result), flush=True)
         return
-    if args.warmup >= args.iters:
-        raise SystemExit("--warmup must be smaller than --iters")
     report = Report(shape, args, cuda)
     print(report.header(), flush=True)
     runs: dict[str, list[dict]] = {v: [] for v in variants}

@@ -26,7 +26,8 @@
 #   7. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
-# Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing.
+# Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing or the
+# arguments are not these.
 set -u
 
 SMOKE=0
@@ -37,6 +38,11 @@ fi
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
     sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     exit 0
+fi
+if [ $# -gt 1 ] || case "${1:-}" in -*) true ;; *) false ;; esac; then
+    echo "gpu_check.sh: unexpected arguments: $*" >&2
+    echo "usage: bash tools/gpu_check.sh [--cpu-smoke] [LOG_DIR]   (--help describes the steps)" >&2
+    exit 2
 fi
 LOG_DIR="${1:-${OUT:-./gpu_check_logs}}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

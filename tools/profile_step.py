@@ -145,12 +145,16 @@ def attribute(events):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shape (the default without CUDA)")
-    p.add_argument("--steps", type=int, default=3, help="steps profiled")
-    p.add_argument("--warmup", type=int, default=2, help="steps run before profiling")
+    p.add_argument("--steps", type=int, default=3, help="steps profiled (at least 1)")
+    p.add_argument("--warmup", type=int, default=2, help="steps run before profiling (0 or more)")
     p.add_argument("--attention", choices=("auto", "unfused"), default="auto",
                    help="auto: pretrain()'s choice (SDPA on local layers); unfused: DotProductAttention with "
                         "selective recompute")  # fmt: skip
     args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: give at least 1 (the steps profiled)")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: give 0 or more")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

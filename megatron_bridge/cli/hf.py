@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_bridge.cli.errors import UsageError
 from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError
 
 EPILOG = """\
 examples:
@@ -105,7 +106,7 @@ def _config_errors(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except ConfigValidationError as exc:
         raise UsageError(str(exc)) from exc
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, UnsafeCheckpointError) as exc:
         raise UsageError(str(exc)) from exc
 
 

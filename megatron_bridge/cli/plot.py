@@ -85,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
     if args.run and not args.mlflow_uri:
         raise UsageError("--run needs --mlflow-uri (e.g. sqlite:///mlflow.db, or the path of an mlruns directory)")
     size = parse_size(args.size)
+    if os.path.isdir(args.output):
+        raise UsageError(
+            f"--output {args.output!r} is a directory; give the image file to write, e.g. "
+            f"{os.path.join(args.output, 'training_curves.png')}"
+        )
+    if not os.path.splitext(args.output)[1]:
+        args.output += ".png"  # what the image writer does with a name without a suffix; the message says so
     try:
         runs = [read_tensorboard(d, label) for d, label in zip(args.run_dirs, short_labels(args.run_dirs), strict=True)]
         if args.run:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import signal
 import sys
 from typing import Any
@@ -46,9 +48,46 @@ def _refuse_literal_credentials(args: argparse.Namespace) -> None:
         )
 
 
+SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|unlimited|INFINITE|infinite)")
+"""The forms of #SBATCH --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED."""
+
+
+def _check_script_values(args: argparse.Namespace, job_name: str) -> None:
+    """Values written into the script stay where they are put: a line break or other control
+    character would end an #SBATCH line, the comment or the node script's here-document early and
+    turn the rest into directives or commands; an #SBATCH value ends at whitespace."""
+    words = {"job name (--job-name, else the run name)": job_name, "--partition": args.partition, "--account": args.account, "--time": args.time,
+             "--log-dir": args.log_dir}  # fmt: skip
+    for flag, value in words.items():
+        if value is not None and (not value or any(c.isspace() or not c.isprintable() for c in value)):
+            raise UsageError(f"{flag} {value!r}: an #SBATCH value is one word without spaces or control characters")
+    if "/" in job_name and not args.output:
+        raise UsageError(f"job name {job_name!r} names the script file {job_name}.sbatch: give one without '/' (--job-name)")
+    if args.time is not None and not SLURM_TIME.fullmatch(args.time):
+        raise UsageError(f"--time {args.time!r}: not a Slurm time limit (give MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED)")
+
+
+def _check_printable(values: list[Any]) -> None:
+    """The words of the script's commands hold no line break or other control character (see
+    `_check_script_values`)."""
+    for value in values:
+        if isinstance(value, str) and not value.isprintable():
+            raise UsageError(
+                f"{value!r}: the sbatch script cannot hold a line break or control character in a command "
+                "(put such a value in a --config-file; the job reads that file)"
+            )
+
+
+def _shown(argv: list[str]) -> str:
+    """A command line as a shell would read it, on one comment line."""
+    text = " ".join(shlex.quote(a) for a in argv)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.container_mounts and not args.container:
         raise UsageError("--container-mounts needs --container IMAGE")
+    _check_script_values(args, args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config"))
     _refuse_literal_credentials(args)
     mode = args.mode or ("finetune" if (args.recipe or "").endswith("_finetune_config") else "pretrain")
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
@@ -98,16 +137,18 @@ def run(args: argparse.Namespace) -> int:
     world = args.nodes * args.gpus_per_node
     target_te = args.target_te and not args.cpu  # resolved for the nodes the job runs on, not for this machine
     resolve(cfg, world, target_te=target_te)
-    job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")
+    job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")  # as checked above
     notes = [
-        "Written by: mbridge slurm " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
+        "Written by: mbridge slurm " + _shown(sys.argv[2:] if sys.argv[1:2] == ["slurm"] else sys.argv[1:]),
         f"{args.nodes} nodes x {args.gpus_per_node} {'processes' if args.cpu else 'GPUs'} = {world} ranks",
     ]
     if not args.cpu:
         with for_target(target_te):
             notes += _plan_notes(cfg, args.gpu, job_name)
+    command = _command(args, mode, extra)
+    _check_printable([args.container, args.container_mounts, *command])
     job = SlurmJob(
-        command=_command(args, mode, extra),
+        command=command,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         job_name=job_name,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.secrets import scrub
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.hf_local import DataSourceError
@@ -214,6 +215,6 @@ def dry_run_lines(cfg: "ConfigContainer") -> tuple[list[str], Optional[ConfigVal
     """For `--dry-run`: the lines to print about the data, and the error of data problems (None
     when there are none)."""
     report = check_data(cfg, dry_run=True)
-    lines = report.not_found or ["all found and readable"]
+    lines = [scrub(line) for line in report.not_found] or ["all found and readable"]  # paths may come from the environment
     error = ConfigValidationError(report.problems.items) if report.problems.items else None
     return lines, error

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional
 
 from megatron_bridge.extras import require
+from megatron_bridge.runtime import json_input
 
 SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """Data file suffixes and their formats."""
@@ -187,7 +188,7 @@ class LocalSplit:
         if head.startswith(b"["):  # one JSON array of records
             with open(file) as f:
                 try:
-                    items = json.load(f)
+                    items = json_input.load(f)
                 except json.JSONDecodeError as exc:
                     raise DataSourceError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             for i, record in enumerate(items[:limit] if limit else items):
@@ -200,7 +201,7 @@ class LocalSplit:
                     continue
                 location = f"{file} line {number}"
                 try:
-                    record = json.loads(line)
+                    record = json_input.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataSourceError(f"{location}: not valid JSON ({exc.msg}, column {exc.colno})") from None
                 yield location, _as_record(record, location)

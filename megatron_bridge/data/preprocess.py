@@ -30,6 +30,7 @@ from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.child_processes import worker_pool
 from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
+from megatron_bridge.runtime import json_input
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
@@ -183,7 +184,7 @@ def read_chunk(chunk: tuple, keys: list[str]) -> tuple[list[list[str]], int, lis
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.rstrip(b"\r\n"))
+                record = json_input.loads(line.rstrip(b"\r\n"))
             except json.JSONDecodeError as exc:
                 errors.append(f"line+{lines}: not valid JSON ({exc.msg}, column {exc.colno})")
                 break

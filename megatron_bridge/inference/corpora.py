@@ -26,6 +26,7 @@ from megatron_bridge.inference.errors import DataError, json_lines
 from megatron_bridge.data.chat import ChatFormatError
 from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, LocalSplit
 from megatron_bridge.data.sft_records import detect_format as detect_sft
+from megatron_bridge.config.paths import file_kind
 
 TEXT, INDEXED, SFT, CHOICE = "text", "indexed", "sft", "choice"
 FORMATS = (TEXT, INDEXED, SFT, CHOICE)
@@ -68,7 +69,9 @@ def detect_format(path: str, text_key: str) -> str:
     if indexed_prefix(path):
         return INDEXED
     if not os.path.isfile(path):
-        raise DataError(f"--data {path!r} does not exist (give a JSONL file, or the prefix of PREFIX.bin/PREFIX.idx)")
+        kind = file_kind(path)
+        what = "does not exist" if kind == "missing" else f"is {kind}, not a data file"
+        raise DataError(f"--data {path!r} {what} (give a JSONL file, or the prefix of PREFIX.bin/PREFIX.idx)")
     first = next(iter(jsonl_rows(path)), None)
     if first is None:
         raise DataError(f"--data {path!r} holds no lines")

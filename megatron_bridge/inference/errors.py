@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+from megatron_bridge.runtime import json_input
+
 
 class SourceError(ValueError):
     """A model source that cannot be used: missing, incomplete, or adapters without their base."""
@@ -29,7 +31,7 @@ def json_lines(path: str, error: type[ValueError]) -> Iterator[tuple[str, Any]]:
                 continue
             where = f"{path}:{number}"
             try:
-                value = json.loads(line)
+                value = json_input.loads(line)
             except json.JSONDecodeError as exc:
                 raise error(f"{where}: not JSON ({exc.msg})") from None
             yield where, value

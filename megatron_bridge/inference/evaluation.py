@@ -21,6 +21,7 @@ from megatron_bridge.config.errors import Problems
 from megatron_bridge.inference import choices, corpora
 from megatron_bridge.inference.source_tokenizer import load_tokenizer, require_tokenizer
 from megatron_bridge.inference.sources import declared_seq_length, resolve
+from megatron_bridge.runtime.tokenizers.tokenizer import NotTokenIdsError
 
 
 @dataclass
@@ -122,6 +123,13 @@ def _read(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat:
     """(scored sequences, multiple-choice items or None) of the data."""
     if tok is None and fmt != INDEXED:
         raise DataError(f"reading {fmt} data needs a tokenizer, and the model has none")
+    try:
+        return _tokenized(data, fmt, text_key, tok, seq_length, concat)
+    except NotTokenIdsError as exc:
+        raise DataError(f"{data}: {exc}") from None
+
+
+def _tokenized(data: str, fmt: str, text_key: str, tok: Any, seq_length: int, concat: bool) -> tuple[list, Optional[list]]:
     if fmt == TEXT:
         return corpora.text_sequences(data, text_key, tok, seq_length, concat), None
     if fmt == INDEXED:

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from megatron_bridge.config.paths import file_kind
 from megatron_bridge.inference.errors import PromptError, json_lines
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer, check_messages
+from megatron_bridge.runtime.tokenizers.tokenizer import NotTokenIdsError
 
 Prompt = Union[str, list]
 
 
 def read_prompts(path: str) -> list[Prompt]:
-    """The prompts of a JSONL file, in order; a bad line is an error naming it."""
+    """The prompts of a JSONL file (or a pipe), in order; a bad line is an error naming it."""
+    kind = file_kind(path)
+    if kind not in ("a regular file", "a FIFO (named pipe)"):
+        what = "does not exist" if kind == "missing" else f"is {kind}, not a file of prompts"
+        raise PromptError(f"--prompts {path!r} {what} (give a JSONL file, one prompt per line)")
     prompts: list[Prompt] = []
     try:
         for where, row in json_lines(path, PromptError):
@@ -60,9 +66,10 @@ def encode_prompts(tokenizer: Any, prompts: list[Prompt], chat: bool, seq_length
                 text = renderer.render(messages, add_generation_prompt=True)
             except ChatFormatError as exc:
                 raise PromptError(f"prompt {i + 1}: {exc}") from None
-            ids = tokenizer.tokenize(text)  # the template writes the special tokens itself
-        else:
-            ids = tokenizer.encode(prompt)
+        try:  # a rendered template holds its special tokens already
+            ids = tokenizer.tokenize(text) if renderer is not None else tokenizer.encode(prompt)
+        except NotTokenIdsError as exc:
+            raise PromptError(f"prompt {i + 1}: {exc}") from None
         if not ids:
             raise PromptError(f"prompt {i + 1} is empty (it encodes to no tokens)")
         if len(ids) >= seq_length:

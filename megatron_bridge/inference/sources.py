@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.runtime.checkpointing.layout import RUN_CONFIG_FILE
+from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError, load_common, read_metadata
+from megatron_bridge.runtime import json_input
 
 if TYPE_CHECKING:
     from megatron_bridge.runtime.checkpointing.run_config import SavedRunConfig
@@ -111,12 +113,10 @@ def check_complete(directory: str) -> None:
     missing = [name for name in (*CHECKPOINT_FILES, RUN_CONFIG_FILE) if not os.path.isfile(os.path.join(directory, name))]
     if missing:
         raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
-    import torch.distributed.checkpoint as dcp
-
     try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except Exception as exc:  # a torn .metadata file raises whatever unpickling hits
-        raise SourceError(f"the checkpoint {directory!r} is incomplete: its .metadata cannot be read ({exc})") from None
+        metadata = read_metadata(directory)
+    except UnsafeCheckpointError as exc:  # torn, foreign, or naming code to run
+        raise SourceError(f"the checkpoint {directory!r} cannot be used: {exc}") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -154,9 +154,10 @@ def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> 
         if base.kind == ADAPTERS:
             raise SourceError(f"--base {given!r} holds adapters too; the base is a complete model")
         return base
-    import torch
-
-    common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
+    try:
+        common = load_common(directory)
+    except UnsafeCheckpointError as exc:
+        raise SourceError(str(exc)) from None
     record = common.get("peft") or {}
     configured = config.value("checkpoint", "pretrained_checkpoint")
     candidates = [c for c in (record.get("pretrained_iteration_dir"), record.get("pretrained_checkpoint"), configured) if c]
@@ -174,11 +175,9 @@ def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> 
 
 
 def read_json(path: str) -> dict:
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json_input.load(f)
     except (OSError, ValueError) as exc:
         raise SourceError(f"{path} cannot be read as JSON ({exc})") from None
     if not isinstance(data, dict):

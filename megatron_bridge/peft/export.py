@@ -15,6 +15,7 @@ from typing import Any, Optional
 from megatron_bridge.extras import require
 from megatron_bridge.peft.merge import read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing.safe_reading import load_common, read_metadata
 from megatron_bridge.models.hf.files import hf_origin, is_hf_directory, run_config_value
 from megatron_bridge.peft.hf_names import UnmappedModuleError, hf_modules, hf_row_order, split_rows
 from megatron_bridge.runtime.checkpointing.weights import is_adapter_key
@@ -32,8 +33,8 @@ def read_adapter_tensors(iteration_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    metadata = read_metadata(iteration_dir).state_dict_metadata
     reader = dcp.FileSystemReader(iteration_dir)
-    metadata = reader.read_metadata().state_dict_metadata
     keys = [k for k in metadata if not k.startswith("optimizer.") and is_adapter_key(k)]
     tensors = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
     dcp.load(tensors, storage_reader=reader, no_dist=True)
@@ -92,7 +93,6 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
     itself when it is one; for a checkpoint of ours, the directory it was imported from (`mbridge hf
     import`, weights only), or for a PEFT checkpoint, that of its frozen base. None when there is
     none (a model trained or merged here has no Hugging Face counterpart)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     if not path or depth <= 0:
@@ -101,7 +101,7 @@ def hf_base_model(path: Optional[str], depth: int = 4) -> Optional[str]:
         return os.path.abspath(path)
     try:
         directory, _ = layout.resolve(path)
-        common = dist_checkpointing.load_common_state_dict(directory)
+        common = load_common(directory)
     except (OSError, ValueError, CheckpointingException):
         return None
     record = common.get("peft")

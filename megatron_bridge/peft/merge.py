@@ -17,6 +17,7 @@ from megatron_bridge.models.hf.files import copy_hf_assets, hf_origin
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.runtime.checkpointing.safe_reading import load_common
 from megatron_bridge.peft.apply import merge_and_unwrap
 from megatron_bridge.peft.offline import load_weights, single_process_model
 
@@ -26,15 +27,13 @@ logger = logging.getLogger("megatron_bridge")
 def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
     """(iteration dir, iteration, run config, common state) of the PEFT checkpoint at `path`;
     ValueError if it holds no adapters."""
-    from megatron.core import dist_checkpointing
-
     directory, iteration = layout.resolve(path)
     saved = read_run_config(directory)
     if saved is None:
         raise ValueError(
             f"{directory!r} has no {layout.RUN_CONFIG_FILE}: cannot tell which model its adapters belong to"
         )
-    common = dist_checkpointing.load_common_state_dict(directory)
+    common = load_common(directory)
     cfg = saved.build()  # the run's ConfigContainer, by the file's _target_
     if not common.get("peft") or cfg.peft is None:
         raise ValueError(f"{directory!r} is not a PEFT checkpoint (it holds no adapters)")

@@ -21,6 +21,7 @@ from megatron_bridge.models.hf.load import load_hf_weights
 from megatron_bridge.peft.apply import apply_peft
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.checkpointing.safe_reading import check_pickled_files
 from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def load_weights(model: Any, directory: str, part: str = "all", step: Optional[i
         load_hf_weights([model], directory)
         return directory, 0
     iteration_dir, iteration = layout.resolve(directory, step)
+    check_pickled_files(iteration_dir)
     template = weights.model_state(model, part)
     loaded = dist_checkpointing.load({"model": template}, iteration_dir)
     weights.load_model_state(model, loaded["model"], part)

@@ -16,6 +16,7 @@ import shutil
 from typing import Any, Optional
 from megatron_bridge.runtime.checkpointing.layout import resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.runtime import json_input
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,7 +56,7 @@ def read_json(path: str) -> Any:
         raise ValueError(f"{path} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json_input.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
 

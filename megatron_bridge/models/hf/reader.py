@@ -24,6 +24,7 @@ from typing import Any, Optional
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.models.hf.files import INDEX_FILE, SINGLE_FILE, read_json
 from megatron_bridge.extras import require
+from megatron_bridge.runtime import json_input
 
 ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
               "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
@@ -63,7 +64,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         if length > MAX_HEADER or 8 + length > size:
             raise HeaderError(f"{name}: header of {length} bytes does not fit in the file ({size} bytes): truncated or not safetensors")
         try:
-            header = json.loads(f.read(length))
+            header = json_input.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise HeaderError(f"{name}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):

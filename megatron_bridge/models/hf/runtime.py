@@ -20,6 +20,7 @@ from megatron_bridge.runtime.checkpointing.results_queue import use_results_queu
 from megatron_bridge.config.serialization import from_dict, to_dict
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.checkpointing import layout, weights
+from megatron_bridge.runtime.checkpointing.safe_reading import check_pickled_files
 from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
 from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
 from megatron_bridge.runtime.distributed import checked_backend, single_process_store
@@ -146,6 +147,7 @@ def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all"
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
+    check_pickled_files(directory)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
     loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),

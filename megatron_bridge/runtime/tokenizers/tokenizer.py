@@ -13,9 +13,21 @@ from typing import Any, Optional
 
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime import json_input
 
 SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
 """`hf_tokenizer_kwargs` keys that name special tokens; honoured by both loaders."""
+
+
+class NotTokenIdsError(ValueError):
+    """Text given to a `NullTokenizer` that is not token ids of its vocabulary."""
+
+
+def _is_token_id(word: str) -> bool:
+    try:
+        return int(word) >= 0
+    except ValueError:
+        return False
 
 
 class NullTokenizer:
@@ -30,7 +42,20 @@ class NullTokenizer:
         self.bos = None
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        """The ids in `text`; `NotTokenIdsError` naming the first word that is not a whole number
+        of at least 0 (ids past the vocabulary are for the caller to report: it knows the model's)."""
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            ids = None
+        if ids is not None and all(i >= 0 for i in ids):
+            return ids
+        word = next(w for w in text.split() if not _is_token_id(w))
+        shown = repr(word if len(word) <= 40 else word[:40] + "...")
+        raise NotTokenIdsError(
+            f"{shown} is not a token id: without a vocabulary (NullTokenizer), text is read as token ids from 0 to "
+            f"{self.vocab_size - 1} separated by spaces (write it as ids, e.g. '3 4 5', or use a model with a tokenizer)"
+        )
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
@@ -166,8 +191,14 @@ def _load_with_transformers(directory: str, kwargs: dict[str, Any]) -> tuple[Any
 def _read_settings(directory: Path) -> dict:
     settings = directory / "tokenizer_config.json"
     if settings.is_file():
-        with open(settings) as f:
-            return json.load(f)
+        with open(settings, encoding="utf-8") as f:
+            try:
+                found = json_input.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{settings} is not valid JSON ({exc})") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"{settings} holds no JSON object (a tokenizer's settings are one)")
+        return found
     return {}
 
 

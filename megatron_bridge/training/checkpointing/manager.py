@@ -18,6 +18,7 @@ import torch
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.checkpointing.safe_reading import load_common
 from megatron_bridge.training.checkpointing import state_dict
 from megatron_bridge.training.checkpointing.compat import check_architecture
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
@@ -213,7 +214,7 @@ class DefaultCheckpointManager:
             self._load_hf(run, base_dir, "base weights")
         else:
             base_dir, base_iteration = layout.resolve(c.pretrained_checkpoint, None if resume else c.ckpt_step)
-            if dist_checkpointing.load_common_state_dict(base_dir).get("peft"):
+            if load_common(base_dir).get("peft"):
                 raise ConfigValidationError(ConfigProblem(
                     "checkpoint.pretrained_checkpoint", f"{c.pretrained_checkpoint!r} holds the adapters of a PEFT run, not base weights",
                     "point it at the base model's checkpoint, or fold the adapters in first (mbridge peft merge)",
@@ -225,7 +226,7 @@ class DefaultCheckpointManager:
             run.state.optimizer.reload_model_params()
             return base_iteration
         directory, iteration = layout.resolve(c.load, c.ckpt_step)
-        recorded = dist_checkpointing.load_common_state_dict(directory).get("peft")
+        recorded = load_common(directory).get("peft")
         if not recorded:
             raise ConfigValidationError(ConfigProblem(
                 "checkpoint.load", f"{c.load!r} holds a checkpoint without adapters; a PEFT run resumes only from its own adapter checkpoints",
@@ -242,8 +243,8 @@ class DefaultCheckpointManager:
         its optimizer, scheduler, counters and RNG states."""
         from megatron.core import dist_checkpointing
 
-        check_architecture(directory, self.config.model)
-        common = dist_checkpointing.load_common_state_dict(directory)
+        check_architecture(directory, self.config.model)  # the config's checks read its pickled files too
+        common = load_common(directory)
         same_layout = common.get("layout") == state_dict.layout()
         with_optimizer = resume and self.ckpt.load_optim and common.get("saved_optimizer", True)
         with_rng = resume and self.ckpt.load_rng and same_layout and common.get("saved_rng", False)

@@ -1,6 +1,6 @@
 """A validation rule: the checkpoints a run loads weights from were saved with the config's model
 architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
-built). The same fields are checked again when the weights are loaded
+built), and their pickled metadata names nothing but checkpoint metadata. The same fields are checked again when the weights are loaded
 (`megatron_bridge.training.checkpointing.compat`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 from megatron_bridge.config.serialization import to_dict
 from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
+from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError, check_pickled_files
 from megatron_bridge.models.hf.files import is_hf_directory
 
 ARCHITECTURE_FIELDS = (
@@ -58,11 +59,20 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
     """The checkpoints of ours that the run loads weights from were saved with the config's model
     architecture (their run_config.yaml against the model section): a mismatch is reported
     before the model is built. Which checkpoints: see `loaded_checkpoints`. Fields the config
-    leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading."""
+    leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading.
+    A checkpoint whose `.metadata` names code to run is reported too (`safe_reading`)."""
     current = None  # encoded only when there is a saved model to compare with (rarely)
     for field, path, step in loaded_checkpoints(cfg):
         try:
-            run_config = read_run_config(resolve(path, step)[0])
+            directory = resolve(path, step)[0]
+            check_pickled_files(directory)
+        except UnsafeCheckpointError as exc:
+            problems.add(field, exc.problem, exc.fix)
+            continue
+        except (OSError, ValueError):
+            continue  # no readable checkpoint there: reported when it is loaded
+        try:
+            run_config = read_run_config(directory)
             saved = run_config.section("model") if run_config is not None else {}
         except (OSError, ValueError):
             continue  # no readable checkpoint there: reported when it is loaded

@@ -1,0 +1,169 @@
+"""Files from elsewhere given to the command line, each case in a fresh process: a checkpoint whose
+pickled files (`.metadata`, `common.pt`) were altered to run code is refused before anything
+loads it, by every command that reads checkpoints; JSON nested past the parser's recursion limit
+is reported as malformed; prompts are not read from a device (/dev/zero never ends); a run name is one directory under --dir; a text prompt for a model without a tokenizer
+is reported, not a traceback; a dry run does not print a value read from the environment.
+
+One tiny checkpoint is trained first; the cases then start together (a few processes at a time)
+and each test checks its own.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import shutil
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "tiny_gpt_pretrain_config"
+SECRET = "s3cr3t-Path-from-the-environment"
+PARALLEL = 3
+
+
+class _Touch:
+    """Unpickled, creates the file `path`: what a tampered checkpoint could do."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
+
+def _mbridge(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_bridge", *argv], cwd=REPO, env=env or _env(), capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+
+
+def _tampered(runs: str, name: str, file: str, marker: str) -> str:
+    """A copy of the trained run `runs/tiny_gpt_pretrain` as `runs/name`, its `file` replaced by a
+    pickle that creates `marker`; returns the copy's checkpoint directory."""
+    source = os.path.join(runs, "tiny_gpt_pretrain")
+    shutil.copytree(source, os.path.join(runs, name))
+    checkpoints = os.path.join(runs, name, "checkpoints")
+    (iteration,) = [d for d in os.listdir(checkpoints) if d.startswith("iter_")]
+    with open(os.path.join(checkpoints, iteration, file), "wb") as f:
+        pickle.dump(_Touch(marker), f)
+    return checkpoints
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hostile")
+
+
+@pytest.fixture(scope="module")
+def cases(work) -> dict[str, tuple[Future, str]]:
+    """name -> (future of its CompletedProcess, marker file a tampered checkpoint would create)."""
+    runs = os.path.join(str(work), "runs")
+    trained = _mbridge(["pretrain", "--recipe", TINY, "--dir", runs, "train.train_iters=1", "validation.eval_iters=0"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    clean = os.path.join(runs, "tiny_gpt_pretrain", "checkpoints")
+    mark = {n: os.path.join(str(work), f"ran-{n}") for n in ("generate", "resume", "export")}
+    meta = _tampered(runs, "meta", ".metadata", mark["generate"])
+    common = _tampered(runs, "common", "common.pt", mark["resume"])
+    export = _tampered(runs, "export", ".metadata", mark["export"])
+    deep = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit
+    hf_dir = os.path.join(str(work), "hf-deep")
+    os.makedirs(hf_dir)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        f.write('{"architectures": ["LlamaForCausalLM"], "nested": ' + deep + "}")
+    with open(os.path.join(hf_dir, "model.safetensors"), "wb") as f:
+        f.write(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    prompts = os.path.join(str(work), "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.write('{"prompt": "1 2"}\n{"prompt": ' + deep + "}\n")
+    argvs = {
+        "generate": (["generate", meta, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
+        "resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "common", "train.train_iters=2"], None),
+        "export": (["hf", "export", export, os.path.join(str(work), "hf-out")], None),
+        "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
+        "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
+        "endless prompts": (["generate", clean, "--prompts", os.devnull.replace("null", "zero")], None),
+        "escaping name": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "../escaped", "--dry-run"], None),
+        "text prompt": (["generate", clean, "--prompt", "hello world", "--max-new-tokens", "1"], None),
+        "secret path": (["pretrain", "--recipe", TINY, "--dry-run", "--recipe-arg", "tokenizer=${oc.env:MB_TEST_TOKENIZER}"],
+                        _env(MB_TEST_TOKENIZER=SECRET)),
+    }  # fmt: skip
+    pool = ThreadPoolExecutor(PARALLEL)
+    started = {name: (pool.submit(_mbridge, argv, env), mark.get(name)) for name, (argv, env) in argvs.items()}
+    pool.shutdown(wait=False)
+    return started
+
+
+def _refused(cases, name: str) -> str:
+    future, marker = cases[name]
+    result = future.result()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    if marker is not None:
+        assert not os.path.exists(marker), "code in the tampered checkpoint ran"
+    return result.stderr
+
+
+@pytest.mark.timeout(400)
+def test_generate_refuses_tampered_metadata(cases):
+    err = _refused(cases, "generate")
+    assert ".metadata is not loaded: it names pathlib.Path.touch" in err, err
+    assert "source you trust" in err
+
+
+@pytest.mark.timeout(400)
+def test_resume_refuses_tampered_common_state(cases):
+    err = _refused(cases, "resume")
+    assert "checkpoint.load:" in err and "common.pt is not loaded" in err, err
+    assert "could run code from the file" in err
+
+
+@pytest.mark.timeout(400)
+def test_hf_export_refuses_tampered_metadata(cases):
+    err = _refused(cases, "export")
+    assert ".metadata is not loaded: it names pathlib.Path.touch" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_json_nested_past_the_recursion_limit(cases):
+    err = _refused(cases, "deep config.json")
+    assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
+    err = _refused(cases, "deep prompts")
+    assert "prompts.jsonl:2: not JSON (arrays or objects nested too deeply)" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_prompts_from_a_device_are_refused(cases):
+    err = _refused(cases, "endless prompts")
+    assert "--prompts '/dev/zero' is a character device, not a file of prompts" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_run_name_that_leaves_the_output_directory(cases):
+    err = _refused(cases, "escaping name")
+    assert "name: '../escaped' is not a run name: the outputs go to dir/name" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_text_prompt_without_tokenizer(cases):
+    err = _refused(cases, "text prompt")
+    assert "prompt 1: 'hello' is not a token id" in err and "from 0 to 255" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_dry_run_data_lines_hide_environment_values(cases):
+    result = cases["secret path"][0].result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert SECRET not in result.stdout + result.stderr
+    assert "tokenizer.tokenizer_model: '${oc.env:MB_TEST_TOKENIZER}': not found" in result.stdout, result.stdout[-2000:]
