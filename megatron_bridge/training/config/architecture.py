@@ -1,7 +1,7 @@
 """A validation rule: the checkpoints a run loads weights from were saved with the config's model
 architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
-built), and their pickled metadata names nothing but checkpoint metadata. The same fields are checked again when the weights are loaded
-(`megatron_bridge.training.checkpointing.compat`)."""
+built), and their pickled files name nothing but checkpoint data. The same fields are checked
+again when the weights are loaded (`megatron_bridge.training.checkpointing.compat`)."""
 
 from __future__ import annotations
 
