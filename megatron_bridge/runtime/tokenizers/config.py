@@ -6,25 +6,67 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.config.fields import STEPS, field
+from megatron_bridge.config.fields import STEPS, Unsupported, field
 from megatron_bridge.config.targets import register_target
 
-TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+"""The tokenizer types this runtime builds."""
+
+_TO_HF_DIR = "convert its files to a Hugging Face tokenizer directory (one with tokenizer.json) and set tokenizer.tokenizer_type=HuggingFaceTokenizer, tokenizer.tokenizer_model=DIR"
+
+REFUSED_TYPES = {
+    "SentencePieceTokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece)",
+    "GPTSentencePieceTokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece)",
+    "Llama2Tokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece), or use the Hugging Face model's own tokenizer directory",
+    "TikTokenizer": f"{_TO_HF_DIR}: the model's Hugging Face release usually ships one; the tiktoken vocabulary itself is not read here",
+    "BertWordPieceLowerCase": f"{_TO_HF_DIR}: e.g. transformers.BertTokenizerFast('vocab.txt', do_lower_case=True).save_pretrained(DIR)",
+    "BertWordPieceCase": f"{_TO_HF_DIR}: e.g. transformers.BertTokenizerFast('vocab.txt', do_lower_case=False).save_pretrained(DIR)",
+    "MultimodalTokenizer": "multimodal (image-tag) prompts are not built here: use tokenizer.tokenizer_type=HuggingFaceTokenizer for text",
+    "NullMultimodalTokenizer": "multimodal models are not built here: use tokenizer.tokenizer_type=NullTokenizer for token-id data",
+    "SFTTokenizer": "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a chat template (tokenizer.chat_template) for chat fine-tuning",
+}
+"""Tokenizer types of configs written for Megatron-LM that are not built here, and what to use instead."""
+
+_TIKTOKEN_ONLY = Unsupported("read only by TikTokenizer, which is not supported here (use a HuggingFaceTokenizer directory instead)")
+_MULTIMODAL_ONLY = Unsupported("read only by MultimodalTokenizer, which is not supported here")
 
 
 @config_dataclass(kw_only=True)
 class TokenizerConfig(ConfigBase):
     """Which tokenizer to build. Tokenizers are always loaded from local files, never the network."""
 
-    tokenizer_type: Optional[Literal["NullTokenizer", "HuggingFaceTokenizer"]] = None
-    """`NullTokenizer` (token ids are the data; needs `vocab_size`) or `HuggingFaceTokenizer`
-    (loaded from `tokenizer_model`, a local directory or a `tokenizer.json` file)."""
+    tokenizer_type: Optional[
+        Literal[
+            "NullTokenizer",
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "TikTokenizer",
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
+            "MultimodalTokenizer",
+            "NullMultimodalTokenizer",
+            "SFTTokenizer",
+        ]
+    ] = None
+    """`NullTokenizer` (token ids are the data; needs `vocab_size`), `HuggingFaceTokenizer`
+    (loaded from `tokenizer_model`, a local directory or a `tokenizer.json` file) or
+    `GPT2BPETokenizer` (GPT-2 byte-level BPE from `vocab_file` and `merge_file`). Megatron-LM's
+    other types are refused with how to use their files through a `HuggingFaceTokenizer`."""
 
     tokenizer_model: Optional[str] = None
     """Local directory or file of a Hugging Face tokenizer."""
 
     vocab_size: Optional[int] = field(None, range="[2, 2**31)")  # one token is no vocabulary
     """Vocabulary size for `NullTokenizer` (its last id is the end-of-document token)."""
+
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer: local `vocab.json` of GPT-2's BPE (token -> id)."""
+
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer: local `merges.txt` of GPT-2's BPE (one merge per line)."""
 
     vocab_extra_ids: int = field(0, range=STEPS)
     """Number of extra sentinel tokens appended to the vocabulary."""
@@ -40,6 +82,21 @@ class TokenizerConfig(ConfigBase):
     """Options of the Hugging Face tokenizer: bos_token / eos_token / pad_token name its special
     tokens; other keys go to transformers.AutoTokenizer.from_pretrained (always offline)."""
 
+    tiktoken_pattern: Optional[str] = field(None, status=_TIKTOKEN_ONLY)
+    """TikTokenizer's pre-tokenization pattern ('v1' or 'v2')."""
+
+    tiktoken_num_special_tokens: int = field(1000, status=_TIKTOKEN_ONLY)
+    """Number of ids TikTokenizer reserves for special tokens."""
+
+    tiktoken_special_tokens: Optional[list[str]] = field(None, status=_TIKTOKEN_ONLY)
+    """TikTokenizer's special tokens (needs '<unk>', '<s>', '</s>')."""
+
+    tokenizer_prompt_format: Optional[str] = field(None, status=_MULTIMODAL_ONLY)
+    """MultimodalTokenizer's prompt format."""
+
+    image_tag_type: Optional[str] = field(None, status=_MULTIMODAL_ONLY)
+    """MultimodalTokenizer's image tag type."""
+
     def _finalize(self, problems: Problems) -> None:
         if not problems.check(
             self.tokenizer_type is not None,
@@ -47,6 +104,9 @@ class TokenizerConfig(ConfigBase):
             "is not set",
             f"set tokenizer.tokenizer_type to one of {list(TOKENIZER_TYPES)}",
         ):
+            return
+        if self.tokenizer_type in REFUSED_TYPES:
+            problems.add("tokenizer_type", f"{self.tokenizer_type!r} is not supported here", REFUSED_TYPES[self.tokenizer_type])
             return
         if self.tokenizer_type == "NullTokenizer":
             problems.check(
@@ -62,6 +122,22 @@ class TokenizerConfig(ConfigBase):
                 "HuggingFaceTokenizer needs a local tokenizer directory or file",
                 "set tokenizer.tokenizer_model to a path with tokenizer.json",
             )
+        if self.tokenizer_type == "GPT2BPETokenizer":
+            for name, what in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+                problems.check(
+                    bool(getattr(self, name)),
+                    name,
+                    f"GPT2BPETokenizer needs GPT-2's {what}, got {getattr(self, name)!r}",
+                    f"set tokenizer.{name} to the local {what} of the BPE",
+                )
+        else:
+            for name in ("vocab_file", "merge_file"):
+                problems.check(
+                    not getattr(self, name),
+                    name,
+                    f"only a GPT2BPETokenizer reads it (tokenizer_type={self.tokenizer_type!r})",
+                    f"remove tokenizer.{name}, or set tokenizer.tokenizer_type=GPT2BPETokenizer",
+                )
         if self.tokenizer_type != "HuggingFaceTokenizer":
             for name in ("chat_template", "hf_tokenizer_kwargs"):
                 problems.check(

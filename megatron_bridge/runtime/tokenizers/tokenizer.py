@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_bridge.extras import require
+from megatron_bridge.runtime.tokenizers.backend import TokenizersBacked
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_bridge.runtime import json_input
 
 SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
@@ -72,7 +74,7 @@ class NullTokenizer:
         return OrderedDict(kind="NullTokenizer", vocab_size=self.vocab_size)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(TokenizersBacked):
     """A Hugging Face tokenizer from local files only (never downloads): a `tokenizer.json`
     (or a directory holding one) is read with `tokenizers`; any other directory is loaded with
     `transformers.AutoTokenizer` offline, which must yield a fast tokenizer.
@@ -136,27 +138,6 @@ class HuggingFaceTokenizer:
             if token_id is not None:
                 return token_id
         return None
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode(self, text: str) -> list[int]:
-        """The tokenizer's default encoding of `text`: with the special tokens its post-processor
-        adds (a beginning-of-sequence token, for many), as `transformers`' `tokenizer(text)` gives."""
-        return self._tok.encode(text).ids
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text; uses the tokenizer's own threads unless disabled
-        (TOKENIZERS_PARALLELISM=false)."""
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-
-    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids and the (start, end) character span of each token in `text`."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
-        return encoding.ids, encoding.offsets
-
-    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -225,8 +206,8 @@ def _template_from_files(directory: Path, settings: dict) -> Optional[str]:
     return template if isinstance(template, str) and template else None
 
 
-_LOADED: "OrderedDict[str, HuggingFaceTokenizer]" = OrderedDict()
-"""The last few Hugging Face tokenizers loaded, by their settings and files' modification time:
+_LOADED: "OrderedDict[str, Any]" = OrderedDict()
+"""The last few tokenizers loaded from files, by their settings and files' modification time:
 validation reads the vocabulary size, and the run then uses the same tokenizer."""
 
 
@@ -234,15 +215,23 @@ def build_tokenizer(cfg: TokenizerConfig):
     """The tokenizer `cfg` describes (finalized config assumed)."""
     if cfg.tokenizer_type == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size + cfg.vocab_extra_ids)
+    if cfg.tokenizer_type == "GPT2BPETokenizer":
+        args = (cfg.vocab_file, cfg.merge_file, cfg.special_tokens, cfg.vocab_extra_ids)
+        return _loaded(GPT2BPETokenizer, args, (cfg.vocab_file, cfg.merge_file))
     if cfg.tokenizer_type != "HuggingFaceTokenizer":
         raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")
     args = (cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs)
+    return _loaded(HuggingFaceTokenizer, args, (cfg.tokenizer_model,))
+
+
+def _loaded(cls: type, args: tuple, files: tuple) -> Any:
+    """`cls(*args)`, reused while `files` are unchanged."""
     try:
-        key = repr((args, _files_changed_at(cfg.tokenizer_model)))
+        key = repr((cls.__name__, args, [_files_changed_at(f) for f in files]))
     except (OSError, TypeError):
-        return HuggingFaceTokenizer(*args)  # reports the missing files
+        return cls(*args)  # reports the missing files
     if key not in _LOADED:
-        _LOADED[key] = HuggingFaceTokenizer(*args)
+        _LOADED[key] = cls(*args)
         while len(_LOADED) > 4:
             _LOADED.popitem(last=False)
     return _LOADED[key]
@@ -258,10 +247,12 @@ def _files_changed_at(path: str) -> int:
 
 
 def local_vocab_size(cfg: TokenizerConfig) -> Optional[int]:
-    """The vocabulary size of a Hugging Face tokenizer whose files are on this machine; None when
-    they are not (a dry run elsewhere) or do not load (the data checks report why)."""
-    model = cfg.tokenizer_model
-    if cfg.tokenizer_type != "HuggingFaceTokenizer" or not model or not os.path.exists(model):
+    """The vocabulary size of a tokenizer read from files (Hugging Face, GPT-2 BPE) that are on
+    this machine; None when they are not (a dry run elsewhere) or do not load (the data checks
+    report why)."""
+    files = {"HuggingFaceTokenizer": [cfg.tokenizer_model], "GPT2BPETokenizer": [cfg.vocab_file, cfg.merge_file]}
+    needed = files.get(cfg.tokenizer_type)
+    if not needed or not all(f and os.path.exists(f) for f in needed):
         return None
     try:
         return build_tokenizer(cfg).vocab_size
