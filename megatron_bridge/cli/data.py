@@ -16,6 +16,8 @@ examples:
   mbridge data preprocess --input 'shards/*.parquet' --json-keys title body --output-prefix data/web \\
       --tokenizer tok/ --workers 16 --append-eod
   mbridge data preprocess --input my_dataset/ --split train --output-prefix data/d --tokenizer tok/
+  mbridge data preprocess --input corpus.jsonl --output-prefix data/corpus --append-eod \
+      --tokenizer-type GPT2BPETokenizer --vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt
   mbridge data inspect data/corpus_text_document --tokenizer tok/"""
 
 
@@ -40,7 +42,10 @@ def register(subparsers: Any) -> None:
     )
     pre.add_argument("--input", required=True, metavar="PATH", help="a .jsonl/.json/.parquet/.arrow file, a glob of them, a directory of them, or a datasets (save_to_disk) directory")
     pre.add_argument("--output-prefix", required=True, metavar="PREFIX", help="output path prefix; key 'text' gives PREFIX_text_document.bin/.idx")
-    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer: a directory with tokenizer.json (or one transformers.AutoTokenizer loads offline), or the file")
+    pre.add_argument("--tokenizer", metavar="DIR", help="local tokenizer: a directory with tokenizer.json (or one transformers.AutoTokenizer loads offline), or the file")
+    pre.add_argument("--tokenizer-type", choices=["HuggingFaceTokenizer", "GPT2BPETokenizer"], default="HuggingFaceTokenizer", help="HuggingFaceTokenizer (from --tokenizer, the default) or GPT2BPETokenizer (from --vocab-file and --merge-file)")
+    pre.add_argument("--vocab-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    pre.add_argument("--merge-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's merges.txt")
     pre.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY", help="fields (columns) to tokenize, one output each (default: text)")
     pre.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the CPU cores available)")
     pre.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's end-of-document token")
@@ -79,6 +84,9 @@ def run_preprocess(args: argparse.Namespace) -> int:
         split=args.split,
         tokenizer_kwargs=kwargs,
         progress=not args.no_progress,
+        tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
     )
     try:
         results = preprocess(options)

@@ -52,17 +52,35 @@ def build_checked_tokenizer(cfg: "ConfigContainer") -> Any:
     return tokenizer
 
 
+_TOKENIZER_FILES = {
+    "HuggingFaceTokenizer": (("tokenizer_model", "point it at a local tokenizer directory or tokenizer.json"),),
+    "GPT2BPETokenizer": (
+        ("vocab_file", "point it at the local vocab.json of GPT-2's BPE"),
+        ("merge_file", "point it at the local merges.txt of GPT-2's BPE"),
+    ),
+}
+"""The files each tokenizer type reads, by config field, and the fix when one is missing."""
+
+
 def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Optional[Any]:
     tok = cfg.tokenizer
-    if tok.tokenizer_type == "HuggingFaceTokenizer" and tok.tokenizer_model and not os.path.exists(tok.tokenizer_model):
-        report.missing("tokenizer.tokenizer_model", repr(tok.tokenizer_model), dry_run, "point it at a local tokenizer directory or tokenizer.json")
+    files = _TOKENIZER_FILES.get(tok.tokenizer_type, ())
+    absent = [(name, fix) for name, fix in files if getattr(tok, name) and not os.path.exists(getattr(tok, name))]
+    for name, fix in absent:
+        report.missing(f"tokenizer.{name}", repr(getattr(tok, name)), dry_run, fix)
+    if absent:
         return None
     try:
         return build_tokenizer(tok)
     except ModuleNotFoundError:
         raise
     except (OSError, ValueError) as exc:
-        report.problems.add("tokenizer.tokenizer_model", str(exc).removeprefix("tokenizer.tokenizer_model: "), "use a tokenizer that loads from local files")
+        # the tokenizers' messages start with the field at fault ("tokenizer.vocab_file: ...")
+        text = str(exc)
+        where = next((f"tokenizer.{n}" for n, _ in files if text.startswith(f"tokenizer.{n}: ")), None)
+        where = where or f"tokenizer.{files[0][0] if files else 'tokenizer_type'}"
+        fix = "use the BPE's own vocab.json and merges.txt" if tok.tokenizer_type == "GPT2BPETokenizer" else "use a tokenizer that loads from local files"
+        report.problems.add(where, text.removeprefix(f"{where}: "), fix)
         return None
 
 

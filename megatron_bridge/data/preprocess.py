@@ -21,7 +21,7 @@ import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from megatron_bridge.data.hf_local import SUFFIX_FORMATS, DataSourceError, Local
 from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.child_processes import worker_pool
+from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
 from megatron_bridge.runtime import json_input
 
@@ -49,7 +50,8 @@ class PreprocessOptions:
 
     input: str
     output_prefix: str
-    tokenizer: str
+    tokenizer: Optional[str] = None
+    """A Hugging Face tokenizer directory or tokenizer.json (for `HuggingFaceTokenizer`)."""
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     workers: int = 1
     append_eod: bool = False
@@ -59,6 +61,35 @@ class PreprocessOptions:
     """Which split of a `datasets` directory or a directory of data files to read."""
     tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    tokenizer_type: str = "HuggingFaceTokenizer"
+    """`HuggingFaceTokenizer` (from `tokenizer`) or `GPT2BPETokenizer` (from `vocab_file` and `merge_file`)."""
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+
+
+def load_tokenizer(options: PreprocessOptions) -> Any:
+    """The tokenizer `options` name; `PreprocessError` naming the flag at fault."""
+    if options.tokenizer_type == "GPT2BPETokenizer":
+        missing = [flag for flag, value in (("--vocab-file", options.vocab_file), ("--merge-file", options.merge_file)) if not value]
+        if missing:
+            raise PreprocessError(f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's vocab.json and merges.txt)")
+        for flag, value in (("--tokenizer", options.tokenizer), ("--tokenizer-kwargs", options.tokenizer_kwargs)):
+            if value:
+                raise PreprocessError(f"{flag} is for a HuggingFaceTokenizer; a GPT2BPETokenizer reads only --vocab-file and --merge-file")
+        try:
+            return GPT2BPETokenizer(options.vocab_file, options.merge_file)
+        except (OSError, ValueError) as exc:
+            text = str(exc)
+            flag = "--merge-file" if text.startswith("tokenizer.merge_file: ") else "--vocab-file"
+            raise PreprocessError(f"{flag}: {text.split(': ', 1)[1]}") from None
+    if options.tokenizer_type != "HuggingFaceTokenizer":
+        raise PreprocessError(f"--tokenizer-type: {options.tokenizer_type!r} is not one of HuggingFaceTokenizer, GPT2BPETokenizer")
+    if not options.tokenizer:
+        raise PreprocessError("--tokenizer: give a local tokenizer directory or tokenizer.json (or --tokenizer-type GPT2BPETokenizer with --vocab-file and --merge-file)")
+    try:
+        return HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
+    except (FileNotFoundError, ValueError) as exc:
+        raise PreprocessError(f"--tokenizer: {exc}") from None
 
 
 @dataclass
@@ -226,7 +257,7 @@ def _init_worker(options: PreprocessOptions, threads: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a plain SIGTERM ends a worker (the main process handles its own)
 
-    _WORKER["tokenizer"] = HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
+    _WORKER["tokenizer"] = load_tokenizer(options)
     _WORKER["options"] = options
     _WORKER["dtype"] = token_dtype(_WORKER["tokenizer"].vocab_size)
 
@@ -320,10 +351,7 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError(f"--workers must be at least 1, got {options.workers}")
     if not options.json_keys:
         raise PreprocessError("--json-keys: give at least one key")
-    try:
-        tokenizer = HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
-    except (FileNotFoundError, ValueError) as exc:
-        raise PreprocessError(f"--tokenizer: {exc}") from None
+    tokenizer = load_tokenizer(options)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
     if not os.path.isdir(out_dir):
         raise PreprocessError(f"--output-prefix: the directory {out_dir!r} does not exist")

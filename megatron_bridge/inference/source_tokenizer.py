@@ -51,6 +51,10 @@ def _from_run_config(source: ModelSource) -> Optional[Any]:
             cfg.tokenizer_model = source.hf_assets  # the checkpoint moved; its own copy of the files
         cfg.finalize()
         return build_tokenizer(cfg)
+    if kind == "GPT2BPETokenizer":
+        cfg = saved.build("tokenizer", TokenizerConfig)
+        cfg.finalize()
+        return build_tokenizer(cfg)
     if kind == "NullTokenizer":
         cfg = saved.build("tokenizer", TokenizerConfig)
         if cfg.vocab_size is None:
