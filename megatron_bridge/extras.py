@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nvidia_resiliency_ext": ("resiliency", "fault tolerance, in-process restart and NVRx straggler detection"),
     "transformer_engine": ("te", "TransformerEngine layers, FP8/FP4 and communication overlap"),
     "tokenizers": ("hf", "Hugging Face tokenizers"),
+    "sentencepiece": ("sentencepiece", "SentencePiece tokenizers (.model files)"),
     "safetensors": ("hf", "reading and writing Hugging Face weights and peft adapters"),
     "datasets": ("data", "reading datasets directories"),
     "pyarrow": ("data", "reading Parquet and Arrow files"),

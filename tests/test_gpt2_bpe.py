@@ -136,6 +136,22 @@ def test_preprocess_pretrain_and_reload_from_the_checkpoint(bpe_dir, tmp_path):
     assert isinstance(reloaded, GPT2BPETokenizer) and reloaded.tokenize(SAMPLES[2]) == tok.tokenize(SAMPLES[2])
 
 
+def test_refused_tokenizer_types_say_what_to_use_instead():
+    from megatron_bridge.runtime.tokenizers.config import REFUSED_TYPES
+
+    assert set(REFUSED_TYPES) == {
+        "TikTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer",
+    }  # fmt: skip
+    for kind, fix in REFUSED_TYPES.items():
+        with pytest.raises(ConfigValidationError) as info:
+            TokenizerConfig(tokenizer_type=kind, tokenizer_model="x").finalize()
+        assert f"tokenizer_type: {kind!r} is not supported here ({fix})" in str(info.value)
+        assert "HuggingFaceTokenizer" in fix or "NullTokenizer" in fix
+    bert = TokenizerConfig(tokenizer_type="BertWordPieceLowerCase")
+    with pytest.raises(ConfigValidationError, match=r"BertTokenizerFast\('vocab.txt', do_lower_case=True\)"):
+        bert.finalize()
+
+
 def _mbridge(*argv: str, cwd: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=cwd, capture_output=True, text=True, timeout=200)
 
@@ -145,13 +161,13 @@ def test_cli_refuses_unsupported_tokenizers_and_incomplete_gpt2_flags(bpe_dir, t
     env_cwd = REPO
     run = _mbridge(
         "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path / "runs"),
-        "tokenizer.tokenizer_type=Llama2Tokenizer", f"tokenizer.tokenizer_model={tmp_path}/tokenizer.model",
+        "tokenizer.tokenizer_type=TikTokenizer", f"tokenizer.tokenizer_model={tmp_path}/tokenizer.json",
         "tokenizer.tiktoken_pattern=v2", cwd=env_cwd,
     )  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
-    assert "tokenizer.tokenizer_type: 'Llama2Tokenizer' is not supported here" in out, out
-    assert "LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR)" in out, out
+    assert "tokenizer.tokenizer_type: 'TikTokenizer' is not supported here" in out, out
+    assert "set tokenizer.tokenizer_type=HuggingFaceTokenizer, tokenizer.tokenizer_model=DIR" in out, out
     assert "tokenizer.tiktoken_pattern: tiktoken_pattern='v2' is not supported: read only by TikTokenizer" in out, out
     assert not os.path.exists(tmp_path / "runs" / "checkpoints"), out
 

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from megatron_bridge.cli.errors import UsageError
+from megatron_bridge.runtime.tokenizers.config import TEXT_TOKENIZER_TYPES
 
 EPILOG = """\
 examples:
@@ -43,7 +44,7 @@ def register(subparsers: Any) -> None:
     pre.add_argument("--input", required=True, metavar="PATH", help="a .jsonl/.json/.parquet/.arrow file, a glob of them, a directory of them, or a datasets (save_to_disk) directory")
     pre.add_argument("--output-prefix", required=True, metavar="PREFIX", help="output path prefix; key 'text' gives PREFIX_text_document.bin/.idx")
     pre.add_argument("--tokenizer", metavar="DIR", help="local tokenizer: a directory with tokenizer.json (or one transformers.AutoTokenizer loads offline), or the file")
-    pre.add_argument("--tokenizer-type", choices=["HuggingFaceTokenizer", "GPT2BPETokenizer"], default="HuggingFaceTokenizer", help="HuggingFaceTokenizer (from --tokenizer, the default) or GPT2BPETokenizer (from --vocab-file and --merge-file)")
+    pre.add_argument("--tokenizer-type", choices=TEXT_TOKENIZER_TYPES, default="HuggingFaceTokenizer", help="HuggingFaceTokenizer (from --tokenizer, the default), GPT2BPETokenizer (from --vocab-file and --merge-file), or SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer (--tokenizer is the .model file)")
     pre.add_argument("--vocab-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's vocab.json")
     pre.add_argument("--merge-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's merges.txt")
     pre.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY", help="fields (columns) to tokenize, one output each (default: text)")

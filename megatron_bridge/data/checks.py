@@ -22,6 +22,7 @@ from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.hf_local import DataSourceError
 from megatron_bridge.data.indexed import largest_token_id, read_index_header
 from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
+from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES
 from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ _TOKENIZER_FILES = {
         ("vocab_file", "point it at the local vocab.json of GPT-2's BPE"),
         ("merge_file", "point it at the local merges.txt of GPT-2's BPE"),
     ),
+    **{kind: (("tokenizer_model", "point it at the local SentencePiece tokenizer.model"),) for kind in SENTENCEPIECE_TYPES},
 }
 """The files each tokenizer type reads, by config field, and the fix when one is missing."""
 
@@ -79,7 +81,10 @@ def _tokenizer(cfg: "ConfigContainer", report: DataReport, dry_run: bool) -> Opt
         text = str(exc)
         where = next((f"tokenizer.{n}" for n, _ in files if text.startswith(f"tokenizer.{n}: ")), None)
         where = where or f"tokenizer.{files[0][0] if files else 'tokenizer_type'}"
-        fix = "use the BPE's own vocab.json and merges.txt" if tok.tokenizer_type == "GPT2BPETokenizer" else "use a tokenizer that loads from local files"
+        fix = {
+            "GPT2BPETokenizer": "use the BPE's own vocab.json and merges.txt",
+            **dict.fromkeys(SENTENCEPIECE_TYPES, "use the SentencePiece model file (tokenizer.model) the model was trained with"),
+        }.get(tok.tokenizer_type, "use a tokenizer that loads from local files")
         report.problems.add(where, text.removeprefix(f"{where}: "), fix)
         return None
 

@@ -30,7 +30,8 @@ from megatron_bridge.data.indexed import IndexedDatasetWriter, token_dtype
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.child_processes import worker_pool
 from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
-from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
+from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TEXT_TOKENIZER_TYPES, TokenizerConfig
+from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from megatron_bridge.runtime import json_input
 
 CHUNK_BYTES = 1 << 20
@@ -62,7 +63,8 @@ class PreprocessOptions:
     tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     tokenizer_type: str = "HuggingFaceTokenizer"
-    """`HuggingFaceTokenizer` (from `tokenizer`) or `GPT2BPETokenizer` (from `vocab_file` and `merge_file`)."""
+    """`HuggingFaceTokenizer` (from `tokenizer`), `GPT2BPETokenizer` (from `vocab_file` and
+    `merge_file`), or a SentencePiece type (from the `.model` file in `tokenizer`)."""
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
 
@@ -82,10 +84,18 @@ def load_tokenizer(options: PreprocessOptions) -> Any:
             text = str(exc)
             flag = "--merge-file" if text.startswith("tokenizer.merge_file: ") else "--vocab-file"
             raise PreprocessError(f"{flag}: {text.split(': ', 1)[1]}") from None
-    if options.tokenizer_type != "HuggingFaceTokenizer":
-        raise PreprocessError(f"--tokenizer-type: {options.tokenizer_type!r} is not one of HuggingFaceTokenizer, GPT2BPETokenizer")
+    if options.tokenizer_type not in TEXT_TOKENIZER_TYPES:
+        raise PreprocessError(f"--tokenizer-type: {options.tokenizer_type!r} is not one of {', '.join(TEXT_TOKENIZER_TYPES)}")
     if not options.tokenizer:
-        raise PreprocessError("--tokenizer: give a local tokenizer directory or tokenizer.json (or --tokenizer-type GPT2BPETokenizer with --vocab-file and --merge-file)")
+        raise PreprocessError("--tokenizer: give a local tokenizer directory or tokenizer.json (a SentencePiece .model for the SentencePiece types; --tokenizer-type GPT2BPETokenizer reads --vocab-file and --merge-file)")
+    if options.tokenizer_type in SENTENCEPIECE_TYPES:
+        if options.tokenizer_kwargs:
+            raise PreprocessError(f"--tokenizer-kwargs is for a HuggingFaceTokenizer; a {options.tokenizer_type} reads only --tokenizer")
+        cfg = TokenizerConfig(tokenizer_type=options.tokenizer_type, tokenizer_model=options.tokenizer)
+        try:
+            return build_tokenizer(cfg)
+        except (OSError, ValueError) as exc:
+            raise PreprocessError(f"--tokenizer: {str(exc).removeprefix('tokenizer.tokenizer_model: ')}") from None
     try:
         return HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
     except (FileNotFoundError, ValueError) as exc:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.inference.sources import ADAPTERS, HF, ModelSource, read_json, read_run_config
-from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
+from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TokenizerConfig
 from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -51,7 +51,7 @@ def _from_run_config(source: ModelSource) -> Optional[Any]:
             cfg.tokenizer_model = source.hf_assets  # the checkpoint moved; its own copy of the files
         cfg.finalize()
         return build_tokenizer(cfg)
-    if kind == "GPT2BPETokenizer":
+    if kind in ("GPT2BPETokenizer", *SENTENCEPIECE_TYPES):
         cfg = saved.build("tokenizer", TokenizerConfig)
         cfg.finalize()
         return build_tokenizer(cfg)

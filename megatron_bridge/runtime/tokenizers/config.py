@@ -9,15 +9,25 @@ from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import STEPS, Unsupported, field
 from megatron_bridge.config.targets import register_target
 
-TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+)
 """The tokenizer types this runtime builds."""
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+"""Types read from a SentencePiece model file (`tokenizer_model`)."""
+
+TEXT_TOKENIZER_TYPES = tuple(t for t in TOKENIZER_TYPES if t != "NullTokenizer")
+"""Types that read text (what `mbridge data preprocess --tokenizer-type` offers)."""
 
 _TO_HF_DIR = "convert its files to a Hugging Face tokenizer directory (one with tokenizer.json) and set tokenizer.tokenizer_type=HuggingFaceTokenizer, tokenizer.tokenizer_model=DIR"
 
 REFUSED_TYPES = {
-    "SentencePieceTokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece)",
-    "GPTSentencePieceTokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece)",
-    "Llama2Tokenizer": f"{_TO_HF_DIR}: e.g. transformers.LlamaTokenizerFast(vocab_file='tokenizer.model').save_pretrained(DIR) (needs sentencepiece), or use the Hugging Face model's own tokenizer directory",
     "TikTokenizer": f"{_TO_HF_DIR}: the model's Hugging Face release usually ships one; the tiktoken vocabulary itself is not read here",
     "BertWordPieceLowerCase": f"{_TO_HF_DIR}: e.g. transformers.BertTokenizerFast('vocab.txt', do_lower_case=True).save_pretrained(DIR)",
     "BertWordPieceCase": f"{_TO_HF_DIR}: e.g. transformers.BertTokenizerFast('vocab.txt', do_lower_case=False).save_pretrained(DIR)",
@@ -53,11 +63,15 @@ class TokenizerConfig(ConfigBase):
     ] = None
     """`NullTokenizer` (token ids are the data; needs `vocab_size`), `HuggingFaceTokenizer`
     (loaded from `tokenizer_model`, a local directory or a `tokenizer.json` file) or
-    `GPT2BPETokenizer` (GPT-2 byte-level BPE from `vocab_file` and `merge_file`). Megatron-LM's
-    other types are refused with how to use their files through a `HuggingFaceTokenizer`."""
+    `GPT2BPETokenizer` (GPT-2 byte-level BPE from `vocab_file` and `merge_file`), or one read
+    from a SentencePiece `.model` in `tokenizer_model`: `SentencePieceTokenizer` (Megatron-LM's
+    special tokens added), `GPTSentencePieceTokenizer`, `Llama2Tokenizer` (texts start with BOS).
+    Megatron-LM's other types are refused with how to use their files through a
+    `HuggingFaceTokenizer`."""
 
     tokenizer_model: Optional[str] = None
-    """Local directory or file of a Hugging Face tokenizer."""
+    """Local directory or file of a Hugging Face tokenizer, or the SentencePiece `.model` file of
+    the SentencePiece types."""
 
     vocab_size: Optional[int] = field(None, range="[2, 2**31)")  # one token is no vocabulary
     """Vocabulary size for `NullTokenizer` (its last id is the end-of-document token)."""
@@ -121,6 +135,27 @@ class TokenizerConfig(ConfigBase):
                 "tokenizer_model",
                 "HuggingFaceTokenizer needs a local tokenizer directory or file",
                 "set tokenizer.tokenizer_model to a path with tokenizer.json",
+            )
+        if self.tokenizer_type in SENTENCEPIECE_TYPES:
+            problems.check(
+                bool(self.tokenizer_model),
+                "tokenizer_model",
+                f"{self.tokenizer_type} needs a SentencePiece model file",
+                "set tokenizer.tokenizer_model to the local tokenizer.model",
+            )
+        if self.tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+            problems.check(
+                not self.vocab_extra_ids,
+                "vocab_extra_ids",
+                f"{self.tokenizer_type} adds no tokens to its model's vocabulary",
+                "remove it, or use tokenizer_type=SentencePieceTokenizer (which appends <extra_id_N> sentinels)",
+            )
+        if self.tokenizer_type in SENTENCEPIECE_TYPES:
+            problems.check(
+                not self.special_tokens,
+                "special_tokens",
+                f"{self.tokenizer_type} adds no tokens given by name",
+                "remove tokenizer.special_tokens, or convert the model to a HuggingFaceTokenizer directory",
             )
         if self.tokenizer_type == "GPT2BPETokenizer":
             for name, what in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):

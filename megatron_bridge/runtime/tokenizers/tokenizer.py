@@ -15,6 +15,11 @@ from megatron_bridge.extras import require
 from megatron_bridge.runtime.tokenizers.backend import TokenizersBacked
 from megatron_bridge.runtime.tokenizers.config import TokenizerConfig
 from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron_bridge.runtime.tokenizers.sentencepiece_tokenizers import (
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
 from megatron_bridge.runtime import json_input
 
 SPECIAL_TOKEN_KWARGS = ("bos_token", "eos_token", "pad_token")
@@ -218,6 +223,11 @@ def build_tokenizer(cfg: TokenizerConfig):
     if cfg.tokenizer_type == "GPT2BPETokenizer":
         args = (cfg.vocab_file, cfg.merge_file, cfg.special_tokens, cfg.vocab_extra_ids)
         return _loaded(GPT2BPETokenizer, args, (cfg.vocab_file, cfg.merge_file))
+    if cfg.tokenizer_type == "SentencePieceTokenizer":
+        return _loaded(SentencePieceTokenizer, (cfg.tokenizer_model, cfg.vocab_extra_ids), (cfg.tokenizer_model,))
+    if cfg.tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cls = GPTSentencePieceTokenizer if cfg.tokenizer_type == "GPTSentencePieceTokenizer" else Llama2Tokenizer
+        return _loaded(cls, (cfg.tokenizer_model,), (cfg.tokenizer_model,))
     if cfg.tokenizer_type != "HuggingFaceTokenizer":
         raise ValueError(f"tokenizer.tokenizer_type: unsupported {cfg.tokenizer_type!r}")
     args = (cfg.tokenizer_model, cfg.special_tokens, cfg.vocab_extra_ids, cfg.chat_template, cfg.hf_tokenizer_kwargs)
@@ -247,12 +257,13 @@ def _files_changed_at(path: str) -> int:
 
 
 def local_vocab_size(cfg: TokenizerConfig) -> Optional[int]:
-    """The vocabulary size of a tokenizer read from files (Hugging Face, GPT-2 BPE) that are on
-    this machine; None when they are not (a dry run elsewhere) or do not load (the data checks
-    report why)."""
-    files = {"HuggingFaceTokenizer": [cfg.tokenizer_model], "GPT2BPETokenizer": [cfg.vocab_file, cfg.merge_file]}
-    needed = files.get(cfg.tokenizer_type)
-    if not needed or not all(f and os.path.exists(f) for f in needed):
+    """The vocabulary size of a tokenizer read from files (Hugging Face, GPT-2 BPE, SentencePiece)
+    that are on this machine; None when they are not (a dry run elsewhere) or do not load (the
+    data checks report why)."""
+    if cfg.tokenizer_type == "NullTokenizer":
+        return None
+    needed = [cfg.vocab_file, cfg.merge_file] if cfg.tokenizer_type == "GPT2BPETokenizer" else [cfg.tokenizer_model]
+    if not all(f and os.path.exists(f) for f in needed):
         return None
     try:
         return build_tokenizer(cfg).vocab_size
