@@ -177,3 +177,17 @@ def test_cli_refuses_unsupported_tokenizers_and_incomplete_gpt2_flags(bpe_dir, t
     )  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "--tokenizer-type GPT2BPETokenizer needs --merge-file" in out, out
+
+    from megatron_bridge.data import preprocess as pre
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": SAMPLES[2]}])
+    vocab, merges = str(bpe_dir / "vocab.json"), str(bpe_dir / "merges.txt")
+    pre.preprocess(pre.PreprocessOptions(
+        input=str(tmp_path / "docs.jsonl"), output_prefix=str(tmp_path / "d"), tokenizer_type="GPT2BPETokenizer",
+        vocab_file=vocab, merge_file=merges, progress=False,
+    ))  # fmt: skip
+    run = _mbridge(
+        "data", "inspect", str(tmp_path / "d_text_document"), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", vocab, "--merge-file", merges, cwd=env_cwd,
+    )  # fmt: skip
+    assert run.returncode == 0 and repr(SAMPLES[2]) in run.stdout, run.stdout + run.stderr

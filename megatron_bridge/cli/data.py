@@ -60,6 +60,9 @@ def register(subparsers: Any) -> None:
     ins = sub.add_parser("inspect", help="counts and decoded samples of an indexed dataset", description="Print documents, sequences, tokens, lengths and a few samples of PREFIX.bin/.idx.")
     ins.add_argument("prefix", metavar="PREFIX", help="the dataset prefix (without .bin/.idx)")
     ins.add_argument("--tokenizer", metavar="DIR", help="decode samples with this tokenizer (else token ids are shown)")
+    ins.add_argument("--tokenizer-type", choices=TEXT_TOKENIZER_TYPES, default="HuggingFaceTokenizer", help="as for preprocess")
+    ins.add_argument("--vocab-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    ins.add_argument("--merge-file", metavar="FILE", help="GPT2BPETokenizer: GPT-2's merges.txt")
     ins.add_argument("--samples", type=int, default=3, metavar="N", help="documents to show (default: 3)")
     ins.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens shown per document (default: 64)")
     ins.set_defaults(handler=run_inspect)
@@ -130,13 +133,13 @@ def run_inspect(args: argparse.Namespace) -> int:
     if actual != header.bin_bytes:
         print(f"  WARNING: the .bin has {actual:,} bytes, the .idx describes {header.bin_bytes:,}")
     tokenizer = None
-    if args.tokenizer:
-        from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer
+    if args.tokenizer or args.vocab_file or args.merge_file:
+        from megatron_bridge.data.preprocess import PreprocessError, tokenizer_from_flags
 
         try:
-            tokenizer = HuggingFaceTokenizer(args.tokenizer)
-        except (FileNotFoundError, ValueError) as exc:
-            raise UsageError(f"--tokenizer: {exc}") from None
+            tokenizer = tokenizer_from_flags(args.tokenizer_type, args.tokenizer, args.vocab_file, args.merge_file)
+        except PreprocessError as exc:
+            raise UsageError(str(exc)) from None
     data = np.memmap(prefix + ".bin", dtype=header.dtype, mode="r")
     for d in range(min(args.samples, header.documents)):
         begin, end = offsets[doc_index[d]], offsets[doc_index[d + 1]]

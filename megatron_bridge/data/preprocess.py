@@ -71,33 +71,41 @@ class PreprocessOptions:
 
 def load_tokenizer(options: PreprocessOptions) -> Any:
     """The tokenizer `options` name; `PreprocessError` naming the flag at fault."""
-    if options.tokenizer_type == "GPT2BPETokenizer":
-        missing = [flag for flag, value in (("--vocab-file", options.vocab_file), ("--merge-file", options.merge_file)) if not value]
+    return tokenizer_from_flags(options.tokenizer_type, options.tokenizer, options.vocab_file, options.merge_file, options.tokenizer_kwargs)
+
+
+def tokenizer_from_flags(
+    tokenizer_type: str, tokenizer: Optional[str], vocab_file: Optional[str], merge_file: Optional[str], tokenizer_kwargs: Optional[dict] = None
+) -> Any:
+    """The tokenizer that `--tokenizer-type`, `--tokenizer`, `--vocab-file`, `--merge-file` and
+    `--tokenizer-kwargs` name; `PreprocessError` naming the flag at fault."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        missing = [flag for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file)) if not value]
         if missing:
             raise PreprocessError(f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's vocab.json and merges.txt)")
-        for flag, value in (("--tokenizer", options.tokenizer), ("--tokenizer-kwargs", options.tokenizer_kwargs)):
+        for flag, value in (("--tokenizer", tokenizer), ("--tokenizer-kwargs", tokenizer_kwargs)):
             if value:
                 raise PreprocessError(f"{flag} is for a HuggingFaceTokenizer; a GPT2BPETokenizer reads only --vocab-file and --merge-file")
         try:
-            return GPT2BPETokenizer(options.vocab_file, options.merge_file)
+            return GPT2BPETokenizer(vocab_file, merge_file)
         except (OSError, ValueError) as exc:
             text = str(exc)
             flag = "--merge-file" if text.startswith("tokenizer.merge_file: ") else "--vocab-file"
             raise PreprocessError(f"{flag}: {text.split(': ', 1)[1]}") from None
-    if options.tokenizer_type not in TEXT_TOKENIZER_TYPES:
-        raise PreprocessError(f"--tokenizer-type: {options.tokenizer_type!r} is not one of {', '.join(TEXT_TOKENIZER_TYPES)}")
-    if not options.tokenizer:
+    if tokenizer_type not in TEXT_TOKENIZER_TYPES:
+        raise PreprocessError(f"--tokenizer-type: {tokenizer_type!r} is not one of {', '.join(TEXT_TOKENIZER_TYPES)}")
+    if not tokenizer:
         raise PreprocessError("--tokenizer: give a local tokenizer directory or tokenizer.json (a SentencePiece .model for the SentencePiece types; --tokenizer-type GPT2BPETokenizer reads --vocab-file and --merge-file)")
-    if options.tokenizer_type in SENTENCEPIECE_TYPES:
-        if options.tokenizer_kwargs:
-            raise PreprocessError(f"--tokenizer-kwargs is for a HuggingFaceTokenizer; a {options.tokenizer_type} reads only --tokenizer")
-        cfg = TokenizerConfig(tokenizer_type=options.tokenizer_type, tokenizer_model=options.tokenizer)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        if tokenizer_kwargs:
+            raise PreprocessError(f"--tokenizer-kwargs is for a HuggingFaceTokenizer; a {tokenizer_type} reads only --tokenizer")
+        cfg = TokenizerConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer)
         try:
             return build_tokenizer(cfg)
         except (OSError, ValueError) as exc:
             raise PreprocessError(f"--tokenizer: {str(exc).removeprefix('tokenizer.tokenizer_model: ')}") from None
     try:
-        return HuggingFaceTokenizer(options.tokenizer, hf_kwargs=options.tokenizer_kwargs)
+        return HuggingFaceTokenizer(tokenizer, hf_kwargs=tokenizer_kwargs)
     except (FileNotFoundError, ValueError) as exc:
         raise PreprocessError(f"--tokenizer: {exc}") from None
 
