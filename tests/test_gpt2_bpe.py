@@ -54,6 +54,8 @@ def test_ids_match_transformers_gpt2_tokenizer(bpe_dir):
         assert ours.detokenize(ids, skip_special_tokens=False) == theirs.decode(ids) == text
     assert ours.tokenize_batch(SAMPLES) == [theirs(t)["input_ids"] for t in SAMPLES]
     assert ours.eod in ours.tokenize(SAMPLES[3])  # the end-of-document token is never split
+    more = GPT2BPETokenizer(str(bpe_dir / "vocab.json"), str(bpe_dir / "merges.txt"), special_tokens=["<x>"], extra_ids=2)
+    assert more.vocab_size == 403 and more.tokenize("a<x>b<extra_id_1>")[1::2] == [400, 402]
     ids, offsets = ours.tokenize_with_offsets("café ok")
     assert len(ids) == len(offsets) and offsets[-1][1] == len("café ok")
 

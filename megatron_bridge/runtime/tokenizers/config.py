@@ -86,7 +86,7 @@ class TokenizerConfig(ConfigBase):
     """Number of extra sentinel tokens appended to the vocabulary."""
 
     special_tokens: Optional[list[str]] = None
-    """Extra special tokens to register with a Hugging Face tokenizer."""
+    """Extra special tokens to register with a Hugging Face or GPT-2 BPE tokenizer."""
 
     chat_template: Optional[str] = None
     """Jinja chat template (or the path of a .jinja file) for chat fine-tuning data; overrides
@@ -137,26 +137,7 @@ class TokenizerConfig(ConfigBase):
                 "set tokenizer.tokenizer_model to a path with tokenizer.json",
             )
         if self.tokenizer_type in SENTENCEPIECE_TYPES:
-            problems.check(
-                bool(self.tokenizer_model),
-                "tokenizer_model",
-                f"{self.tokenizer_type} needs a SentencePiece model file",
-                "set tokenizer.tokenizer_model to the local tokenizer.model",
-            )
-        if self.tokenizer_type in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-            problems.check(
-                not self.vocab_extra_ids,
-                "vocab_extra_ids",
-                f"{self.tokenizer_type} adds no tokens to its model's vocabulary",
-                "remove it, or use tokenizer_type=SentencePieceTokenizer (which appends <extra_id_N> sentinels)",
-            )
-        if self.tokenizer_type in SENTENCEPIECE_TYPES:
-            problems.check(
-                not self.special_tokens,
-                "special_tokens",
-                f"{self.tokenizer_type} adds no tokens given by name",
-                "remove tokenizer.special_tokens, or convert the model to a HuggingFaceTokenizer directory",
-            )
+            self._check_sentencepiece(problems)
         if self.tokenizer_type == "GPT2BPETokenizer":
             for name, what in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
                 problems.check(
@@ -199,6 +180,28 @@ class TokenizerConfig(ConfigBase):
         problems.check(
             self.vocab_extra_ids >= 0, "vocab_extra_ids", f"must be >= 0, got {self.vocab_extra_ids}", "use 0 or more"
         )
+
+
+    def _check_sentencepiece(self, problems: Problems) -> None:
+        problems.check(
+            bool(self.tokenizer_model),
+            "tokenizer_model",
+            f"{self.tokenizer_type} needs a SentencePiece model file",
+            "set tokenizer.tokenizer_model to the local tokenizer.model",
+        )
+        problems.check(
+            not self.special_tokens,
+            "special_tokens",
+            f"{self.tokenizer_type} adds no tokens given by name",
+            "remove tokenizer.special_tokens, or convert the model to a HuggingFaceTokenizer directory",
+        )
+        if self.tokenizer_type != "SentencePieceTokenizer":
+            problems.check(
+                not self.vocab_extra_ids,
+                "vocab_extra_ids",
+                f"{self.tokenizer_type} adds no tokens to its model's vocabulary",
+                "remove it, or use tokenizer_type=SentencePieceTokenizer (which appends <extra_id_N> sentinels)",
+            )
 
 
 # Its public import path (the API's, re-exported there): configs are written and read with it.
