@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
-from megatron_bridge.config.fields import STEPS, Unsupported, field
+from megatron_bridge.config.fields import COUNT, STEPS, Unsupported, field
 from megatron_bridge.config.targets import register_target
 
 TOKENIZER_TYPES = (
@@ -99,7 +99,7 @@ class TokenizerConfig(ConfigBase):
     tiktoken_pattern: Optional[str] = field(None, status=_TIKTOKEN_ONLY)
     """TikTokenizer's pre-tokenization pattern ('v1' or 'v2')."""
 
-    tiktoken_num_special_tokens: int = field(1000, status=_TIKTOKEN_ONLY)
+    tiktoken_num_special_tokens: int = field(1000, range=COUNT, status=_TIKTOKEN_ONLY)
     """Number of ids TikTokenizer reserves for special tokens."""
 
     tiktoken_special_tokens: Optional[list[str]] = field(None, status=_TIKTOKEN_ONLY)
