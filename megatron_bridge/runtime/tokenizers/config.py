@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from megatron_bridge.config.base import ConfigBase, config_dataclass
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.fields import COUNT, STEPS, Unsupported, field
 from megatron_bridge.config.targets import register_target
 
-TOKENIZER_TYPES = (
+TokenizerType = Literal[
     "NullTokenizer",
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
-)
-"""The tokenizer types this runtime builds."""
+    "TikTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "MultimodalTokenizer",
+    "NullMultimodalTokenizer",
+    "SFTTokenizer",
+]
+"""Every tokenizer type a config may name (Megatron-LM's); `REFUSED_TYPES` are not built here."""
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 """Types read from a SentencePiece model file (`tokenizer_model`)."""
-
-TEXT_TOKENIZER_TYPES = tuple(t for t in TOKENIZER_TYPES if t != "NullTokenizer")
-"""Types that read text (what `mbridge data preprocess --tokenizer-type` offers)."""
 
 _TO_HF_DIR = "convert its files to a Hugging Face tokenizer directory (one with tokenizer.json) and set tokenizer.tokenizer_type=HuggingFaceTokenizer, tokenizer.tokenizer_model=DIR"
 
@@ -37,6 +40,12 @@ REFUSED_TYPES = {
 }
 """Tokenizer types of configs written for Megatron-LM that are not built here, and what to use instead."""
 
+TOKENIZER_TYPES = tuple(t for t in get_args(TokenizerType) if t not in REFUSED_TYPES)
+"""The tokenizer types this runtime builds."""
+
+TEXT_TOKENIZER_TYPES = tuple(t for t in TOKENIZER_TYPES if t != "NullTokenizer")
+"""Types that read text (what `mbridge data preprocess --tokenizer-type` offers)."""
+
 _TIKTOKEN_ONLY = Unsupported("read only by TikTokenizer, which is not supported here (use a HuggingFaceTokenizer directory instead)")
 _MULTIMODAL_ONLY = Unsupported("read only by MultimodalTokenizer, which is not supported here")
 
@@ -45,22 +54,7 @@ _MULTIMODAL_ONLY = Unsupported("read only by MultimodalTokenizer, which is not s
 class TokenizerConfig(ConfigBase):
     """Which tokenizer to build. Tokenizers are always loaded from local files, never the network."""
 
-    tokenizer_type: Optional[
-        Literal[
-            "NullTokenizer",
-            "HuggingFaceTokenizer",
-            "GPT2BPETokenizer",
-            "SentencePieceTokenizer",
-            "GPTSentencePieceTokenizer",
-            "Llama2Tokenizer",
-            "TikTokenizer",
-            "BertWordPieceLowerCase",
-            "BertWordPieceCase",
-            "MultimodalTokenizer",
-            "NullMultimodalTokenizer",
-            "SFTTokenizer",
-        ]
-    ] = None
+    tokenizer_type: Optional[TokenizerType] = None
     """`NullTokenizer` (token ids are the data; needs `vocab_size`), `HuggingFaceTokenizer`
     (loaded from `tokenizer_model`, a local directory or a `tokenizer.json` file) or
     `GPT2BPETokenizer` (GPT-2 byte-level BPE from `vocab_file` and `merge_file`), or one read
