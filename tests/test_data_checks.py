@@ -60,6 +60,15 @@ def test_indexed_dataset_problems(tmp_path, tok_dir):
         f"dataset.data_path: {tmp_path}/absent.bin/.idx does not exist (run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx))",
         f"dataset.data_path: {truncated}.bin has 100 bytes but its .idx describes 800 (the two files come from different runs or a copy was cut short; preprocess again)",
     ]
+    piped = indexed(tmp_path / "piped")
+    os.remove(piped + ".idx")
+    os.mkfifo(piped + ".idx")  # reading a pipe would block: refused by what it is, before any read
+    directory = str(tmp_path / "dir")
+    os.makedirs(directory + ".bin")
+    assert problems(gpt(f"{piped} {directory}"))[0] == [
+        f"dataset.data_path: {piped}.idx is a FIFO (named pipe), not a regular file (point the prefix at a .bin/.idx pair of files)",
+        f"dataset.data_path: {directory}.bin is a directory, not a regular file (point the prefix at a .bin/.idx pair of files)",
+    ]
     other_vocab = indexed(tmp_path / "big", largest=299)  # made with a 300-token vocabulary
     assert problems(gpt(other_vocab))[0] == [
         f"dataset.data_path: {other_vocab} holds token id 299, outside the tokenizer's vocabulary of 256 "

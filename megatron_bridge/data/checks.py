@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.paths import file_kind
 from megatron_bridge.config.secrets import scrub
-from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
+from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.data.hf_local import DataSourceError
 from megatron_bridge.data.indexed import largest_token_id, read_index_header
 from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
@@ -139,6 +140,10 @@ def data_prefixes(data: Any) -> list[tuple[str, str]]:
 def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool) -> None:
     p = report.problems
     have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
+    odd = next((prefix + s for s, regular in have.items() if not regular and os.path.exists(prefix + s)), None)
+    if odd is not None:  # a directory or a pipe there would otherwise read as "does not exist"
+        p.add(path, f"{odd} is {file_kind(odd)}, not a regular file", "point the prefix at a .bin/.idx pair of files")
+        return
     if not any(have.values()):
         report.missing(path, f"{prefix}.bin/.idx", dry_run, "run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx)")
         return
