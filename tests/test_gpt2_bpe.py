@@ -103,7 +103,7 @@ def test_preprocess_pretrain_and_reload_from_the_checkpoint(bpe_dir, tmp_path):
     from megatron_bridge.training.config import CheckpointConfig, GPTDatasetConfig, TrainingConfig
     from megatron_bridge.training.gpt_step import forward_step
     from megatron_bridge.training.pretrain import pretrain
-    from tests.factories import tiny_config, tiny_model
+    from tests.factories import tiny_config, tiny_llama_model
 
     vocab, merges = str(bpe_dir / "vocab.json"), str(bpe_dir / "merges.txt")
     texts = documents(200, seed=9)
@@ -120,7 +120,7 @@ def test_preprocess_pretrain_and_reload_from_the_checkpoint(bpe_dir, tmp_path):
 
     cfg = tiny_config(
         train=TrainingConfig(train_iters=3, global_batch_size=4, micro_batch_size=2),
-        model=tiny_model(vocab_size=None),
+        model=tiny_llama_model(vocab_size=None),  # an architecture Hugging Face has, to export it
         dataset=GPTDatasetConfig(seq_length=32, data_path=prefix, split="98,1,1", num_workers=0),
         tokenizer=TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),
         checkpoint=CheckpointConfig(save=str(tmp_path / "ckpt"), save_interval=3),
@@ -136,6 +136,18 @@ def test_preprocess_pretrain_and_reload_from_the_checkpoint(bpe_dir, tmp_path):
     assert saved.value("model", "vocab_size") == cfg.model.vocab_size
     reloaded = load_tokenizer(source)  # as generation and evaluation load it
     assert isinstance(reloaded, GPT2BPETokenizer) and reloaded.tokenize(SAMPLES[2]) == tok.tokenize(SAMPLES[2])
+
+    # exported to Hugging Face, the tokenizer comes along and transformers reads the same ids
+    from transformers import AutoTokenizer
+
+    from megatron_bridge.cli.main import main
+
+    out = str(tmp_path / "hf")
+    assert main(["hf", "export", str(tmp_path / "ckpt"), out]) == 0
+    theirs = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    for text in SAMPLES:
+        assert theirs(text, add_special_tokens=False)["input_ids"] == tok.tokenize(text), text
+    assert theirs.eos_token_id == tok.eod
 
 
 def test_refused_tokenizer_types_say_what_to_use_instead():

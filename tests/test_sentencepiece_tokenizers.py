@@ -52,7 +52,7 @@ def test_llama2_gpt_and_plain_sentencepiece_tokenizers(model_file):
     plain = _build("SentencePieceTokenizer", model_file, vocab_extra_ids=2)
     # <CLS> <SEP> <EOD> <MASK> <PAD> appended (the model has <s> and </s>), then two sentinels
     assert plain.vocab_size == 200 + 5 + 2 and plain.eod == 202 and plain.pad == 204 and plain.bos == 1
-    ids = plain.tokenize(f"cat<EOD>dog<extra_id_1></s>")
+    ids = plain.tokenize("cat<EOD>dog<extra_id_1></s>")
     assert ids == [*sp.encode("cat"), 202, *sp.encode("dog"), 206, 2]
     # as Megatron-LM decodes: each special token between spaces, after the (here empty) text before it
     assert plain.detokenize(ids) == "cat <EOD> dog <extra_id_1>  </s> "
@@ -94,3 +94,14 @@ def test_preprocess_with_llama2_and_file_problems(model_file, tmp_path):
             build_checked_tokenizer(cfg)
         assert f"tokenizer.tokenizer_model: {path!r}" in str(info.value), str(info.value)
         assert all(part in str(info.value) for part in expected), str(info.value)
+
+
+def test_export_writes_the_sentencepiece_model_as_tokenizer_model(model_file, tmp_path, caplog):
+    from megatron_bridge.models.hf.convert import exported_tokenizer
+
+    for kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        files = exported_tokenizer(TokenizerConfig(tokenizer_type=kind, tokenizer_model=model_file))
+        assert files == {"tokenizer.model": open(model_file, "rb").read()}
+    missing = str(tmp_path / "gone.model")
+    assert exported_tokenizer(TokenizerConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=missing)) is None
+    assert "the SentencePiece tokenizer is not exported" in caplog.text and "gone.model" in caplog.text

@@ -7,20 +7,22 @@ over the ranks as tensor/pipeline/expert parallelism, and each rank reads or wri
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.models.hf.config import (
     architecture_differences,
     hf_config_from_provider,
     provider_from_hf_config,
     read_hf_config,
 )
-from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin, is_hf_directory, run_config_value
-from megatron_bridge.models import GPTModelProvider
+from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin, is_hf_directory
 from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
+from megatron_bridge.models.hf.registry import family_for_config
 from megatron_bridge.models.hf.runtime import (
     build_chunks,
     load_checkpoint_weights,
@@ -31,12 +33,14 @@ from megatron_bridge.models.hf.runtime import (
     weights_only_config,
 )
 from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, torch_dtype, write_hf_weights
+from megatron_bridge.peft.apply import apply_peft, saved_with_peft
 from megatron_bridge.peft.export import export_adapters
 from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
 from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-from megatron_bridge.peft.apply import apply_peft, saved_with_peft
-from megatron_bridge.models.hf.registry import family_for_config
+from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TokenizerConfig
+from megatron_bridge.runtime.tokenizers.gpt2_bpe import EOD_TOKEN
+from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -172,12 +176,43 @@ def _load_adapted(chunks: list[Any], peft: Any, base_dir: str, adapters_dir: str
     logger.info("folding the adapters of %s into the base weights of %s", adapters_dir, base_dir)
 
 
-def _tokenizer_source(origin: Optional[str], directory: str) -> Optional[str]:
+def _tokenizer_source(origin: Optional[str], directory: str) -> Union[None, str, dict[str, Any]]:
     if has_tokenizer(origin):
         return origin
+    saved = read_run_config(directory)
+    if saved is None or not saved.has_section("tokenizer"):
+        return None
+    try:
+        tok = saved.build("tokenizer", TokenizerConfig)
+    except ConfigValidationError as exc:
+        logger.warning("the tokenizer is not exported: the run's tokenizer section does not load: %s", exc)
+        return None
+    return exported_tokenizer(tok)
 
-    if run_config_value(directory, "tokenizer", "tokenizer_type") == "HuggingFaceTokenizer":
-        return run_config_value(directory, "tokenizer", "tokenizer_model")
+
+def exported_tokenizer(tok: Any) -> Union[None, str, dict[str, Any]]:
+    """What an export writes as the tokenizer of a run whose tokenizer is `tok` (a
+    TokenizerConfig) when the model did not come from Hugging Face: a Hugging Face tokenizer's
+    directory or tokenizer.json (copied); GPT-2's BPE as the tokenizer.json of the tokenizer
+    the run used (its added special tokens included), which `transformers` loads; a SentencePiece
+    model as tokenizer.model. Files as {name: content}. None when there is nothing to write, and
+    a warning when the run's tokenizer files are not on this machine."""
+    if tok.tokenizer_type == "HuggingFaceTokenizer":
+        return tok.tokenizer_model
+    if tok.tokenizer_type == "GPT2BPETokenizer":
+        try:
+            built = build_tokenizer(tok)
+        except (OSError, ValueError, ConfigValidationError) as exc:
+            logger.warning("the GPT-2 BPE tokenizer is not exported: %s", exc)
+            return None
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}
+        return {"tokenizer.json": built._tok.to_str(), "tokenizer_config.json": json.dumps(settings, indent=2)}
+    if tok.tokenizer_type in SENTENCEPIECE_TYPES and tok.tokenizer_model:
+        try:
+            with open(tok.tokenizer_model, "rb") as f:
+                return {"tokenizer.model": f.read()}
+        except OSError as exc:
+            logger.warning("the SentencePiece tokenizer is not exported: %s", exc)
     return None
 
 
@@ -191,9 +226,7 @@ def save_run(run: Any) -> Optional[str]:
             chunk.start_param_sync(force_sync=True)
     origin = hf_origin(cfg.checkpoint.pretrained_checkpoint)
     hf, dtype = export_config(cfg.model, origin, cfg.checkpoint.save_hf_dtype)
-    tokenizer = origin if has_tokenizer(origin) else None
-    if tokenizer is None and cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = cfg.tokenizer.tokenizer_model
+    tokenizer = origin if has_tokenizer(origin) else exported_tokenizer(cfg.tokenizer)
     write_hf_weights(run.state.model, out_dir, hf, dtype, tokenizer_source=tokenizer, origin=origin)
     if cfg.peft is not None:
         save_run_adapters(cfg, step, out_dir + ADAPTER_SUFFIX)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from megatron_bridge.runtime import json_input
 from megatron_bridge.runtime.checkpointing.layout import resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-from megatron_bridge.runtime import json_input
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -70,11 +71,19 @@ def has_tokenizer(directory: Optional[str]) -> bool:
     return bool(directory) and os.path.isfile(os.path.join(directory, "tokenizer.json"))
 
 
-def copy_tokenizer_files(source: Optional[str], destination: str, names: tuple[str, ...] = TOKENIZER_FILES) -> list[str]:
+def copy_tokenizer_files(
+    source: Union[None, str, dict[str, Any]], destination: str, names: tuple[str, ...] = TOKENIZER_FILES
+) -> list[str]:
     """Copy the tokenizer files of `source` (a directory, or a tokenizer.json file) into
-    `destination`; returns the names copied."""
+    `destination`, or write them when `source` gives them as {name: text or bytes}; returns the
+    names written."""
     if not source:
         return []
+    if isinstance(source, dict):
+        for name, content in source.items():
+            with open(os.path.join(destination, name), "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+        return list(source)
     if os.path.isfile(source):
         shutil.copyfile(source, os.path.join(destination, "tokenizer.json"))
         return ["tokenizer.json"]

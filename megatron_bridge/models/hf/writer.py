@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron_bridge.models.hf import mapping
 from megatron_bridge.models.hf.files import CONFIG_FILE, INDEX_FILE, ORIGIN_FILES, SINGLE_FILE, copy_tokenizer_files
@@ -218,7 +218,7 @@ def _gather_slices(item: _Item, parts: Optional[list[Any]]) -> list[tuple[str, i
 
 
 def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: Any,
-                     tokenizer_source: Optional[str] = None, origin: Optional[str] = None,
+                     tokenizer_source: Union[None, str, dict[str, Any]] = None, origin: Optional[str] = None,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """Write the model held by `chunks` (on every rank) as a Hugging Face directory `out_dir`,
     weights in `dtype` (a torch dtype or 'bf16'/'fp16'/'fp32'), with `hf_config` as config.json,
