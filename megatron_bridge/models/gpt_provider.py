@@ -509,6 +509,11 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         return model
 
     def _gpt_model(self, GPTModel: type, spec: Any, pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+        mtp = None
+        if self.mtp_num_layers:  # multi-token prediction: layers after the last decoder layer, on the last stage
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp = get_gpt_mtp_block_spec(self, spec, use_transformer_engine=te_layers(self), vp_stage=vp_stage)
         return GPTModel(
             config=self,
             transformer_layer_spec=spec,
@@ -526,6 +531,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             rope_scaling_factor=self.rope_scaling_factor,
             scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            mtp_block_spec=mtp,
             vp_stage=vp_stage,
         )
 

@@ -140,6 +140,7 @@ def forward_step(state: GlobalState, data_iterator: Iterator[dict], model: torch
         batch["position_ids"],
         batch["attention_mask"],
         labels=batch["labels"],
+        loss_mask=batch["loss_mask"],  # multi-token prediction masks its own losses with it
         **extra,
     )
     return output, partial(masked_next_token_loss, batch["loss_mask"], state=state)

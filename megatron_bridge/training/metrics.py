@@ -164,6 +164,26 @@ def reduced_metrics(state: Any, model_chunks: list, energy_meter: Optional[Energ
     return out
 
 
+def mtp_losses(microbatches: int, dp_group: Any) -> dict[str, float]:
+    """`mtp_<k> loss`: the loss of each multi-token-prediction depth over the training micro
+    batches since the last call (`microbatches` of them), averaged over the data-parallel ranks.
+    megatron-core adds each micro batch's to its tracker on the last pipeline stage; the tracker
+    is emptied here. Collective over `dp_group` where the tracker holds values; {} elsewhere."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    values = MTPLossLoggingHelper.tracker.get("values")
+    if values is None:
+        return {}
+    totals = values.detach().clone().double()
+    values.zero_()
+    ranks = 1
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals, group=dp_group)  # summed: gloo has no average
+        ranks = torch.distributed.get_world_size(group=dp_group)
+    return {f"mtp_{k} loss": v / (ranks * max(1, microbatches)) for k, v in enumerate(totals.tolist(), 1)}
+
+
 def train_metrics(
     state: Any,
     optimizer: Any,

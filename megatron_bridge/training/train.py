@@ -17,7 +17,14 @@ from megatron_bridge.training.evaluate import evaluate
 from megatron_bridge.training.gpt_step import check_step_losses, defer_loss_checks
 from megatron_bridge.training.loss_reduction import LossAccumulator
 from megatron_bridge.models.param_count import flops_per_token
-from megatron_bridge.training.metrics import EnergyMeter, eval_metrics, reduced_metrics, timer_values, train_metrics
+from megatron_bridge.training.metrics import (
+    EnergyMeter,
+    eval_metrics,
+    mtp_losses,
+    reduced_metrics,
+    timer_values,
+    train_metrics,
+)
 from megatron_bridge.training.state import GlobalState
 
 if TYPE_CHECKING:
@@ -239,11 +246,13 @@ def _step_metrics(run: Run, step: StepResult, elapsed: float) -> dict[str, Any]:
 
 
 def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, start_step: int) -> None:
-    from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, get_num_microbatches
 
     state, cfg = run.state, run.state.cfg
     ts = state.train_state
     losses = interval.losses.average(dp_group) if interval.losses.totals else {}
+    if cfg.model.mtp_num_layers:  # collective
+        losses.update(mtp_losses(get_num_microbatches() * interval.steps, dp_group))
     # collective: every rank, before the rank check
     timers = timer_values(state, interval.steps)
     reduced = reduced_metrics(state, run.state.model, run.energy_meter)

@@ -72,7 +72,9 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     """(global name, parameter, rule, partition) for every parameter of one model chunk (the bare
     GPTModel inside DDP/Float16Module wrappers) of the model config.json `hf` describes. The
     partition follows from the shapes: the part this rank holds against the whole parameter.
-    LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights."""
+    LoRA/DoRA adapter parameters are left out: the Hugging Face model has only the base weights.
+    So are multi-token-prediction layers (`mtp.*`), which no mapped architecture has: an export
+    leaves them out, a load leaves them at their initialization (both logged)."""
     from megatron.core import parallel_state as ps
 
     arch = mapping.architecture(hf)
@@ -81,8 +83,12 @@ def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mappin
     rename = mapping.global_names(model, arch.num_experts, expert_rank)
     out = []
     buffers = [(local, b) for local, b in model.named_buffers() if mapping.entry_for(arch, rename(local)) is not None]
+    mtp = [local for local, _ in model.named_parameters() if local.startswith("mtp.")]
+    if mtp:
+        logger.info("the %d multi-token-prediction parameters (mtp.*) have no Hugging Face counterpart in %s: "
+                    "not exported, and left at their initialization on import", len(mtp), arch.model_type)  # fmt: skip
     for local, param in [*model.named_parameters(), *buffers]:  # buffers: those with weights (an expert bias)
-        if is_adapter_key(local):
+        if is_adapter_key(local) or local.startswith("mtp."):
             continue
         name = rename(local)
         entry = mapping.entry_for(arch, name)
