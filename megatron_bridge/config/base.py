@@ -84,12 +84,12 @@ class _ConfigMeta(ABCMeta):
             if not names:
                 raise TypeError(f"{cls.__name__} takes keyword arguments only, got {len(args)} positional")
             if len(args) > len(names):
-                raise TypeError(f"{cls.__name__} takes at most {len(names)} positional arguments {names}, got {len(args)}")
+                allowed = f"at most {len(names)} positional arguments {names}"
+                raise TypeError(f"{cls.__name__} takes {allowed}, got {len(args)}")
             for name, value in zip(names, args):
                 if name in kwargs:
                     raise TypeError(f"{cls.__name__}: got {name!r} both as positional and keyword argument")
                 kwargs[name] = value
-            args = ()
         for alias, target in cls._field_aliases.items():
             if alias in kwargs:
                 if target in kwargs:
@@ -99,12 +99,9 @@ class _ConfigMeta(ABCMeta):
             why = type_problem(cls, name, value)  # None for a name that is no field
             if why:
                 raise TypeError(f"{cls.__name__}.{name}: {why}")
-        obj = super().__call__(*args, **kwargs)
-        explicit = {k for k in kwargs if k in field_types(cls)}
-        d = obj.__dict__
-        d[_EXPLICIT] = explicit
-        d.setdefault(_DERIVED, {})
-        d[_TRACKING] = True
+        obj = super().__call__(**kwargs)
+        obj.__dict__.update({_EXPLICIT: {k for k in kwargs if k in field_types(cls)}, _TRACKING: True})
+        obj.__dict__.setdefault(_DERIVED, {})
         return obj
 
 
@@ -169,11 +166,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
         count as the user's, and finalize keeps it."""
-        d = self.__dict__
-        if _READ_ONLY in d:
-            _refuse_change(self, name)
-        d.setdefault(_DERIVED, {}).pop(name, None)
-        object.__setattr__(self, name, value)
+        self._derive(name, value)
+        del self.__dict__[_DERIVED][name]  # kept by finalize
 
     def _derive(self, name: str, value: Any) -> None:
         """Set a value computed by `finalize()` from other fields. The value it replaces is
@@ -223,12 +217,9 @@ class ConfigBase(metaclass=_ConfigMeta):
                 derived[k] = old
 
     def __copy__(self) -> Any:
-        clone = object.__new__(type(self))
-        d = dict(self.__dict__)
-        d.pop(_READ_ONLY, None)  # a copy is a new object: writable
-        d[_EXPLICIT] = set(d.get(_EXPLICIT, ()))
-        d[_DERIVED] = dict(d.get(_DERIVED, {}))
-        clone.__dict__.update(d)
+        clone, d = object.__new__(type(self)), self.__dict__
+        clone.__dict__.update(d, **{_EXPLICIT: set(d.get(_EXPLICIT, ())), _DERIVED: dict(d.get(_DERIVED, {}))})
+        clone.__dict__.pop(_READ_ONLY, None)  # a copy is a new object: writable
         return clone
 
     # ------------------------------------------------------------------ finalize
