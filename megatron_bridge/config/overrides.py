@@ -65,8 +65,7 @@ def parse_override(text: str) -> Override:
     if not key_text:
         raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
-    bad = [p for p in key if not _KEY_PART.fullmatch(p)]
-    if bad:
+    if not all(_KEY_PART.fullmatch(p) for p in key):
         raise OverrideSyntaxError(
             f"override {_short(text)}: {_short(key_text)} is not a dotted key",
             "use names and list indices joined by dots, e.g. a.b.0",
@@ -142,11 +141,8 @@ def process_config_with_overrides(
         except ConfigValidationError as exc:
             problems.absorb(exc)
         if data is not None and not isinstance(data, Mapping):
-            problems.add(
-                "",
-                f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections",
-                "write key: value lines",
-            )
+            message = f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections"
+            problems.add("", message, "write key: value lines")
             data = None
     overrides: list[Override] = []
     for text in cli_overrides or ():
