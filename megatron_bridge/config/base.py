@@ -39,21 +39,14 @@ _FINALIZED = "_mb_finalized"  # the last finalize found no problem
 _MISSING = object()
 
 
-class read_only:
-    """`with read_only(cfg):` makes `cfg` and the config objects it holds (its sections)
-    read-only: changing a field, or recording a derived value, raises `RuntimeError` naming it.
-    New config objects (a check may build one to compare against) stay writable."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.dicts = [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if is_config(v))]
-
-    def __enter__(self) -> "read_only":
-        for d in self.dicts:
+def set_read_only(cfg: Any, read_only: bool) -> None:
+    """Make `cfg` and the config objects it holds (its sections) read-only, or writable again:
+    while read-only, changing a field or recording a derived value raises `RuntimeError` naming
+    it. New config objects (a check may build one to compare against) stay writable."""
+    for d in [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if is_config(v))]:
+        if read_only:
             d[_READ_ONLY] = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for d in self.dicts:
+        else:
             d.pop(_READ_ONLY, None)
 
 
