@@ -82,51 +82,47 @@ class Applier:
         """Apply one parsed override: walk down the dataclass sections; the key parts left when
         a field is not a section address items in its value."""
         obj, source = self.config, o.source
-        for i, part in enumerate(o.key):
-            f = field_of(type(obj), part)
-            where = ".".join(o.key[: i + 1])
-            if f is None:
-                message, fix = unknown_key(type(obj), part)
-                if o.op == "add" and i == len(o.key) - 1:
-                    message = f"cannot add key {part!r}: {type(obj).__name__} has a fixed set of fields"
-                return self.error(where, message, fix, source)
-            if i == len(o.key) - 1:
-                return self.apply_to_field(obj, f, o, where, source)
-            current, classes = getattr(obj, f.name), section_classes(f.type)
-            named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
-            creates = current is None and o.op != "delete"  # `ft.enable_ft_package=true` while ft is null
-            if creates and len(named) > 1:
-                picks = " or ".join(f"{where}={n}" for n in named)
-                message = f"is null, so it has no key {o.key[i + 1]!r}"
-                return self.error(where, message, f"choose one first: {picks}", source)
-            try:
-                section = classes[0]() if creates and len(classes) == 1 else section_from_value(current, f.type)
-            except ConfigValidationError as exc:
-                for p in exc.problems:
-                    self.error(where, p.message, p.fix, source)
-                return
-            except TypeError as exc:  # a section class that cannot be built without arguments
-                message = f"is null and cannot be created empty: {exc}"
-                return self.error(where, message, f"set {where} as a whole", source)
-            if section is None:
+        try:
+            for i, part in enumerate(o.key):
+                f, where, last = field_of(type(obj), part), ".".join(o.key[: i + 1]), i == len(o.key) - 1
+                if f is None:
+                    message, fix = unknown_key(type(obj), part)
+                    if o.op == "add" and last:
+                        message = f"cannot add key {part!r}: {type(obj).__name__} has a fixed set of fields"
+                    return self.error(where, message, fix, source)
+                if last:
+                    return self.apply_to_field(obj, f, o, where, source)
+                current, classes = getattr(obj, f.name), section_classes(f.type)
+                named = [c.config_name for c in classes if isinstance(getattr(c, "config_name", None), str)]
+                creates = current is None and o.op != "delete"  # `ft.enable_ft_package=true` while ft is null
+                if creates and len(named) > 1:
+                    picks = " or ".join(f"{where}={n}" for n in named)
+                    message = f"is null, so it has no key {o.key[i + 1]!r}"
+                    return self.error(where, message, f"choose one first: {picks}", source)
                 try:
+                    section = classes[0]() if creates and len(classes) == 1 else section_from_value(current, f.type)
+                except ConfigValidationError as exc:
+                    for p in exc.problems:
+                        self.error(where, p.message, p.fix, source)
+                    return
+                except TypeError as exc:  # a section class that cannot be built without arguments
+                    message = f"is null and cannot be created empty: {exc}"
+                    return self.error(where, message, f"set {where} as a whole", source)
+                if section is None:
                     new = _update_item(self.loader, current, f.type, o, i + 1)
-                except DecodeError as exc:
-                    return exc.report(self.problems, o.dotted, source)
-                return self.assign(obj, f.name, new, where, source)
-            if section is not current:
-                self.assign(obj, f.name, section, where, source)
-            obj = section
+                    return self.assign(obj, f.name, new, where, source)
+                if section is not current:
+                    self.assign(obj, f.name, section, where, source)
+                obj = section
+        except DecodeError as exc:  # a value, or a key path into a dict or list, that does not fit
+            exc.report(self.problems, o.dotted, source)
 
     def apply_to_field(self, obj: Any, f: Any, o: Override, path: str, source: str) -> None:
         current = getattr(obj, f.name, None)
         if o.op == "add":
             self.error(path, "already exists, so it cannot be added", f"use {o.text[1:]} or +{o.text}", source)
         elif o.op != "delete":
-            try:
-                value = self.loader.field(f, o.value, current)
-            except DecodeError as exc:
-                return exc.report(self.problems, path, source)
+            value = self.loader.field(f, o.value, current)
             if not (value is current and dataclasses.is_dataclass(value)):  # a section merged in place
                 self.assign(obj, f.name, value, path, source)
         elif f.required:
@@ -155,40 +151,35 @@ def _update_item(loader: Any, node: Any, tp: Any, o: Override, i: int) -> Any:
         node = {}
     if isinstance(node, dict):
         key = part if part in node or not part.lstrip("-").isdigit() or int(part) not in node else int(part)
-        exists, item_tp = key in node, container_item_type(tp, key, dict) or Any
-        if not last:
-            if not exists and o.op not in ("add", "force"):
-                raise DecodeError(f"{here} has no key {part!r}", f"use +{o.text} to add it")
-            return {**node, key: _update_item(loader, node.get(key), item_tp, o, i + 1)}
-        if o.op == "delete":
-            if not exists:
-                raise DecodeError(f"{here} has no key {part!r} to remove", "check the key")
-            return {k: v for k, v in node.items() if k != key}
-        if o.op == "set" and not exists:
-            hint = suggest(part, [str(k) for k in node])
+        if key not in node and last and o.op == "delete":
+            raise DecodeError(f"{here} has no key {part!r} to remove", "check the key")
+        if key not in node and o.op not in ("add", "force"):
+            hint = suggest(part, [str(k) for k in node]) if last else ""
             raise DecodeError(f"{here} has no key {part!r}", f"{hint} use +{o.text} to add it".strip())
-        if o.op == "add" and exists:
+        if key in node and last and o.op == "add":
             raise DecodeError("already exists, so it cannot be added", f"use ++{o.text.lstrip('+')}")
-        return merge_dicts(node, {key: loader.value(o.value, item_tp)})
-    if isinstance(node, (list, tuple)):
+        items, item_tp = dict(node), container_item_type(tp, key, dict) or Any
+    elif isinstance(node, (list, tuple)):
         if not part.isdigit():
             raise DecodeError(f"{here} is a list; {part!r} is not an index", "use a number, e.g. .0")
-        index = int(part)
-        if index >= len(node):
+        key = int(part)
+        if key >= len(node):
             raise DecodeError(
-                f"index {index} is out of range for a list of {len(node)}",
+                f"index {key} is out of range for a list of {len(node)}",
                 f"use 0..{len(node) - 1}, or replace the whole list",
             )
         if o.op == "add":
             raise DecodeError("cannot add a list item by index", "replace the whole list: key=[a, b, c]")
-        items = list(node)
-        item_tp = container_item_type(tp, index, type(node)) or Any
-        if last and o.op == "delete":
-            del items[index]
-        elif last:
-            items[index] = loader.value(o.value, item_tp)
-        else:
-            items[index] = _update_item(loader, node[index], item_tp, o, i + 1)
-        return type(node)(items)
-    kind = "null" if node is None else type(node).__name__
-    raise DecodeError(f"{here} is {kind}, so it has no key {part!r}", "set the whole value instead")
+        items, item_tp = dict(enumerate(node)), container_item_type(tp, key, type(node)) or Any  # by index
+    else:
+        kind = "null" if node is None else type(node).__name__
+        raise DecodeError(f"{here} is {kind}, so it has no key {part!r}", "set the whole value instead")
+    if not last:
+        items[key] = _update_item(loader, items.get(key), item_tp, o, i + 1)
+    elif o.op == "delete":
+        del items[key]
+    elif isinstance(node, dict):
+        items = merge_dicts(items, {key: loader.value(o.value, item_tp)})
+    else:
+        items[key] = loader.value(o.value, item_tp)
+    return items if isinstance(node, dict) else type(node)(items.values())

@@ -39,21 +39,14 @@ _FINALIZED = "_mb_finalized"  # the last finalize found no problem
 _MISSING = object()
 
 
-class read_only:
-    """`with read_only(cfg):` makes `cfg` and the config objects it holds (its sections)
-    read-only: changing a field, or recording a derived value, raises `RuntimeError` naming it.
-    New config objects (a check may build one to compare against) stay writable."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.dicts = [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if is_config(v))]
-
-    def __enter__(self) -> "read_only":
-        for d in self.dicts:
+def set_read_only(cfg: Any, read_only: bool) -> None:
+    """Make `cfg` and the config objects it holds (its sections) read-only, or writable again:
+    while read-only, changing a field or recording a derived value raises `RuntimeError` naming
+    it. New config objects (a check may build one to compare against) stay writable."""
+    for d in [cfg.__dict__, *(v.__dict__ for v in vars(cfg).values() if is_config(v))]:
+        if read_only:
             d[_READ_ONLY] = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for d in self.dicts:
+        else:
             d.pop(_READ_ONLY, None)
 
 
@@ -84,12 +77,12 @@ class _ConfigMeta(ABCMeta):
             if not names:
                 raise TypeError(f"{cls.__name__} takes keyword arguments only, got {len(args)} positional")
             if len(args) > len(names):
-                raise TypeError(f"{cls.__name__} takes at most {len(names)} positional arguments {names}, got {len(args)}")
+                allowed = f"at most {len(names)} positional arguments {names}"
+                raise TypeError(f"{cls.__name__} takes {allowed}, got {len(args)}")
             for name, value in zip(names, args):
                 if name in kwargs:
                     raise TypeError(f"{cls.__name__}: got {name!r} both as positional and keyword argument")
                 kwargs[name] = value
-            args = ()
         for alias, target in cls._field_aliases.items():
             if alias in kwargs:
                 if target in kwargs:
@@ -99,12 +92,9 @@ class _ConfigMeta(ABCMeta):
             why = type_problem(cls, name, value)  # None for a name that is no field
             if why:
                 raise TypeError(f"{cls.__name__}.{name}: {why}")
-        obj = super().__call__(*args, **kwargs)
-        explicit = {k for k in kwargs if k in field_types(cls)}
-        d = obj.__dict__
-        d[_EXPLICIT] = explicit
-        d.setdefault(_DERIVED, {})
-        d[_TRACKING] = True
+        obj = super().__call__(**kwargs)
+        obj.__dict__.update({_EXPLICIT: {k for k in kwargs if k in field_types(cls)}, _TRACKING: True})
+        obj.__dict__.setdefault(_DERIVED, {})
         return obj
 
 
@@ -169,11 +159,8 @@ class ConfigBase(metaclass=_ConfigMeta):
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
         count as the user's, and finalize keeps it."""
-        d = self.__dict__
-        if _READ_ONLY in d:
-            _refuse_change(self, name)
-        d.setdefault(_DERIVED, {}).pop(name, None)
-        object.__setattr__(self, name, value)
+        self._derive(name, value)
+        del self.__dict__[_DERIVED][name]  # kept by finalize
 
     def _derive(self, name: str, value: Any) -> None:
         """Set a value computed by `finalize()` from other fields. The value it replaces is
@@ -223,12 +210,9 @@ class ConfigBase(metaclass=_ConfigMeta):
                 derived[k] = old
 
     def __copy__(self) -> Any:
-        clone = object.__new__(type(self))
-        d = dict(self.__dict__)
-        d.pop(_READ_ONLY, None)  # a copy is a new object: writable
-        d[_EXPLICIT] = set(d.get(_EXPLICIT, ()))
-        d[_DERIVED] = dict(d.get(_DERIVED, {}))
-        clone.__dict__.update(d)
+        clone, d = object.__new__(type(self)), self.__dict__
+        clone.__dict__.update(d, **{_EXPLICIT: set(d.get(_EXPLICIT, ())), _DERIVED: dict(d.get(_DERIVED, {}))})
+        clone.__dict__.pop(_READ_ONLY, None)  # a copy is a new object: writable
         return clone
 
     # ------------------------------------------------------------------ finalize

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
-from megatron_bridge.config.apply import NO_VALUE, Override
+from megatron_bridge.config.apply import Override
 from megatron_bridge.config.errors import show
 from megatron_bridge.config.schema import specs
 from megatron_bridge.config.secrets import remember_environment_reads
@@ -90,7 +90,8 @@ def resolve_interpolations(
         for text in texts:
             for ref in _INTERPOLATION.findall(text):  # of `oc.select:model.x,1`, the arguments
                 refs += [part.strip() for part in ref.split(":", 1)[-1].split(",")]
-        tree = OmegaConf.merge(_plain(_referenced(config, refs)) if config is not None else {}, _plain(data or {}))
+        fields = _referenced(config, refs) if config is not None else {}
+        tree = OmegaConf.merge(*(map_strings(part, lambda s: s) for part in (fields, data or {})))
         for o in overrides:
             if o.op != "delete":
                 try:
@@ -103,13 +104,11 @@ def resolve_interpolations(
     except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
         report("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}", "")
         return None, []
-    out = []
-    for o in overrides:
-        if o.value is not NO_VALUE and o.op != "delete":
-            o = dataclasses.replace(o, value=resolved(o.dotted, o.value, o.source))
-        if o.value is not _UNRESOLVED:
-            out.append(o)
-    return _walk(data, "", resolved), out
+    overrides = [
+        o if o.op == "delete" else dataclasses.replace(o, value=resolved(o.dotted, o.value, o.source))
+        for o in overrides
+    ]
+    return _walk(data, "", resolved), [o for o in overrides if o.value is not _UNRESOLVED]
 
 
 def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:
@@ -143,10 +142,13 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     return tree
 
 
-def _plain(value: Any) -> Any:
-    """Encoded data with list subclasses (which OmegaConf refuses) turned into lists."""
+def map_strings(value: Any, fn: Callable[[str], Any]) -> Any:
+    """`value` with `fn` applied to every string in it (dict keys included), its dicts and lists
+    rebuilt as plain ones (OmegaConf refuses their subclasses)."""
+    if isinstance(value, str):
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {map_strings(k, fn): map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [map_strings(v, fn) for v in value]
     return value

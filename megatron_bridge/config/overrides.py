@@ -27,13 +27,17 @@ from typing import Any, Iterable, Optional, Union
 from megatron_bridge.config import yaml_input
 from megatron_bridge.config.apply import NO_VALUE, Applier, Override
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
-from megatron_bridge.config.interpolation import has_interpolation, resolve_interpolations
+from megatron_bridge.config.interpolation import has_interpolation, map_strings, resolve_interpolations
 from megatron_bridge.config.serialization import load_yaml_file
 
 _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
 
 MAX_VALUE_LENGTH = 100_000
 """Longest override value accepted."""
+
+_OPS = {"++": "force", "+": "add", "~": "delete", "": "set"}
+"""Override prefix -> operation (longest prefix first)."""
+
 
 def _short(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
@@ -53,22 +57,15 @@ def parse_override(text: str) -> Override:
         fix = "pass strings like 'train.train_iters=100'"
         raise OverrideSyntaxError(f"override {_short(text)} is not a string", fix)
     body = text.strip()
-    op = "set"
-    if body.startswith("++"):
-        op, body = "force", body[2:]
-    elif body.startswith("+"):
-        op, body = "add", body[1:]
-    elif body.startswith("~"):
-        op, body = "delete", body[1:]
-    key_text, eq, value_text = body.partition("=")
+    prefix = next(p for p in _OPS if body.startswith(p))
+    op, (key_text, eq, value_text) = _OPS[prefix], body[len(prefix) :].partition("=")
     key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
         raise OverrideSyntaxError(f"override {_short(text)} has no '='", fix)
     if not key_text:
         raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
-    bad = [p for p in key if not _KEY_PART.fullmatch(p)]
-    if bad:
+    if not all(_KEY_PART.fullmatch(p) for p in key):
         raise OverrideSyntaxError(
             f"override {_short(text)}: {_short(key_text)} is not a dotted key",
             "use names and list indices joined by dots, e.g. a.b.0",
@@ -89,10 +86,12 @@ def parse_value(text: str) -> Any:
         if not stripped.startswith(("[", "{", "'", '"')):
             return yaml_input.scalar(stripped)  # the whole text: `99,1,0` and `a: b` are strings
         protected, pieces = _protect_interpolations(stripped)
-        return _restore_interpolations(yaml_input.parse(protected, "value", yaml_input.ValueLoader), pieces)
+        value = yaml_input.parse(protected, "value", yaml_input.ValueLoader)
+        return map_strings(value, lambda s: _PLACEHOLDER.sub(lambda m: pieces[int(m.group(1))], s)) if pieces else value
     except ConfigValidationError as exc:  # the reader's YAML error or limit, naming no file
         problem = exc.problems[0]
-        fix = "check the brackets and quotes of the value" if problem.message.startswith("invalid YAML") else problem.fix
+        yaml_error = problem.message.startswith("invalid YAML")
+        fix = "check the brackets and quotes of the value" if yaml_error else problem.fix
         raise OverrideSyntaxError(problem.message, fix) from None
     except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
         digits = sum(c.isdigit() for c in stripped)
@@ -106,7 +105,7 @@ _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 def _protect_interpolations(text: str) -> tuple[str, list[str]]:
     """`text` with each `${...}` (nested ones inside it included) replaced by a placeholder that
-    YAML reads as plain text, and the interpolations replaced."""
+    YAML reads as plain text, and the interpolations replaced (`map_strings` puts them back)."""
     if "\ue000" in text:
         raise OverrideSyntaxError("the value holds the private-use character U+E000", "remove it")
     out, pieces, i = [], [], 0
@@ -127,18 +126,6 @@ def _protect_interpolations(text: str) -> tuple[str, list[str]]:
     return "".join(out) + text[i:], pieces
 
 
-def _restore_interpolations(value: Any, pieces: list[str]) -> Any:
-    if not pieces:
-        return value
-    if isinstance(value, str):
-        return _PLACEHOLDER.sub(lambda m: pieces[int(m.group(1))], value)
-    if isinstance(value, list):
-        return [_restore_interpolations(v, pieces) for v in value]
-    if isinstance(value, dict):
-        return {_restore_interpolations(k, pieces): _restore_interpolations(v, pieces) for k, v in value.items()}
-    return value
-
-
 def process_config_with_overrides(
     config: Any,
     config_filepath: Optional[Union[str, os.PathLike]] = None,
@@ -154,11 +141,8 @@ def process_config_with_overrides(
         except ConfigValidationError as exc:
             problems.absorb(exc)
         if data is not None and not isinstance(data, Mapping):
-            problems.add(
-                "",
-                f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections",
-                "write key: value lines",
-            )
+            message = f"{os.fspath(config_filepath)} holds {show(data)}, not a mapping of sections"
+            problems.add("", message, "write key: value lines")
             data = None
     overrides: list[Override] = []
     for text in cli_overrides or ():

@@ -21,7 +21,7 @@ import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_bridge.config.annotations import values_equal
-from megatron_bridge.config.base import read_only
+from megatron_bridge.config.base import set_read_only
 from megatron_bridge.config.errors import Problems
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mappi
     loudly instead of deriving a value in the wrong place. A rule that trips over a value an
     earlier rule already reported (a division by zero from a bad size) stays quiet; the same
     error with no problem reported is a bug and propagates."""
-    guard: Optional[read_only] = None  # consecutive checks share one read-only span
+    read_only = False  # consecutive checks share one read-only span
     log = logger.isEnabledFor(logging.DEBUG)  # asked once: this runs on every config update
     try:
         for rule in rules:
@@ -109,11 +109,9 @@ def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mappi
                 continue
             if log:
                 logger.debug("rule: %s", rule.name)
-            if rule.kind == "check" and guard is None:
-                guard = read_only(cfg).__enter__()
-            elif rule.kind != "check" and guard is not None:
-                guard.__exit__()
-                guard = None
+            if (rule.kind == "check") != read_only:
+                read_only = rule.kind == "check"
+                set_read_only(cfg, read_only)
             try:
                 if rule.inputs:
                     rule.run(cfg, problems, *[inputs.get(name) for name in rule.inputs])
@@ -123,8 +121,8 @@ def run_rules(rules: Sequence[Rule], cfg: Any, problems: Problems, inputs: Mappi
                 if not problems:
                     raise
     finally:
-        if guard is not None:
-            guard.__exit__()
+        if read_only:
+            set_read_only(cfg, False)
 
 
 def describe(rules: Sequence[Rule]) -> str:

@@ -57,6 +57,13 @@ _loaded: set[str] = set()
 SHORT_NAME_NAMESPACES = ("torch.nn.functional", "megatron.core.activations")
 """Where a function named without its module (`silu`) is looked up, in order."""
 
+REFERENCE_PACKAGE = "megatron.bridge"
+"""The package of NVIDIA Megatron Bridge, whose config files this project reads: they name our
+classes under it (`megatron.bridge.training.config.TrainingConfig`)."""
+
+REFERENCE_DEFAULTS = frozenset({f"{REFERENCE_PACKAGE}.models.gpt_provider.default_layer_spec"})
+"""Functions Megatron Bridge writes as a field's default where ours is None."""
+
 _LAZY: dict[str, str] = {}
 """`package.Name` and `module.Name` of a config class a package exports on first use (its module
 `__getattr__`) -> the module defining it (`register_lazy_exports`)."""
@@ -124,18 +131,10 @@ def is_registered(obj: Any) -> bool:
 
 def resolve(name: Any) -> Any:
     """The registered object called `name`; `TargetNotAllowedError` (with the closest registered
-    names) if there is none. Also accepts a config class's public re-export
-    (`megatron_bridge.training.config.TrainingConfig`) and members of registered enums."""
+    names) if there is none."""
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
         raise TargetNotAllowedError(f"{str(name)[:80]!r} is not a dotted name", "use e.g. 'torch.nn.init.normal_'")
-    for module_name in _BUILTINS:
-        if name.startswith(module_name + "."):
-            _load_builtins(module_name, import_it=True)
-    obj = _BY_NAME.get(name)
-    if obj is None:
-        obj = _public_alias(name)
-    if obj is None and name.startswith(REFERENCE_PACKAGE + "."):
-        obj = _from_reference(name)
+    obj = _lookup(name)
     if obj is None:
         import difflib  # only for the hint of an error: `import megatron_bridge` stays light
 
@@ -152,35 +151,43 @@ def resolve(name: Any) -> Any:
     return obj
 
 
-REFERENCE_PACKAGE = "megatron.bridge"
-"""The package of NVIDIA Megatron Bridge, whose config files this project reads: they name our
-classes under it (`megatron.bridge.training.config.TrainingConfig`)."""
-
-
-REFERENCE_DEFAULTS = frozenset({f"{REFERENCE_PACKAGE}.models.gpt_provider.default_layer_spec"})
-"""Functions Megatron Bridge writes as a field's default where ours is None."""
-
-
-def _from_reference(name: str) -> Any:
-    """Our registered object for a name under `REFERENCE_PACKAGE`: at the same path under
-    `megatron_bridge`, else the one class or function of ours with that name (our modules are
-    laid out differently); None if there is none or several."""
-    ours = "megatron_bridge" + name[len(REFERENCE_PACKAGE) :]
-    try:
-        return resolve(ours)
-    except TargetNotAllowedError:
-        pass
-    attr = name.rpartition(".")[2]
-    candidates = {n for n in [*_BY_NAME, *_LAZY] if n.startswith("megatron_bridge.") and n.endswith("." + attr)}
-    found = {id(obj): obj for obj in (_resolve_or_none(n) for n in sorted(candidates)) if obj is not None}
-    return next(iter(found.values())) if len(found) == 1 else None
-
-
-def _resolve_or_none(name: str) -> Any:
-    try:
-        return resolve(name)
-    except TargetNotAllowedError:
-        return None
+def _lookup(name: str) -> Any:
+    """The registered object `name` leads to, else None: a registered name, `Enum.MEMBER` of a
+    registered enum, `pkg.Name` where an imported `pkg` re-exports a registered object, or a name
+    under `REFERENCE_PACKAGE` (ours at the same path, else our one object of that name). Imports
+    only the project's packages on the path (not its modules) and what a lazy export names."""
+    for module_name in _BUILTINS:
+        if name.startswith(module_name + "."):
+            _load_builtins(module_name, import_it=True)
+    obj = _BY_NAME.get(name)
+    if obj is not None:
+        return obj
+    module_name, _, attr = name.rpartition(".")
+    owner = _BY_NAME.get(module_name)
+    if isinstance(owner, type) and issubclass(owner, enum.Enum):
+        obj = owner.__members__.get(attr)
+    else:
+        if name.startswith("megatron_bridge."):
+            parts = module_name.split(".")
+            for cut in range(1, len(parts) + 1):
+                try:
+                    spec = importlib.util.find_spec(".".join(parts[:cut]))
+                except (ImportError, ValueError):
+                    break
+                if spec is None or spec.submodule_search_locations is None:
+                    break
+                importlib.import_module(spec.name)
+            if name in _LAZY:
+                importlib.import_module(_LAZY[name])  # registers its classes
+        found = _exported(module_name, attr)
+        obj = found if found is not None and is_registered(found) else None
+    if obj is None and name.startswith(REFERENCE_PACKAGE + "."):
+        obj = _lookup("megatron_bridge" + name[len(REFERENCE_PACKAGE) :])
+        if obj is None:
+            ours = sorted(n for n in [*_BY_NAME, *_LAZY] if n.startswith("megatron_bridge.") and n.endswith("." + attr))
+            found = {id(o): o for o in map(_lookup, ours) if o is not None}
+            obj = next(iter(found.values())) if len(found) == 1 else None
+    return obj
 
 
 def _exported(module_name: str, attr: str) -> Any:
@@ -192,30 +199,6 @@ def _exported(module_name: str, attr: str) -> Any:
     if f"{module_name}.{attr}" in _LAZY:
         return getattr(module, attr, None)
     return vars(module).get(attr)
-
-
-def _public_alias(name: str) -> Any:
-    """`pkg.Name` where an imported `pkg` re-exports a registered object, or `Enum.MEMBER` of a
-    registered enum class. Imports only the project's packages on the name's path (stopping at the
-    first module that is not a package: no module is run) and what a lazy export table names."""
-    module_name, _, attr = name.rpartition(".")
-    owner = _BY_NAME.get(module_name)
-    if isinstance(owner, type) and issubclass(owner, enum.Enum):
-        return owner.__members__.get(attr)
-    if name.startswith("megatron_bridge."):
-        parts = module_name.split(".")
-        for cut in range(1, len(parts) + 1):
-            try:
-                spec = importlib.util.find_spec(".".join(parts[:cut]))
-            except (ImportError, ValueError):
-                break
-            if spec is None or spec.submodule_search_locations is None:
-                break
-            importlib.import_module(spec.name)
-        if name in _LAZY:
-            importlib.import_module(_LAZY[name])  # registers its classes
-    found = _exported(module_name, attr)
-    return found if found is not None and is_registered(found) else None
 
 
 def name_of(obj: Any) -> Optional[str]:
