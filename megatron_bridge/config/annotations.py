@@ -8,8 +8,7 @@ Where the declared type says what a value is, the YAML holds the plain, readable
 tuples and Paths as lists and strings). Where it does not (`Any`, or a `Union` whose arms would
 read the plain form differently), a tagged mapping is written instead:
 
-* `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member,
-  function);
+* `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member, function);
 * `{_target_: pkg.mod.fn, _partial_: true, _args_: [...], key: value}`: `functools.partial`;
 * `{_target_: pkg.mod.Class, ...}`: a dataclass, its fields as keys;
 * `{_tuple_: [...]}`, `{_path_: "..."}`: a tuple, a `pathlib.Path`;
@@ -59,8 +58,7 @@ class DecodeError(Exception):
 
     def under(self, name: Any) -> "DecodeError":
         """The same problems with `name` prepended to their paths."""
-        key = str(name)
-        return DecodeError(items=[(f"{key}.{p}" if p else key, m, f) for p, m, f in self.items])
+        return DecodeError(items=[(f"{name}.{p}" if p else str(name), m, f) for p, m, f in self.items])
 
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
         """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""

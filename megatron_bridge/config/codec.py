@@ -291,13 +291,10 @@ def _convert(tp: type, raw: Any) -> Any:
 
 
 def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
-    for a in allowed:
-        if raw == a and type(raw) is type(a):
-            return a
-    if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-        for a in allowed:
-            if str(a) == str(raw):
-                return a
+    exact = [a for a in allowed if raw == a and type(raw) is type(a)]  # `1` is not `True`
+    spelled = [a for a in allowed if str(a) == str(raw)] if lenient and (isinstance(raw, str) or is_number(raw)) else []
+    if exact or spelled:
+        return (exact or spelled)[0]
     hint = suggest(raw, allowed) if isinstance(raw, str) else ""
     raise DecodeError(f"expected one of {list(allowed)}, {got(raw)}", hint or f"use one of {list(allowed)}")
 
