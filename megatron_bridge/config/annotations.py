@@ -213,7 +213,7 @@ def checker_for(tp: Any) -> Checker:
         positional, item = item_types(tp)
         checks = [checker_for(a) for a in positional] if positional else None
         item_check = checker_for(item)
-        accepted = (list, tuple, set, frozenset) if typing.get_origin(tp) in (set, frozenset) else (list, tuple)
+        accepted = (list, tuple, set, frozenset) if (typing.get_origin(tp) or tp) in (set, frozenset) else (list, tuple)
 
         def check_sequence(value: Any) -> Optional[str]:
             if not isinstance(value, accepted):
