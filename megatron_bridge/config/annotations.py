@@ -287,12 +287,8 @@ def section_from_value(value: Any, tp: Any) -> Optional[Any]:
     config a preset name stands for (`mixed_precision=bf16_mixed` then `mixed_precision.fp8=...`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return value
-    if isinstance(value, str):
-        for cls in section_classes(tp):
-            by_name = _SECTIONS_BY_NAME.get(cls)
-            if by_name is not None:
-                return by_name(value)
-    return None
+    by_name = next((_SECTIONS_BY_NAME[c] for c in section_classes(tp) if c in _SECTIONS_BY_NAME), None)
+    return by_name(value) if by_name is not None and isinstance(value, str) else None
 
 
 def container_item_type(tp: Any, key: Any, kind: type) -> Optional[Any]:
