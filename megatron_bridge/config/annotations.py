@@ -210,9 +210,9 @@ def checker_for(tp: Any) -> Checker:
     if kind == "enum":
         return lambda v: None if isinstance(v, tp) else f"expected {name} (one of {[m.name for m in tp]}), got {v!r}"
     if kind == "sequence":
-        positional, item = item_types(tp)
+        positional, item_type = item_types(tp)
         checks = [checker_for(a) for a in positional] if positional else None
-        item_check = checker_for(item)
+        item = checker_for(item_type)
         accepted = (list, tuple, set, frozenset) if (typing.get_origin(tp) or tp) in (set, frozenset) else (list, tuple)
 
         def check_sequence(value: Any) -> Optional[str]:
@@ -220,9 +220,9 @@ def checker_for(tp: Any) -> Checker:
                 return f"expected {name}, {got(value)}"
             if checks is not None and len(value) != len(checks):
                 return f"expected {name} with {len(checks)} items, got {len(value)}"
-            if checks is None and item_check is _ok:
+            if checks is None and item is _ok:
                 return None
-            for check, v in zip(checks or itertools.repeat(item_check), value):
+            for check, v in zip(checks or itertools.repeat(item), value):
                 why = check(v)
                 if why:
                     return f"item {v!r}: {why}"

@@ -362,7 +362,7 @@ class Encoder:
             positional, item = item_types(tp)
             typed = zip(value, positional if positional and len(positional) == len(value) else itertools.repeat(item))
             items = [self.value(v, a) for v, a in typed]
-            return self._list(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items)  # stable
+            return self._list(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items)  # sets: stable
         if kind == "mapping" and isinstance(value, dict):
             item = item_types(tp)[1]
             return {k: self.value(v, item) for k, v in value.items()}
