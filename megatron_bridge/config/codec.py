@@ -345,11 +345,27 @@ class Encoder:
         raise NotImplementedError
 
     def value(self, value: Any, tp: Any = Any) -> Any:
-        """Plain form of `value` for a field declared as `tp`."""
-        if type(value) in _PLAIN or _self_describing(value):
-            return self.any(value)
-        kind, arms = kind_of(tp), real_arms(tp)
+        """Plain form of `value` for a field declared as `tp`: the readable form where `tp` says what
+        the value is, a tagged mapping where it does not (`Any`, or another type than declared)."""
+        if type(value) in _PLAIN:
+            return value
+        # Numbers, sections and partials describe themselves whatever the declaration.
+        if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
+            return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.section(value)
+        if isinstance(value, functools.partial):  # {_target_: func, _partial_: true, _args_: [...], **keywords}
+            path = targets.name_of(value.func)
+            if path is None:
+                return {UNSERIALIZABLE: show(value)}
+            out: dict[str, Any] = {TARGET: path, PARTIAL: True}
+            if value.args:
+                out[ARGS] = self._list(self.value(a) for a in value.args)
+            out.update((k, self.value(v)) for k, v in value.keywords.items())
+            return out
+        kind = kind_of(tp)
         if kind == "union":
+            arms = real_arms(tp)
             return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
         origin = typing.get_origin(tp) or tp
         if kind == "enum" and isinstance(value, enum.Enum):
@@ -370,31 +386,13 @@ class Encoder:
             path = targets.name_of(value)
             if path is not None:
                 return path
-        return self.any(value)
-
-    def any(self, value: Any) -> Any:
-        """Plain form of a value whose type the declaration does not give (tags where needed)."""
-        if type(value) in _PLAIN:
-            return value
-        if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
-            return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return self.section(value)
-        if isinstance(value, functools.partial):  # {_target_: func, _partial_: true, _args_: [...], **keywords}
-            path = targets.name_of(value.func)
-            if path is None:
-                return {UNSERIALIZABLE: show(value)}
-            out: dict[str, Any] = {TARGET: path, PARTIAL: True}
-            if value.args:
-                out[ARGS] = self._list(self.any(a) for a in value.args)
-            out.update((k, self.any(v)) for k, v in value.keywords.items())
-            return out
+        # The declaration does not say what the value is: the tagged forms.
         if type(value) is list:
-            return self._list(self.any(v) for v in value)
+            return self._list(self.value(v) for v in value)
         if type(value) is tuple:
-            return {TUPLE: self._list(self.any(v) for v in value)}
+            return {TUPLE: self._list(self.value(v) for v in value)}
         if type(value) is dict:
-            return {k: self.any(v) for k, v in value.items()}
+            return {k: self.value(v) for k, v in value.items()}
         if isinstance(value, pathlib.PurePath):
             return {PATH: str(value)}
         dtype = torch_dtype()
@@ -414,20 +412,12 @@ class Encoder:
                     return plain
             except DecodeError:
                 pass
-        return self.any(value)
+        return self.value(value)
 
     @staticmethod
     def _list(items: Iterable[Any]) -> list:
         out = list(items)
         return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
-
-
-def _self_describing(value: Any) -> bool:
-    """Whether the plain form of `value` does not depend on the declared type: a number, a
-    dataclass section, a partial."""
-    if isinstance(value, numbers.Real):
-        return not isinstance(value, (enum.Enum, bool))
-    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
 
 
 _TRIAL_DECODER = Decoder()
