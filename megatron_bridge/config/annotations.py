@@ -8,8 +8,7 @@ Where the declared type says what a value is, the YAML holds the plain, readable
 tuples and Paths as lists and strings). Where it does not (`Any`, or a `Union` whose arms would
 read the plain form differently), a tagged mapping is written instead:
 
-* `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member,
-  function);
+* `{_target_: pkg.mod.obj, _call_: false}`: the object at that import path (dtype, enum member, function);
 * `{_target_: pkg.mod.fn, _partial_: true, _args_: [...], key: value}`: `functools.partial`;
 * `{_target_: pkg.mod.Class, ...}`: a dataclass, its fields as keys;
 * `{_tuple_: [...]}`, `{_path_: "..."}`: a tuple, a `pathlib.Path`;
@@ -35,6 +34,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional, Union
 
+from megatron_bridge.config.errors import show
+
 
 TARGET, CALL, PARTIAL, ARGS = "_target_", "_call_", "_partial_", "_args_"
 TUPLE, PATH, UNSERIALIZABLE = "_tuple_", "_path_", "_unserializable_"
@@ -57,8 +58,7 @@ class DecodeError(Exception):
 
     def under(self, name: Any) -> "DecodeError":
         """The same problems with `name` prepended to their paths."""
-        key = str(name)
-        return DecodeError(items=[(f"{key}.{p}" if p else key, m, f) for p, m, f in self.items])
+        return DecodeError(items=[(f"{name}.{p}" if p else str(name), m, f) for p, m, f in self.items])
 
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
         """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""
@@ -114,6 +114,11 @@ def item_types(tp: Any) -> tuple[Optional[tuple], Any]:
     return None, items[0] if len(items) == 1 else Any
 
 
+_KINDS = {bool: "bool", int: "int", float: "float", str: "str", Literal: "literal", dict: "mapping", Mapping: "mapping"}
+_KINDS.update({Callable: "callable", **dict.fromkeys(SEQUENCE_KINDS, "sequence")})  # Callable: typing.Callable too
+"""The kinds (see `kind_of`) of annotations, or of their origins, that a lookup tells."""
+
+
 @functools.lru_cache(maxsize=None)
 def kind_of(tp: Any) -> str:
     """What annotation `tp` declares, in one word: 'any', 'none', 'union', 'literal', 'bool',
@@ -127,18 +132,10 @@ def kind_of(tp: Any) -> str:
     if typing.get_origin(tp) in (Union, types.UnionType):
         return "union"
     origin = typing.get_origin(tp) or tp
-    if origin is Literal:
-        return "literal"
-    if tp in (bool, int, float, str):
-        return tp.__name__
+    if origin in _KINDS:
+        return _KINDS[origin]
     if origin is torch_dtype():
         return "dtype"
-    if origin in SEQUENCE_KINDS:
-        return "sequence"
-    if origin in (dict, Mapping):
-        return "mapping"
-    if origin is Callable:  # also typing.Callable, bare or parametrized
-        return "callable"
     if not isinstance(origin, type):
         return "other"
     if issubclass(origin, enum.Enum):
@@ -168,28 +165,25 @@ def values_equal(a: Any, b: Any, strict: bool = False) -> bool:
 
 
 # ====================================================================== checking
-def _ok(_value: Any) -> None:
-    return None
-
-
-def _mismatch(name: str, value: Any) -> str:
-    return f"expected {name}, got {type(value).__name__} {value!r}"
-
-
-def _accepting(fits: Callable[[Any], bool], name: str) -> Checker:
-    return lambda v: None if fits(v) else _mismatch(name, v)
-
-
 def is_number(value: Any) -> bool:
     """Whether `value` is an int or a float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def got(value: Any) -> str:
+    """'got <type> <value>' for error messages."""
+    return f"got {type(value).__name__} {show(value)}"
+
+
+def _ok(_value: Any) -> None:
+    return None
+
+
 SCALAR_CHECKERS: dict[str, Checker] = {  # written out: checking runs on every assignment
-    "bool": lambda v: None if isinstance(v, bool) else _mismatch("bool", v),
-    "int": lambda v: None if isinstance(v, int) and not isinstance(v, bool) else _mismatch("int", v),
-    "float": lambda v: None if is_number(v) else _mismatch("float", v),  # an int fits (float fields with int defaults)
-    "str": lambda v: None if isinstance(v, (str, os.PathLike)) else _mismatch("str", v),
+    "bool": lambda v: None if isinstance(v, bool) else f"expected bool, {got(v)}",
+    "int": lambda v: None if isinstance(v, int) and not isinstance(v, bool) else f"expected int, {got(v)}",
+    "float": lambda v: None if is_number(v) else f"expected float, {got(v)}",  # an int fits (int defaults)
+    "str": lambda v: None if isinstance(v, (str, os.PathLike)) else f"expected str, {got(v)}",
 }
 """The checkers of the scalar kinds, by name; decoding asks them first whether a value is taken as it is."""
 
@@ -207,21 +201,23 @@ def checker_for(tp: Any) -> Checker:
             for arm in arms:
                 if arm(v) is None:
                     return None
-            return _mismatch(name, v)
+            return f"expected {name}, {got(v)}"
 
         return check_union
     if kind == "literal":
         allowed = [(type(a), a) for a in args]  # `1` is not `True`
         return lambda v: None if (type(v), v) in allowed else f"expected one of {list(args)}, got {v!r}"
+    if kind == "enum":
+        return lambda v: None if isinstance(v, tp) else f"expected {name} (one of {[m.name for m in tp]}), got {v!r}"
     if kind == "sequence":
         positional, item_type = item_types(tp)
         checks = [checker_for(a) for a in positional] if positional else None
         item = checker_for(item_type)
-        accepted = (list, tuple, set, frozenset) if typing.get_origin(tp) in (set, frozenset) else (list, tuple)
+        accepted = (list, tuple, set, frozenset) if (typing.get_origin(tp) or tp) in (set, frozenset) else (list, tuple)
 
         def check_sequence(value: Any) -> Optional[str]:
             if not isinstance(value, accepted):
-                return _mismatch(name, value)
+                return f"expected {name}, {got(value)}"
             if checks is not None and len(value) != len(checks):
                 return f"expected {name} with {len(checks)} items, got {len(value)}"
             if checks is None and item is _ok:
@@ -233,14 +229,11 @@ def checker_for(tp: Any) -> Checker:
             return None
 
         return check_sequence
-    if kind == "mapping":
-        return _accepting(lambda v: isinstance(v, Mapping), name)
     if kind == "callable":
-        return _accepting(callable, "a callable")
-    if kind == "enum":
-        return lambda v: None if isinstance(v, tp) else f"expected {name} (one of {[m.name for m in tp]}), got {v!r}"
-    if kind != "any" and isinstance(tp, type):  # a parametrized class other than those above: accepted
-        return _accepting(lambda v: isinstance(v, tp), name)
+        return lambda v: None if callable(v) else f"expected a callable, {got(v)}"
+    accepted = Mapping if kind == "mapping" else tp
+    if kind == "mapping" or (kind != "any" and isinstance(tp, type)):  # also a class not named above
+        return lambda v: None if isinstance(v, accepted) else f"expected {name}, {got(v)}"
     return _ok
 
 
@@ -294,12 +287,8 @@ def section_from_value(value: Any, tp: Any) -> Optional[Any]:
     config a preset name stands for (`mixed_precision=bf16_mixed` then `mixed_precision.fp8=...`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return value
-    if isinstance(value, str):
-        for cls in section_classes(tp):
-            by_name = _SECTIONS_BY_NAME.get(cls)
-            if by_name is not None:
-                return by_name(value)
-    return None
+    by_name = next((_SECTIONS_BY_NAME[c] for c in section_classes(tp) if c in _SECTIONS_BY_NAME), None)
+    return by_name(value) if by_name is not None and isinstance(value, str) else None
 
 
 def container_item_type(tp: Any, key: Any, kind: type) -> Optional[Any]:

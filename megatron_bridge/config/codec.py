@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import numbers
 import pathlib
 import sys
@@ -36,6 +37,7 @@ from megatron_bridge.config.annotations import (
     FlowList,
     checker_for,
     describe,
+    got,
     is_number,
     is_value_tag,
     item_types,
@@ -51,6 +53,7 @@ from megatron_bridge.config.yaml_input import scalar
 _PLAIN = (str, int, float, bool, type(None))
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "fp8": "float8_e4m3fn"}
 _FIXES = {"bool": "use true or false", "int": "use a whole number, e.g. 8", "float": "use a number, e.g. 0.1 or 1e-4"}
+_ENCODED_SEQUENCES = {list: list, Sequence: list, tuple: tuple, set: (set, frozenset), frozenset: (set, frozenset)}
 
 
 # ====================================================================== decoding
@@ -83,7 +86,7 @@ class Decoder:
         if scalar is not None:  # not of the type as it is: read it as a command line spells it
             value = _convert(tp, raw) if lenient else None
             if value is None:
-                raise DecodeError(f"expected {kind}, {got(raw)}", _FIXES.get(kind, "quote the value"))
+                raise DecodeError(scalar(raw), _FIXES.get(kind, "quote the value"))
             return value
         origin = typing.get_origin(tp) or tp
         if kind == "literal":
@@ -97,7 +100,16 @@ class Decoder:
                 raise DecodeError(f"expected a path, {got(raw)}", "use a string")
             return raw if isinstance(raw, origin) else origin(raw)
         if kind == "sequence":
-            return self._sequence(raw, tp, origin, lenient)
+            if isinstance(raw, (set, frozenset)) and origin in (set, frozenset):
+                raw = list(raw)
+            if not isinstance(raw, (list, tuple)):
+                raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
+            positional, item = item_types(tp)
+            if positional is not None and len(raw) != len(positional):
+                wrong = f"expected {len(positional)} items, got {len(raw)}: {show(raw)}"
+                raise DecodeError(wrong, f"use {describe(tp)}")
+            typed = enumerate(zip(positional or itertools.repeat(item), raw))
+            return each(typed, lambda pair: self.value(pair[1], pair[0], lenient), SEQUENCE_KINDS[origin])
         if kind == "mapping":
             if not isinstance(raw, Mapping):
                 raise DecodeError(f"expected a mapping, {got(raw)}", "use {key: value, ...}")
@@ -202,18 +214,6 @@ class Decoder:
             raise DecodeError(f"{raw!r} is not a function", "name a function, e.g. torch.nn.functional.silu")
         return obj
 
-    def _sequence(self, raw: Any, tp: Any, origin: Any, lenient: bool) -> Any:
-        if isinstance(raw, (set, frozenset)) and origin in (set, frozenset):
-            raw = list(raw)
-        if not isinstance(raw, (list, tuple)):
-            raise DecodeError(f"expected {describe(tp)}, {got(raw)}", "use a list, e.g. [a, b]")
-        positional, item = item_types(tp)
-        if positional is None:
-            return each(enumerate(raw), lambda v: self.value(v, item, lenient), SEQUENCE_KINDS[origin])
-        if len(raw) != len(positional):
-            raise DecodeError(f"expected {len(positional)} items, got {len(raw)}: {show(raw)}", f"use {describe(tp)}")
-        return each(enumerate(zip(positional, raw)), lambda pair: self.value(pair[1], pair[0], lenient), tuple)
-
     def _union(self, raw: Any, tp: Any, lenient: bool) -> Any:
         arms, classes, takes_dict = _union_plan(tp)
         if len(arms) == 1:
@@ -270,11 +270,6 @@ def _check_plain(value: Any, where: str) -> None:
         raise DecodeError(f"{where} hold {show(value)}", "function arguments must be plain data")
 
 
-def got(raw: Any) -> str:
-    """'got <type> <value>' for error messages."""
-    return f"got {type(raw).__name__} {show(raw)}"
-
-
 def _is_tagged(raw: Any) -> bool:
     if type(raw) in _PLAIN:  # the common case, without the Mapping check
         return False
@@ -288,25 +283,18 @@ def _convert(tp: type, raw: Any) -> Any:
         return str(raw) if is_number(raw) else None
     if tp is int and isinstance(raw, float) and raw.is_integer():
         return int(raw)
-    if not isinstance(raw, str):
-        return None
     try:
-        value = scalar(raw.strip())  # read as an override value is
+        value = scalar(raw.strip()) if isinstance(raw, str) else None  # read as an override value is
     except ValueError:  # an integer of more digits than Python converts
         return None
-    if tp is bool:
-        return value if isinstance(value, bool) else None
-    return tp(value) if is_number(value) and (tp is float or type(value) is int) else None
+    return tp(value) if value is not None and SCALAR_CHECKERS[tp.__name__](value) is None else None
 
 
 def _literal(allowed: tuple, raw: Any, lenient: bool) -> Any:
-    for a in allowed:
-        if raw == a and type(raw) is type(a):
-            return a
-    if lenient and isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-        for a in allowed:
-            if str(a) == str(raw):
-                return a
+    exact = [a for a in allowed if raw == a and type(raw) is type(a)]  # `1` is not `True`
+    spelled = [a for a in allowed if str(a) == str(raw)] if lenient and (isinstance(raw, str) or is_number(raw)) else []
+    if exact or spelled:
+        return (exact or spelled)[0]
     hint = suggest(raw, allowed) if isinstance(raw, str) else ""
     raise DecodeError(f"expected one of {list(allowed)}, {got(raw)}", hint or f"use one of {list(allowed)}")
 
@@ -357,39 +345,11 @@ class Encoder:
         raise NotImplementedError
 
     def value(self, value: Any, tp: Any = Any) -> Any:
-        """Plain form of `value` for a field declared as `tp`."""
-        if type(value) in _PLAIN or _self_describing(value):
-            return self.any(value)
-        kind, arms = kind_of(tp), real_arms(tp)
-        if kind == "union":
-            return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
-        origin = typing.get_origin(tp) or tp
-        if kind == "enum" and isinstance(value, enum.Enum):
-            return value.name
-        if kind == "dtype" and isinstance(value, origin):
-            return str(value).replace("torch.", "")
-        if kind == "path" and isinstance(value, pathlib.PurePath):
-            return str(value)
-        if isinstance(value, (set, frozenset)) and origin in (set, frozenset):  # written in a stable order
-            return self._list(sorted((self.value(v, item_types(tp)[1]) for v in value), key=repr))
-        if (isinstance(value, list) and origin in (list, Sequence)) or (isinstance(value, tuple) and origin is tuple):
-            positional, item = item_types(tp)
-            if positional and len(positional) == len(value):
-                return self._list(self.value(v, a) for v, a in zip(value, positional))
-            return self._list(self.value(v, item) for v in value)
-        if kind == "mapping" and isinstance(value, dict):
-            item = item_types(tp)[1]
-            return {k: self.value(v, item) for k, v in value.items()}
-        if kind == "callable" or origin is type:
-            path = targets.name_of(value)
-            if path is not None:
-                return path
-        return self.any(value)
-
-    def any(self, value: Any) -> Any:
-        """Plain form of a value whose type the declaration does not give (tags where needed)."""
+        """Plain form of `value` for a field declared as `tp`: the readable form where `tp` says what
+        the value is, a tagged mapping where it does not (`Any`, or another type than declared)."""
         if type(value) in _PLAIN:
             return value
+        # Numbers, sections and partials describe themselves whatever the declaration.
         if isinstance(value, numbers.Real) and not isinstance(value, (enum.Enum, bool)):
             return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy scalars
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -400,15 +360,39 @@ class Encoder:
                 return {UNSERIALIZABLE: show(value)}
             out: dict[str, Any] = {TARGET: path, PARTIAL: True}
             if value.args:
-                out[ARGS] = self._list(self.any(a) for a in value.args)
-            out.update((k, self.any(v)) for k, v in value.keywords.items())
+                out[ARGS] = self._list(self.value(a) for a in value.args)
+            out.update((k, self.value(v)) for k, v in value.keywords.items())
             return out
+        kind = kind_of(tp)
+        if kind == "union":
+            arms = real_arms(tp)
+            return self._union(value, tp, arms) if len(arms) != 1 else self.value(value, arms[0])
+        origin = typing.get_origin(tp) or tp
+        if kind == "enum" and isinstance(value, enum.Enum):
+            return value.name
+        if kind == "dtype" and isinstance(value, origin):
+            return str(value).replace("torch.", "")
+        if kind == "path" and isinstance(value, pathlib.PurePath):
+            return str(value)
+        if kind == "sequence" and isinstance(value, _ENCODED_SEQUENCES[origin]):
+            positional, item = item_types(tp)
+            typed = zip(value, positional if positional and len(positional) == len(value) else itertools.repeat(item))
+            items = [self.value(v, a) for v, a in typed]
+            return self._list(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items)  # sets: stable
+        if kind == "mapping" and isinstance(value, dict):
+            item = item_types(tp)[1]
+            return {k: self.value(v, item) for k, v in value.items()}
+        if kind == "callable" or origin is type:
+            path = targets.name_of(value)
+            if path is not None:
+                return path
+        # The declaration does not say what the value is: the tagged forms.
         if type(value) is list:
-            return self._list(self.any(v) for v in value)
+            return self._list(self.value(v) for v in value)
         if type(value) is tuple:
-            return {TUPLE: self._list(self.any(v) for v in value)}
+            return {TUPLE: self._list(self.value(v) for v in value)}
         if type(value) is dict:
-            return {k: self.any(v) for k, v in value.items()}
+            return {k: self.value(v) for k, v in value.items()}
         if isinstance(value, pathlib.PurePath):
             return {PATH: str(value)}
         dtype = torch_dtype()
@@ -428,20 +412,12 @@ class Encoder:
                     return plain
             except DecodeError:
                 pass
-        return self.any(value)
+        return self.value(value)
 
     @staticmethod
     def _list(items: Iterable[Any]) -> list:
         out = list(items)
         return FlowList(out) if all(type(v) in _PLAIN for v in out) else out
-
-
-def _self_describing(value: Any) -> bool:
-    """Whether the plain form of `value` does not depend on the declared type: a number, a
-    dataclass section, a partial."""
-    if isinstance(value, numbers.Real):
-        return not isinstance(value, (enum.Enum, bool))
-    return isinstance(value, functools.partial) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
 
 
 _TRIAL_DECODER = Decoder()
