@@ -243,3 +243,21 @@ def test_field_aliases_read_and_write_the_field():
     with pytest.raises(ConfigValidationError) as err:
         DistributedInitConfig(lazy_init=True).finalize()
     assert err.value.errors[0].startswith("lazy_mpu_init: lazy_mpu_init=True is not supported")
+
+
+def test_bare_set_annotations_take_sets_and_their_own_decoding():
+    import dataclasses
+
+    from megatron_bridge.config.base import ConfigBase, config_dataclass
+    from megatron_bridge.config.codec import Decoder
+
+    @config_dataclass
+    class Tags(ConfigBase):
+        names: set = dataclasses.field(default_factory=set)
+        frozen: frozenset = frozenset()
+
+    tags = Tags(names={"a"}, frozen=frozenset({1}))
+    tags.names = Decoder().value(["b", "c"], set)  # what a YAML list decodes to for this field
+    assert tags.names == {"b", "c"} and tags.frozen == frozenset({1})
+    with pytest.raises(TypeError, match="expected set, got str 'abc'"):
+        tags.names = "abc"
