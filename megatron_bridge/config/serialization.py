@@ -21,6 +21,7 @@ class default; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -120,29 +121,56 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return conceal(ConfigEncoder().value(obj))
 
 
-class _YamlDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
-    pass
+class _Resolver(yaml.resolver.Resolver):
+    """Which strings the writer may leave unquoted: those YAML does not read as another type
+    (`1e-4` counts as a float, as the config loader reads it)."""
 
 
-def _represent_float(dumper: Any, value: float) -> Any:
-    """Floats at their shortest round-trip form (`1e-05`, `0.0003`), not PyYAML's `1.0e-05`; the
-    config loader reads the exponent form back as a float. `nan`, `inf`, `-inf` become `.nan`, `.inf`, `-.inf`."""
-    text = repr(value) if math.isfinite(value) else repr(value).replace("inf", ".inf").replace("nan", ".nan")
-    return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+read_exponent_floats(_Resolver)
+_STR, _FLOAT = "tag:yaml.org,2002:str", "tag:yaml.org,2002:float"
+_TAGS = {str: _STR, float: _FLOAT, **{t: f"tag:yaml.org,2002:{n}" for t, n in ((int, "int"), (bool, "bool"), (type(None), "null"))}}
+_START, _END = yaml.MappingStartEvent(None, None, True, flow_style=False), yaml.MappingEndEvent()
+_LIST_START, _LIST_END = yaml.SequenceStartEvent(None, None, True, flow_style=False), yaml.SequenceEndEvent()
+_FLOW_LIST_START = yaml.SequenceStartEvent(None, None, True, flow_style=True)
 
 
-_YamlDumper.add_representer(float, _represent_float)
-read_exponent_floats(_YamlDumper)  # ...and so writes them untagged, as it reads them
-_YamlDumper.add_representer(
-    FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
-)
+@functools.lru_cache(maxsize=4096)
+def _scalar_event(tag: str, text: str) -> yaml.ScalarEvent:
+    """The event of a scalar: written plain where it reads back as `tag`, else quoted (strings) or tagged."""
+    plain = _Resolver.resolve(_Resolver, yaml.ScalarNode, text, (True, False)) == tag
+    return yaml.ScalarEvent(None, tag, (plain, tag == _STR), text)
+
+
+def _events(data: Any, out: list) -> None:
+    """Append the YAML events of `to_dict` output `data` to `out` (block style; `FlowList`s on one line)."""
+    kind = type(data)
+    if kind is dict:
+        out.append(_START)
+        for key, value in data.items():
+            _events(key, out)
+            _events(value, out)
+        out.append(_END)
+    elif kind is list or kind is FlowList:
+        out.append(_FLOW_LIST_START if kind is FlowList else _LIST_START)
+        for item in data:
+            _events(item, out)
+        out.append(_LIST_END)
+    elif kind is float:  # the shortest round-trip form (`1e-05`), and `.nan`, `.inf`, `-.inf`
+        text = repr(data) if math.isfinite(data) else repr(data).replace("inf", ".inf").replace("nan", ".nan")
+        out.append(_scalar_event(_FLOAT, text))
+    elif kind in _TAGS:
+        text = data if kind is str else "null" if data is None else str(data).lower()
+        out.append(_scalar_event(_TAGS[kind], text))
+    else:
+        raise yaml.representer.RepresenterError("cannot represent an object", data)
 
 
 def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
     """YAML text of a config; also written to `path` (parent directories created) when given."""
-    text = yaml.dump(
-        to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
-    )
+    events = [yaml.StreamStartEvent(), yaml.DocumentStartEvent()]
+    _events(to_dict(obj), events)
+    events += [yaml.DocumentEndEvent(), yaml.StreamEndEvent()]
+    text = yaml.emit(events, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), allow_unicode=True, width=10000)
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
