@@ -161,39 +161,31 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
 
 
 class _Open:
-    """A collection being read: its object, its anchor, the node count before it, and for a
-    mapping the first mark of each key text, the key awaiting its value (`_NOTHING` when the next
-    node is a key; `_ITEM` for a list) and whether that key is a plain `a:1` in a value."""
+    """A collection being read: its object, anchor and node count before it; for a mapping, the
+    first mark of each key text, the key awaiting its value (`_NOTHING` when the next node is a
+    key; `_ITEM` in a list) and whether that key is a plain `a:1` of a command-line value."""
 
     __slots__ = ("anchor", "data", "key", "marks", "start", "unspaced")
 
     def __init__(self, data: Any, anchor: Optional[str], start: int) -> None:
-        self.data = data
-        self.anchor = anchor
-        self.start = start
+        self.data, self.anchor, self.start = data, anchor, start
         self.marks: dict[str, Any] = {}
         self.key: Any = _NOTHING if type(data) is dict else _ITEM
         self.unspaced = False
 
 
-_NOTHING = object()
-"""No key awaiting a value; no value read yet."""
-_ITEM = object()
+_NOTHING, _ITEM = object(), object()
 
 
 def _read(text: str, source: str, loader: type) -> Any:
-    """The data, built in one pass over the parser's events that also enforces the limits
-    (iterative: no recursion, whatever the input). `_INEXACT` where `yaml.load` must build it
-    instead: explicit tags, merge keys, unhashable keys, undefined or repeated anchors, several
-    documents; the pass still runs to the end first, so `yaml.load` only sees checked input."""
+    """The data, built in the one pass over the parser's events that enforces the limits
+    (iterative: no recursion, whatever the input); `_INEXACT` where `yaml.load` is to build it
+    (explicit collection tags, merge keys, unhashable keys, repeated or unknown anchors, several
+    documents: it reports those that are errors)."""
     typed: dict[str, Any] = {}  # plain scalar text -> its value
-    nodes = documents = 0
-    anchors: dict[str, Any] = {}  # anchor -> its object
-    sizes: dict[str, int] = {}  # anchor -> expanded size of its node, once closed
-    opened: set[str] = set()  # the anchors of the open collections
+    anchors: dict[str, tuple[Any, Optional[int]]] = {}  # anchor -> (its object, expanded size; None while open)
     stack: list[_Open] = []
-    root: Any = None
-    exact = True
+    root, nodes, documents, exact = None, 0, 0, True
     string_keys = loader is ValueLoader
     for event in yaml.parse(text, Loader=YamlLoader):
         kind = type(event)
@@ -207,15 +199,13 @@ def _read(text: str, source: str, loader: type) -> Any:
             elif top is not None and top.unspaced and value == "" and not event.style:
                 top.key, _, value = top.key.partition(":")  # `{a:1}`: YAML's key `a:1` without a value
                 value = _typed(value, loader)
-            elif event.tag is None or event.tag == "!":
-                if event.implicit[0]:  # plain, or tagged `!`: typed by the resolvers
-                    value = typed.get(value, _NOTHING)
-                    if value is _NOTHING:
-                        value = typed[event.value] = _typed(event.value, loader)
-                        exact = exact and value is not _INEXACT
-            else:
+            elif event.tag is not None and event.tag != "!":
                 value = _typed(value, loader, event.tag)
-                exact = exact and value is not _INEXACT
+            elif event.implicit[0]:  # plain (or tagged `!`): typed by the loader's resolvers
+                value = typed.get(value, _NOTHING)
+                if value is _NOTHING:
+                    value = typed[event.value] = _typed(event.value, loader)
+            exact = exact and value is not _INEXACT
         elif kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
             nodes += 1
             value = {} if kind is yaml.MappingStartEvent else []
@@ -225,20 +215,17 @@ def _read(text: str, source: str, loader: type) -> Any:
         elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
             stack.pop()
             if top.anchor:
-                sizes[top.anchor] = nodes - top.start
-                opened.discard(top.anchor)
+                anchors[top.anchor] = (top.data, nodes - top.start)
             continue
         elif kind is yaml.AliasEvent:
-            if event.anchor in opened:
+            value, size = anchors.get(event.anchor, (None, 1))
+            if size is None:
                 message = f"alias *{event.anchor} refers to a node that contains it"
                 raise _error(source, message, "remove the recursion", _line(event))
-            nodes += sizes.get(event.anchor, 1)
-            value = anchors.get(event.anchor)
+            nodes += size
             exact = exact and event.anchor in anchors
         else:
-            if kind is yaml.DocumentStartEvent:
-                documents += 1
-                exact = exact and documents == 1
+            documents += kind is yaml.DocumentStartEvent
             continue
         if nodes > MAX_NODES:
             raise _error(
@@ -250,8 +237,7 @@ def _read(text: str, source: str, loader: type) -> Any:
         anchor = None if kind is yaml.AliasEvent else event.anchor
         if anchor:
             exact = exact and anchor not in anchors
-            anchors[anchor] = value
-            sizes[anchor] = 1
+            anchors[anchor] = (value, 1 if kind is yaml.ScalarEvent else None)
         if top is None:
             root = value
         elif top.key is _ITEM:
@@ -261,16 +247,14 @@ def _read(text: str, source: str, loader: type) -> Any:
                 _check_new_key(top, event, source)
             top.unspaced = string_keys and kind is yaml.ScalarEvent and not event.style and ":" in value
             unhashable = type(value) is dict or type(value) is list
-            exact = exact and not unhashable  # yaml.load refuses such a key
+            exact = exact and not unhashable
             top.key = object() if unhashable else value
         else:
             top.data[top.key] = value
             top.key = _NOTHING
         if kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
             stack.append(_Open(value, anchor, nodes - 1))
-            if anchor:
-                opened.add(anchor)
-    return root if exact else _INEXACT
+    return root if exact and documents < 2 else _INEXACT
 
 
 def _line(event: Any) -> int:
