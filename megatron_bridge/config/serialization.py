@@ -38,14 +38,15 @@ from megatron_bridge.config.annotations import (
     FlowList,
     is_placeholder,
     is_value_tag,
+    real_arms,
     section_classes,
     section_from_value,
     suggest,
 )
-from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
+from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, is_config, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
-from megatron_bridge.config.schema import FieldSpec, specs
+from megatron_bridge.config.schema import NO_DEFAULT, FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of, register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
@@ -77,7 +78,8 @@ def unknown_key(cls: type, key: Any) -> tuple[str, str]:
 
 def is_default(f: FieldSpec, value: Any) -> bool:
     """Whether `value` equals the class default of field `f` (a required field has none)."""
-    return not f.required and values_equal(value, f.default)
+    default = f.default
+    return value is default or (default is not NO_DEFAULT and values_equal(value, default))
 
 
 # ====================================================================== writing
@@ -187,33 +189,33 @@ class ConfigDecoder(Decoder):
         """A new section of the class `raw` describes (`section_class`), built from `raw`."""
         cls = self.section_class(raw, declared)
         tags, values, errors = self.read_section(cls, raw)
-        present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
-        fields = specs(cls)
-        for f in fields.values():
-            if f.required and f.init and f.name not in present:
+        fields, late, _ = _layout(cls)
+        for f in fields:
+            if f.init and f.default is NO_DEFAULT and f.name not in tags.given:
                 errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
         if errors:
             raise DecodeError(items=errors)
         try:
-            obj = cls(**{n: v for n, v in values.items() if fields[n].init})
+            obj = cls(**({n: v for n, v in values.items() if n not in late} if late else values))
         except (TypeError, ValueError, AssertionError) as exc:
             raise DecodeError(f"cannot build {cls.__name__}: {exc}", "fix the fields it names") from None
-        for name, value in values.items():
-            if not fields[name].init:
-                object.__setattr__(obj, name, value)
-        if isinstance(obj, ConfigBase):  # which fields are the user's: the module docstring's rule
+        for name in late & values.keys():
+            object.__setattr__(obj, name, values[name])
+        if is_config(obj):  # which fields are the user's: the module docstring's rule
             if TARGET in raw:
-                explicit = {f.name for f in fields.values() if _users(tags, f, getattr(obj, f.name, None))}
+                explicit = {f.name for f in fields if tags.users(f, getattr(obj, f.name, None))}
             else:
-                explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT] - tags[DERIVED]
+                explicit = (tags.given | tags.explicit) - tags.framework
             obj.__dict__[_EXPLICIT] = explicit
             # The next finalize puts the default back and recomputes the field (as `ConfigBase._derive` does).
-            obj.__dict__.setdefault(_DERIVED, {}).update((n, fields[n].fresh_default()) for n in tags[DERIVED])
+            obj.__dict__.setdefault(_DERIVED, {}).update((n, specs(cls)[n].fresh_default()) for n in tags.derived)
         return obj
 
     def field(self, f: FieldSpec, raw: Any, current: Any = _NO_DEFAULT) -> Any:
         """The new value of field `f` from plain data. Given the `current` value, a plain mapping
         merges into it (a section, or a dict) instead of replacing it."""
+        if type(raw) is _as_is(f):  # the common case, decided without `value`
+            return raw
         if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not is_value_tag(raw):
             classes = section_classes(f.type)
             if classes:
@@ -242,45 +244,50 @@ class ConfigDecoder(Decoder):
             except (TypeError, ValueError) as exc:
                 errors.append((name, str(exc), "use a value of the declared type"))
                 continue
-            if TARGET in raw and isinstance(obj, ConfigBase):  # a saved section: the file says who set it
+            if TARGET in raw and is_config(obj):  # a saved section: the file says who set it
                 f = specs(type(obj))[name]
-                obj.mark_explicit(name, _users(tags, f, value))
-                if name in tags[DERIVED]:
+                obj.mark_explicit(name, tags.users(f, value))
+                if name in tags.derived:
                     obj.__dict__.setdefault(_DERIVED, {})[name] = f.fresh_default()
         if errors:
             raise DecodeError(items=errors)
         return obj
 
-    def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[dict[str, set[str]], dict, list]:
-        """Read a section mapping: (its bookkeeping tags, {field name: new value}, problems).
+    def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[_Tags, dict, list]:
+        """Read a section mapping: (what it says about who set its fields, {field name: new value}, problems).
 
         With `current` (the section being merged into), a plain mapping merges into the field's value.
         A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
         e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
         the framework installs it again; a user's value without a YAML form is an error."""
-        tags: dict[str, set[str]] = {EXPLICIT: set(), IMPLICIT: set(), DERIVED: set()}
         errors: list[tuple[str, str, str]] = []
-        for tag, names in tags.items():  # the field names each bookkeeping tag lists
-            listed = raw.get(tag)
-            if listed is not None and not (isinstance(listed, list) and all(isinstance(n, str) for n in listed)):
-                errors.append((tag, f"must be a list of field names, got {show(listed)}", "e.g. [num_layers]"))
+        listed: dict[str, set[str]] = {}
+        for tag in (EXPLICIT, IMPLICIT, DERIVED):  # the field names each bookkeeping tag lists
+            names = listed[tag] = set()
+            given = raw.get(tag)
+            if given is not None and not (isinstance(given, list) and all(isinstance(n, str) for n in given)):
+                errors.append((tag, f"must be a list of field names, got {show(given)}", "e.g. [num_layers]"))
                 continue
-            for n in listed or ():
+            for n in given or ():
                 f = field_of(cls, n)
                 if f is None:
                     errors.append((tag, f"{n!r} is not a field of {cls.__name__}", unknown_key(cls, n)[1]))
                 else:
                     names.add(f.name)
+        tags = _Tags(listed[EXPLICIT], listed[IMPLICIT] | listed[DERIVED], listed[DERIVED])
         values: dict[str, Any] = {}
+        by_key = _layout(cls)[2]
         for key, item in raw.items():
             if key in SECTION_TAGS:
                 continue
-            f = field_of(cls, key)
+            f = by_key.get(key)
             if f is None:
                 errors.append((str(key), *unknown_key(cls, key)))
-            elif f.name in values:
+                continue
+            tags.given.add(f.name)
+            if f.name in values:
                 errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-            elif f.name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(item):
+            elif f.name in tags.framework and is_placeholder(item):
                 logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
             else:
                 try:
@@ -314,10 +321,39 @@ class ConfigDecoder(Decoder):
         return min(candidates, key=lambda c: sum(1 for k in keys if field_of(c, k) is None))
 
 
-def _users(tags: dict[str, set[str]], f: FieldSpec, value: Any) -> bool:
-    """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
-    `_explicit_`, or not the default and not listed as the framework's."""
-    return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value))
+class _Tags:
+    """What a section mapping says about who set its fields: the names its `_explicit_` list
+    gives, those `_implicit_` or `_derived_` give (the framework's), those `_derived_` gives, and
+    the fields its keys give."""
+
+    __slots__ = ("derived", "explicit", "framework", "given")
+
+    def __init__(self, explicit: set[str], framework: set[str], derived: set[str]) -> None:
+        self.explicit, self.framework, self.derived = explicit, framework, derived
+        self.given: set[str] = set()
+
+    def users(self, f: FieldSpec, value: Any) -> bool:
+        """Whether field `f`, holding `value`, of a saved section (one with `_target_`) is the
+        user's: listed in `_explicit_`, or not the default and not listed as the framework's."""
+        return f.name in self.explicit or (f.name not in self.framework and not is_default(f, value))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(cls: type) -> tuple[tuple[FieldSpec, ...], frozenset[str], dict[str, FieldSpec]]:
+    """Every field of dataclass `cls` (decoding a section reads them all), the names of those its
+    constructor does not take, and `field_of` as a table."""
+    fields = tuple(specs(cls).values())
+    by_key = {f.name: f for f in fields}
+    by_key.update((alias, by_key[name]) for alias, name in getattr(cls, "_field_aliases", {}).items() if name in by_key)
+    return fields, frozenset(f.name for f in fields if not f.init), by_key
+
+
+@functools.lru_cache(maxsize=None)
+def _as_is(f: FieldSpec) -> Optional[type]:
+    """The scalar type whose values field `f` takes as they are (`int` for `int` and `Optional[int]`),
+    or None. (Cached by field: hashing a typing annotation costs more than the lookup saves.)"""
+    arms = real_arms(f.type)
+    return arms[0] if len(arms) == 1 and arms[0] in (str, int, float, bool) else None
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:
