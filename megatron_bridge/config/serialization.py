@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -43,7 +42,7 @@ from megatron_bridge.config.annotations import (
     section_from_value,
     suggest,
 )
-from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, is_config, values_equal
+from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, is_config, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.schema import NO_DEFAULT, FieldSpec, specs
@@ -91,23 +90,25 @@ class ConfigEncoder(Encoder):
         path = name_of(type(obj))
         if path is None:
             return {UNSERIALIZABLE: show(obj)}
-        state = obj.__dict__ if isinstance(obj, ConfigBase) else None  # its explicit/derived bookkeeping
+        tracked = is_config(obj)
+        state = obj.__dict__ if tracked else {}
+        explicit, derived = state.get(_EXPLICIT, ()), state.get(_DERIVED, {})  # its bookkeeping
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
-        for f in specs(type(obj)).values():
+        for f in _layout(type(obj))[0]:
             value = getattr(obj, f.name, _NO_DEFAULT)
             if value is _NO_DEFAULT:  # an init=False field never set
                 continue
             fields[f.name] = self.value(value, f.type)
-            if state is None:
+            if not tracked:
                 continue
             default = is_default(f, value)
-            if f.name in state.get(_EXPLICIT, ()):
+            if f.name in explicit:
                 if default:
                     tags[EXPLICIT].append(f.name)
             elif not default:
                 # Only a value derived from the default can be recomputed from the saved file.
-                before = state.get(_DERIVED, {}).get(f.name, _NO_DEFAULT)
+                before = derived.get(f.name, _NO_DEFAULT)
                 recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
                 tags[DERIVED if recomputable else IMPLICIT].append(f.name)
         out: dict[str, Any] = {TARGET: path}
@@ -129,8 +130,7 @@ class _Resolver(yaml.resolver.Resolver):
 
 
 read_exponent_floats(_Resolver)
-_STR, _FLOAT = "tag:yaml.org,2002:str", "tag:yaml.org,2002:float"
-_TAGS = {str: _STR, float: _FLOAT, **{t: f"tag:yaml.org,2002:{n}" for t, n in ((int, "int"), (bool, "bool"), (type(None), "null"))}}
+_TAGS = {t: f"tag:yaml.org,2002:{t.__name__}" for t in (str, int, float, bool)} | {type(None): "tag:yaml.org,2002:null"}
 _START, _END = yaml.MappingStartEvent(None, None, True, flow_style=False), yaml.MappingEndEvent()
 _LIST_START, _LIST_END = yaml.SequenceStartEvent(None, None, True, flow_style=False), yaml.SequenceEndEvent()
 _FLOW_LIST_START = yaml.SequenceStartEvent(None, None, True, flow_style=True)
@@ -140,7 +140,7 @@ _FLOW_LIST_START = yaml.SequenceStartEvent(None, None, True, flow_style=True)
 def _scalar_event(tag: str, text: str) -> yaml.ScalarEvent:
     """The event of a scalar: written plain where it reads back as `tag`, else quoted (strings) or tagged."""
     plain = _Resolver.resolve(_Resolver, yaml.ScalarNode, text, (True, False)) == tag
-    return yaml.ScalarEvent(None, tag, (plain, tag == _STR), text)
+    return yaml.ScalarEvent(None, tag, (plain, tag == _TAGS[str]), text)
 
 
 def _events(data: Any, out: list) -> None:
@@ -157,12 +157,9 @@ def _events(data: Any, out: list) -> None:
         for item in data:
             _events(item, out)
         out.append(_LIST_END)
-    elif kind is float:  # the shortest round-trip form (`1e-05`), and `.nan`, `.inf`, `-.inf`
-        text = repr(data) if math.isfinite(data) else repr(data).replace("inf", ".inf").replace("nan", ".nan")
-        out.append(_scalar_event(_FLOAT, text))
-    elif kind in _TAGS:
-        text = data if kind is str else "null" if data is None else str(data).lower()
-        out.append(_scalar_event(_TAGS[kind], text))
+    elif kind in _TAGS:  # floats at their shortest round-trip form (`1e-05`), and `.nan`, `.inf`, `-.inf`
+        text = str(data).lower().replace("inf", ".inf").replace("nan", ".nan") if kind is not str else data
+        out.append(_scalar_event(_TAGS[kind], "null" if data is None else text))
     else:
         raise yaml.representer.RepresenterError("cannot represent an object", data)
 
