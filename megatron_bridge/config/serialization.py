@@ -63,10 +63,7 @@ _NO_DEFAULT = object()
 
 def field_of(cls: type, key: Any) -> Optional[FieldSpec]:
     """The field of dataclass `cls` that `key` (a field name or an alias) names, or None."""
-    fields = specs(cls)
-    name = getattr(cls, "_field_aliases", {}).get(key, key)
-    made = fields.made.get(name)  # the common case, without a call
-    return made if made is not None or name not in fields.types else fields[name]
+    return _layout(cls)[2].get(key)
 
 
 def unknown_key(cls: type, key: Any) -> tuple[str, str]:
@@ -273,11 +270,10 @@ class ConfigDecoder(Decoder):
                     names.add(f.name)
         tags = _Tags(listed[EXPLICIT], listed[IMPLICIT] | listed[DERIVED], listed[DERIVED])
         values: dict[str, Any] = {}
-        by_key = _layout(cls)[2]
         for key, item in raw.items():
             if key in SECTION_TAGS:
                 continue
-            f = by_key.get(key)
+            f = field_of(cls, key)
             if f is None:
                 errors.append((str(key), *unknown_key(cls, key)))
                 continue
@@ -337,8 +333,8 @@ class _Tags:
 
 @functools.lru_cache(maxsize=None)
 def _layout(cls: type) -> tuple[tuple[FieldSpec, ...], frozenset[str], dict[str, FieldSpec]]:
-    """Every field of dataclass `cls` (decoding a section reads them all), the names of those its
-    constructor does not take, and `field_of` as a table."""
+    """Every field of dataclass `cls`, the names of those its constructor does not take, and the
+    field of each name and alias."""
     fields = tuple(specs(cls).values())
     by_key = {f.name: f for f in fields}
     by_key.update((alias, by_key[name]) for alias, name in getattr(cls, "_field_aliases", {}).items() if name in by_key)
