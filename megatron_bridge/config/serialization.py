@@ -63,7 +63,14 @@ _NO_DEFAULT = object()
 
 def field_of(cls: type, key: Any) -> Optional[FieldSpec]:
     """The field of dataclass `cls` that `key` (a field name or an alias) names, or None."""
-    return _layout(cls)[2].get(key)
+    return _fields(cls).get(getattr(cls, "_field_aliases", {}).get(key, key))
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(cls: type) -> dict[str, FieldSpec]:
+    """The `FieldSpec` of every field of dataclass `cls`, by name, all compiled (reading and
+    writing a section visits them all)."""
+    return dict(specs(cls).items())
 
 
 def unknown_key(cls: type, key: Any) -> tuple[str, str]:
@@ -92,7 +99,7 @@ class ConfigEncoder(Encoder):
         explicit, derived = state.get(_EXPLICIT, ()), state.get(_DERIVED, {})  # its bookkeeping
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
-        for f in _layout(type(obj))[0]:
+        for f in _fields(type(obj)).values():
             value = getattr(obj, f.name, _NO_DEFAULT)
             if value is _NO_DEFAULT:  # an init=False field never set
                 continue
@@ -183,26 +190,28 @@ class ConfigDecoder(Decoder):
         """A new section of the class `raw` describes (`section_class`), built from `raw`."""
         cls = self.section_class(raw, declared)
         tags, values, errors = self.read_section(cls, raw)
-        fields, late, _ = _layout(cls)
-        for f in fields:
-            if f.init and f.default is NO_DEFAULT and f.name not in tags.given:
+        present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
+        fields = _fields(cls)
+        for f in fields.values():
+            if f.init and f.default is NO_DEFAULT and f.name not in present:
                 errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
         if errors:
             raise DecodeError(items=errors)
         try:
-            obj = cls(**({n: v for n, v in values.items() if n not in late} if late else values))
+            obj = cls(**{n: v for n, v in values.items() if fields[n].init})
         except (TypeError, ValueError, AssertionError) as exc:
             raise DecodeError(f"cannot build {cls.__name__}: {exc}", "fix the fields it names") from None
-        for name in late & values.keys():
-            object.__setattr__(obj, name, values[name])
+        for name, value in values.items():
+            if not fields[name].init:
+                object.__setattr__(obj, name, value)
         if is_config(obj):  # which fields are the user's: the module docstring's rule
             if TARGET in raw:
-                explicit = {f.name for f in fields if tags.users(f, getattr(obj, f.name, None))}
+                explicit = {f.name for f in fields.values() if _users(tags, f, getattr(obj, f.name, None))}
             else:
-                explicit = (tags.given | tags.explicit) - tags.framework
+                explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT]
             obj.__dict__[_EXPLICIT] = explicit
             # The next finalize puts the default back and recomputes the field (as `ConfigBase._derive` does).
-            obj.__dict__.setdefault(_DERIVED, {}).update((n, specs(cls)[n].fresh_default()) for n in tags.derived)
+            obj.__dict__.setdefault(_DERIVED, {}).update((n, fields[n].fresh_default()) for n in tags[DERIVED])
         return obj
 
     def field(self, f: FieldSpec, raw: Any, current: Any = _NO_DEFAULT) -> Any:
@@ -239,36 +248,36 @@ class ConfigDecoder(Decoder):
                 errors.append((name, str(exc), "use a value of the declared type"))
                 continue
             if TARGET in raw and is_config(obj):  # a saved section: the file says who set it
-                f = specs(type(obj))[name]
-                obj.mark_explicit(name, tags.users(f, value))
-                if name in tags.derived:
+                f = _fields(type(obj))[name]
+                obj.mark_explicit(name, _users(tags, f, value))
+                if name in tags[DERIVED]:
                     obj.__dict__.setdefault(_DERIVED, {})[name] = f.fresh_default()
         if errors:
             raise DecodeError(items=errors)
         return obj
 
-    def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[_Tags, dict, list]:
-        """Read a section mapping: (what it says about who set its fields, {field name: new value}, problems).
+    def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[dict[str, set[str]], dict, list]:
+        """Read a section mapping: (the field names its bookkeeping tags list, {field name: new value},
+        problems); `_implicit_` there also holds those of `_derived_`: every field the framework set.
 
         With `current` (the section being merged into), a plain mapping merges into the field's value.
         A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
         e.g. the loss-scaling hook of a saved run) is left out, so the field keeps its default and
         the framework installs it again; a user's value without a YAML form is an error."""
+        tags: dict[str, set[str]] = {EXPLICIT: set(), IMPLICIT: set(), DERIVED: set()}
         errors: list[tuple[str, str, str]] = []
-        listed: dict[str, set[str]] = {}
-        for tag in (EXPLICIT, IMPLICIT, DERIVED):  # the field names each bookkeeping tag lists
-            names = listed[tag] = set()
-            given = raw.get(tag)
-            if given is not None and not (isinstance(given, list) and all(isinstance(n, str) for n in given)):
-                errors.append((tag, f"must be a list of field names, got {show(given)}", "e.g. [num_layers]"))
+        for tag, names in tags.items():  # the field names each bookkeeping tag lists
+            listed = raw.get(tag)
+            if listed is not None and not (isinstance(listed, list) and all(isinstance(n, str) for n in listed)):
+                errors.append((tag, f"must be a list of field names, got {show(listed)}", "e.g. [num_layers]"))
                 continue
-            for n in given or ():
+            for n in listed or ():
                 f = field_of(cls, n)
                 if f is None:
                     errors.append((tag, f"{n!r} is not a field of {cls.__name__}", unknown_key(cls, n)[1]))
                 else:
                     names.add(f.name)
-        tags = _Tags(listed[EXPLICIT], listed[IMPLICIT] | listed[DERIVED], listed[DERIVED])
+        tags[IMPLICIT] |= tags[DERIVED]
         values: dict[str, Any] = {}
         for key, item in raw.items():
             if key in SECTION_TAGS:
@@ -276,11 +285,9 @@ class ConfigDecoder(Decoder):
             f = field_of(cls, key)
             if f is None:
                 errors.append((str(key), *unknown_key(cls, key)))
-                continue
-            tags.given.add(f.name)
-            if f.name in values:
+            elif f.name in values:
                 errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-            elif f.name in tags.framework and is_placeholder(item):
+            elif f.name in tags[IMPLICIT] and is_placeholder(item):
                 logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
             else:
                 try:
@@ -314,31 +321,10 @@ class ConfigDecoder(Decoder):
         return min(candidates, key=lambda c: sum(1 for k in keys if field_of(c, k) is None))
 
 
-class _Tags:
-    """What a section mapping says about who set its fields: the names its `_explicit_` list
-    gives, those `_implicit_` or `_derived_` give (the framework's), those `_derived_` gives, and
-    the fields its keys give."""
-
-    __slots__ = ("derived", "explicit", "framework", "given")
-
-    def __init__(self, explicit: set[str], framework: set[str], derived: set[str]) -> None:
-        self.explicit, self.framework, self.derived = explicit, framework, derived
-        self.given: set[str] = set()
-
-    def users(self, f: FieldSpec, value: Any) -> bool:
-        """Whether field `f`, holding `value`, of a saved section (one with `_target_`) is the
-        user's: listed in `_explicit_`, or not the default and not listed as the framework's."""
-        return f.name in self.explicit or (f.name not in self.framework and not is_default(f, value))
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(cls: type) -> tuple[tuple[FieldSpec, ...], frozenset[str], dict[str, FieldSpec]]:
-    """Every field of dataclass `cls`, the names of those its constructor does not take, and the
-    field of each name and alias."""
-    fields = tuple(specs(cls).values())
-    by_key = {f.name: f for f in fields}
-    by_key.update((alias, by_key[name]) for alias, name in getattr(cls, "_field_aliases", {}).items() if name in by_key)
-    return fields, frozenset(f.name for f in fields if not f.init), by_key
+def _users(tags: dict[str, set[str]], f: FieldSpec, value: Any) -> bool:
+    """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
+    `_explicit_`, or not the default and not listed as the framework's."""
+    return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] and not is_default(f, value))
 
 
 @functools.lru_cache(maxsize=None)
