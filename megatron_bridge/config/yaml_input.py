@@ -209,7 +209,7 @@ def _read(text: str, source: str, loader: type) -> Any:
         elif kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
             nodes += 1
             value = {} if kind is yaml.MappingStartEvent else []
-            exact = exact and event.tag is None
+            exact = exact and event.tag in (None, "!")
             if len(stack) >= MAX_DEPTH:
                 raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", _line(event))
         elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
@@ -243,8 +243,11 @@ def _read(text: str, source: str, loader: type) -> Any:
         elif top.key is _ITEM:
             top.data.append(value)
         elif at_key:
-            if kind is yaml.ScalarEvent:
-                _check_new_key(top, event, source)
+            first = top.marks.setdefault(event.value, event.start_mark) if kind is yaml.ScalarEvent else None
+            if first is not None and first is not event.start_mark and event.value != "<<":  # merge keys may repeat
+                line = _line(event)  # a YAML loader would silently keep the last value
+                message = f"key {event.value!r} is given twice in the same mapping (lines {first.line + 1} and {line})"
+                raise _error(source, f"{message}; only one value can count", "keep one of them", line)
             top.unspaced = string_keys and kind is yaml.ScalarEvent and not event.style and ":" in value
             unhashable = type(value) is dict or type(value) is list
             exact = exact and not unhashable
@@ -259,19 +262,3 @@ def _read(text: str, source: str, loader: type) -> Any:
 
 def _line(event: Any) -> int:
     return event.start_mark.line + 1
-
-
-def _check_new_key(mapping: _Open, event: Any, source: str) -> None:
-    """Refuse the key of scalar `event` if `mapping` already has its text: YAML loaders silently
-    keep the last value."""
-    first = mapping.marks.get(event.value)
-    if first is not None and event.value != "<<":  # merge keys may repeat
-        line = _line(event)
-        raise _error(
-            source,
-            f"key {event.value!r} is given twice in the same mapping (lines {first.line + 1} and {line}); "
-            "only one value can count",
-            "keep one of them",
-            line,
-        )
-    mapping.marks[event.value] = event.start_mark
