@@ -45,7 +45,7 @@ from megatron_bridge.config.annotations import (
 from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, is_config, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
-from megatron_bridge.config.schema import NO_DEFAULT, FieldSpec, specs
+from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of, register_target, resolve
 from megatron_bridge.config.yaml_input import load_file as load_yaml_file
@@ -81,8 +81,7 @@ def unknown_key(cls: type, key: Any) -> tuple[str, str]:
 
 def is_default(f: FieldSpec, value: Any) -> bool:
     """Whether `value` equals the class default of field `f` (a required field has none)."""
-    default = f.default
-    return value is default or (default is not NO_DEFAULT and values_equal(value, default))
+    return not f.required and values_equal(value, f.default)
 
 
 # ====================================================================== writing
@@ -94,9 +93,8 @@ class ConfigEncoder(Encoder):
         path = name_of(type(obj))
         if path is None:
             return {UNSERIALIZABLE: show(obj)}
-        tracked = is_config(obj)
-        state = obj.__dict__ if tracked else {}
-        explicit, derived = state.get(_EXPLICIT, ()), state.get(_DERIVED, {})  # its bookkeeping
+        state = obj.__dict__ if is_config(obj) else None  # its explicit/derived bookkeeping
+        explicit, derived = (state.get(_EXPLICIT, ()), state.get(_DERIVED, {})) if state is not None else ((), {})
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
         for f in _fields(type(obj)).values():
@@ -104,7 +102,7 @@ class ConfigEncoder(Encoder):
             if value is _NO_DEFAULT:  # an init=False field never set
                 continue
             fields[f.name] = self.value(value, f.type)
-            if not tracked:
+            if state is None:
                 continue
             default = is_default(f, value)
             if f.name in explicit:
@@ -135,9 +133,6 @@ class _Resolver(yaml.resolver.Resolver):
 
 read_exponent_floats(_Resolver)
 _TAGS = {t: f"tag:yaml.org,2002:{t.__name__}" for t in (str, int, float, bool)} | {type(None): "tag:yaml.org,2002:null"}
-_START, _END = yaml.MappingStartEvent(None, None, True, flow_style=False), yaml.MappingEndEvent()
-_LIST_START, _LIST_END = yaml.SequenceStartEvent(None, None, True, flow_style=False), yaml.SequenceEndEvent()
-_FLOW_LIST_START = yaml.SequenceStartEvent(None, None, True, flow_style=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -151,16 +146,16 @@ def _events(data: Any, out: list) -> None:
     """Append the YAML events of `to_dict` output `data` to `out` (block style; `FlowList`s on one line)."""
     kind = type(data)
     if kind is dict:
-        out.append(_START)
+        out.append(yaml.MappingStartEvent(None, None, True, flow_style=False))
         for key, value in data.items():
             _events(key, out)
             _events(value, out)
-        out.append(_END)
+        out.append(yaml.MappingEndEvent())
     elif kind is list or kind is FlowList:
-        out.append(_FLOW_LIST_START if kind is FlowList else _LIST_START)
+        out.append(yaml.SequenceStartEvent(None, None, True, flow_style=kind is FlowList))
         for item in data:
             _events(item, out)
-        out.append(_LIST_END)
+        out.append(yaml.SequenceEndEvent())
     elif kind in _TAGS:  # floats at their shortest round-trip form (`1e-05`), and `.nan`, `.inf`, `-.inf`
         text = str(data).lower().replace("inf", ".inf").replace("nan", ".nan") if kind is not str else data
         out.append(_scalar_event(_TAGS[kind], "null" if data is None else text))
@@ -193,7 +188,7 @@ class ConfigDecoder(Decoder):
         present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
         fields = _fields(cls)
         for f in fields.values():
-            if f.init and f.default is NO_DEFAULT and f.name not in present:
+            if f.required and f.init and f.name not in present:
                 errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
         if errors:
             raise DecodeError(items=errors)

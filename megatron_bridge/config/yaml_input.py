@@ -1,7 +1,7 @@
 """Reading config files safely: bounded size, depth and alias expansion; errors that name the file.
 
-Config files are shared, so a file is untrusted input. It is parsed with YAML's safe loader (no
-Python tags), and before anything is built from it, one pass over the parser's events checks:
+Config files are shared, so a file is untrusted input. It is read as YAML's safe loader reads it
+(no Python tags), in one pass over the parser's events that builds the data and checks:
 
 * the file size (`MAX_BYTES`, 8 MiB by default; `MBRIDGE_MAX_CONFIG_BYTES` changes it);
 * the nesting depth of mappings and lists (`MAX_DEPTH`): deep nesting would make the loader,
