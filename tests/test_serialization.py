@@ -525,6 +525,44 @@ def test_the_same_key_in_different_mappings_and_repeated_merge_keys_are_fine():
     assert parse(text) == {"a": {"k": 1}, "b": {"k": 2}, "c": {"k": 3}, "d": [{"k": 1}, {"k": 2}], "k": {"k": {"k": 4}}}
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: &x {k: [1, 2.5, null, true, yes, 1e-4, 0x10, '007', 2024-01-01]}\nb: *x\nc: &s 3\nd: [*s, *x]\n",
+        "a: &x {k: 1}\nb: &y {k: 2}\nc:\n  <<: [*x, *y]\n  j: 3\n",  # merge keys: yaml.load builds it
+        "a: !!str 5\nb: !!float '1'\nc: ! 12\nd: !!set {x, y}\ne: !!binary aGk=\n",  # explicit tags
+        "? [a, b]\n: unhashable\n",
+        "a: 1\n---\nb: 2\n",
+        "a: &x 1\nb: &x 2\n",
+        "&a [&a [1], *a]\n",  # an anchor repeated inside itself
+        "a: *nowhere\n",
+        "",
+        "--- |\n  text\n",
+    ],
+)  # fmt: skip
+def test_yaml_reader_builds_what_the_safe_loader_builds(text):
+    from megatron_bridge.config.yaml_input import YamlLoader, parse
+
+    try:
+        expected = yaml.load(text, Loader=YamlLoader)
+    except yaml.YAMLError as exc:
+        with pytest.raises(ConfigValidationError, match="invalid YAML") as err:
+            parse(text)
+        assert str(exc.problem) in str(err.value)
+        return
+    data = parse(text)
+    assert data == expected and type(data) is type(expected)
+    if text.startswith("a: &x {k: ["):  # an alias is the anchored object itself
+        assert data["b"] is data["a"] and data["d"][1] is data["a"]
+
+
+def test_override_values_type_keys_and_tagged_scalars_as_before():
+    from megatron_bridge.config.overrides import parse_value
+
+    assert parse_value("{1e3: !!str 0x1, true: ! 12, a:b:c}") == {"1e3": "0x1", "true": 12, "a": "b:c"}
+    assert parse_value("[!!str 1, !!int '2', 1e3, {k:v, 'q:1': }]") == ["1", 2, 1000.0, {"k": "v", "q:1": ""}]
+
+
 def test_yaml_is_read_with_a_safe_loader(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")

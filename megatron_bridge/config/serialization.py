@@ -21,9 +21,9 @@ class default; unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -37,11 +37,12 @@ from megatron_bridge.config.annotations import (
     FlowList,
     is_placeholder,
     is_value_tag,
+    real_arms,
     section_classes,
     section_from_value,
     suggest,
 )
-from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, ConfigBase, values_equal
+from megatron_bridge.config.base import _DERIVED, _EXPLICIT, _MISSING, is_config, values_equal
 from megatron_bridge.config.codec import Decoder, Encoder
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems, show
 from megatron_bridge.config.schema import FieldSpec, specs
@@ -62,10 +63,14 @@ _NO_DEFAULT = object()
 
 def field_of(cls: type, key: Any) -> Optional[FieldSpec]:
     """The field of dataclass `cls` that `key` (a field name or an alias) names, or None."""
-    fields = specs(cls)
-    name = getattr(cls, "_field_aliases", {}).get(key, key)
-    made = fields.made.get(name)  # the common case, without a call
-    return made if made is not None or name not in fields.types else fields[name]
+    return _fields(cls).get(getattr(cls, "_field_aliases", {}).get(key, key))
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(cls: type) -> dict[str, FieldSpec]:
+    """The `FieldSpec` of every field of dataclass `cls`, by name, all compiled (reading and
+    writing a section visits them all)."""
+    return dict(specs(cls).items())
 
 
 def unknown_key(cls: type, key: Any) -> tuple[str, str]:
@@ -88,10 +93,11 @@ class ConfigEncoder(Encoder):
         path = name_of(type(obj))
         if path is None:
             return {UNSERIALIZABLE: show(obj)}
-        state = obj.__dict__ if isinstance(obj, ConfigBase) else None  # its explicit/derived bookkeeping
+        state = obj.__dict__ if is_config(obj) else None  # its explicit/derived bookkeeping
+        explicit, derived = (state.get(_EXPLICIT, ()), state.get(_DERIVED, {})) if state is not None else ((), {})
         fields: dict[str, Any] = {}
         tags: dict[str, list[str]] = {EXPLICIT: [], IMPLICIT: [], DERIVED: []}
-        for f in specs(type(obj)).values():
+        for f in _fields(type(obj)).values():
             value = getattr(obj, f.name, _NO_DEFAULT)
             if value is _NO_DEFAULT:  # an init=False field never set
                 continue
@@ -99,12 +105,12 @@ class ConfigEncoder(Encoder):
             if state is None:
                 continue
             default = is_default(f, value)
-            if f.name in state.get(_EXPLICIT, ()):
+            if f.name in explicit:
                 if default:
                     tags[EXPLICIT].append(f.name)
             elif not default:
                 # Only a value derived from the default can be recomputed from the saved file.
-                before = state.get(_DERIVED, {}).get(f.name, _NO_DEFAULT)
+                before = derived.get(f.name, _NO_DEFAULT)
                 recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
                 tags[DERIVED if recomputable else IMPLICIT].append(f.name)
         out: dict[str, Any] = {TARGET: path}
@@ -120,29 +126,49 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return conceal(ConfigEncoder().value(obj))
 
 
-class _YamlDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
-    pass
+class _Resolver(yaml.resolver.Resolver):
+    """Which strings the writer may leave unquoted: those YAML does not read as another type
+    (`1e-4` counts as a float, as the config loader reads it)."""
 
 
-def _represent_float(dumper: Any, value: float) -> Any:
-    """Floats at their shortest round-trip form (`1e-05`, `0.0003`), not PyYAML's `1.0e-05`; the
-    config loader reads the exponent form back as a float. `nan`, `inf`, `-inf` become `.nan`, `.inf`, `-.inf`."""
-    text = repr(value) if math.isfinite(value) else repr(value).replace("inf", ".inf").replace("nan", ".nan")
-    return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+read_exponent_floats(_Resolver)
+_TAGS = {t: f"tag:yaml.org,2002:{t.__name__}" for t in (str, int, float, bool)} | {type(None): "tag:yaml.org,2002:null"}
 
 
-_YamlDumper.add_representer(float, _represent_float)
-read_exponent_floats(_YamlDumper)  # ...and so writes them untagged, as it reads them
-_YamlDumper.add_representer(
-    FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
-)
+@functools.lru_cache(maxsize=4096)
+def _scalar_event(tag: str, text: str) -> yaml.ScalarEvent:
+    """The event of a scalar: written plain where it reads back as `tag`, else quoted (strings) or tagged."""
+    plain = _Resolver.resolve(_Resolver, yaml.ScalarNode, text, (True, False)) == tag
+    return yaml.ScalarEvent(None, tag, (plain, tag == _TAGS[str]), text)
+
+
+def _events(data: Any, out: list) -> None:
+    """Append the YAML events of `to_dict` output `data` to `out` (block style; `FlowList`s on one line)."""
+    kind = type(data)
+    if kind is dict:
+        out.append(yaml.MappingStartEvent(None, None, True, flow_style=False))
+        for key, value in data.items():
+            _events(key, out)
+            _events(value, out)
+        out.append(yaml.MappingEndEvent())
+    elif kind is list or kind is FlowList:
+        out.append(yaml.SequenceStartEvent(None, None, True, flow_style=kind is FlowList))
+        for item in data:
+            _events(item, out)
+        out.append(yaml.SequenceEndEvent())
+    elif kind in _TAGS:  # floats at their shortest round-trip form (`1e-05`), and `.nan`, `.inf`, `-.inf`
+        text = str(data).lower().replace("inf", ".inf").replace("nan", ".nan") if kind is not str else data
+        out.append(_scalar_event(_TAGS[kind], "null" if data is None else text))
+    else:
+        raise yaml.representer.RepresenterError("cannot represent an object", data)
 
 
 def to_yaml(obj: Any, path: Optional[Union[str, os.PathLike]] = None) -> str:
     """YAML text of a config; also written to `path` (parent directories created) when given."""
-    text = yaml.dump(
-        to_dict(obj), Dumper=_YamlDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=10000
-    )
+    events = [yaml.StreamStartEvent(), yaml.DocumentStartEvent()]
+    _events(to_dict(obj), events)
+    events += [yaml.DocumentEndEvent(), yaml.StreamEndEvent()]
+    text = yaml.emit(events, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), allow_unicode=True, width=10000)
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
@@ -160,7 +186,7 @@ class ConfigDecoder(Decoder):
         cls = self.section_class(raw, declared)
         tags, values, errors = self.read_section(cls, raw)
         present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
-        fields = specs(cls)
+        fields = _fields(cls)
         for f in fields.values():
             if f.required and f.init and f.name not in present:
                 errors.append((f.name, f"is required by {cls.__name__} but missing", f"add {f.name}"))
@@ -173,11 +199,11 @@ class ConfigDecoder(Decoder):
         for name, value in values.items():
             if not fields[name].init:
                 object.__setattr__(obj, name, value)
-        if isinstance(obj, ConfigBase):  # which fields are the user's: the module docstring's rule
+        if is_config(obj):  # which fields are the user's: the module docstring's rule
             if TARGET in raw:
                 explicit = {f.name for f in fields.values() if _users(tags, f, getattr(obj, f.name, None))}
             else:
-                explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT] - tags[DERIVED]
+                explicit = (present | tags[EXPLICIT]) - tags[IMPLICIT]
             obj.__dict__[_EXPLICIT] = explicit
             # The next finalize puts the default back and recomputes the field (as `ConfigBase._derive` does).
             obj.__dict__.setdefault(_DERIVED, {}).update((n, fields[n].fresh_default()) for n in tags[DERIVED])
@@ -186,6 +212,8 @@ class ConfigDecoder(Decoder):
     def field(self, f: FieldSpec, raw: Any, current: Any = _NO_DEFAULT) -> Any:
         """The new value of field `f` from plain data. Given the `current` value, a plain mapping
         merges into it (a section, or a dict) instead of replacing it."""
+        if type(raw) is _as_is(f):  # the common case, decided without `value`
+            return raw
         if current is not _NO_DEFAULT and isinstance(raw, Mapping) and not is_value_tag(raw):
             classes = section_classes(f.type)
             if classes:
@@ -214,8 +242,8 @@ class ConfigDecoder(Decoder):
             except (TypeError, ValueError) as exc:
                 errors.append((name, str(exc), "use a value of the declared type"))
                 continue
-            if TARGET in raw and isinstance(obj, ConfigBase):  # a saved section: the file says who set it
-                f = specs(type(obj))[name]
+            if TARGET in raw and is_config(obj):  # a saved section: the file says who set it
+                f = _fields(type(obj))[name]
                 obj.mark_explicit(name, _users(tags, f, value))
                 if name in tags[DERIVED]:
                     obj.__dict__.setdefault(_DERIVED, {})[name] = f.fresh_default()
@@ -224,7 +252,8 @@ class ConfigDecoder(Decoder):
         return obj
 
     def read_section(self, cls: type, raw: Mapping, current: Any = None) -> tuple[dict[str, set[str]], dict, list]:
-        """Read a section mapping: (its bookkeeping tags, {field name: new value}, problems).
+        """Read a section mapping: (the field names its bookkeeping tags list, {field name: new value},
+        problems); `_implicit_` there also holds those of `_derived_`: every field the framework set.
 
         With `current` (the section being merged into), a plain mapping merges into the field's value.
         A runtime object the framework installed (a placeholder in an `_implicit_`/`_derived_` field,
@@ -243,6 +272,7 @@ class ConfigDecoder(Decoder):
                     errors.append((tag, f"{n!r} is not a field of {cls.__name__}", unknown_key(cls, n)[1]))
                 else:
                     names.add(f.name)
+        tags[IMPLICIT] |= tags[DERIVED]
         values: dict[str, Any] = {}
         for key, item in raw.items():
             if key in SECTION_TAGS:
@@ -252,7 +282,7 @@ class ConfigDecoder(Decoder):
                 errors.append((str(key), *unknown_key(cls, key)))
             elif f.name in values:
                 errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-            elif f.name in tags[IMPLICIT] | tags[DERIVED] and is_placeholder(item):
+            elif f.name in tags[IMPLICIT] and is_placeholder(item):
                 logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
             else:
                 try:
@@ -289,7 +319,15 @@ class ConfigDecoder(Decoder):
 def _users(tags: dict[str, set[str]], f: FieldSpec, value: Any) -> bool:
     """Whether field `f` of a saved section (one with `_target_`) is the user's: listed in
     `_explicit_`, or not the default and not listed as the framework's."""
-    return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] | tags[DERIVED] and not is_default(f, value))
+    return f.name in tags[EXPLICIT] or (f.name not in tags[IMPLICIT] and not is_default(f, value))
+
+
+@functools.lru_cache(maxsize=None)
+def _as_is(f: FieldSpec) -> Optional[type]:
+    """The scalar type whose values field `f` takes as they are (`int` for `int` and `Optional[int]`),
+    or None. (Cached by field: hashing a typing annotation costs more than the lookup saves.)"""
+    arms = real_arms(f.type)
+    return arms[0] if len(arms) == 1 and arms[0] in (str, int, float, bool) else None
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:

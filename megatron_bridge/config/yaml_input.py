@@ -1,7 +1,7 @@
 """Reading config files safely: bounded size, depth and alias expansion; errors that name the file.
 
-Config files are shared, so a file is untrusted input. It is parsed with YAML's safe loader (no
-Python tags), and before anything is built from it, one pass over the parser's events checks:
+Config files are shared, so a file is untrusted input. It is read as YAML's safe loader reads it
+(no Python tags), in one pass over the parser's events that builds the data and checks:
 
 * the file size (`MAX_BYTES`, 8 MiB by default; `MBRIDGE_MAX_CONFIG_BYTES` changes it);
 * the nesting depth of mappings and lists (`MAX_DEPTH`): deep nesting would make the loader,
@@ -57,12 +57,8 @@ class ValueLoader(YamlLoader):  # type: ignore[misc, valid-type]
     """Reads one value as a command line writes it: YAML flow syntax (`[a, b]`, `{k: v}`, quotes),
     with plain scalars typed as Hydra types them. Only `true`/`false` (any case) are booleans and
     `null` is None; integers are decimal (`1_000`), floats include `1e-4`, `inf` and `.nan`;
-    anything else (`yes`, `0x10`, `1:30`, `007`) is a string. Mapping keys are strings, and
+    anything else (`yes`, `0x10`, `1:30`, `007`) is a string. Plain mapping keys are strings, and
     `{a:1}` (no space after the colon) means `{a: 1}`."""
-
-    def construct_document(self, node: Any) -> Any:
-        _read_unspaced_keys(node)
-        return super().construct_document(node)
 
 
 ValueLoader.yaml_implicit_resolvers = {}
@@ -78,37 +74,25 @@ ValueLoader.add_constructor(  # decimal, also with leading zeros (YAML 1.1 would
     "tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node).replace("_", ""))
 )
 _STR = "tag:yaml.org,2002:str"
-
-
-def _read_unspaced_keys(node: Any) -> None:
-    """Plain keys become strings, and `{a:1}`, which YAML reads as the key `a:1` without a value,
-    becomes `{a: 1}`: the way a command line writes a mapping."""
-    if isinstance(node, yaml.MappingNode):
-        for i, (key, value) in enumerate(node.value):
-            if isinstance(key, yaml.ScalarNode) and not key.style:  # plain: "" from the C parser, None otherwise
-                key.tag = _STR
-                empty = isinstance(value, yaml.ScalarNode) and not value.style and value.value == ""
-                if empty and ":" in key.value:
-                    name, _, text = key.value.partition(":")
-                    key.value = name
-                    node.value[i] = (key, yaml.ScalarNode(_value_tag(text), text))
-    for child in node.value if isinstance(node, yaml.CollectionNode) else ():
-        for n in child if isinstance(child, tuple) else (child,):
-            _read_unspaced_keys(n)
-
-
-def _value_tag(text: str) -> str:
-    return ValueLoader.resolve(ValueLoader, yaml.ScalarNode, text, (True, False))
-
-
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
+_SIMPLE = {f"tag:yaml.org,2002:{name}" for name in ("null", "bool", "int", "float")}
+_INEXACT = object()
+"""What `_typed` gives for a tag it leaves to `yaml.load` (a merge key `<<`, `!!set`, `!!binary`)."""
+
+
+def _typed(text: str, loader: type, tag: Optional[str] = None) -> Any:
+    """Scalar `text` as `yaml.load` with `loader` reads it: tagged `tag`, or plain (typed by the
+    loader's resolvers)."""
+    tag = tag or loader.resolve(loader, yaml.ScalarNode, text, (True, False))
+    if tag == _STR:
+        return text
+    return loader.yaml_constructors[tag](_CONSTRUCTOR, yaml.ScalarNode(tag, text)) if tag in _SIMPLE else _INEXACT
 
 
 def scalar(text: str) -> Any:
     """Plain scalar `text` typed as `ValueLoader` types it (the text itself unless it reads as
     null, a boolean or a number)."""
-    tag = _value_tag(text)
-    return text if tag == _STR else ValueLoader.yaml_constructors[tag](_CONSTRUCTOR, yaml.ScalarNode(tag, text))
+    return _typed(text, ValueLoader)
 
 
 def _error(source: str, message: str, fix: str, line: int | None = None) -> ConfigValidationError:
@@ -149,16 +133,15 @@ def read_text(path: Union[str, os.PathLike]) -> str:
 
 
 def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any:
-    """The data in YAML `text`, after checking its depth, alias expansion and recursion;
-    `source` names the text in errors."""
-    # A command-line value (at most 100,000 characters) without aliases, mappings or deep nesting
-    # cannot break a limit or repeat a key: its lists skip the event pass, half their reading time.
-    if loader is not ValueLoader or "*" in text or "{" in text or text.count("[") > MAX_DEPTH:
-        _check_structure(text, source)
+    """The data in YAML `text`, as `yaml.load(text, Loader=loader)` reads it, after checking its
+    depth, alias expansion, recursion and repeated keys; `source` names the text in errors."""
     try:
-        return yaml.load(text, Loader=loader)
+        data = _read(text, source, loader)
+        return yaml.load(text, Loader=loader) if data is _INEXACT else data
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, source) from None
+    except ConfigValidationError:  # a limit `_read` enforces
+        raise
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
         raise _error(source, f"holds a value that cannot be read: {str(exc)[:120]}", "fix the value") from None
 
@@ -177,76 +160,105 @@ def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
     return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
 
 
-class _Mapping:
-    """An open mapping during the event pass: the line of each key seen, and whether the next
-    node is a key."""
+class _Open:
+    """A collection being read: its object, anchor and node count before it; for a mapping, the
+    first mark of each key text, the key awaiting its value (`_NOTHING` when the next node is a
+    key; `_ITEM` in a list) and whether that key is a plain `a:1` of a command-line value."""
 
-    __slots__ = ("lines", "at_key")
+    __slots__ = ("anchor", "data", "key", "marks", "start", "unspaced")
 
-    def __init__(self) -> None:
-        self.lines: dict[str, int] = {}
-        self.at_key = True
-
-
-def _check_structure(text: str, source: str) -> None:
-    """One pass over the parser events (iterative: no recursion, whatever the input)."""
-    nodes = 0
-    open_anchors: dict[str, int] = {}  # anchor -> node count when it opened
-    sizes: dict[str, int] = {}  # anchor -> expanded size of its node
-    stack: list[Union[str, None]] = []  # the anchor of each open collection, innermost last
-    mappings: list[Union[_Mapping, None]] = []  # each open collection: its keys if a mapping
-    try:
-        for event in yaml.parse(text, Loader=YamlLoader):
-            line = event.start_mark.line + 1 if event.start_mark is not None else None
-            parent = mappings[-1] if mappings else None
-            if parent is not None and isinstance(event, yaml.NodeEvent):  # a key or a value of `parent`
-                if parent.at_key and isinstance(event, yaml.ScalarEvent):
-                    _check_new_key(parent, event.value, line, source)
-                parent.at_key = not parent.at_key
-            if isinstance(event, yaml.AliasEvent):
-                anchor = event.anchor
-                if anchor in open_anchors:
-                    message = f"alias *{anchor} refers to a node that contains it"
-                    raise _error(source, message, "remove the recursion", line)
-                nodes += sizes.get(anchor, 1)
-            elif isinstance(event, yaml.ScalarEvent):
-                nodes += 1
-                if event.anchor:
-                    sizes[event.anchor] = 1
-            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-                nodes += 1
-                stack.append(event.anchor)
-                mappings.append(_Mapping() if isinstance(event, yaml.MappingStartEvent) else None)
-                if len(stack) > MAX_DEPTH:
-                    raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", line)
-                if event.anchor:
-                    open_anchors[event.anchor] = nodes - 1
-            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-                anchor = stack.pop()
-                mappings.pop()
-                if anchor:
-                    sizes[anchor] = nodes - open_anchors.pop(anchor)
-            else:
-                continue
-            if nodes > MAX_NODES:
-                raise _error(
-                    source,
-                    f"expands to more than {MAX_NODES:,} values (counting every alias expanded)",
-                    "configs are small; write the values out instead of nesting aliases",
-                    line,
-                )
-    except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source) from None
+    def __init__(self, data: Any, anchor: Optional[str], start: int) -> None:
+        self.data, self.anchor, self.start = data, anchor, start
+        self.marks: dict[str, Any] = {}
+        self.key: Any = _NOTHING if type(data) is dict else _ITEM
+        self.unspaced = False
 
 
-def _check_new_key(mapping: _Mapping, key: str, line: Optional[int], source: str) -> None:
-    """Refuse `key` if `mapping` already has it: YAML loaders silently keep the last value."""
-    first = mapping.lines.get(key)
-    if first is not None and key != "<<":  # merge keys may repeat
-        raise _error(
-            source,
-            f"key {key!r} is given twice in the same mapping (lines {first} and {line}); only one value can count",
-            "keep one of them",
-            line,
-        )
-    mapping.lines[key] = line if line is not None else 0
+_NOTHING, _ITEM = object(), object()
+
+
+def _read(text: str, source: str, loader: type) -> Any:
+    """The data, built in the one pass over the parser's events that enforces the limits
+    (iterative: no recursion, whatever the input); `_INEXACT` where `yaml.load` is to build it
+    (explicit collection tags, merge keys, unhashable keys, repeated or unknown anchors, several
+    documents: it reports those that are errors)."""
+    typed: dict[str, Any] = {}  # plain scalar text -> its value
+    anchors: dict[str, tuple[Any, Optional[int]]] = {}  # anchor -> (its object, expanded size; None while open)
+    stack: list[_Open] = []
+    root, nodes, documents, exact = None, 0, 0, True
+    string_keys = loader is ValueLoader
+    for event in yaml.parse(text, Loader=YamlLoader):
+        kind = type(event)
+        top = stack[-1] if stack else None
+        at_key = top is not None and top.key is _NOTHING
+        if kind is yaml.ScalarEvent:
+            nodes += 1
+            value = event.value
+            if string_keys and at_key and not event.style:
+                pass  # a plain key of a command-line mapping is its text, whatever YAML makes of it
+            elif top is not None and top.unspaced and value == "" and not event.style:
+                top.key, _, value = top.key.partition(":")  # `{a:1}`: YAML's key `a:1` without a value
+                value = _typed(value, loader)
+            elif event.tag is not None and event.tag != "!":
+                value = _typed(value, loader, event.tag)
+            elif event.implicit[0]:  # plain (or tagged `!`): typed by the loader's resolvers
+                value = typed.get(value, _NOTHING)
+                if value is _NOTHING:
+                    value = typed[event.value] = _typed(event.value, loader)
+            exact = exact and value is not _INEXACT
+        elif kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
+            nodes += 1
+            value = {} if kind is yaml.MappingStartEvent else []
+            exact = exact and event.tag in (None, "!")
+            if len(stack) >= MAX_DEPTH:
+                raise _error(source, f"nests deeper than {MAX_DEPTH} levels", "flatten the data", _line(event))
+        elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
+            stack.pop()
+            if top.anchor:
+                anchors[top.anchor] = (top.data, nodes - top.start)
+            continue
+        elif kind is yaml.AliasEvent:
+            value, size = anchors.get(event.anchor, (None, 1))
+            if size is None:
+                message = f"alias *{event.anchor} refers to a node that contains it"
+                raise _error(source, message, "remove the recursion", _line(event))
+            nodes += size
+            exact = exact and event.anchor in anchors
+        else:
+            documents += kind is yaml.DocumentStartEvent
+            continue
+        if nodes > MAX_NODES:
+            raise _error(
+                source,
+                f"expands to more than {MAX_NODES:,} values (counting every alias expanded)",
+                "configs are small; write the values out instead of nesting aliases",
+                _line(event),
+            )
+        anchor = None if kind is yaml.AliasEvent else event.anchor
+        if anchor:
+            exact = exact and anchor not in anchors
+            anchors[anchor] = (value, 1 if kind is yaml.ScalarEvent else None)
+        if top is None:
+            root = value
+        elif top.key is _ITEM:
+            top.data.append(value)
+        elif at_key:
+            first = top.marks.setdefault(event.value, event.start_mark) if kind is yaml.ScalarEvent else None
+            if first is not None and first is not event.start_mark and event.value != "<<":  # merge keys may repeat
+                line = _line(event)  # a YAML loader would silently keep the last value
+                message = f"key {event.value!r} is given twice in the same mapping (lines {first.line + 1} and {line})"
+                raise _error(source, f"{message}; only one value can count", "keep one of them", line)
+            top.unspaced = string_keys and kind is yaml.ScalarEvent and not event.style and ":" in value
+            unhashable = type(value) is dict or type(value) is list
+            exact = exact and not unhashable
+            top.key = object() if unhashable else value
+        else:
+            top.data[top.key] = value
+            top.key = _NOTHING
+        if kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
+            stack.append(_Open(value, anchor, nodes - 1))
+    return root if exact and documents < 2 else _INEXACT
+
+
+def _line(event: Any) -> int:
+    return event.start_mark.line + 1
