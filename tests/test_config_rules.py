@@ -480,3 +480,89 @@ def test_validate_refuses_env_vars_that_load_code_and_sets_none_of_them(monkeypa
     assert "env_vars.GIT_CONFIG_KEY_0: may not be set from a config: git takes settings" in str(err.value)
     problems_of(cfg)
     assert "MB_TEST_FINE" not in os.environ and "PYTHONSTARTUP" not in os.environ  # all of them, or none
+
+
+# ---------------------------------------------------------------------- settings megatron-core would fail on mid-run
+def test_hierarchical_context_parallel_sizes_need_a2a_p2p_also_without_cp_comm_type():
+    cfg = tiny_config(model=tiny_model(hierarchical_context_parallel_sizes=[1, 1]))
+    assert only_problem(cfg) == (
+        "model.hierarchical_context_parallel_sizes: set to [1, 1] but cp_comm_type is None "
+        "(use cp_comm_type='a2a+p2p' or unset hierarchical_context_parallel_sizes)"
+    )
+
+
+def test_half_precision_parameters_need_the_mixed_precision_optimizer():
+    assert only_problem(tiny_config(model=tiny_model(params_dtype=torch.bfloat16))) == (
+        "model.params_dtype: bfloat16 without model.bf16=True: the fp32 optimizer needs float32 parameters "
+        "(use mixed_precision='bf16_mixed' (bf16 weights with fp32 main weights in the optimizer), or leave "
+        "model.params_dtype at float32)"
+    )
+    assert only_problem(tiny_config(model=tiny_model(params_dtype=torch.float64))) == (
+        "model.params_dtype: float64: megatron-core's optimizers train float32 parameters, or bf16/fp16 ones with "
+        "mixed precision (use float32, or mixed_precision='bf16_mixed' / 'fp16_mixed')"
+    )
+    runtime_config_update(tiny_config(model=tiny_model(params_dtype=torch.bfloat16), mixed_precision="bf16_mixed"))
+
+
+def test_uninitialized_weights_need_a_checkpoint_to_load(tmp_path):
+    assert only_problem(tiny_config(model=tiny_model(perform_initialization=False))) == (
+        "model.perform_initialization: False leaves the weights uninitialized (whatever memory held), and no "
+        "checkpoint is loaded into them (set checkpoint.load or checkpoint.pretrained_checkpoint, or leave "
+        "model.perform_initialization=True)"
+    )
+    cfg = tiny_config(model=tiny_model(perform_initialization=False), checkpoint=CheckpointConfig(load=str(tmp_path)))
+    runtime_config_update(cfg)
+
+
+def test_multi_latent_attention_needs_a_provider_with_its_sizes():
+    assert only_problem(tiny_config(model=tiny_model(multi_latent_attention=True))) == (
+        "model.multi_latent_attention: True needs the multi-latent attention sizes (q_lora_rank, kv_lora_rank, "
+        "qk_head_dim, ...), which GPTModelProvider does not have (use a provider with them (DeepSeekModelProvider), "
+        "or set model.multi_latent_attention=False)"
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("hybrid_context_parallel", True, "megatron-core's hybrid context parallelism trains on the sub-sample batches"),
+        ("max_seqlen_per_dp_cp_rank", 32, "megatron-core's hybrid context parallelism trains on the sub-sample batches"),
+        ("qk_clip", True, "the training loop does not call megatron-core's clip_qk"),
+        ("log_max_attention_logit", True, "the training loop does not call megatron-core's clip_qk"),
+    ],
+)
+def test_model_settings_the_run_does_not_implement_are_refused(field, value, reason):
+    problem = only_problem(tiny_config(model=tiny_model(**{field: value})))
+    assert problem.startswith(f"model.{field}: {field}={value!r} is not supported: not implemented: {reason}")
+
+
+@pytest.mark.parametrize("field", ["memory_efficient_layer_norm", "fused_single_qkv_rope"])
+def test_fused_kernel_settings_are_refused_on_cpu(field):
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(model=tiny_model(**{field: True})), device="cpu")
+    assert err.value.errors == [
+        f"model.{field}: True needs CUDA, but this run trains on CPU (set model.{field}=False or train on GPUs "
+        "(dist.distributed_backend='nccl'))"
+    ]
+
+
+def test_settings_that_need_transformer_engine_are_machine_problems():
+    from megatron_bridge.config.status import machine_problems
+
+    runtime_config_update(tiny_config(model=tiny_model(cpu_offloading=True)))  # not a config error
+    cfg = tiny_config(model=tiny_model(cpu_offloading=True, fused_single_qkv_rope=True))
+    with extras.assume_installed(transformer_engine=False):
+        found = machine_problems(cfg, device="cuda")
+    assert found == [
+        "model.cpu_offloading: cpu_offloading=True needs TransformerEngine (pip install transformer-engine, or leave it unset)",
+        "model.fused_single_qkv_rope: fused_single_qkv_rope=True needs TransformerEngine (pip install "
+        "transformer-engine, or leave it unset)",
+    ]
+
+
+def test_shared_experts_have_no_biases():
+    cfg = tiny_config(model=tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32))
+    assert only_problem(cfg) == (
+        "model.moe_shared_expert_intermediate_size: megatron-core's shared experts have no biases, but "
+        "add_bias_linear=True (set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset)"
+    )

@@ -102,9 +102,20 @@ RANGES: dict[str, Range] = {
 NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
 NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
 _FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
+_HYBRID_CP = Unsupported(
+    "not implemented: megatron-core's hybrid context parallelism trains on the sub-sample batches of its "
+    "HybridCPDataLoaderWrapper, which the data pipeline does not build"
+)
+_QK_CLIP = Unsupported(
+    "not implemented: the training loop does not call megatron-core's clip_qk, and only TransformerEngine's "
+    "core attention records the attention logits it reads"
+)
 
 STATUS: dict[str, object] = {
     **{f"TransformerConfig.{name}": NEEDS_TE for name in ("fp8", "fp4")},
+    # megatron-core offloads activations through TransformerEngine's offload context only
+    "ModelParallelConfig.cpu_offloading": NEEDS_TE,
+    "TransformerConfig.fused_single_qkv_rope": NEEDS_TE,  # TransformerEngine's fused rotary kernel
     **{f"TransformerConfig.{name}": NEEDS_GPU for name in ("enable_cuda_graph", "cuda_graph_impl", "external_cuda_graph")},
     # megatron-core hooks that the build wires onto the model's and the optimizer's copies of the config
     **{
@@ -113,6 +124,16 @@ STATUS: dict[str, object] = {
                      "finalize_model_grads_func")
     },  # fmt: skip
     "OptimizerConfig.timers": DERIVED,
+    **{f"ModelParallelConfig.{name}": _HYBRID_CP for name in ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank")},
+    "GPTDatasetConfig.hybrid_context_parallel": _HYBRID_CP,
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: NVIDIA Kitchen's quantized layers are not an integration here (megatron-core "
+            "asserts at the model build without the package)"
+        )
+        for name in ("use_kitchen", "use_kitchen_attention", "kitchen_attention_backend")
+    },
+    **{f"TransformerConfig.{name}": _QK_CLIP for name in ("qk_clip", "qk_clip_alpha", "qk_clip_threshold", "log_max_attention_logit")},
     "DistributedDataParallelConfig.use_megatron_fsdp": Unsupported(
         "not implemented: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
     ),

@@ -234,6 +234,16 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "sequence parallelism needs tensor_model_parallel_size > 1",
             "set model.sequence_parallel=False or raise the TP size",
         )
+        if self.multi_latent_attention:
+            from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+            p.check(
+                isinstance(self, MLATransformerConfig),
+                "multi_latent_attention",
+                f"True needs the multi-latent attention sizes (q_lora_rank, kv_lora_rank, qk_head_dim, ...), "
+                f"which {type(self).__name__} does not have",
+                "use a provider with them (DeepSeekModelProvider), or set model.multi_latent_attention=False",
+            )
         if self.fine_grained_activation_offloading:
             p.check(
                 self.transformer_impl == "transformer_engine",
@@ -360,9 +370,15 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     def _check_expert_biases(self, p: Problems) -> None:
         """megatron-core adds an expert's output bias on every expert-tensor-parallel rank before
         their partial outputs are summed, so it splits no expert with biases (expert_tensor_parallel_size
-        1); unset, that is derived."""
+        1); unset, that is derived. Its shared experts have no biases at all."""
         if not self.num_moe_experts or not self.add_bias_linear:
             return
+        p.check(
+            not self.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_intermediate_size",
+            "megatron-core's shared experts have no biases, but add_bias_linear=True",
+            "set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset",
+        )
         etp = self.expert_tensor_parallel(self.tensor_model_parallel_size)
         if etp is not None and not self.is_explicit("expert_tensor_parallel_size"):
             self._derive("expert_tensor_parallel_size", etp)
@@ -498,6 +514,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         if self.num_moe_experts:
             _router_gating_without_te()
+        _output_discarding_checkpoint_without_te()
 
         spec = self.layer_spec(vp_stage)
         with _te_attention_variables(te_layers(self)):
@@ -569,6 +586,26 @@ def _router_gating_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _output_discarding_checkpoint_without_te() -> None:
+    """megatron-core 0.16's `CheckpointWithoutOutput` (recompute_modules 'layernorm' and 'moe_act')
+    saves and restores TransformerEngine's FP8 state even where TE is not installed (a NameError
+    at the first forward): `fp8 is not None` holds for its default fp8=False. Without TE there is
+    no FP8 state, so its FP8 handling is turned off."""
+    from megatron.core.tensor_parallel import random as core_random
+
+    cls = core_random.CheckpointWithoutOutput
+    if core_random.HAVE_TE or getattr(cls, "_fp8_off_without_te", False):
+        return
+    original_init = cls.__init__
+
+    def __init__(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls._fp8_off_without_te = True
 
 
 def _is_module_spec(obj: Any) -> bool:

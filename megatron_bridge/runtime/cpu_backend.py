@@ -327,6 +327,8 @@ CPU_MODEL_SETTINGS = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
+    "memory_efficient_layer_norm": False,
+    "fused_single_qkv_rope": False,
     "cross_entropy_loss_fusion": False,
     "transformer_impl": "local",
     "moe_grouped_gemm": False,

@@ -12,6 +12,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
 from megatron_bridge.models.vocab import null_tokenizer_vocab
@@ -175,6 +177,40 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
         )
     preset = "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'"
     check_low_precision(m, problems, "model.", preset)
+    # bf16/fp16 select megatron-core's mixed-precision optimizer, which keeps fp32 main weights;
+    # without them the fp32 optimizer steps the parameters themselves and needs them in fp32.
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(m.params_dtype)
+    if half is not None:
+        problems.check(
+            getattr(m, half),
+            "model.params_dtype",
+            f"{_dtype_name(m.params_dtype)} without model.{half}=True: the fp32 optimizer needs float32 parameters",
+            f"use mixed_precision='{half}_mixed' ({half} weights with fp32 main weights in the optimizer), or leave "
+            "model.params_dtype at float32",
+        )
+    else:
+        problems.check(
+            m.params_dtype == torch.float32,
+            "model.params_dtype",
+            f"{_dtype_name(m.params_dtype)}: megatron-core's optimizers train float32 parameters, or bf16/fp16 "
+            "ones with mixed precision",
+            "use float32, or mixed_precision='bf16_mixed' / 'fp16_mixed'",
+        )
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_initialization(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Weights left uninitialized (model.perform_initialization=False) are loaded from a checkpoint."""
+    ckpt = cfg.checkpoint
+    problems.check(
+        cfg.model.perform_initialization or ckpt.load is not None or ckpt.pretrained_checkpoint is not None,
+        "model.perform_initialization",
+        "False leaves the weights uninitialized (whatever memory held), and no checkpoint is loaded into them",
+        "set checkpoint.load or checkpoint.pretrained_checkpoint, or leave model.perform_initialization=True",
+    )
 
 
 # ---------------------------------------------------------------------- sequence
@@ -205,9 +241,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
             f"use a multiple of {2 * cp}",
         )
     kinds = m.cp_comm_type
-    if kinds is None:
-        return
-    kind_list = kinds if isinstance(kinds, list) else [kinds]
+    kind_list = [] if kinds is None else kinds if isinstance(kinds, list) else [kinds]
     if isinstance(kinds, list):
         problems.check(
             len(kinds) == m.num_layers,
@@ -226,12 +260,15 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
             "set it, e.g. [2, 4] for context_parallel_size=8",
         ):
             product = math.prod(hierarchical)
-            problems.check(
+            if problems.check(
                 product == cp,
                 "model.hierarchical_context_parallel_sizes",
                 f"their product {product} differs from context_parallel_size={cp}",
                 "make the sizes multiply to context_parallel_size",
-            )
+            ):  # megatron-core lays out the hierarchical groups with einops
+                problems.require_package(
+                    "einops", "model.hierarchical_context_parallel_sizes", "megatron-core's hierarchical context-parallel groups"
+                )
     elif hierarchical is not None:
         problems.add(
             "model.hierarchical_context_parallel_sizes",
