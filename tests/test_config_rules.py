@@ -529,6 +529,8 @@ def test_multi_latent_attention_needs_a_provider_with_its_sizes():
         ("max_seqlen_per_dp_cp_rank", 32, "megatron-core's hybrid context parallelism trains on the sub-sample batches"),
         ("qk_clip", True, "the training loop does not call megatron-core's clip_qk"),
         ("log_max_attention_logit", True, "the training loop does not call megatron-core's clip_qk"),
+        ("heterogeneous_block_specs", True, "per-layer block configs"),
+        ("use_kitchen", True, "NVIDIA Kitchen's quantized layers are not an integration here"),
     ],
 )
 def test_model_settings_the_run_does_not_implement_are_refused(field, value, reason):
@@ -536,10 +538,13 @@ def test_model_settings_the_run_does_not_implement_are_refused(field, value, rea
     assert problem.startswith(f"model.{field}: {field}={value!r} is not supported: not implemented: {reason}")
 
 
-@pytest.mark.parametrize("field", ["memory_efficient_layer_norm", "fused_single_qkv_rope"])
+@pytest.mark.parametrize(
+    "field", ["memory_efficient_layer_norm", "fused_single_qkv_rope", "moe_permute_fusion", "moe_router_fusion"]
+)
 def test_fused_kernel_settings_are_refused_on_cpu(field):
+    model = tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, **{field: True})
     with pytest.raises(ConfigValidationError) as err:
-        runtime_config_update(tiny_config(model=tiny_model(**{field: True})), device="cpu")
+        runtime_config_update(tiny_config(model=model), device="cpu")
     assert err.value.errors == [
         f"model.{field}: True needs CUDA, but this run trains on CPU (set model.{field}=False or train on GPUs "
         "(dist.distributed_backend='nccl'))"
@@ -550,14 +555,44 @@ def test_settings_that_need_transformer_engine_are_machine_problems():
     from megatron_bridge.config.status import machine_problems
 
     runtime_config_update(tiny_config(model=tiny_model(cpu_offloading=True)))  # not a config error
-    cfg = tiny_config(model=tiny_model(cpu_offloading=True, fused_single_qkv_rope=True))
+    settings = dict(cpu_offloading=True, fused_single_qkv_rope=True, moe_permute_fusion=True, moe_router_fusion=True,
+                    moe_latent_size=16)  # fmt: skip
+    cfg = tiny_config(model=tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, **settings))
     with extras.assume_installed(transformer_engine=False):
         found = machine_problems(cfg, device="cuda")
-    assert found == [
-        "model.cpu_offloading: cpu_offloading=True needs TransformerEngine (pip install transformer-engine, or leave it unset)",
-        "model.fused_single_qkv_rope: fused_single_qkv_rope=True needs TransformerEngine (pip install "
-        "transformer-engine, or leave it unset)",
+    assert sorted(found) == sorted(
+        f"model.{name}: {name}={value!r} needs TransformerEngine (pip install transformer-engine, or leave it unset)"
+        for name, value in settings.items()
+    )
+
+
+def test_training_keeps_the_logits_split():
+    assert only_problem(tiny_config(model=tiny_model(parallel_output=False))) == (
+        "model.parallel_output: False gathers the logits over tensor-parallel ranks, and megatron-core's training "
+        "loss (its vocabulary-parallel cross entropy) takes them split (with gathered logits it fails in the backward "
+        "pass) (leave model.parallel_output=True for training (generation gathers the logits itself))"
+    )
+
+
+def test_expert_settings_megatron_core_fails_on_at_the_build():
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32)
+    assert only_problem(tiny_config(model=tiny_model(moe_token_dispatcher_type="flex", **moe))) == (
+        "model.moe_token_dispatcher_type: 'flex' dispatches over the expert tensor- and expert-parallel ranks "
+        "together, and there is one (expert_tensor_parallel_size=1, expert_model_parallel_size=1) (use 'alltoall' or "
+        "'allgather', or raise expert_model_parallel_size)"
+    )
+    with pytest.raises(ConfigValidationError) as err:
+        cfg = tiny_config(model=tiny_model(moe_token_dispatcher_type="flex", expert_model_parallel_size=2, **moe))
+        runtime_config_update(cfg, world_size=2, device="cpu")
+    assert err.value.errors == [
+        "model.moe_token_dispatcher_type: 'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but "
+        "this run trains on CPU (use 'alltoall' or 'allgather' on CPU)"
     ]
+    assert only_problem(tiny_config(model=tiny_model(moe_apply_probs_on_input=True, **moe))) == (
+        "model.moe_apply_probs_on_input: megatron-core applies the routing probability to the expert input only with "
+        "one expert per token, but moe_router_topk=2 (set model.moe_router_topk=1, or "
+        "model.moe_apply_probs_on_input=False)"
+    )
 
 
 def test_shared_experts_have_no_biases():

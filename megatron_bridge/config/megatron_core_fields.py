@@ -115,7 +115,11 @@ STATUS: dict[str, object] = {
     **{f"TransformerConfig.{name}": NEEDS_TE for name in ("fp8", "fp4")},
     # megatron-core offloads activations through TransformerEngine's offload context only
     "ModelParallelConfig.cpu_offloading": NEEDS_TE,
-    "TransformerConfig.fused_single_qkv_rope": NEEDS_TE,  # TransformerEngine's fused rotary kernel
+    # TransformerEngine's kernels and layers: fused rotary embedding, MoE permutation and routing, latent projections
+    **{
+        f"TransformerConfig.{name}": NEEDS_TE
+        for name in ("fused_single_qkv_rope", "moe_permute_fusion", "moe_router_fusion", "moe_latent_size")
+    },
     **{f"TransformerConfig.{name}": NEEDS_GPU for name in ("enable_cuda_graph", "cuda_graph_impl", "external_cuda_graph")},
     # megatron-core hooks that the build wires onto the model's and the optimizer's copies of the config
     **{
@@ -126,6 +130,13 @@ STATUS: dict[str, object] = {
     "OptimizerConfig.timers": DERIVED,
     **{f"ModelParallelConfig.{name}": _HYBRID_CP for name in ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank")},
     "GPTDatasetConfig.hybrid_context_parallel": _HYBRID_CP,
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: per-layer block configs (megatron-core's HeterogeneousTransformerConfig) are not a "
+            "model provider here"
+        )
+        for name in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint")
+    },
     **{
         f"TransformerConfig.{name}": Unsupported(
             "not implemented: NVIDIA Kitchen's quantized layers are not an integration here (megatron-core "

@@ -259,6 +259,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_layer_fields(p)
         self._check_layer_modules(p)
         self._check_expert_biases(p)
+        self._check_experts(p)
         self._check_rotary(p)
         self._check_activation(p)
 
@@ -387,6 +388,28 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "expert_tensor_parallel_size",
             f"{etp}: megatron-core splits no expert with biases (add_bias_linear=True) over tensor-parallel ranks",
             "set model.expert_tensor_parallel_size=1 (the experts are split over expert-parallel ranks instead)",
+        )
+
+    def _check_experts(self, p: Problems) -> None:
+        """MoE settings megatron-core accepts in its config but fails on at the model build or the
+        first forward."""
+        if not self.num_moe_experts:
+            return
+        if self.moe_token_dispatcher_type == "flex":
+            etp = self.expert_tensor_parallel(self.tensor_model_parallel_size) or self.tensor_model_parallel_size
+            p.check(
+                etp * self.expert_model_parallel_size > 1,
+                "moe_token_dispatcher_type",
+                f"'flex' dispatches over the expert tensor- and expert-parallel ranks together, and there is one "
+                f"(expert_tensor_parallel_size={etp}, expert_model_parallel_size={self.expert_model_parallel_size})",
+                "use 'alltoall' or 'allgather', or raise expert_model_parallel_size",
+            )
+        p.check(
+            not self.moe_apply_probs_on_input or self.moe_router_topk == 1,
+            "moe_apply_probs_on_input",
+            f"megatron-core applies the routing probability to the expert input only with one expert per token, "
+            f"but moe_router_topk={self.moe_router_topk}",
+            "set model.moe_router_topk=1, or model.moe_apply_probs_on_input=False",
         )
 
     def _check_rotary(self, p: Problems) -> None:

@@ -332,6 +332,8 @@ CPU_MODEL_SETTINGS = {
     "cross_entropy_loss_fusion": False,
     "transformer_impl": "local",
     "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
 }
 """Model settings a CPU run needs: fused CUDA kernels off, megatron-core's local layers (and
 sequential experts: the grouped GEMM needs CUDA), weights initialized on the CPU."""
@@ -351,6 +353,12 @@ def adapt_config(cfg, problems) -> list[str]:
             f"set model.{name}={value!r} or train on GPUs (dist.distributed_backend='nccl')",
         ),
     )
+    if model.num_moe_experts and model.moe_token_dispatcher_type == "flex":
+        problems.add(
+            "model.moe_token_dispatcher_type",
+            "'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but this run trains on CPU",
+            "use 'alltoall' or 'allgather' on CPU",
+        )
     if model.sequence_parallel:
         problems.add(
             "model.sequence_parallel",

@@ -202,6 +202,18 @@ def _dtype_name(dtype: object) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def check_output_logits(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Training keeps the logits split over tensor-parallel ranks: megatron-core's loss (a
+    vocabulary-parallel cross entropy) takes them so, and fails on gathered ones."""
+    problems.check(
+        cfg.model.parallel_output,
+        "model.parallel_output",
+        "False gathers the logits over tensor-parallel ranks, and megatron-core's training loss (its "
+        "vocabulary-parallel cross entropy) takes them split (with gathered logits it fails in the backward pass)",
+        "leave model.parallel_output=True for training (generation gathers the logits itself)",
+    )
+
+
 def check_initialization(cfg: "ConfigContainer", problems: Problems) -> None:
     """Weights left uninitialized (model.perform_initialization=False) are loaded from a checkpoint."""
     ckpt = cfg.checkpoint

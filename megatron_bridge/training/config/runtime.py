@@ -235,6 +235,7 @@ RULES: tuple[Rule, ...] = (
     Rule("pipeline layout", "check", checks.check_pipeline_layout),
     Rule("mixed precision consistency", "check", checks.check_mixed_precision_consistency),
     Rule("weight initialization", "check", checks.check_initialization),
+    Rule("output logits", "check", checks.check_output_logits),
     Rule("sequence lengths", "check", checks.check_sequence_lengths),
     Rule("context parallelism", "check", checks.check_context_parallel),
     Rule("deterministic mode", "check", checks.check_deterministic_mode),
