@@ -601,3 +601,14 @@ def test_shared_experts_have_no_biases():
         "model.moe_shared_expert_intermediate_size: megatron-core's shared experts have no biases, but "
         "add_bias_linear=True (set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset)"
     )
+
+
+def test_mlp_recompute_needs_mlps_without_biases():
+    cfg = tiny_config(model=tiny_model(recompute_granularity="selective", recompute_modules=["mlp"]))
+    assert only_problem(cfg) == (
+        "model.recompute_modules: 'mlp' recomputes the dense MLPs, and megatron-core's MLP recompute fails with their "
+        "biases (add_bias_linear=True): the backward pass recurses without end (set model.add_bias_linear=False, or "
+        "leave 'mlp' out of model.recompute_modules)"
+    )
+    all_experts = tiny_model(recompute_granularity="selective", recompute_modules=["mlp"], num_moe_experts=4, moe_ffn_hidden_size=32)
+    runtime_config_update(tiny_config(model=all_experts))  # megatron-core recomputes no MoE layer's MLP

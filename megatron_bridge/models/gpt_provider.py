@@ -260,6 +260,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_layer_modules(p)
         self._check_expert_biases(p)
         self._check_experts(p)
+        self._check_recompute(p)
         self._check_rotary(p)
         self._check_activation(p)
 
@@ -410,6 +411,22 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             f"megatron-core applies the routing probability to the expert input only with one expert per token, "
             f"but moe_router_topk={self.moe_router_topk}",
             "set model.moe_router_topk=1, or model.moe_apply_probs_on_input=False",
+        )
+
+    def _check_recompute(self, p: Problems) -> None:
+        """megatron-core's selective recompute of a dense MLP returns the MLP's output bias (a
+        parameter) through its checkpoint function, which then becomes the bias's gradient
+        function: the backward pass recurses without end."""
+        if self.recompute_granularity != "selective" or "mlp" not in (self.recompute_modules or ()):
+            return
+        freq = self.moe_layer_freq
+        dense = not self.num_moe_experts or (0 in freq if isinstance(freq, list) else freq > 1 and self.num_layers > 1)
+        p.check(
+            not (dense and self.add_bias_linear),
+            "recompute_modules",
+            "'mlp' recomputes the dense MLPs, and megatron-core's MLP recompute fails with their biases "
+            "(add_bias_linear=True): the backward pass recurses without end",
+            "set model.add_bias_linear=False, or leave 'mlp' out of model.recompute_modules",
         )
 
     def _check_rotary(self, p: Problems) -> None:
