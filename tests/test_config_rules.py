@@ -612,3 +612,22 @@ def test_mlp_recompute_needs_mlps_without_biases():
     )
     all_experts = tiny_model(recompute_granularity="selective", recompute_modules=["mlp"], num_moe_experts=4, moe_ffn_hidden_size=32)
     runtime_config_update(tiny_config(model=all_experts))  # megatron-core recomputes no MoE layer's MLP
+
+
+def test_external_dataloader_needs_a_dataset_of_micro_batches():
+    cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=32, num_workers=0, dataloader_type="external"))
+    assert only_problem(cfg) == (
+        "dataset.dataloader_type: 'external' takes the dataset as an iterator of micro batches (what a "
+        "DatasetProvider's build_datasets may return), but MockGPTDatasetConfig builds datasets of single samples "
+        "(use 'single', 'cyclic' or 'batch', or leave dataset.dataloader_type unset)"
+    )
+
+
+def test_optimizer_offload_is_refused_on_cpu():
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(optimizer=OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True)), device="cpu")
+    assert err.value.errors == [
+        "optimizer.optimizer_cpu_offload: megatron-core's hybrid optimizer moves optimizer state from the GPUs to host "
+        "memory, and this run trains on CPU (where it fails at the first step) (set optimizer.optimizer_cpu_offload="
+        "False on CPU (the optimizer state is in host memory already))"
+    ]

@@ -359,6 +359,13 @@ def adapt_config(cfg, problems) -> list[str]:
             "'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but this run trains on CPU",
             "use 'alltoall' or 'allgather' on CPU",
         )
+    if cfg.optimizer.optimizer_cpu_offload:
+        problems.add(
+            "optimizer.optimizer_cpu_offload",
+            "megatron-core's hybrid optimizer moves optimizer state from the GPUs to host memory, and this run "
+            "trains on CPU (where it fails at the first step)",
+            "set optimizer.optimizer_cpu_offload=False on CPU (the optimizer state is in host memory already)",
+        )
     if model.sequence_parallel:
         problems.add(
             "model.sequence_parallel",
