@@ -631,3 +631,14 @@ def test_optimizer_offload_is_refused_on_cpu():
         "memory, and this run trains on CPU (where it fails at the first step) (set optimizer.optimizer_cpu_offload="
         "False on CPU (the optimizer state is in host memory already))"
     ]
+
+
+def test_precision_aware_optimizer_needs_transformer_engine():
+    opt = OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, use_distributed_optimizer=True)
+    cfg = tiny_config(optimizer=opt)
+    cfg.ddp.use_distributed_optimizer = True
+    with extras.assume_installed(transformer_engine=False):
+        assert only_problem(cfg) == (
+            "optimizer.use_precision_aware_optimizer: the precision-aware optimizer (TransformerEngine's FusedAdam) "
+            "needs the 'transformer_engine' package (pip install 'megatron-bridge[te]')"
+        )
