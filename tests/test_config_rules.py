@@ -642,3 +642,24 @@ def test_precision_aware_optimizer_needs_transformer_engine():
             "optimizer.use_precision_aware_optimizer: the precision-aware optimizer (TransformerEngine's FusedAdam) "
             "needs the 'transformer_engine' package (pip install 'megatron-bridge[te]')"
         )
+
+
+def test_distributed_optimizer_instances_split_the_data_parallel_ranks():
+    cfg = tiny_config(optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=True))
+    cfg.ddp.use_distributed_optimizer = True
+    cfg.ddp.num_distributed_optimizer_instances = 2
+    assert only_problem(cfg) == (
+        "ddp.num_distributed_optimizer_instances: 2 instances do not split the DP x CP = 1 ranks evenly "
+        "(choose a number of instances that divides DP x CP)"
+    )
+
+
+def test_nccl_user_buffers_are_refused_on_cpu():
+    cfg = tiny_config()
+    cfg.ddp.nccl_ub = True
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, device="cpu")
+    assert err.value.errors == [
+        "ddp.nccl_ub: NCCL user buffers are an NCCL setting, and this run trains on CPU with gloo "
+        "(leave ddp.nccl_ub unset on CPU)"
+    ]

@@ -415,6 +415,12 @@ def adapt_config(cfg, problems) -> list[str]:
                 f"{what} are NCCL settings, and this run trains on CPU with gloo",
                 f"leave dist.{name} unset on CPU",
             )
+    if cfg.ddp.nccl_ub:  # megatron-core compiles NCCL's user-buffer allocator with CUDA
+        problems.add(
+            "ddp.nccl_ub",
+            "NCCL user buffers are an NCCL setting, and this run trains on CPU with gloo",
+            "leave ddp.nccl_ub unset on CPU",
+        )
     if getattr(cfg.dataset, "pin_memory", False):
         # Pinning needs CUDA; a user's explicit True is kept (torch then skips pinning, with a warning).
         changed += set_unless_user_set(cfg.dataset, {"pin_memory": False}, problems, "dataset", lambda *_: None)

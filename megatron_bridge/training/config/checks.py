@@ -164,6 +164,20 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
             )
 
 
+def check_distributed_optimizer_instances(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Each distributed-optimizer instance shards the state over an equal part of the DP x CP ranks."""
+    instances, dp = cfg.ddp.num_distributed_optimizer_instances, cfg.data_parallel_size
+    if instances == 1 or dp is None:
+        return
+    ranks = dp * cfg.model.context_parallel_size
+    problems.check(
+        ranks % instances == 0,
+        "ddp.num_distributed_optimizer_instances",
+        f"{instances} instances do not split the DP x CP = {ranks} ranks evenly",
+        "choose a number of instances that divides DP x CP",
+    )
+
+
 # ---------------------------------------------------------------------- precision
 def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems) -> None:
     """Model and optimizer agree on bf16/fp16; fp8/fp4 settings fit together."""

@@ -233,6 +233,7 @@ RULES: tuple[Rule, ...] = (
     Rule("vocabulary size", "derive", derive_vocab_size),
     Rule("batch sizes", "check", checks.check_batch_sizes),
     Rule("pipeline layout", "check", checks.check_pipeline_layout),
+    Rule("distributed optimizer instances", "check", checks.check_distributed_optimizer_instances),
     Rule("mixed precision consistency", "check", checks.check_mixed_precision_consistency),
     Rule("weight initialization", "check", checks.check_initialization),
     Rule("output logits", "check", checks.check_output_logits),
