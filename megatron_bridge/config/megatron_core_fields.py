@@ -144,6 +144,19 @@ STATUS: dict[str, object] = {
         )
         for name in ("use_kitchen", "use_kitchen_attention", "kitchen_attention_backend")
     },
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: the model build uses megatron-core's GPT layer specs, not its experimental attention "
+            "variants (DSA, gated delta net)"
+        )
+        for name in ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+                     "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "linear_attention_freq",
+                     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads")
+    },  # fmt: skip
+    "TransformerConfig.apply_residual_connection_post_layernorm": Unsupported(
+        "not implemented: megatron-core 0.16's transformer layer does not read it (the residual is always the layer input)"
+    ),
     **{f"TransformerConfig.{name}": _QK_CLIP for name in ("qk_clip", "qk_clip_alpha", "qk_clip_threshold", "log_max_attention_logit")},
     "DistributedDataParallelConfig.use_megatron_fsdp": Unsupported(
         "not implemented: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"

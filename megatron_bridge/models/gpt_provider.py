@@ -510,7 +510,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         te = self.uses_transformer_engine()
-        spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            self, use_transformer_engine=te, normalization=self.normalization, qk_l2_norm=self.qk_l2_norm, vp_stage=vp_stage
+        )
         if not te:
             choice = core_attention_choice(self)
             if not vp_stage:  # one line per model, not per virtual pipeline stage
