@@ -531,6 +531,8 @@ def test_multi_latent_attention_needs_a_provider_with_its_sizes():
         ("log_max_attention_logit", True, "the training loop does not call megatron-core's clip_qk"),
         ("heterogeneous_block_specs", True, "per-layer block configs"),
         ("use_kitchen", True, "NVIDIA Kitchen's quantized layers are not an integration here"),
+        ("experimental_attention_variant", "dsa", "the model build uses megatron-core's GPT layer specs"),
+        ("apply_residual_connection_post_layernorm", True, "megatron-core 0.16's transformer layer does not read it"),
     ],
 )
 def test_model_settings_the_run_does_not_implement_are_refused(field, value, reason):
