@@ -665,3 +665,13 @@ def test_nccl_user_buffers_are_refused_on_cpu():
         "ddp.nccl_ub: NCCL user buffers are an NCCL setting, and this run trains on CPU with gloo "
         "(leave ddp.nccl_ub unset on CPU)"
     ]
+
+
+def test_autocast_is_refused_on_cpu():
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(model=tiny_model(enable_autocast=True, autocast_dtype=torch.bfloat16)), device="cpu")
+    assert err.value.errors == [
+        "model.enable_autocast: megatron-core autocasts the forward pass with torch.autocast('cuda'), which leaves CPU "
+        "computation in its own dtype, and this run trains on CPU (leave model.enable_autocast unset on CPU "
+        "(mixed_precision='bf16_mixed' trains in bf16 there))"
+    ]

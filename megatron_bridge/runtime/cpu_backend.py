@@ -359,6 +359,13 @@ def adapt_config(cfg, problems) -> list[str]:
             "'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but this run trains on CPU",
             "use 'alltoall' or 'allgather' on CPU",
         )
+    if model.enable_autocast:
+        problems.add(
+            "model.enable_autocast",
+            "megatron-core autocasts the forward pass with torch.autocast('cuda'), which leaves CPU computation in "
+            "its own dtype, and this run trains on CPU",
+            "leave model.enable_autocast unset on CPU (mixed_precision='bf16_mixed' trains in bf16 there)",
+        )
     if cfg.optimizer.optimizer_cpu_offload:
         problems.add(
             "optimizer.optimizer_cpu_offload",
