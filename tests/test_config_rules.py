@@ -504,14 +504,26 @@ def test_half_precision_parameters_need_the_mixed_precision_optimizer():
     runtime_config_update(tiny_config(model=tiny_model(params_dtype=torch.bfloat16), mixed_precision="bf16_mixed"))
 
 
+@pytest.mark.timeout(120)
 def test_uninitialized_weights_need_a_checkpoint_to_load(tmp_path):
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
     assert only_problem(tiny_config(model=tiny_model(perform_initialization=False))) == (
         "model.perform_initialization: False leaves the weights uninitialized (whatever memory held), and no "
         "checkpoint is loaded into them (set checkpoint.load or checkpoint.pretrained_checkpoint, or leave "
         "model.perform_initialization=True)"
     )
+    # a load directory passes validation; the run finds it empty before training on garbage weights
     cfg = tiny_config(model=tiny_model(perform_initialization=False), checkpoint=CheckpointConfig(load=str(tmp_path)))
-    runtime_config_update(cfg)
+    cfg.train.train_iters = 1
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(cfg, forward_step)
+    assert err.value.errors == [
+        f"model.perform_initialization: False leaves the weights uninitialized, and checkpoint.load={str(tmp_path)!r} "
+        "holds no checkpoint to load into them (point checkpoint.load at a saved run, or leave "
+        "model.perform_initialization=True)"
+    ]
 
 
 def test_multi_latent_attention_needs_a_provider_with_its_sizes():
@@ -675,3 +687,11 @@ def test_autocast_is_refused_on_cpu():
         "computation in its own dtype, and this run trains on CPU (leave model.enable_autocast unset on CPU "
         "(mixed_precision='bf16_mixed' trains in bf16 there))"
     ]
+
+
+def test_symmetric_all_reduce_needs_transformer_engine():
+    with extras.assume_installed(transformer_engine=False):
+        assert only_problem(tiny_config(model=tiny_model(symmetric_ar_type="two_shot"))) == (
+            "model.symmetric_ar_type: symmetric-memory all-reduce needs the 'transformer_engine' package "
+            "(pip install 'megatron-bridge[te]')"
+        )

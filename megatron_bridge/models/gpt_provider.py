@@ -234,6 +234,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "sequence parallelism needs tensor_model_parallel_size > 1",
             "set model.sequence_parallel=False or raise the TP size",
         )
+        if self.symmetric_ar_type is not None:  # megatron-core's check of it reads TransformerEngine's version
+            p.require_package("transformer_engine", "symmetric_ar_type", "symmetric-memory all-reduce")
         if self.multi_latent_attention:
             from megatron.core.transformer.transformer_config import MLATransformerConfig
 
