@@ -90,4 +90,3 @@ def test_layer_fields_that_cannot_be_built_are_refused_together():
     custom = tiny_model(output_layernorms=True, transformer_layer_spec=sequence_parallel_layer_spec)
     with pytest.raises(ConfigValidationError, match="a custom layer spec is built as given, without input_layernorms"):
         custom.finalize()
-
