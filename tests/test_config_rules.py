@@ -480,3 +480,218 @@ def test_validate_refuses_env_vars_that_load_code_and_sets_none_of_them(monkeypa
     assert "env_vars.GIT_CONFIG_KEY_0: may not be set from a config: git takes settings" in str(err.value)
     problems_of(cfg)
     assert "MB_TEST_FINE" not in os.environ and "PYTHONSTARTUP" not in os.environ  # all of them, or none
+
+
+# ---------------------------------------------------------------------- settings megatron-core would fail on mid-run
+def test_hierarchical_context_parallel_sizes_need_a2a_p2p_also_without_cp_comm_type():
+    cfg = tiny_config(model=tiny_model(hierarchical_context_parallel_sizes=[1, 1]))
+    assert only_problem(cfg) == (
+        "model.hierarchical_context_parallel_sizes: set to [1, 1] but cp_comm_type is None "
+        "(use cp_comm_type='a2a+p2p' or unset hierarchical_context_parallel_sizes)"
+    )
+
+
+def test_half_precision_parameters_need_the_mixed_precision_optimizer():
+    assert only_problem(tiny_config(model=tiny_model(params_dtype=torch.bfloat16))) == (
+        "model.params_dtype: bfloat16 without model.bf16=True: the fp32 optimizer needs float32 parameters "
+        "(use mixed_precision='bf16_mixed' (bf16 weights with fp32 main weights in the optimizer), or leave "
+        "model.params_dtype at float32)"
+    )
+    assert only_problem(tiny_config(model=tiny_model(params_dtype=torch.float64))) == (
+        "model.params_dtype: float64: megatron-core's optimizers train float32 parameters, or bf16/fp16 ones with "
+        "mixed precision (use float32, or mixed_precision='bf16_mixed' / 'fp16_mixed')"
+    )
+    runtime_config_update(tiny_config(model=tiny_model(params_dtype=torch.bfloat16), mixed_precision="bf16_mixed"))
+
+
+@pytest.mark.timeout(120)
+def test_uninitialized_weights_need_a_checkpoint_to_load(tmp_path):
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
+    assert only_problem(tiny_config(model=tiny_model(perform_initialization=False))) == (
+        "model.perform_initialization: False leaves the weights uninitialized (whatever memory held), and no "
+        "checkpoint is loaded into them (set checkpoint.load or checkpoint.pretrained_checkpoint, or leave "
+        "model.perform_initialization=True)"
+    )
+    # a load directory passes validation; the run finds it empty before training on garbage weights
+    cfg = tiny_config(model=tiny_model(perform_initialization=False), checkpoint=CheckpointConfig(load=str(tmp_path)))
+    cfg.train.train_iters = 1
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(cfg, forward_step)
+    assert err.value.errors == [
+        f"model.perform_initialization: False leaves the weights uninitialized, and checkpoint.load={str(tmp_path)!r} "
+        "holds no checkpoint to load into them (point checkpoint.load at a saved run, or leave "
+        "model.perform_initialization=True)"
+    ]
+
+
+def test_multi_latent_attention_needs_a_provider_with_its_sizes():
+    assert only_problem(tiny_config(model=tiny_model(multi_latent_attention=True))) == (
+        "model.multi_latent_attention: True needs the multi-latent attention sizes (q_lora_rank, kv_lora_rank, "
+        "qk_head_dim, ...), which GPTModelProvider does not have (use a provider with them (DeepSeekModelProvider), "
+        "or set model.multi_latent_attention=False)"
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("hybrid_context_parallel", True, "megatron-core's hybrid context parallelism trains on the sub-sample batches"),
+        ("max_seqlen_per_dp_cp_rank", 32, "megatron-core's hybrid context parallelism trains on the sub-sample batches"),
+        ("qk_clip", True, "the training loop does not call megatron-core's clip_qk"),
+        ("log_max_attention_logit", True, "the training loop does not call megatron-core's clip_qk"),
+        ("heterogeneous_block_specs", True, "per-layer block configs"),
+        ("use_kitchen", True, "NVIDIA Kitchen's quantized layers are not an integration here"),
+        ("experimental_attention_variant", "dsa", "the model build uses megatron-core's GPT layer specs"),
+        ("apply_residual_connection_post_layernorm", True, "megatron-core 0.16's transformer layer does not read it"),
+    ],
+)
+def test_model_settings_the_run_does_not_implement_are_refused(field, value, reason):
+    problem = only_problem(tiny_config(model=tiny_model(**{field: value})))
+    assert problem.startswith(f"model.{field}: {field}={value!r} is not supported: not implemented: {reason}")
+
+
+@pytest.mark.parametrize(
+    "field", ["memory_efficient_layer_norm", "fused_single_qkv_rope", "moe_permute_fusion", "moe_router_fusion"]
+)
+def test_fused_kernel_settings_are_refused_on_cpu(field):
+    model = tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, **{field: True})
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(model=model), device="cpu")
+    assert err.value.errors == [
+        f"model.{field}: True needs CUDA, but this run trains on CPU (set model.{field}=False or train on GPUs "
+        "(dist.distributed_backend='nccl'))"
+    ]
+
+
+def test_settings_that_need_transformer_engine_are_machine_problems():
+    from megatron_bridge.config.status import machine_problems
+
+    runtime_config_update(tiny_config(model=tiny_model(cpu_offloading=True)))  # not a config error
+    settings = dict(cpu_offloading=True, fused_single_qkv_rope=True, moe_permute_fusion=True, moe_router_fusion=True,
+                    moe_latent_size=16)  # fmt: skip
+    cfg = tiny_config(model=tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, **settings))
+    with extras.assume_installed(transformer_engine=False):
+        found = machine_problems(cfg, device="cuda")
+    assert sorted(found) == sorted(
+        f"model.{name}: {name}={value!r} needs TransformerEngine (pip install transformer-engine, or leave it unset)"
+        for name, value in settings.items()
+    )
+
+
+def test_training_keeps_the_logits_split():
+    assert only_problem(tiny_config(model=tiny_model(parallel_output=False))) == (
+        "model.parallel_output: False gathers the logits over tensor-parallel ranks, and megatron-core's training "
+        "loss (its vocabulary-parallel cross entropy) takes them split (with gathered logits it fails in the backward "
+        "pass) (leave model.parallel_output=True for training (generation gathers the logits itself))"
+    )
+
+
+def test_expert_settings_megatron_core_fails_on_at_the_build():
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32)
+    assert only_problem(tiny_config(model=tiny_model(moe_token_dispatcher_type="flex", **moe))) == (
+        "model.moe_token_dispatcher_type: 'flex' dispatches over the expert tensor- and expert-parallel ranks "
+        "together, and there is one (expert_tensor_parallel_size=1, expert_model_parallel_size=1) (use 'alltoall' or "
+        "'allgather', or raise expert_model_parallel_size)"
+    )
+    with pytest.raises(ConfigValidationError) as err:
+        cfg = tiny_config(model=tiny_model(moe_token_dispatcher_type="flex", expert_model_parallel_size=2, **moe))
+        runtime_config_update(cfg, world_size=2, device="cpu")
+    assert err.value.errors == [
+        "model.moe_token_dispatcher_type: 'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but "
+        "this run trains on CPU (use 'alltoall' or 'allgather' on CPU)"
+    ]
+    assert only_problem(tiny_config(model=tiny_model(moe_apply_probs_on_input=True, **moe))) == (
+        "model.moe_apply_probs_on_input: megatron-core applies the routing probability to the expert input only with "
+        "one expert per token, but moe_router_topk=2 (set model.moe_router_topk=1, or "
+        "model.moe_apply_probs_on_input=False)"
+    )
+
+
+def test_shared_experts_have_no_biases():
+    cfg = tiny_config(model=tiny_model(num_moe_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32))
+    assert only_problem(cfg) == (
+        "model.moe_shared_expert_intermediate_size: megatron-core's shared experts have no biases, but "
+        "add_bias_linear=True (set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset)"
+    )
+
+
+def test_mlp_recompute_needs_mlps_without_biases():
+    cfg = tiny_config(model=tiny_model(recompute_granularity="selective", recompute_modules=["mlp"]))
+    assert only_problem(cfg) == (
+        "model.recompute_modules: 'mlp' recomputes the dense MLPs, and megatron-core's MLP recompute fails with their "
+        "biases (add_bias_linear=True): the backward pass recurses without end (set model.add_bias_linear=False, or "
+        "leave 'mlp' out of model.recompute_modules)"
+    )
+    all_experts = tiny_model(recompute_granularity="selective", recompute_modules=["mlp"], num_moe_experts=4, moe_ffn_hidden_size=32)
+    runtime_config_update(tiny_config(model=all_experts))  # megatron-core recomputes no MoE layer's MLP
+
+
+def test_external_dataloader_needs_a_dataset_of_micro_batches():
+    cfg = tiny_config(dataset=MockGPTDatasetConfig(seq_length=32, num_workers=0, dataloader_type="external"))
+    assert only_problem(cfg) == (
+        "dataset.dataloader_type: 'external' takes the dataset as an iterator of micro batches (what a "
+        "DatasetProvider's build_datasets may return), but MockGPTDatasetConfig builds datasets of single samples "
+        "(use 'single', 'cyclic' or 'batch', or leave dataset.dataloader_type unset)"
+    )
+
+
+def test_optimizer_offload_is_refused_on_cpu():
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(optimizer=OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True)), device="cpu")
+    assert err.value.errors == [
+        "optimizer.optimizer_cpu_offload: megatron-core's hybrid optimizer moves optimizer state from the GPUs to host "
+        "memory, and this run trains on CPU (where it fails at the first step) (set optimizer.optimizer_cpu_offload="
+        "False on CPU (the optimizer state is in host memory already))"
+    ]
+
+
+def test_precision_aware_optimizer_needs_transformer_engine():
+    opt = OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, use_distributed_optimizer=True)
+    cfg = tiny_config(optimizer=opt)
+    cfg.ddp.use_distributed_optimizer = True
+    with extras.assume_installed(transformer_engine=False):
+        assert only_problem(cfg) == (
+            "optimizer.use_precision_aware_optimizer: the precision-aware optimizer (TransformerEngine's FusedAdam) "
+            "needs the 'transformer_engine' package (pip install 'megatron-bridge[te]')"
+        )
+
+
+def test_distributed_optimizer_instances_split_the_data_parallel_ranks():
+    cfg = tiny_config(optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=True))
+    cfg.ddp.use_distributed_optimizer = True
+    cfg.ddp.num_distributed_optimizer_instances = 2
+    assert only_problem(cfg) == (
+        "ddp.num_distributed_optimizer_instances: 2 instances do not split the DP x CP = 1 ranks evenly "
+        "(choose a number of instances that divides DP x CP)"
+    )
+
+
+def test_nccl_user_buffers_are_refused_on_cpu():
+    cfg = tiny_config()
+    cfg.ddp.nccl_ub = True
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, device="cpu")
+    assert err.value.errors == [
+        "ddp.nccl_ub: NCCL user buffers are an NCCL setting, and this run trains on CPU with gloo "
+        "(leave ddp.nccl_ub unset on CPU)"
+    ]
+
+
+def test_autocast_is_refused_on_cpu():
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(model=tiny_model(enable_autocast=True, autocast_dtype=torch.bfloat16)), device="cpu")
+    assert err.value.errors == [
+        "model.enable_autocast: megatron-core autocasts the forward pass with torch.autocast('cuda'), which leaves CPU "
+        "computation in its own dtype, and this run trains on CPU (leave model.enable_autocast unset on CPU "
+        "(mixed_precision='bf16_mixed' trains in bf16 there))"
+    ]
+
+
+def test_symmetric_all_reduce_needs_transformer_engine():
+    with extras.assume_installed(transformer_engine=False):
+        assert only_problem(tiny_config(model=tiny_model(symmetric_ar_type="two_shot"))) == (
+            "model.symmetric_ar_type: symmetric-memory all-reduce needs the 'transformer_engine' package "
+            "(pip install 'megatron-bridge[te]')"
+        )

@@ -113,6 +113,16 @@ def test_transformer_layer_spec_decides_the_layers(process_group):
     assert type(changed.decoder.layers[1].pre_mlp_layernorm) is torch.nn.RMSNorm
 
 
+def test_qk_l2_norm_normalizes_queries_and_keys(process_group):
+    """`qk_l2_norm` reaches megatron-core's decoder spec: queries and keys are L2-normalized per head."""
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    default, changed = build_gpt(), build_gpt(qk_l2_norm=True)
+    attention = changed.decoder.layers[0].self_attention
+    assert type(attention.q_layernorm) is type(attention.k_layernorm) is L2Norm
+    assert type(default.decoder.layers[0].self_attention.q_layernorm) is not L2Norm
+
+
 # ---------------------------------------------------------------------- comm_overlap and precision presets
 def test_comm_overlap_fields_reach_the_model_ddp_and_optimizer_configs():
     """These act with pipeline parallelism, several data-parallel ranks and (the deferred

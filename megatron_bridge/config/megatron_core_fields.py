@@ -102,9 +102,24 @@ RANGES: dict[str, Range] = {
 NEEDS_TE = Unsupported("needs TransformerEngine", needs="transformer_engine")
 NEEDS_GPU = Unsupported("needs a GPU (CUDA graphs)", needs="gpu")
 _FSDP_ONLY = Unsupported("read only by Megatron FSDP, which is not wired into the model build")
+_HYBRID_CP = Unsupported(
+    "not implemented: megatron-core's hybrid context parallelism trains on the sub-sample batches of its "
+    "HybridCPDataLoaderWrapper, which the data pipeline does not build"
+)
+_QK_CLIP = Unsupported(
+    "not implemented: the training loop does not call megatron-core's clip_qk, and only TransformerEngine's "
+    "core attention records the attention logits it reads"
+)
 
 STATUS: dict[str, object] = {
     **{f"TransformerConfig.{name}": NEEDS_TE for name in ("fp8", "fp4")},
+    # megatron-core offloads activations through TransformerEngine's offload context only
+    "ModelParallelConfig.cpu_offloading": NEEDS_TE,
+    # TransformerEngine's kernels and layers: fused rotary embedding, MoE permutation and routing, latent projections
+    **{
+        f"TransformerConfig.{name}": NEEDS_TE
+        for name in ("fused_single_qkv_rope", "moe_permute_fusion", "moe_router_fusion", "moe_latent_size")
+    },
     **{f"TransformerConfig.{name}": NEEDS_GPU for name in ("enable_cuda_graph", "cuda_graph_impl", "external_cuda_graph")},
     # megatron-core hooks that the build wires onto the model's and the optimizer's copies of the config
     **{
@@ -113,6 +128,36 @@ STATUS: dict[str, object] = {
                      "finalize_model_grads_func")
     },  # fmt: skip
     "OptimizerConfig.timers": DERIVED,
+    **{f"ModelParallelConfig.{name}": _HYBRID_CP for name in ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank")},
+    "GPTDatasetConfig.hybrid_context_parallel": _HYBRID_CP,
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: per-layer block configs (megatron-core's HeterogeneousTransformerConfig) are not a "
+            "model provider here"
+        )
+        for name in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint")
+    },
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: NVIDIA Kitchen's quantized layers are not an integration here (megatron-core "
+            "asserts at the model build without the package)"
+        )
+        for name in ("use_kitchen", "use_kitchen_attention", "kitchen_attention_backend")
+    },
+    **{
+        f"TransformerConfig.{name}": Unsupported(
+            "not implemented: the model build uses megatron-core's GPT layer specs, not its experimental attention "
+            "variants (DSA, gated delta net)"
+        )
+        for name in ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+                     "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "linear_attention_freq",
+                     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads")
+    },  # fmt: skip
+    "TransformerConfig.apply_residual_connection_post_layernorm": Unsupported(
+        "not implemented: megatron-core 0.16's transformer layer does not read it (the residual is always the layer input)"
+    ),
+    **{f"TransformerConfig.{name}": _QK_CLIP for name in ("qk_clip", "qk_clip_alpha", "qk_clip_threshold", "log_max_attention_logit")},
     "DistributedDataParallelConfig.use_megatron_fsdp": Unsupported(
         "not implemented: Megatron FSDP is not wired into the model build; use use_distributed_optimizer"
     ),

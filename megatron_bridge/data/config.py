@@ -56,6 +56,13 @@ class DataloaderConfig(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         if self.num_workers == 0 and self.persistent_workers:
             self._derive("persistent_workers", False)
+        problems.check(
+            self.dataloader_type != "external" or isinstance(self, DatasetProvider),
+            "dataloader_type",
+            f"'external' takes the dataset as an iterator of micro batches (what a DatasetProvider's build_datasets "
+            f"may return), but {type(self).__name__} builds datasets of single samples",
+            "use 'single', 'cyclic' or 'batch', or leave dataset.dataloader_type unset",
+        )
 
 
 @dataclass

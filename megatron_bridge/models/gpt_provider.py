@@ -234,6 +234,18 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "sequence parallelism needs tensor_model_parallel_size > 1",
             "set model.sequence_parallel=False or raise the TP size",
         )
+        if self.symmetric_ar_type is not None:  # megatron-core's check of it reads TransformerEngine's version
+            p.require_package("transformer_engine", "symmetric_ar_type", "symmetric-memory all-reduce")
+        if self.multi_latent_attention:
+            from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+            p.check(
+                isinstance(self, MLATransformerConfig),
+                "multi_latent_attention",
+                f"True needs the multi-latent attention sizes (q_lora_rank, kv_lora_rank, qk_head_dim, ...), "
+                f"which {type(self).__name__} does not have",
+                "use a provider with them (DeepSeekModelProvider), or set model.multi_latent_attention=False",
+            )
         if self.fine_grained_activation_offloading:
             p.check(
                 self.transformer_impl == "transformer_engine",
@@ -249,6 +261,8 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_layer_fields(p)
         self._check_layer_modules(p)
         self._check_expert_biases(p)
+        self._check_experts(p)
+        self._check_recompute(p)
         self._check_rotary(p)
         self._check_activation(p)
 
@@ -360,9 +374,15 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
     def _check_expert_biases(self, p: Problems) -> None:
         """megatron-core adds an expert's output bias on every expert-tensor-parallel rank before
         their partial outputs are summed, so it splits no expert with biases (expert_tensor_parallel_size
-        1); unset, that is derived."""
+        1); unset, that is derived. Its shared experts have no biases at all."""
         if not self.num_moe_experts or not self.add_bias_linear:
             return
+        p.check(
+            not self.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_intermediate_size",
+            "megatron-core's shared experts have no biases, but add_bias_linear=True",
+            "set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset",
+        )
         etp = self.expert_tensor_parallel(self.tensor_model_parallel_size)
         if etp is not None and not self.is_explicit("expert_tensor_parallel_size"):
             self._derive("expert_tensor_parallel_size", etp)
@@ -371,6 +391,44 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "expert_tensor_parallel_size",
             f"{etp}: megatron-core splits no expert with biases (add_bias_linear=True) over tensor-parallel ranks",
             "set model.expert_tensor_parallel_size=1 (the experts are split over expert-parallel ranks instead)",
+        )
+
+    def _check_experts(self, p: Problems) -> None:
+        """MoE settings megatron-core accepts in its config but fails on at the model build or the
+        first forward."""
+        if not self.num_moe_experts:
+            return
+        if self.moe_token_dispatcher_type == "flex":
+            etp = self.expert_tensor_parallel(self.tensor_model_parallel_size) or self.tensor_model_parallel_size
+            p.check(
+                etp * self.expert_model_parallel_size > 1,
+                "moe_token_dispatcher_type",
+                f"'flex' dispatches over the expert tensor- and expert-parallel ranks together, and there is one "
+                f"(expert_tensor_parallel_size={etp}, expert_model_parallel_size={self.expert_model_parallel_size})",
+                "use 'alltoall' or 'allgather', or raise expert_model_parallel_size",
+            )
+        p.check(
+            not self.moe_apply_probs_on_input or self.moe_router_topk == 1,
+            "moe_apply_probs_on_input",
+            f"megatron-core applies the routing probability to the expert input only with one expert per token, "
+            f"but moe_router_topk={self.moe_router_topk}",
+            "set model.moe_router_topk=1, or model.moe_apply_probs_on_input=False",
+        )
+
+    def _check_recompute(self, p: Problems) -> None:
+        """megatron-core's selective recompute of a dense MLP returns the MLP's output bias (a
+        parameter) through its checkpoint function, which then becomes the bias's gradient
+        function: the backward pass recurses without end."""
+        if self.recompute_granularity != "selective" or "mlp" not in (self.recompute_modules or ()):
+            return
+        freq = self.moe_layer_freq
+        dense = not self.num_moe_experts or (0 in freq if isinstance(freq, list) else freq > 1 and self.num_layers > 1)
+        p.check(
+            not (dense and self.add_bias_linear),
+            "recompute_modules",
+            "'mlp' recomputes the dense MLPs, and megatron-core's MLP recompute fails with their biases "
+            "(add_bias_linear=True): the backward pass recurses without end",
+            "set model.add_bias_linear=False, or leave 'mlp' out of model.recompute_modules",
         )
 
     def _check_rotary(self, p: Problems) -> None:
@@ -454,7 +512,9 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         te = self.uses_transformer_engine()
-        spec = get_gpt_decoder_block_spec(self, use_transformer_engine=te, normalization=self.normalization, vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            self, use_transformer_engine=te, normalization=self.normalization, qk_l2_norm=self.qk_l2_norm, vp_stage=vp_stage
+        )
         if not te:
             choice = core_attention_choice(self)
             if not vp_stage:  # one line per model, not per virtual pipeline stage
@@ -498,6 +558,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         if self.num_moe_experts:
             _router_gating_without_te()
+        _output_discarding_checkpoint_without_te()
 
         spec = self.layer_spec(vp_stage)
         with _te_attention_variables(te_layers(self)):
@@ -569,6 +630,26 @@ def _router_gating_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _output_discarding_checkpoint_without_te() -> None:
+    """megatron-core 0.16's `CheckpointWithoutOutput` (recompute_modules 'layernorm' and 'moe_act')
+    saves and restores TransformerEngine's FP8 state even where TE is not installed (a NameError
+    at the first forward): `fp8 is not None` holds for its default fp8=False. Without TE there is
+    no FP8 state, so its FP8 handling is turned off."""
+    from megatron.core.tensor_parallel import random as core_random
+
+    cls = core_random.CheckpointWithoutOutput
+    if core_random.HAVE_TE or getattr(cls, "_fp8_off_without_te", False):
+        return
+    original_init = cls.__init__
+
+    def __init__(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls._fp8_off_without_te = True
 
 
 def _is_module_spec(obj: Any) -> bool:

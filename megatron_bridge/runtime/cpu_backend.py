@@ -327,9 +327,13 @@ CPU_MODEL_SETTINGS = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
+    "memory_efficient_layer_norm": False,
+    "fused_single_qkv_rope": False,
     "cross_entropy_loss_fusion": False,
     "transformer_impl": "local",
     "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
 }
 """Model settings a CPU run needs: fused CUDA kernels off, megatron-core's local layers (and
 sequential experts: the grouped GEMM needs CUDA), weights initialized on the CPU."""
@@ -349,6 +353,26 @@ def adapt_config(cfg, problems) -> list[str]:
             f"set model.{name}={value!r} or train on GPUs (dist.distributed_backend='nccl')",
         ),
     )
+    if model.num_moe_experts and model.moe_token_dispatcher_type == "flex":
+        problems.add(
+            "model.moe_token_dispatcher_type",
+            "'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but this run trains on CPU",
+            "use 'alltoall' or 'allgather' on CPU",
+        )
+    if model.enable_autocast:
+        problems.add(
+            "model.enable_autocast",
+            "megatron-core autocasts the forward pass with torch.autocast('cuda'), which leaves CPU computation in "
+            "its own dtype, and this run trains on CPU",
+            "leave model.enable_autocast unset on CPU (mixed_precision='bf16_mixed' trains in bf16 there)",
+        )
+    if cfg.optimizer.optimizer_cpu_offload:
+        problems.add(
+            "optimizer.optimizer_cpu_offload",
+            "megatron-core's hybrid optimizer moves optimizer state from the GPUs to host memory, and this run "
+            "trains on CPU (where it fails at the first step)",
+            "set optimizer.optimizer_cpu_offload=False on CPU (the optimizer state is in host memory already)",
+        )
     if model.sequence_parallel:
         problems.add(
             "model.sequence_parallel",
@@ -398,6 +422,12 @@ def adapt_config(cfg, problems) -> list[str]:
                 f"{what} are NCCL settings, and this run trains on CPU with gloo",
                 f"leave dist.{name} unset on CPU",
             )
+    if cfg.ddp.nccl_ub:  # megatron-core compiles NCCL's user-buffer allocator with CUDA
+        problems.add(
+            "ddp.nccl_ub",
+            "NCCL user buffers are an NCCL setting, and this run trains on CPU with gloo",
+            "leave ddp.nccl_ub unset on CPU",
+        )
     if getattr(cfg.dataset, "pin_memory", False):
         # Pinning needs CUDA; a user's explicit True is kept (torch then skips pinning, with a warning).
         changed += set_unless_user_set(cfg.dataset, {"pin_memory": False}, problems, "dataset", lambda *_: None)

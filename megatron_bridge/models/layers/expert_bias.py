@@ -22,13 +22,18 @@ from megatron_bridge.models.layers.spec_edits import edit_layers
 
 
 class BiasedSequentialMLP(SequentialMLP):
-    """`SequentialMLP` for experts with biases (see the module docstring); without biases, with
-    probabilities applied to the input, or with FP8/FP4 padding, megatron-core's own."""
+    """`SequentialMLP` for experts with biases (see the module docstring); without biases or with
+    FP8/FP4 padding, megatron-core's own. With `moe_apply_probs_on_input` the probabilities scale
+    the expert input, as megatron-core does, and the outputs are not weighted again."""
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         c = self.config
-        if not c.add_bias_linear or c.moe_apply_probs_on_input or c.fp8 or c.fp4:
+        if not c.add_bias_linear or c.fp8 or c.fp4:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        if c.moe_apply_probs_on_input:  # one expert per token (a validation rule)
+            dtype = permuted_local_hidden_states.dtype
+            permuted_local_hidden_states = (permuted_probs.unsqueeze(-1) * permuted_local_hidden_states).to(dtype)
+            permuted_probs = torch.ones_like(permuted_probs)
         counts = tokens_per_expert.tolist()
         tokens = torch.split(permuted_local_hidden_states, counts)
         probs = torch.split(permuted_probs, counts)

@@ -192,6 +192,17 @@ class DefaultCheckpointManager:
             return self._load_peft(run)
         found = self.source()
         if found is None:
+            if not self.config.model.perform_initialization:
+                raise ConfigValidationError(
+                    [
+                        ConfigProblem(
+                            "model.perform_initialization",
+                            f"False leaves the weights uninitialized, and checkpoint.load={self.ckpt.load!r} holds no "
+                            "checkpoint to load into them",
+                            "point checkpoint.load at a saved run, or leave model.perform_initialization=True",
+                        )
+                    ]
+                )
             return None
         path, resume = found
         if not resume and is_hf_directory(path):

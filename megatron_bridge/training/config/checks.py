@@ -12,6 +12,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
 from megatron_bridge.models.vocab import null_tokenizer_vocab
@@ -162,6 +164,20 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
             )
 
 
+def check_distributed_optimizer_instances(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Each distributed-optimizer instance shards the state over an equal part of the DP x CP ranks."""
+    instances, dp = cfg.ddp.num_distributed_optimizer_instances, cfg.data_parallel_size
+    if instances == 1 or dp is None:
+        return
+    ranks = dp * cfg.model.context_parallel_size
+    problems.check(
+        ranks % instances == 0,
+        "ddp.num_distributed_optimizer_instances",
+        f"{instances} instances do not split the DP x CP = {ranks} ranks evenly",
+        "choose a number of instances that divides DP x CP",
+    )
+
+
 # ---------------------------------------------------------------------- precision
 def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems) -> None:
     """Model and optimizer agree on bf16/fp16; fp8/fp4 settings fit together."""
@@ -175,6 +191,52 @@ def check_mixed_precision_consistency(cfg: "ConfigContainer", problems: Problems
         )
     preset = "use a preset such as mixed_precision='bf16_with_fp8_current_scaling_mixed'"
     check_low_precision(m, problems, "model.", preset)
+    # bf16/fp16 select megatron-core's mixed-precision optimizer, which keeps fp32 main weights;
+    # without them the fp32 optimizer steps the parameters themselves and needs them in fp32.
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(m.params_dtype)
+    if half is not None:
+        problems.check(
+            getattr(m, half),
+            "model.params_dtype",
+            f"{_dtype_name(m.params_dtype)} without model.{half}=True: the fp32 optimizer needs float32 parameters",
+            f"use mixed_precision='{half}_mixed' ({half} weights with fp32 main weights in the optimizer), or leave "
+            "model.params_dtype at float32",
+        )
+    else:
+        problems.check(
+            m.params_dtype == torch.float32,
+            "model.params_dtype",
+            f"{_dtype_name(m.params_dtype)}: megatron-core's optimizers train float32 parameters, or bf16/fp16 "
+            "ones with mixed precision",
+            "use float32, or mixed_precision='bf16_mixed' / 'fp16_mixed'",
+        )
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_output_logits(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Training keeps the logits split over tensor-parallel ranks: megatron-core's loss (a
+    vocabulary-parallel cross entropy) takes them so, and fails on gathered ones."""
+    problems.check(
+        cfg.model.parallel_output,
+        "model.parallel_output",
+        "False gathers the logits over tensor-parallel ranks, and megatron-core's training loss (its "
+        "vocabulary-parallel cross entropy) takes them split (with gathered logits it fails in the backward pass)",
+        "leave model.parallel_output=True for training (generation gathers the logits itself)",
+    )
+
+
+def check_initialization(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Weights left uninitialized (model.perform_initialization=False) are loaded from a checkpoint."""
+    ckpt = cfg.checkpoint
+    problems.check(
+        cfg.model.perform_initialization or ckpt.load is not None or ckpt.pretrained_checkpoint is not None,
+        "model.perform_initialization",
+        "False leaves the weights uninitialized (whatever memory held), and no checkpoint is loaded into them",
+        "set checkpoint.load or checkpoint.pretrained_checkpoint, or leave model.perform_initialization=True",
+    )
 
 
 # ---------------------------------------------------------------------- sequence
@@ -205,9 +267,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
             f"use a multiple of {2 * cp}",
         )
     kinds = m.cp_comm_type
-    if kinds is None:
-        return
-    kind_list = kinds if isinstance(kinds, list) else [kinds]
+    kind_list = [] if kinds is None else kinds if isinstance(kinds, list) else [kinds]
     if isinstance(kinds, list):
         problems.check(
             len(kinds) == m.num_layers,
@@ -226,12 +286,15 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
             "set it, e.g. [2, 4] for context_parallel_size=8",
         ):
             product = math.prod(hierarchical)
-            problems.check(
+            if problems.check(
                 product == cp,
                 "model.hierarchical_context_parallel_sizes",
                 f"their product {product} differs from context_parallel_size={cp}",
                 "make the sizes multiply to context_parallel_size",
-            )
+            ):  # megatron-core lays out the hierarchical groups with einops
+                problems.require_package(
+                    "einops", "model.hierarchical_context_parallel_sizes", "megatron-core's hierarchical context-parallel groups"
+                )
     elif hierarchical is not None:
         problems.add(
             "model.hierarchical_context_parallel_sizes",

@@ -57,6 +57,10 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
                 "the precision-aware optimizer needs the distributed optimizer",
                 "set ddp.use_distributed_optimizer=True",
             )
+            if not self.optimizer_cpu_offload:  # else megatron-core's hybrid CPU/GPU optimizer serves it
+                problems.require_package(
+                    "transformer_engine", "use_precision_aware_optimizer", "the precision-aware optimizer (TransformerEngine's FusedAdam)"
+                )
         else:
             for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
                 value = getattr(self, name)
