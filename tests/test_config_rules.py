@@ -695,3 +695,34 @@ def test_symmetric_all_reduce_needs_transformer_engine():
             "model.symmetric_ar_type: symmetric-memory all-reduce needs the 'transformer_engine' package "
             "(pip install 'megatron-bridge[te]')"
         )
+
+
+@pytest.mark.parametrize(
+    "fields, text",
+    [
+        ({"rope_scaling_factor": 16.0}, "model.rope_scaling_factor: 16.0 has no effect without Llama 3.1's rope scaling "
+         "(model.rope_scaling=True: megatron-core reads it only then) (set model.rope_scaling=True, or leave model.rope_scaling_factor at 8.0)"),
+        ({"mtp_loss_scaling_factor": 0.3}, "model.mtp_loss_scaling_factor: 0.3 has no effect without multi-token "
+         "prediction (model.mtp_num_layers: megatron-core reads it only then) (set model.mtp_num_layers, or leave "
+         "model.mtp_loss_scaling_factor at 0.1)"),
+        ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_shared_expert_gate": True}, "model.moe_shared_expert_gate: "
+         "True has no effect without shared experts (model.moe_shared_expert_intermediate_size: megatron-core reads "
+         "it only then) (set "
+         "model.moe_shared_expert_intermediate_size, or leave model.moe_shared_expert_gate at False)"),
+    ],
+)  # fmt: skip
+def test_a_field_whose_feature_is_off_is_refused(fields, text):
+    from factories import tiny_llama_model
+
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(tiny_config(model=tiny_llama_model(**fields)))
+    assert text in err.value.errors
+
+
+def test_a_field_whose_feature_is_on_is_accepted():
+    from factories import tiny_llama_model
+
+    cfg = tiny_config(model=tiny_llama_model(rope_scaling=True, rope_scaling_factor=16.0, mtp_num_layers=1,
+                                             mtp_loss_scaling_factor=0.3))  # fmt: skip
+    runtime_config_update(cfg)
+    assert cfg.model.rope_scaling_factor == 16.0 and cfg.model.mtp_loss_scaling_factor == 0.3

@@ -25,6 +25,10 @@ RELATED = {
     "OptimizerConfig.min_lr": "lr",
     "GPTModelProvider.expert_model_parallel_size": "num_moe_experts",
     "GPTModelProvider.local_rotary_base": "window_size",
+    "GPTModelProvider.rope_scaling_factor": "rope_scaling",
+    "GPTModelProvider.mtp_loss_scaling_factor": "mtp_num_layers",
+    "GPTModelProvider.moe_router_bias_update_rate": "moe_router_enable_expert_bias",
+    "GPTModelProvider.mrope_section": "position_embedding_type",
     **{f"GPTModelProvider.{n}": "position_embedding_type" for n in (
         "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
         "yarn_mscale", "yarn_mscale_all_dim")},

@@ -264,6 +264,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         self._check_experts(p)
         self._check_recompute(p)
         self._check_rotary(p)
+        self._check_enabled_by(p)
         self._check_activation(p)
 
         check_attention(self, p)
@@ -471,6 +472,18 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "set model.apply_rope_fusion=False",
         )
 
+    def _check_enabled_by(self, p: Problems) -> None:
+        """Fields megatron-core reads only when another setting turns their feature on: changed
+        from the default without it, they would do nothing."""
+        for name, enabled, feature, setting in _ENABLED_BY:
+            value, default = getattr(self, name), _class_default(type(self), name)
+            if value != default and not enabled(self):
+                p.add(
+                    name,
+                    f"{value!r} has no effect without {feature} ({setting}: megatron-core reads it only then)",
+                    f"set {setting}, or leave model.{name} at {default!r}",
+                )
+
     def _check_activation(self, p: Problems) -> None:
         """megatron-core's fused gated activations (bias_activation_fusion) clamp the first
         projection's output before adding its bias, and the fused SwiGLU does not clamp at all;
@@ -595,6 +608,31 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             mtp_block_spec=mtp,
             vp_stage=vp_stage,
         )
+
+
+_ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("rope_scaling_factor", lambda m: m.rope_scaling, "Llama 3.1's rope scaling", "model.rope_scaling=True"),
+    ("mrope_section", lambda m: m.position_embedding_type == "mrope", "multimodal rope",
+     "model.position_embedding_type='mrope'"),
+    ("moe_shared_expert_gate", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
+     "model.moe_shared_expert_intermediate_size"),
+    ("moe_shared_expert_overlap", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
+     "model.moe_shared_expert_intermediate_size"),
+    ("moe_token_drop_policy", lambda m: m.moe_expert_capacity_factor is not None, "an expert capacity",
+     "model.moe_expert_capacity_factor"),
+    ("moe_router_bias_update_rate", lambda m: m.moe_router_enable_expert_bias, "the routers' expert bias",
+     "model.moe_router_enable_expert_bias=True"),
+    ("mtp_loss_scaling_factor", lambda m: bool(m.mtp_num_layers), "multi-token prediction", "model.mtp_num_layers"),
+    ("cross_entropy_fusion_impl", lambda m: m.cross_entropy_loss_fusion, "the fused cross entropy",
+     "model.cross_entropy_loss_fusion=True"),
+)  # fmt: skip
+"""(field, whether its feature is on, the feature, the setting that turns it on): `_check_enabled_by`."""
+
+
+@functools.cache
+def _class_default(cls: type, name: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 _TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
