@@ -526,7 +526,11 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
 
         te = self.uses_transformer_engine()
         spec = get_gpt_decoder_block_spec(
-            self, use_transformer_engine=te, normalization=self.normalization, qk_l2_norm=self.qk_l2_norm, vp_stage=vp_stage
+            self,
+            use_transformer_engine=te,
+            normalization=self.normalization,
+            qk_l2_norm=self.qk_l2_norm,
+            vp_stage=vp_stage,
         )
         if not te:
             choice = core_attention_choice(self)
