@@ -34,7 +34,7 @@ def train_line(step: int, total: int, metrics: Mapping[str, float], eta_seconds:
     if "lm loss" in metrics:
         parts.append(f"lm loss {metrics['lm loss']:.4E}")
     for key in sorted(metrics):
-        if key.endswith(" loss") and key != "lm loss":
+        if key.endswith((" loss", "_loss")) and key != "lm loss":  # also the MoE routers' (z_loss, ...)
             parts.append(f"{key} {metrics[key]:.4E}")
     if "tflops-per-device" in metrics:
         parts.append(f"{metrics['tflops-per-device']:.3g} TFLOP/s/device")

@@ -184,6 +184,65 @@ def mtp_losses(microbatches: int, dp_group: Any) -> dict[str, float]:
     return {f"mtp_{k} loss": v / (ranks * max(1, microbatches)) for k, v in enumerate(totals.tolist(), 1)}
 
 
+_BALANCING_LOSSES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+"""megatron-core's load-balancing types and the names its routers record their losses under."""
+
+
+def moe_loss_names(model: Any) -> list[str]:
+    """The auxiliary losses the routers of `model` (a provider with experts) compute: each
+    load-balancing type with a nonzero coefficient, and the z-loss."""
+    types, coeffs = model.moe_router_load_balancing_type, model.moe_aux_loss_coeff
+    if not isinstance(types, list):
+        types, coeffs = [types], [coeffs]
+    names = [_BALANCING_LOSSES[t] for t, c in zip(types, coeffs) if t in _BALANCING_LOSSES and c]
+    return names + (["z_loss"] if model.moe_z_loss_coeff else [])
+
+
+def moe_losses(model: Any, microbatches: int, device: Any) -> dict[str, float]:
+    """The routers' auxiliary losses since the last call (`microbatches` training micro batches),
+    each the mean over the MoE layers, as megatron-core logs them (without their coefficients):
+    summed over pipeline stages and the group each router names, averaged over data-parallel
+    ranks (as a sum divided by the size: gloo has no average). The tracker is emptied.
+    Collective on every rank, each loss in the same order."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    freq, layers = model.moe_layer_freq, model.num_layers
+    moe_layers = sum(freq) if isinstance(freq, list) else sum(1 for i in range(layers) if i % freq == 0)
+    moe_layers += model.mtp_num_layers or 0
+    distributed = torch.distributed.is_initialized()
+
+    def average(values: Any, group: Any) -> None:
+        torch.distributed.all_reduce(values, group=group)
+        values /= torch.distributed.get_world_size(group=group)
+
+    out = {}
+    for name in moe_loss_names(model):
+        entry = tracker.get(name, {})
+        values = entry.get("values")
+        if values is None:  # no MoE layer on this pipeline stage: it still joins the collectives
+            values = torch.zeros(layers + (model.mtp_num_layers or 0), dtype=torch.float64, device=device)
+        values = values.detach().double()
+        if distributed:
+            torch.distributed.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+            if entry.get("reduce_group") is not None:
+                torch.distributed.all_reduce(values, group=entry["reduce_group"])
+                if not entry.get("reduce_group_has_dp"):
+                    average(values, ps.get_data_parallel_group())
+            if entry.get("avg_group") is not None:
+                average(values, entry["avg_group"])
+        out[name] = values.sum().item() / max(1, moe_layers) / max(1, microbatches)
+    if tracker:
+        clear_aux_losses_tracker()
+    return out
+
+
 def train_metrics(
     state: Any,
     optimizer: Any,

@@ -20,6 +20,7 @@ from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.training.metrics import (
     EnergyMeter,
     eval_metrics,
+    moe_losses,
     mtp_losses,
     reduced_metrics,
     timer_values,
@@ -253,6 +254,8 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     losses = interval.losses.average(dp_group) if interval.losses.totals else {}
     if cfg.model.mtp_num_layers:  # collective
         losses.update(mtp_losses(get_num_microbatches() * interval.steps, dp_group))
+    if cfg.model.num_moe_experts:  # collective
+        losses.update(moe_losses(cfg.model, get_num_microbatches() * interval.steps, state.device))
     # collective: every rank, before the rank check
     timers = timer_values(state, interval.steps)
     reduced = reduced_metrics(state, run.state.model, run.energy_meter)
