@@ -14,9 +14,9 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
-from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 from megatron_bridge.extras import require
 from megatron_bridge.models.param_count import flops_per_token
+from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
 
 TIMER_NAMES = (
     # the train loop and checkpointing (this package)

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from megatron_bridge.training import console, profiling
+from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.runtime.callbacks import CallbackList
+from megatron_bridge.training import console, profiling
 from megatron_bridge.training.evaluate import evaluate
 from megatron_bridge.training.gpt_step import check_step_losses, defer_loss_checks
 from megatron_bridge.training.loss_reduction import LossAccumulator
-from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.training.metrics import (
     EnergyMeter,
     eval_metrics,
