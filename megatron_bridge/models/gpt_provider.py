@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import math
 import os
@@ -27,7 +25,17 @@ from megatron_bridge.models.attention import (
     te_layers,
 )
 from megatron_bridge.models.layers.expert_bias import with_biased_experts
-from megatron_bridge.models.layers.spec_edits import apply_layer_fields, changes_layers
+from megatron_bridge.models.layers.spec_edits import apply_layer_fields
+from megatron_bridge.models.provider_checks import (
+    check_activation,
+    check_enabled_by,
+    check_expert_biases,
+    check_experts,
+    check_layer_fields,
+    check_layer_modules,
+    check_recompute,
+    check_rotary,
+)
 from megatron_bridge.models.layers.embedding_scale import scale_word_embeddings
 from megatron_bridge.models.layers.softcap import cap_output_logits
 
@@ -258,14 +266,14 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 resolve(self.transformer_layer_spec)
             except TargetNotAllowedError as exc:
                 p.add("transformer_layer_spec", exc.message, exc.fix)
-        self._check_layer_fields(p)
-        self._check_layer_modules(p)
-        self._check_expert_biases(p)
-        self._check_experts(p)
-        self._check_recompute(p)
-        self._check_rotary(p)
-        self._check_enabled_by(p)
-        self._check_activation(p)
+        check_layer_fields(self, p)
+        check_layer_modules(self, p)
+        check_expert_biases(self, p)
+        check_experts(self, p)
+        check_recompute(self, p)
+        check_rotary(self, p)
+        check_enabled_by(self, p)
+        check_activation(self, p)
 
         check_attention(self, p)
         derived, note = core_attention_recompute(self)
@@ -278,92 +286,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         if not p:
             self._run_parent_post_init(TransformerConfig, p)
 
-    def _check_layer_fields(self, p: Problems) -> None:
-        """The layer fields megatron-core lacks are built into megatron-core's own layer spec."""
-        if changes_layers(self) and self.transformer_layer_spec is not None:
-            p.add(
-                "transformer_layer_spec",
-                "a custom layer spec is built as given, without input_layernorms=False, output_layernorms or "
-                "qk_layernorm_per_head=False",
-                "build those into the custom spec and leave the fields at their defaults (or unset the spec)",
-            )
-        p.check(
-            self.input_layernorms or self.transformer_impl == "local",
-            "input_layernorms",
-            f"False needs megatron-core's local layers (TransformerEngine fuses these norms into the linear "
-            f"layers), but transformer_impl={self.transformer_impl!r}",
-            "set model.transformer_impl='local'",
-        )
-        if self.qk_layernorm_per_head:
-            return
-        p.check(
-            self.qk_layernorm,
-            "qk_layernorm_per_head",
-            "False says how queries and keys are normalized, but qk_layernorm is False",
-            "set model.qk_layernorm=True (or leave qk_layernorm_per_head at True)",
-        )
-        p.check(
-            self.normalization == "RMSNorm",
-            "qk_layernorm_per_head",
-            f"False is an RMSNorm over the whole projections, but normalization={self.normalization!r}",
-            "set model.normalization='RMSNorm' (or leave qk_layernorm_per_head at True)",
-        )
-        groups, tp = self.num_query_groups or self.num_attention_heads, self.tensor_model_parallel_size
-        p.check(
-            groups % tp == 0,
-            "qk_layernorm_per_head",
-            f"False normalizes each rank's whole key heads, but {groups} query groups do not split over "
-            f"tensor_model_parallel_size={tp}",
-            "choose a TP size that divides num_query_groups",
-        )
-
-    def _check_layer_modules(self, p: Problems) -> None:
-        """The fields built from the project's layer modules (`models.layers`) where they apply."""
-        local = self.transformer_impl == "local"
-        if self.layernorm_zero_centered_gamma and local:
-            p.check(
-                self.normalization == "RMSNorm",
-                "layernorm_zero_centered_gamma",
-                f"local layers have it for RMSNorm only, but normalization={self.normalization!r}",
-                "set model.normalization='RMSNorm', or use TransformerEngine layers",
-            )
-        if self.local_rotary_base is not None:
-            for ok, message, fix in (
-                (self.position_embedding_type == "rope", f"needs rotary embeddings, but position_embedding_type="
-                 f"{self.position_embedding_type!r}", "set model.position_embedding_type='rope'"),
-                (self.window_size is not None, "applies to the sliding-window layers, but window_size is None",
-                 "set model.window_size, or leave model.local_rotary_base unset"),
-                (not self.multi_latent_attention, "is not implemented for multi-latent attention",
-                 "leave model.local_rotary_base unset"),
-                (self.context_parallel_size == 1, f"is not implemented with context parallelism "
-                 f"(context_parallel_size={self.context_parallel_size})", "set model.context_parallel_size=1"),
-            ):  # fmt: skip
-                p.check(ok, "local_rotary_base", message, fix)
-        if self.attention_logit_softcap is not None:
-            p.check(
-                local,
-                "attention_logit_softcap",
-                f"needs megatron-core's unfused core attention of local layers, but transformer_impl="
-                f"{self.transformer_impl!r}",
-                "set model.transformer_impl='local'",
-            )
-            p.check(
-                not self.apply_query_key_layer_scaling,
-                "attention_logit_softcap",
-                "caps the true scores, but apply_query_key_layer_scaling divides them by the layer number first",
-                "set model.apply_query_key_layer_scaling=False",
-            )
-        custom = [
-            name
-            for name in ("local_rotary_base", "attention_logit_softcap")
-            if getattr(self, name) is not None and self.transformer_layer_spec is not None
-        ]
-        for name in custom:
-            p.add(
-                name,
-                "a custom transformer_layer_spec is built as given, without this setting",
-                f"build it into the custom spec and leave model.{name} unset (or unset the spec)",
-            )
     def expert_tensor_parallel(self, tp: int) -> Optional[int]:
         """The expert tensor-parallel size this model is built with where the tensor-parallel size
         is `tp`: the field where set; 1 for experts with biases (megatron-core splits no expert
@@ -371,138 +293,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         if self.expert_tensor_parallel_size is not None:
             return self.expert_tensor_parallel_size
         return 1 if self.num_moe_experts and self.add_bias_linear and tp > 1 else None
-
-    def _check_expert_biases(self, p: Problems) -> None:
-        """megatron-core adds an expert's output bias on every expert-tensor-parallel rank before
-        their partial outputs are summed, so it splits no expert with biases (expert_tensor_parallel_size
-        1); unset, that is derived. Its shared experts have no biases at all."""
-        if not self.num_moe_experts or not self.add_bias_linear:
-            return
-        p.check(
-            not self.moe_shared_expert_intermediate_size,
-            "moe_shared_expert_intermediate_size",
-            "megatron-core's shared experts have no biases, but add_bias_linear=True",
-            "set model.add_bias_linear=False, or leave model.moe_shared_expert_intermediate_size unset",
-        )
-        etp = self.expert_tensor_parallel(self.tensor_model_parallel_size)
-        if etp is not None and not self.is_explicit("expert_tensor_parallel_size"):
-            self._derive("expert_tensor_parallel_size", etp)
-        p.check(
-            etp in (None, 1),
-            "expert_tensor_parallel_size",
-            f"{etp}: megatron-core splits no expert with biases (add_bias_linear=True) over tensor-parallel ranks",
-            "set model.expert_tensor_parallel_size=1 (the experts are split over expert-parallel ranks instead)",
-        )
-
-    def _check_experts(self, p: Problems) -> None:
-        """MoE settings megatron-core accepts in its config but fails on at the model build or the
-        first forward."""
-        if not self.num_moe_experts:
-            return
-        if self.moe_token_dispatcher_type == "flex":
-            etp = self.expert_tensor_parallel(self.tensor_model_parallel_size) or self.tensor_model_parallel_size
-            p.check(
-                etp * self.expert_model_parallel_size > 1,
-                "moe_token_dispatcher_type",
-                f"'flex' dispatches over the expert tensor- and expert-parallel ranks together, and there is one "
-                f"(expert_tensor_parallel_size={etp}, expert_model_parallel_size={self.expert_model_parallel_size})",
-                "use 'alltoall' or 'allgather', or raise expert_model_parallel_size",
-            )
-        p.check(
-            not self.moe_apply_probs_on_input or self.moe_router_topk == 1,
-            "moe_apply_probs_on_input",
-            f"megatron-core applies the routing probability to the expert input only with one expert per token, "
-            f"but moe_router_topk={self.moe_router_topk}",
-            "set model.moe_router_topk=1, or model.moe_apply_probs_on_input=False",
-        )
-
-    def _check_recompute(self, p: Problems) -> None:
-        """megatron-core's selective recompute of a dense MLP returns the MLP's output bias (a
-        parameter) through its checkpoint function, which then becomes the bias's gradient
-        function: the backward pass recurses without end."""
-        if self.recompute_granularity != "selective" or "mlp" not in (self.recompute_modules or ()):
-            return
-        freq = self.moe_layer_freq
-        dense = not self.num_moe_experts or (0 in freq if isinstance(freq, list) else freq > 1 and self.num_layers > 1)
-        p.check(
-            not (dense and self.add_bias_linear),
-            "recompute_modules",
-            "'mlp' recomputes the dense MLPs, and megatron-core's MLP recompute fails with their biases "
-            "(add_bias_linear=True): the backward pass recurses without end",
-            "set model.add_bias_linear=False, or leave 'mlp' out of model.recompute_modules",
-        )
-
-    def _check_rotary(self, p: Problems) -> None:
-        """YaRN reads only its own fields; megatron-core scales every rotary embedding's cos and
-        sin by the yarn_* attention factor, so those fields stay at their defaults without it."""
-        if self.position_embedding_type != "yarn":
-            for name, default in _yarn_fields():
-                if getattr(self, name) != default:
-                    p.add(
-                        name,
-                        f"{getattr(self, name)!r} applies to YaRN only, but position_embedding_type="
-                        f"{self.position_embedding_type!r} (megatron-core would still scale the rotary embedding by it)",
-                        f"set model.position_embedding_type='yarn' or leave model.{name} at {default!r}",
-                    )
-            return
-        ignored = {
-            "rotary_percent": (self.rotary_percent == 1.0, "1.0"),
-            "rotary_interleaved": (not self.rotary_interleaved, "False"),
-            "seq_len_interpolation_factor": (self.seq_len_interpolation_factor is None, "None"),
-            "rope_scaling": (not self.rope_scaling, "False"),
-        }
-        for name, (fine, value) in ignored.items():
-            p.check(
-                fine,
-                name,
-                f"{getattr(self, name)!r} is not applied with position_embedding_type='yarn' (megatron-core's "
-                "YaRN embedding rotates whole heads, not interleaved, with its own scaling)",
-                f"set model.{name}={value}",
-            )
-        p.check(
-            self.yarn_rotary_scaling_factor >= 1.0,
-            "yarn_rotary_scaling_factor",
-            f"{self.yarn_rotary_scaling_factor} is below 1: YaRN extends the context",
-            "use a factor of at least 1",
-        )
-        p.check(
-            not self.apply_rope_fusion or self.yarn_rotary_scaling_factor == 1.0,
-            "apply_rope_fusion",
-            "TransformerEngine's fused rotary embedding cannot apply YaRN's attention scaling",
-            "set model.apply_rope_fusion=False",
-        )
-
-    def _check_enabled_by(self, p: Problems) -> None:
-        """Fields megatron-core reads only when another setting turns their feature on: changed
-        from the default without it, they would do nothing."""
-        for name, enabled, feature, setting in _ENABLED_BY:
-            value, default = getattr(self, name), _class_default(type(self), name)
-            if value != default and not enabled(self):
-                p.add(
-                    name,
-                    f"{value!r} has no effect without {feature} ({setting}: megatron-core reads it only then)",
-                    f"set {setting}, or leave model.{name} at {default!r}",
-                )
-
-    def _check_activation(self, p: Problems) -> None:
-        """megatron-core's fused gated activations (bias_activation_fusion) clamp the first
-        projection's output before adding its bias, and the fused SwiGLU does not clamp at all;
-        unfused, the bias is added, then the clamp applied."""
-        if self.activation_func_clamp_value is None or not self.bias_activation_fusion:
-            return
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-        why = None
-        if self.activation_func is not quick_gelu:
-            why = "megatron-core's fused kernel clamps only with its quick_gelu"
-        elif self.add_bias_linear:
-            why = "megatron-core's fused kernel clamps before adding the bias"
-        p.check(
-            why is None,
-            "bias_activation_fusion",
-            f"True with activation_func_clamp_value={self.activation_func_clamp_value}: {why}",
-            "set model.bias_activation_fusion=False",
-        )
 
     # ------------------------------------------------------------------ building
     def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
@@ -614,38 +404,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
         )
 
 
-_ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("rope_scaling_factor", lambda m: m.rope_scaling, "Llama 3.1's rope scaling", "model.rope_scaling=True"),
-    ("mrope_section", lambda m: m.position_embedding_type == "mrope", "multimodal rope",
-     "model.position_embedding_type='mrope'"),
-    ("moe_shared_expert_gate", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
-     "model.moe_shared_expert_intermediate_size"),
-    ("moe_shared_expert_overlap", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
-     "model.moe_shared_expert_intermediate_size"),
-    ("moe_token_drop_policy", lambda m: m.moe_expert_capacity_factor is not None, "an expert capacity",
-     "model.moe_expert_capacity_factor"),
-    ("moe_router_bias_update_rate", lambda m: m.moe_router_enable_expert_bias, "the routers' expert bias",
-     "model.moe_router_enable_expert_bias=True"),
-    ("mtp_loss_scaling_factor", lambda m: bool(m.mtp_num_layers), "multi-token prediction", "model.mtp_num_layers"),
-    ("cross_entropy_fusion_impl", lambda m: m.cross_entropy_loss_fusion, "the fused cross entropy",
-     "model.cross_entropy_loss_fusion=True"),
-)  # fmt: skip
-"""(field, whether its feature is on, the feature, the setting that turns it on): `_check_enabled_by`."""
-
-
-@functools.cache
-def _class_default(cls: type, name: str) -> Any:
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 _TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
-@functools.cache
-def _yarn_fields() -> tuple[tuple[str, object], ...]:
-    """(name, default) of the YaRN fields, which apply only with position_embedding_type='yarn'."""
-    return tuple((f.name, f.default) for f in dataclasses.fields(GPTModelProvider) if f.name.startswith("yarn_"))
 
 
 @contextlib.contextmanager
