@@ -159,8 +159,11 @@ class ConfigBase(metaclass=_ConfigMeta):
     def apply_default(self, name: str, value: Any) -> None:
         """Set a value the framework chose (a preset, a recipe-independent default): it does not
         count as the user's, and finalize keeps it."""
-        self._derive(name, value)
-        del self.__dict__[_DERIVED][name]  # kept by finalize
+        d = self.__dict__
+        if _READ_ONLY in d:
+            _refuse_change(self, name)
+        d.setdefault(_DERIVED, {}).pop(name, None)  # kept by finalize
+        object.__setattr__(self, name, value)
 
     def _derive(self, name: str, value: Any) -> None:
         """Set a value computed by `finalize()` from other fields. The value it replaces is
