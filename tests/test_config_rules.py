@@ -709,6 +709,9 @@ def test_symmetric_all_reduce_needs_transformer_engine():
          "True has no effect without shared experts (model.moe_shared_expert_intermediate_size: megatron-core reads "
          "it only then) (set "
          "model.moe_shared_expert_intermediate_size, or leave model.moe_shared_expert_gate at False)"),
+        ({"cpu_offloading_weights": True}, "model.cpu_offloading_weights: True has no effect without layer "
+         "offloading (model.cpu_offloading=True: megatron-core reads it only then) (set model.cpu_offloading=True, "
+         "or leave model.cpu_offloading_weights at False)"),
     ],
 )  # fmt: skip
 def test_a_field_whose_feature_is_off_is_refused(fields, text):

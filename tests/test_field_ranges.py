@@ -29,6 +29,7 @@ RELATED = {
     "GPTModelProvider.mtp_loss_scaling_factor": "mtp_num_layers",
     "GPTModelProvider.moe_router_bias_update_rate": "moe_router_enable_expert_bias",
     "GPTModelProvider.mrope_section": "position_embedding_type",
+    "GPTModelProvider.cpu_offloading_num_layers": "cpu_offloading",
     **{f"GPTModelProvider.{n}": "position_embedding_type" for n in (
         "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
         "yarn_mscale", "yarn_mscale_all_dim")},

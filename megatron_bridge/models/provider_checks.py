@@ -254,6 +254,9 @@ _ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("mtp_loss_scaling_factor", lambda m: bool(m.mtp_num_layers), "multi-token prediction", "model.mtp_num_layers"),
     ("cross_entropy_fusion_impl", lambda m: m.cross_entropy_loss_fusion, "the fused cross entropy",
      "model.cross_entropy_loss_fusion=True"),
+    *((name, lambda m: m.cpu_offloading, "layer offloading", "model.cpu_offloading=True") for name in (
+        "cpu_offloading_num_layers", "cpu_offloading_activations", "cpu_offloading_weights",
+        "cpu_offloading_double_buffering")),
 )  # fmt: skip
 """(field, whether its feature is on, the feature, the setting that turns it on): `check_enabled_by`."""
 
