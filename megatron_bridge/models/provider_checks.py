@@ -9,6 +9,7 @@ import functools
 from typing import Any, Callable
 
 from megatron_bridge.config.errors import Problems
+from megatron_bridge.config.schema import specs
 from megatron_bridge.models.layers.spec_edits import changes_layers
 
 
@@ -209,7 +210,7 @@ def check_enabled_by(m: Any, p: Problems) -> None:
     """Fields megatron-core reads only when another setting turns their feature on: changed
     from the default without it, they would do nothing."""
     for name, enabled, feature, setting in _ENABLED_BY:
-        value, default = getattr(m, name), _class_default(type(m), name)
+        value, default = getattr(m, name), specs(type(m))[name].default
         if value != default and not enabled(m):
             p.add(
                 name,
@@ -259,12 +260,6 @@ _ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
         "cpu_offloading_double_buffering")),
 )  # fmt: skip
 """(field, whether its feature is on, the feature, the setting that turns it on): `check_enabled_by`."""
-
-
-@functools.cache
-def _class_default(cls: type, name: str) -> Any:
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @functools.cache
