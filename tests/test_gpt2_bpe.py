@@ -140,10 +140,10 @@ def test_preprocess_pretrain_and_reload_from_the_checkpoint(bpe_dir, tmp_path):
     # exported to Hugging Face, the tokenizer comes along and transformers reads the same ids
     from transformers import AutoTokenizer
 
-    from megatron_bridge.cli.main import main
+    from megatron_bridge.models.hf.convert import export_checkpoint
 
     out = str(tmp_path / "hf")
-    assert main(["hf", "export", str(tmp_path / "ckpt"), out]) == 0
+    export_checkpoint(str(tmp_path / "ckpt"), out)
     theirs = AutoTokenizer.from_pretrained(out, local_files_only=True)
     for text in SAMPLES:
         assert theirs(text, add_special_tokens=False)["input_ids"] == tok.tokenize(text), text

@@ -55,11 +55,11 @@ def test_mtp_layers_train_log_their_loss_and_are_saved(tmp_path, caplog):
     # Hugging Face's Llama has no MTP layers: the export leaves them out and says so
     from safetensors import safe_open
 
-    from megatron_bridge.cli.main import main
+    from megatron_bridge.models.hf.convert import export_checkpoint
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_bridge"):
-        assert main(["hf", "export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+        export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert "model.layers.1.mlp.down_proj.weight" in names and not any("mtp" in n or "layers.2" in n for n in names)
