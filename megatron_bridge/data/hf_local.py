@@ -194,20 +194,11 @@ class LocalSplit:
             for i, record in enumerate(items[:limit] if limit else items):
                 yield f"{file} item {i}", _as_record(record, f"{file} item {i}")
             return
-        count = 0
-        with open(file, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                location = f"{file} line {number}"
-                try:
-                    record = json_input.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataSourceError(f"{location}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-                yield location, _as_record(record, location)
-                count += 1
-                if limit is not None and count >= limit:
-                    return
+        for count, (number, record) in enumerate(json_input.lines(file, DataSourceError), 1):
+            location = f"{file} line {number}"
+            yield location, _as_record(record, location)
+            if limit is not None and count >= limit:
+                return
 
 
 def _as_record(value: Any, location: str) -> dict:

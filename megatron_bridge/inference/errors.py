@@ -4,7 +4,6 @@ can tell them apart before torch or megatron-core load."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
 
 from megatron_bridge.runtime import json_input
@@ -25,13 +24,5 @@ class DataError(ValueError):
 def json_lines(path: str, error: type[ValueError]) -> Iterator[tuple[str, Any]]:
     """(location `path:line`, value) of every non-empty line of a JSONL file; a line that is not
     JSON raises `error` naming its location."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                value = json_input.loads(line)
-            except json.JSONDecodeError as exc:
-                raise error(f"{where}: not JSON ({exc.msg})") from None
-            yield where, value
+    for number, value in json_input.lines(path, error, "{path}:{line}: not JSON ({msg})"):
+        yield f"{path}:{number}", value

@@ -6,7 +6,7 @@ malformed JSON would otherwise let through as a traceback."""
 from __future__ import annotations
 
 import json
-from typing import IO, Any, Union
+from typing import IO, Any, Iterator, Union
 
 TOO_DEEP = "arrays or objects nested too deeply"
 
@@ -22,3 +22,17 @@ def loads(text: Union[str, bytes, bytearray]) -> Any:
 def load(f: IO) -> Any:
     """`json.load`, with too deep nesting a `json.JSONDecodeError`."""
     return loads(f.read())
+
+
+def lines(path: str, error: type[ValueError], message: str = "{path} line {line}: not valid JSON ({msg}, column {col})") -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of JSON Lines file `path`; a line that is not
+    JSON raises `error` with `message` filled in (`path`, `line`, and the parser's `msg`, `col`)."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(message.format(path=path, line=number, msg=exc.msg, col=exc.colno)) from None
+            yield number, value
