@@ -41,6 +41,24 @@ def test_megatron_core_subclasses_defer_post_init_to_finalize():
         assert text in str(err.value)
 
 
+def test_megatron_core_rejections_name_the_field_they_are_about():
+    # The field the message names that the user set, else the first it names (a Megatron-LM flag
+    # spelled --like-this included); a message naming none stays on the section.
+    for fields, path, text in [
+        ({"fp4_param": True}, "fp4_param", "True is rejected by megatron-core's TransformerConfig: fp4_param must"),
+        ({"recompute_granularity": "full"}, "recompute_granularity", "'full' is rejected by megatron-core's"),
+        ({"num_moe_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 1}, "moe_router_pre_softmax",
+         "False is rejected by megatron-core's TransformerConfig: Please use --moe-router-pre-softmax"),
+        ({"defer_embedding_wgrad_compute": True}, "", "megatron-core rejects this TransformerConfig: Cannot defer"),
+    ]:  # fmt: skip
+        model = tiny_model(**fields)
+        with pytest.raises(ConfigValidationError) as err:
+            model.finalize()
+        (problem,) = err.value.problems
+        assert (problem.path, problem.message[: len(text)]) == (path, text)
+        assert problem.fix == (f"change {path}, or the other fields the message names" if path else "change the fields it names")
+
+
 def test_finalize_is_idempotent_and_raises_again_after_a_bad_edit():
     model = tiny_model()
     model.finalize()

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import traceback
 from abc import ABCMeta
 from typing import Any, ClassVar, Optional
 
 from megatron_bridge.config import paths, ranges, schema, status
 from megatron_bridge.config.annotations import field_types, type_problem, values_equal
-from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigValidationError, Problems, show
 from megatron_bridge.config.fields import field  # noqa: F401 (config classes declare fields with it)
 from megatron_bridge.config.targets import register_target
 
@@ -202,7 +203,13 @@ class ConfigBase(metaclass=_ConfigMeta):
             frames = traceback.extract_tb(exc.__traceback__)  # for bare asserts: the line that failed
             line = f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
             message = str(exc).strip() or f"{type(exc).__name__}{line}"
-            problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
+            name = self._field_named_in(message)
+            if name is None:
+                problems.add("", f"megatron-core rejects this {parent.__name__}: {message}", "change the fields it names")
+            else:
+                value = show(d.get(name))
+                problems.add(name, f"{value} is rejected by megatron-core's {parent.__name__}: {message}",
+                             f"change {name}, or the other fields the message names")  # fmt: skip
         finally:
             d[_TRACKING] = tracking
             del d[_RECORDING]
@@ -211,6 +218,14 @@ class ConfigBase(metaclass=_ConfigMeta):
         for k, old in before.items():
             if k in names and k not in derived and d.get(k, _MISSING) is not old:
                 derived[k] = old
+
+    def _field_named_in(self, message: str) -> Optional[str]:
+        """The field a megatron-core message is about: of the fields it names (`fp8_param`, or a
+        Megatron-LM flag `--moe-router-pre-softmax`), the first the user set, else the first."""
+        fields = field_types(type(self))
+        named = [w.lstrip("-").replace("-", "_") for w in re.findall(r"-*[A-Za-z_][\w-]*", message)]
+        named = [n for n in dict.fromkeys(named) if n in fields]
+        return next((n for n in named if self.is_explicit(n)), named[0] if named else None)
 
     def __copy__(self) -> Any:
         clone, d = object.__new__(type(self)), self.__dict__
