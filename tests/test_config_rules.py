@@ -709,6 +709,9 @@ def test_symmetric_all_reduce_needs_transformer_engine():
          "True has no effect without shared experts (model.moe_shared_expert_intermediate_size: megatron-core reads "
          "it only then) (set "
          "model.moe_shared_expert_intermediate_size, or leave model.moe_shared_expert_gate at False)"),
+        ({"moe_ffn_hidden_size": 32}, "model.moe_ffn_hidden_size: 32 has no effect without experts "
+         "(model.num_moe_experts: megatron-core reads it only then) (set model.num_moe_experts, or leave "
+         "model.moe_ffn_hidden_size at None)"),
         ({"cpu_offloading_weights": True}, "model.cpu_offloading_weights: True has no effect without layer "
          "offloading (model.cpu_offloading=True: megatron-core reads it only then) (set model.cpu_offloading=True, "
          "or leave model.cpu_offloading_weights at False)"),

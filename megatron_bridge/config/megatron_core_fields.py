@@ -38,8 +38,9 @@ _RANGES_BY_CLASS: dict[str, tuple[tuple[str, str], ...]] = {  # class -> (range,
         "moe_router_num_groups moe_latent_size moe_deepep_num_sms moe_hybridep_num_sms "
         "dsa_indexer_n_heads dsa_indexer_head_dim linear_conv_kernel_dim linear_key_head_dim "
         "linear_value_head_dim linear_num_key_heads linear_num_value_heads fp8_interval fp8_amax_history_len "
-        "mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads"),
-        (COUNT, "mtp_num_layers num_layers_in_first_pipeline_stage num_layers_in_last_pipeline_stage "
+        "mamba_state_dim mamba_head_dim mamba_num_groups mamba_num_heads num_layers_in_first_pipeline_stage "
+        "num_layers_in_last_pipeline_stage"),
+        (COUNT, "mtp_num_layers "
         "recompute_num_layers num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 window_attn_skip_freq "
         "no_rope_freq linear_attention_freq moe_layer_freq moe_router_topk_limited_devices moe_router_group_topk "
         "dsa_indexer_topk"),
