@@ -171,10 +171,6 @@ class TokenizerConfig(ConfigBase):
                 f"must be the text of a token, got {value!r}",
                 "e.g. '</s>'",
             )
-        problems.check(
-            self.vocab_extra_ids >= 0, "vocab_extra_ids", f"must be >= 0, got {self.vocab_extra_ids}", "use 0 or more"
-        )
-
 
     def _check_sentencepiece(self, problems: Problems) -> None:
         problems.check(
