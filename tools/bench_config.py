@@ -75,6 +75,8 @@ def main() -> None:
     config_layer(args.updates)
 
     from megatron_bridge.planning import plan
+    from megatron_bridge.training.config import runtime_config_update
+    from recipes import get_recipe
 
     fn = get_recipe("llama31_405b_pretrain_config")
     cfg = fn()
