@@ -689,6 +689,44 @@ def test_autocast_is_refused_on_cpu():
     ]
 
 
+def test_transformer_engine_rng_tracker_needs_transformer_engine():
+    cfg = tiny_config()
+    cfg.rng.te_rng_tracker = True
+    with extras.assume_installed(transformer_engine=False):
+        assert only_problem(cfg) == (
+            "rng.te_rng_tracker: TransformerEngine's RNG tracker needs the 'transformer_engine' package "
+            "(pip install 'megatron-bridge[te]')"
+        )
+
+
+@pytest.mark.parametrize(
+    "mixed_precision, fields, text",
+    [
+        (None, {"loss_scale": 128.0}, "optimizer.loss_scale: 128.0 has no effect in an fp32 run (megatron-core "
+         "scales the loss only with fp16 or bf16) (use a mixed_precision preset (e.g. fp16_mixed), or remove "
+         "optimizer.loss_scale)"),
+        ("bf16_mixed", {"hysteresis": 4}, "optimizer.hysteresis: 4 has no effect: dynamic loss scaling is fp16's "
+         "alone (leave optimizer.hysteresis at 2)"),
+        ("fp16_mixed", {"loss_scale": 8.0, "min_loss_scale": 2.0}, "optimizer.min_loss_scale: 2.0 has no effect: a "
+         "constant loss_scale is set (leave optimizer.min_loss_scale at 1.0)"),
+    ],
+)  # fmt: skip
+def test_loss_scaling_settings_the_run_would_not_use_are_refused(mixed_precision, fields, text):
+    cfg = tiny_config(mixed_precision=mixed_precision)
+    for name, value in fields.items():
+        setattr(cfg.optimizer, name, value)
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, device="cpu")
+    assert err.value.errors == [text]
+
+
+def test_dynamic_loss_scaling_settings_are_accepted_in_fp16():
+    cfg = tiny_config(mixed_precision="fp16_mixed")
+    cfg.optimizer.hysteresis, cfg.optimizer.initial_loss_scale = 4, 2.0**16
+    runtime_config_update(cfg, device="cpu")
+    assert (cfg.optimizer.fp16, cfg.optimizer.hysteresis, cfg.optimizer.initial_loss_scale) == (True, 4, 2.0**16)
+
+
 def test_symmetric_all_reduce_needs_transformer_engine():
     with extras.assume_installed(transformer_engine=False):
         assert only_problem(tiny_config(model=tiny_model(symmetric_ar_type="two_shot"))) == (

@@ -70,8 +70,29 @@ class OptimizerConfig(MCoreOptimizerConfig, ConfigBase):
                     f"{value} needs the precision-aware optimizer",
                     f"set optimizer.use_precision_aware_optimizer=True or {name}=torch.float32",
                 )
+        self._check_loss_scaling(problems)
         if not problems:
             self._run_parent_post_init(MCoreOptimizerConfig, problems)
+
+    def _check_loss_scaling(self, problems: Problems) -> None:
+        """megatron-core scales the loss only in fp16/bf16 runs: by `loss_scale` where set, else
+        dynamically in fp16 alone (the other loss-scaling fields); elsewhere they do nothing."""
+        if self.loss_scale is not None and not (self.fp16 or self.bf16):
+            problems.add(
+                "loss_scale",
+                f"{self.loss_scale} has no effect in an fp32 run (megatron-core scales the loss only with fp16 or bf16)",
+                "use a mixed_precision preset (e.g. fp16_mixed), or remove optimizer.loss_scale",
+            )
+        dynamic = self.fp16 and self.loss_scale is None
+        for name in () if dynamic else _DYNAMIC_SCALING:
+            value, default = getattr(self, name), MCoreOptimizerConfig.__dataclass_fields__[name].default
+            if value != default:
+                why = "a constant loss_scale is set" if self.fp16 else "dynamic loss scaling is fp16's alone"
+                problems.add(name, f"{value} has no effect: {why}", f"leave optimizer.{name} at {default}")
+
+
+_DYNAMIC_SCALING = ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+"""The settings of megatron-core's dynamic loss scaler (fp16 without a constant loss_scale)."""
 
 
 @dataclass
