@@ -118,6 +118,40 @@ def test_mixed_precision_config_checks():
         runtime_config_update(tiny_config(mixed_precision=MixedPrecisionConfig(fp8="hybrid")))
 
 
+def test_setup_applies_a_preset_to_the_configs_it_is_given():
+    """`setup(model, optimizer=None, ddp=None)`, the reference system's way to apply a preset
+    outside a container, also on megatron-core's own config classes."""
+    from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
+    from megatron.core.transformer import TransformerConfig
+
+    model, optimizer, ddp = tiny_model(), OptimizerConfig(lr=1e-3), DistributedDataParallelConfig()
+    get_mixed_precision_config("bf16_mixed").setup(model, optimizer, ddp)
+    assert model.bf16 and model.params_dtype == model.pipeline_dtype == torch.bfloat16
+    assert optimizer.bf16 and optimizer.params_dtype == torch.bfloat16 and ddp.grad_reduce_in_fp32 is True
+    assert not model.is_explicit("bf16")  # still the framework's value
+
+    alone = tiny_model()
+    get_mixed_precision_config("fp16_mixed").setup(alone)
+    assert alone.fp16 and alone.params_dtype == torch.half
+
+    core_model, core_ddp = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4), CoreDDPConfig()
+    get_mixed_precision_config("bf16_mixed").setup(core_model, ddp_config=core_ddp)
+    assert core_model.bf16 and core_model.params_dtype == torch.bfloat16 and core_ddp.grad_reduce_in_fp32
+
+
+def test_setup_keeps_the_users_values_and_reports_contradictions():
+    model = tiny_model(params_dtype=torch.float32)
+    with pytest.raises(ConfigValidationError) as err:
+        get_mixed_precision_config("bf16_mixed").setup(model)
+    assert err.value.errors == [
+        "model.params_dtype: torch.float32 was set explicitly but mixed_precision 'mixed_precision config' sets "
+        "torch.bfloat16 (remove the explicit model.params_dtype or choose another mixed_precision preset)"
+    ]
+    assert model.params_dtype == torch.float32
+    with pytest.raises(ConfigValidationError, match="mixed_precision.bf16: fp16 and bf16 are both on"):
+        MixedPrecisionConfig(fp16=True, bf16=True).setup(tiny_model())
+
+
 # ---------------------------------------------------------------------- comm overlap
 def test_tp_overlap_turned_off_with_a_reason_said_once_per_config(caplog):
     cfg = tiny_config(comm_overlap=CommOverlapConfig(tp_comm_overlap=True))

@@ -19,7 +19,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 
 from megatron_bridge.config.annotations import field_types, register_section_names
-from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import COUNT, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
@@ -141,6 +141,17 @@ class MixedPrecisionConfig(ConfigBase):
             )
 
     # ------------------------------------------------------------------ applying
+    def setup(self, model_config: ConfigBase, optimizer_config: Optional[ConfigBase] = None, ddp_config: Optional[ConfigBase] = None) -> None:
+        """Finalize this config and set its fields on the model config and, when given, the
+        optimizer and DDP configs, leaving the fields the user set alone (NVIDIA Megatron Bridge's
+        entry point; `runtime_config_update` does this). Raises `ConfigValidationError` listing
+        every problem, contradictions with the user's values included."""
+        problems = Problems()
+        finalize_into(self, problems.at("mixed_precision"))
+        if not problems:
+            self.apply(model_config, optimizer_config, ddp_config, problems, "mixed_precision config")
+        problems.raise_if_any()
+
     def apply(self, model: ConfigBase, optimizer: Optional[ConfigBase], ddp: Optional[ConfigBase], problems: Problems, name: str) -> None:
         """Set the precision fields of model/optimizer/ddp that the user did not set explicitly.
 
