@@ -212,6 +212,31 @@ def test_data_parallel_overlap_only_with_dp_and_distributed_optimizer():
     assert not single.ddp.overlap_grad_reduce and single.ddp.bucket_size is None
 
 
+def test_resolving_again_for_another_world_size_replans_the_overlap():
+    """The result of a second runtime_config_update is the one a fresh config gets: nothing
+    planned for the first world size (parameter-gather overlap at DP 8) survives at DP 1."""
+
+    def config():
+        cfg = tiny_config(comm_overlap=CommOverlapConfig())
+        cfg.ddp.use_distributed_optimizer = True
+        cfg.train.global_batch_size = 16
+        return cfg
+
+    again, fresh = config(), config()
+    runtime_config_update(again, world_size=8)
+    assert again.ddp.overlap_param_gather and again.optimizer.overlap_param_gather
+    runtime_config_update(again, world_size=1)
+    runtime_config_update(fresh, world_size=1)
+    assert again.to_dict() == fresh.to_dict()
+    assert not again.ddp.overlap_grad_reduce and not again.ddp.overlap_param_gather
+    assert not again.optimizer.overlap_param_gather
+
+    mine = config()
+    mine.optimizer.overlap_param_gather = True  # the user's, on one section: the other follows it
+    runtime_config_update(mine, world_size=1)
+    assert mine.ddp.overlap_param_gather and mine.optimizer.overlap_param_gather
+
+
 def test_comm_overlap_setup_applies_it_once_the_data_parallel_size_is_set():
     cfg = tiny_config(ddp=DistributedDataParallelConfig(use_distributed_optimizer=True))
     overlap = CommOverlapConfig(tp_comm_overlap=False)
