@@ -299,6 +299,23 @@ def test_recipe_warmup_scales_down_to_a_short_run(caplog):
     assert "warmup (2000 iterations) is not shorter than the decay (1000 iterations)" in message
 
 
+@pytest.mark.timeout(120)
+def test_recipe_warmup_scales_down_for_a_constant_lr_too(tmp_path):
+    """A constant LR is warmed up as well, and megatron-core's scheduler refuses a warmup that is
+    not shorter than the run: the recipe's warmup scales down and the run trains."""
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from recipes import tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config(dir=str(tmp_path), train_iters=3)
+    cfg.scheduler.lr_decay_style = "constant"
+    cfg.validation.eval_interval, cfg.validation.eval_iters = None, 0
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    state = pretrain(cfg, forward_step)
+    assert state.train_state.step == 3
+    assert cfg.scheduler.lr_warmup_iters == 0 and cfg.scheduler.lr_warmup_steps < cfg.scheduler.lr_decay_steps
+
+
 def test_yaml_floats_at_their_shortest_round_trip_form(tmp_path):
     from megatron_bridge.training.config import ConfigContainer
 

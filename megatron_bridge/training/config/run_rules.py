@@ -181,7 +181,7 @@ def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
     if t.train_samples is not None or not t.train_iters or s.lr_warmup_fraction is not None:
         return
     decay = s.lr_decay_iters or s.max_steps or t.train_iters
-    if s.is_explicit("lr_warmup_iters") or s.lr_decay_style == "constant" or s.lr_warmup_iters < decay:
+    if s.is_explicit("lr_warmup_iters") or s.lr_warmup_iters < decay:
         return
     scaled = decay // 10
     logger.info(
