@@ -172,6 +172,20 @@ def check_schedule_length(cfg: "ConfigContainer", problems: Problems) -> None:
     )
 
 
+def check_warmup_start(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The warmup starts at or below the peak LR: megatron-core's scheduler refuses a higher
+    start (whether or not there is a warmup)."""
+    start, peak = cfg.scheduler.lr_warmup_init, cfg.optimizer.lr
+    if peak is None:
+        return  # reported by the optimizer
+    problems.check(
+        start <= peak,
+        "scheduler.lr_warmup_init",
+        f"the warmup starts at {start}, above the peak learning rate optimizer.lr={peak}",
+        f"set scheduler.lr_warmup_init to at most {peak} (0.0 warms up from zero)",
+    )
+
+
 def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
     """A warmup that came as a default (a recipe's, not set by the user) and is not shorter than
     the decay is scaled down to a tenth of the decay, and the change is logged: a recipe's 2000

@@ -252,6 +252,7 @@ RULES: tuple[Rule, ...] = (
     Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
+    Rule("warmup start", "check", run_schedule.check_warmup_start),
     Rule("recipe warmup", "derive", run_schedule.derive_recipe_warmup),
     Rule("weight decay schedule", "derive", checks.derive_weight_decay),
     Rule("scheduler steps", "derive", checks.derive_scheduler_steps),
