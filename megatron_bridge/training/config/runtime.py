@@ -24,6 +24,7 @@ from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.models.vocab import derive_vocab_size
 from megatron_bridge.peft.apply import check_config as check_peft_config
 from megatron_bridge.training.config.architecture import check_loaded_architectures
+from megatron_bridge.training.config.profiling import check_profiled_window
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.mixed_precision import get_mixed_precision_config
@@ -253,6 +254,7 @@ RULES: tuple[Rule, ...] = (
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
     Rule("warmup start", "check", run_schedule.check_warmup_start),
+    Rule("profiled window", "check", check_profiled_window),
     Rule("recipe warmup", "derive", run_schedule.derive_recipe_warmup),
     Rule("weight decay schedule", "derive", checks.derive_weight_decay),
     Rule("scheduler steps", "derive", checks.derive_scheduler_steps),
