@@ -97,6 +97,28 @@ def test_preset_never_overwrites_an_explicit_user_value_and_reports_the_contradi
     assert cfg.model.params_dtype == torch.float32
 
 
+def test_user_values_where_the_preset_only_carries_a_default_stand():
+    """fp16_mixed chooses fp16 and its dtypes, not the loss scaling: the user's static loss scale
+    and hysteresis on the optimizer are kept (megatron-core's --loss-scale), not reported."""
+    cfg = tiny_config(mixed_precision="fp16_mixed")
+    cfg.optimizer.loss_scale, cfg.optimizer.hysteresis = 128.0, 4
+    runtime_config_update(cfg)
+    assert cfg.model.fp16 and cfg.optimizer.fp16
+    assert cfg.optimizer.loss_scale == 128.0 and cfg.optimizer.hysteresis == 4
+    assert cfg.optimizer.min_loss_scale == 1.0  # not set by the user: the preset's
+
+    chosen = tiny_config(mixed_precision="fp16_mixed")
+    chosen.mixed_precision = get_mixed_precision_config("fp16_mixed")
+    chosen.mixed_precision.hysteresis = 3  # now the preset's choice too: the user's 4 contradicts it
+    chosen.optimizer.hysteresis = 4
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(chosen)
+    assert err.value.errors == [
+        "optimizer.hysteresis: 4 was set explicitly but mixed_precision 'mixed_precision config' sets 3 "
+        "(remove the explicit optimizer.hysteresis or choose another mixed_precision preset)"
+    ]
+
+
 def test_explicit_value_equal_to_the_preset_is_fine():
     cfg = tiny_config(model=tiny_model(bf16=True), mixed_precision="bf16_mixed")
     runtime_config_update(cfg)
