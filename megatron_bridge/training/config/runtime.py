@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config import ranges
 from megatron_bridge.config.base import finalize_into
-from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
@@ -71,7 +71,15 @@ def current_world_size() -> int:
             return dist.get_world_size()
     except Exception:  # a broken distributed build must not break config handling
         pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigValidationError(ConfigProblem(
+            "WORLD_SIZE",
+            f"the environment variable is {value!r}, not a number of processes",
+            "unset it (one process) or set it to the number of processes; torchrun sets it itself",
+        )) from None  # fmt: skip
 
 
 
