@@ -119,6 +119,8 @@ def cases(work) -> dict[str, Future]:
     env = _env(MB_TEST_SECRET=SECRET)
     pool = ThreadPoolExecutor(PARALLEL)
     futures = {name: pool.submit(_mbridge, argv, REPO, env) for name, argv in argvs.items()}
+    # a launcher variable exported empty (WORLD_SIZE=$SLURM_NTASKS outside an allocation)
+    futures["empty WORLD_SIZE"] = pool.submit(_mbridge, ["pretrain", "--recipe", TINY, *fast], REPO, _env(WORLD_SIZE=""))
     futures["marks"] = Future()
     futures["marks"].set_result(mark)
     yield futures
@@ -184,6 +186,15 @@ def test_env_vars_that_load_code_or_exceed_the_os_limit_are_refused(cases):
 
 
 # ---------------------------------------------------------------------- values that broke the run
+@pytest.mark.timeout(600)
+def test_an_empty_world_size_variable_is_named(cases, work):
+    refused(
+        cases, "empty WORLD_SIZE",
+        "WORLD_SIZE: the environment variable is '', not a number of processes (unset it (one process) or set it "
+        "to the number of processes; torchrun sets it itself)",
+    )  # fmt: skip
+
+
 @pytest.mark.timeout(600)
 def test_a_5000_digit_integer_is_a_config_error(cases):
     refused(cases, "duplicate keys and a huge integer", "train.train_iters: an integer of 5,000 digits is larger than any setting")

@@ -132,6 +132,33 @@ def test_warmup_not_shorter_than_decay_is_an_error():
     )
 
 
+def test_a_constant_lr_is_warmed_up_too_so_its_warmup_must_be_shorter_than_the_run():
+    # megatron-core's scheduler asserts warmup < decay whatever the decay style
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_iters=20, lr_decay_style="constant"))
+    assert only_problem(cfg) == (
+        "scheduler.lr_warmup_iters: warmup (20 iterations) is not shorter than the decay (20 iterations) "
+        "(shorten the warmup or lengthen lr_decay_iters / the training run)"
+    )
+
+
+def test_a_warmup_fraction_leaving_no_decay_is_reported_at_the_fraction():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_fraction=1.0, lr_decay_style="cosine"))
+    assert only_problem(cfg) == (
+        "scheduler.lr_warmup_fraction: a warmup of 1.0 of the decay (20 iterations) leaves no decay "
+        "(use a fraction below 1)"
+    )
+
+
+def test_a_warmup_starting_above_the_peak_lr_is_an_error():
+    # megatron-core's scheduler asserts lr_warmup_init <= lr when it is built, with or without warmup
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_init=0.01, lr_warmup_iters=2))
+    assert only_problem(cfg) == (
+        "scheduler.lr_warmup_init: the warmup starts at 0.01, above the peak learning rate optimizer.lr=0.003 "
+        "(set scheduler.lr_warmup_init to at most 0.003 (0.0 warms up from zero))"
+    )
+    runtime_config_update(tiny_config(scheduler=SchedulerConfig(lr_warmup_init=0.003, lr_warmup_iters=2)))
+
+
 def test_iteration_and_sample_scheduler_fields_do_not_mix():
     cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_iters=10, lr_warmup_samples=16))
     errors = problems_of(cfg)

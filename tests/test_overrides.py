@@ -435,3 +435,16 @@ def test_a_saved_run_with_runtime_hooks_used_as_config_file(tmp_path):
     to_yaml(saved, path)
     cfg = apply(path=path)
     assert cfg.model.no_sync_func is None and not cfg.model.is_explicit("no_sync_func")
+
+
+def test_overrides_given_as_one_string_instead_of_a_list_are_refused():
+    cfg = tiny_config()
+    with pytest.raises(TypeError) as err:
+        process_config_with_overrides(cfg, cli_overrides="train.train_iters=5")
+    assert str(err.value) == (
+        "cli_overrides must be a list of override strings, got the str 'train.train_iters=5'; "
+        "pass ['train.train_iters=5']"
+    )
+    assert cfg.train.train_iters == 20
+    process_config_with_overrides(cfg, cli_overrides=("train.train_iters=5",))  # any sequence of strings
+    assert cfg.train.train_iters == 5

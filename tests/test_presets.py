@@ -97,6 +97,28 @@ def test_preset_never_overwrites_an_explicit_user_value_and_reports_the_contradi
     assert cfg.model.params_dtype == torch.float32
 
 
+def test_user_values_where_the_preset_only_carries_a_default_stand():
+    """fp16_mixed chooses fp16 and its dtypes, not the loss scaling: the user's static loss scale
+    and hysteresis on the optimizer are kept (megatron-core's --loss-scale), not reported."""
+    cfg = tiny_config(mixed_precision="fp16_mixed")
+    cfg.optimizer.loss_scale, cfg.optimizer.hysteresis = 128.0, 4
+    runtime_config_update(cfg)
+    assert cfg.model.fp16 and cfg.optimizer.fp16
+    assert cfg.optimizer.loss_scale == 128.0 and cfg.optimizer.hysteresis == 4
+    assert cfg.optimizer.min_loss_scale == 1.0  # not set by the user: the preset's
+
+    chosen = tiny_config(mixed_precision="fp16_mixed")
+    chosen.mixed_precision = get_mixed_precision_config("fp16_mixed")
+    chosen.mixed_precision.hysteresis = 3  # now the preset's choice too: the user's 4 contradicts it
+    chosen.optimizer.hysteresis = 4
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(chosen)
+    assert err.value.errors == [
+        "optimizer.hysteresis: 4 was set explicitly but mixed_precision 'mixed_precision config' sets 3 "
+        "(remove the explicit optimizer.hysteresis or choose another mixed_precision preset)"
+    ]
+
+
 def test_explicit_value_equal_to_the_preset_is_fine():
     cfg = tiny_config(model=tiny_model(bf16=True), mixed_precision="bf16_mixed")
     runtime_config_update(cfg)
@@ -116,6 +138,40 @@ def test_mixed_precision_config_checks():
         runtime_config_update(tiny_config(mixed_precision=MixedPrecisionConfig(fp16=True, bf16=True)))
     with pytest.raises(ConfigValidationError, match="FP8/FP4 training needs bf16 or fp16 as the higher precision"):
         runtime_config_update(tiny_config(mixed_precision=MixedPrecisionConfig(fp8="hybrid")))
+
+
+def test_setup_applies_a_preset_to_the_configs_it_is_given():
+    """`setup(model, optimizer=None, ddp=None)`, the reference system's way to apply a preset
+    outside a container, also on megatron-core's own config classes."""
+    from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
+    from megatron.core.transformer import TransformerConfig
+
+    model, optimizer, ddp = tiny_model(), OptimizerConfig(lr=1e-3), DistributedDataParallelConfig()
+    get_mixed_precision_config("bf16_mixed").setup(model, optimizer, ddp)
+    assert model.bf16 and model.params_dtype == model.pipeline_dtype == torch.bfloat16
+    assert optimizer.bf16 and optimizer.params_dtype == torch.bfloat16 and ddp.grad_reduce_in_fp32 is True
+    assert not model.is_explicit("bf16")  # still the framework's value
+
+    alone = tiny_model()
+    get_mixed_precision_config("fp16_mixed").setup(alone)
+    assert alone.fp16 and alone.params_dtype == torch.half
+
+    core_model, core_ddp = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4), CoreDDPConfig()
+    get_mixed_precision_config("bf16_mixed").setup(core_model, ddp_config=core_ddp)
+    assert core_model.bf16 and core_model.params_dtype == torch.bfloat16 and core_ddp.grad_reduce_in_fp32
+
+
+def test_setup_keeps_the_users_values_and_reports_contradictions():
+    model = tiny_model(params_dtype=torch.float32)
+    with pytest.raises(ConfigValidationError) as err:
+        get_mixed_precision_config("bf16_mixed").setup(model)
+    assert err.value.errors == [
+        "model.params_dtype: torch.float32 was set explicitly but mixed_precision 'mixed_precision config' sets "
+        "torch.bfloat16 (remove the explicit model.params_dtype or choose another mixed_precision preset)"
+    ]
+    assert model.params_dtype == torch.float32
+    with pytest.raises(ConfigValidationError, match="mixed_precision.bf16: fp16 and bf16 are both on"):
+        MixedPrecisionConfig(fp16=True, bf16=True).setup(tiny_model())
 
 
 # ---------------------------------------------------------------------- comm overlap
@@ -176,6 +232,31 @@ def test_data_parallel_overlap_only_with_dp_and_distributed_optimizer():
     single.ddp.use_distributed_optimizer = True
     runtime_config_update(single, world_size=1)
     assert not single.ddp.overlap_grad_reduce and single.ddp.bucket_size is None
+
+
+def test_resolving_again_for_another_world_size_replans_the_overlap():
+    """The result of a second runtime_config_update is the one a fresh config gets: nothing
+    planned for the first world size (parameter-gather overlap at DP 8) survives at DP 1."""
+
+    def config():
+        cfg = tiny_config(comm_overlap=CommOverlapConfig())
+        cfg.ddp.use_distributed_optimizer = True
+        cfg.train.global_batch_size = 16
+        return cfg
+
+    again, fresh = config(), config()
+    runtime_config_update(again, world_size=8)
+    assert again.ddp.overlap_param_gather and again.optimizer.overlap_param_gather
+    runtime_config_update(again, world_size=1)
+    runtime_config_update(fresh, world_size=1)
+    assert again.to_dict() == fresh.to_dict()
+    assert not again.ddp.overlap_grad_reduce and not again.ddp.overlap_param_gather
+    assert not again.optimizer.overlap_param_gather
+
+    mine = config()
+    mine.optimizer.overlap_param_gather = True  # the user's, on one section: the other follows it
+    runtime_config_update(mine, world_size=1)
+    assert mine.ddp.overlap_param_gather and mine.optimizer.overlap_param_gather
 
 
 def test_comm_overlap_setup_applies_it_once_the_data_parallel_size_is_set():

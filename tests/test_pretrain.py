@@ -124,7 +124,29 @@ def test_user_dataset_provider_gets_a_filled_context_and_trains():
     ctx = CountingData.last_context
     assert (ctx.train_samples, ctx.valid_samples, ctx.test_samples) == (200, 8, 8)
     assert ctx.tokenizer is not None and ctx.tokenizer.vocab_size == 256
+    assert ctx.pg_collection is not None and ctx.pg_collection.dp.size() == ctx.pg_collection.tp.size() == 1
     assert mean(rec.losses[-5:]) < mean(rec.losses[:5]) - 0.5
+
+
+@pytest.mark.parametrize(
+    "returned, shown",
+    [((), "tuple of 0"), ([None, None], "list of 2"), (_Counting(8, 32, 256), "_Counting")],
+)
+def test_a_provider_returning_other_than_three_splits_is_named(returned, shown):
+    from megatron_bridge.data.builders import build_datasets
+
+    @dataclass
+    class Returns(DatasetProvider):
+        def build_datasets(self, context):
+            return returned
+
+    cfg = tiny_config(dataset=Returns(num_workers=0))
+    with pytest.raises(TypeError) as err:
+        build_datasets(cfg, tokenizer=None)
+    assert str(err.value) == (
+        f"cfg.dataset: Returns.build_datasets returned a {shown}, not (train, valid, test); return a tuple of "
+        "three datasets, with None for a split it does not provide"
+    )
 
 
 class EmbeddingLR(OptimizerConfigOverrideProvider):

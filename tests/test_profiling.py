@@ -116,3 +116,40 @@ def test_gpu_only_profiling_is_a_config_error_on_cpu(field, what):
         f"(set profiling.{field}=False; profiling.use_pytorch_profiler=True records CPU traces)"
     )
     assert [str(p) for p in problems.items] == [message]
+
+
+@pytest.mark.parametrize(
+    "window, world_size, message",
+    [
+        (
+            dict(),  # the default window (10 to 11) in a 5-iteration run
+            1,
+            "profiling.profile_step_start: the profiled iterations start at 10, after the run's last iteration (5) "
+            "(set profiling.profile_step_start and profile_step_end within the run, e.g. 1 and 3)",
+        ),
+        (
+            dict(profile_step_start=0, profile_step_end=1),  # Megatron-LM counts from 0, the console from 1
+            1,
+            "profiling.profile_step_end: iterations 0 to 0 hold none of the run's (they are numbered from 1, as the "
+            "console shows them) (set profiling.profile_step_end to 2 or more (start=1, end=2 profiles the first "
+            "iteration))",
+        ),
+        (
+            dict(profile_step_start=1, profile_step_end=3, profile_ranks=[2, 3]),
+            2,
+            "profiling.profile_ranks: none of [2, 3] is a rank of this 2-process run (use ranks from 0 to 1)",
+        ),
+    ],
+)
+def test_a_profiler_that_would_record_nothing_is_a_config_error(window, world_size, message):
+    from megatron_bridge.training.config import ConfigValidationError, runtime_config_update
+
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=5, global_batch_size=8, micro_batch_size=2),
+        profiling=ProfilingConfig(use_pytorch_profiler=True, **window),
+    )
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg, world_size=world_size)
+    assert err.value.errors == [message]
+    cfg.profiling.profile_step_start, cfg.profiling.profile_step_end, cfg.profiling.profile_ranks = 5, 6, [0, 3]
+    runtime_config_update(cfg, world_size=world_size)  # the last iteration, on a rank that exists

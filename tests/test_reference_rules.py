@@ -299,6 +299,55 @@ def test_recipe_warmup_scales_down_to_a_short_run(caplog):
     assert "warmup (2000 iterations) is not shorter than the decay (1000 iterations)" in message
 
 
+def test_recipe_warmup_becomes_samples_when_the_recipe_is_switched_to_samples(caplog, tmp_path):
+    """The recipe's warmup is in iterations; a run given in samples gets the samples of those
+    iterations (a tenth of the run when not shorter), not a report of mixed units it never set."""
+    from megatron_bridge.config.serialization import to_yaml
+    from megatron_bridge.training.config import ConfigContainer
+    from recipes import tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config(dir="/tmp/unused-run-dir")
+    cfg.train.train_iters, cfg.train.train_samples = None, 1600
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        runtime_config_update(cfg, world_size=1)
+    s = cfg.scheduler
+    assert (s.lr_warmup_iters, s.lr_warmup_samples, s.lr_warmup_steps) == (0, 80, 80)  # 10 x 8
+    assert "the recipe's warmup of 10 iterations, in sample-based training, is a warmup of 80 samples" in caplog.text
+    resolved = cfg.to_dict()
+    runtime_config_update(cfg, world_size=1)
+    to_yaml(cfg, tmp_path / "run.yaml")
+    loaded = ConfigContainer.from_yaml(tmp_path / "run.yaml")
+    runtime_config_update(loaded, world_size=1)
+    assert cfg.to_dict() == loaded.to_dict() == resolved
+
+    short = tiny_gpt_pretrain_config(dir="/tmp/unused-run-dir")
+    short.train.train_iters, short.train.train_samples = None, 40
+    runtime_config_update(short, world_size=1)
+    assert short.scheduler.lr_warmup_samples == 4  # 80 samples is not shorter than 40: a tenth
+    mine = tiny_gpt_pretrain_config(dir="/tmp/unused-run-dir")
+    mine.train.train_iters, mine.train.train_samples = None, 1600
+    mine.scheduler.lr_warmup_iters = 10  # the user's: reported, not converted
+    (message,) = errors_of(mine, world_size=1)
+    assert message.startswith("scheduler.lr_warmup_iters: sample-based training (train.train_samples) with")
+
+
+@pytest.mark.timeout(120)
+def test_recipe_warmup_scales_down_for_a_constant_lr_too(tmp_path):
+    """A constant LR is warmed up as well, and megatron-core's scheduler refuses a warmup that is
+    not shorter than the run: the recipe's warmup scales down and the run trains."""
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+    from recipes import tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config(dir=str(tmp_path), train_iters=3)
+    cfg.scheduler.lr_decay_style = "constant"
+    cfg.validation.eval_interval, cfg.validation.eval_iters = None, 0
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    state = pretrain(cfg, forward_step)
+    assert state.train_state.step == 3
+    assert cfg.scheduler.lr_warmup_iters == 0 and cfg.scheduler.lr_warmup_steps < cfg.scheduler.lr_decay_steps
+
+
 def test_yaml_floats_at_their_shortest_round_trip_form(tmp_path):
     from megatron_bridge.training.config import ConfigContainer
 

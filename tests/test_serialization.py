@@ -84,6 +84,23 @@ def test_reloaded_runtime_config_updates_to_the_same_result(tmp_path):
     assert_same_config(cfg, loaded)
 
 
+def test_a_sample_based_run_switched_from_iterations_reloads_and_resolves_again(tmp_path):
+    """`train.train_iters=null train.train_samples=N` on a recipe: train_iters, set to None by the
+    user and derived from the samples, is saved as derived, so the saved config (a run's
+    run_config.yaml) resolves again instead of holding both lengths."""
+    cfg = tiny_config()
+    cfg.train.train_iters, cfg.train.train_samples = None, 160
+    runtime_config_update(cfg)
+    assert cfg.train.train_iters == 20
+    loaded = reload(cfg, tmp_path)
+    assert loaded.to_dict() == cfg.to_dict() and not loaded.train.is_explicit("train_iters")
+    runtime_config_update(loaded)
+    assert loaded.to_dict() == cfg.to_dict()
+    loaded.train.train_samples = 320
+    runtime_config_update(loaded)
+    assert loaded.train.train_iters == 40  # recomputed, as before saving
+
+
 def test_derived_values_are_recomputed_after_reload(tmp_path):
     # A finalized config saved and reloaded still recomputes ffn_hidden_size from hidden_size.
     cfg = make_config()

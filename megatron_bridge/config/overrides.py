@@ -133,6 +133,11 @@ def process_config_with_overrides(
 ) -> Any:
     """Merge `config_filepath` (YAML) into `config`, then apply `cli_overrides` (Hydra grammar,
     see `config.overrides`); return `config`, updated in place. Does not finalize it."""
+    if isinstance(cli_overrides, (str, bytes)):  # iterating it would make an override of each character
+        raise TypeError(
+            f"cli_overrides must be a list of override strings, got the {type(cli_overrides).__name__} "
+            f"{_short(str(cli_overrides))}; pass [{_short(str(cli_overrides))}]"
+        )
     problems = Problems()
     data: Any = None
     if config_filepath is not None:

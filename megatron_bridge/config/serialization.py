@@ -105,13 +105,15 @@ class ConfigEncoder(Encoder):
             if state is None:
                 continue
             default = is_default(f, value)
-            if f.name in explicit:
+            # Only a value derived from the default can be recomputed from the saved file.
+            before = derived.get(f.name, _NO_DEFAULT)
+            recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
+            if f.name in explicit and not (recomputable and not default):
                 if default:
                     tags[EXPLICIT].append(f.name)
             elif not default:
-                # Only a value derived from the default can be recomputed from the saved file.
-                before = derived.get(f.name, _NO_DEFAULT)
-                recomputable = before is not _NO_DEFAULT and (before is _MISSING or is_default(f, before))
+                # (a field the user set to its default, e.g. train_iters=None beside train_samples,
+                # then derived, is saved as derived: the user's value was the default)
                 tags[DERIVED if recomputable else IMPLICIT].append(f.name)
         out: dict[str, Any] = {TARGET: path}
         out.update((tag, FlowList(sorted(names))) for tag, names in tags.items() if names)

@@ -52,12 +52,24 @@ def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = 
             tokenizer=tokenizer,
             pg_collection=pg_collection,
         )
-        return data.build_datasets(context)
+        return _three_splits(data, data.build_datasets(context))
     if isinstance(data, FinetuningDatasetConfig):
         return build_finetuning_datasets(data, tokenizer, counts, cfg.model)
     if isinstance(data, GPTDatasetConfig):
         return _build_gpt_datasets(data, tokenizer, counts, cfg)
     raise TypeError(f"cfg.dataset: unsupported dataset config {type(data).__name__}")
+
+
+def _three_splits(provider: DatasetProvider, returned: Any) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:
+    """What a user's `build_datasets` returned, as (train, valid, test); anything else is refused
+    naming the provider (unpacking it would fail without saying whose result it was)."""
+    if isinstance(returned, (tuple, list)) and len(returned) == 3:
+        return tuple(returned)
+    shown = f"{type(returned).__name__} of {len(returned)}" if isinstance(returned, (tuple, list)) else type(returned).__name__
+    raise TypeError(
+        f"cfg.dataset: {type(provider).__name__}.build_datasets returned a {shown}, not (train, valid, test); "
+        "return a tuple of three datasets, with None for a split it does not provide"
+    )
 
 
 def resolved_phases(cfg: "ConfigContainer") -> Optional[list]:

@@ -128,6 +128,9 @@ class CommOverlapConfig(ConfigBase):
         for name in ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "bucket_size"):
             if getattr(self, name) is not None:
                 ddp_values[name] = getattr(self, name)
+        # The optimizer holds the same switch; planning it here too (rather than leaving it to the
+        # ddp/optimizer sync) keeps a value planned for an earlier layout from outliving it.
+        optimizer_values["overlap_param_gather"] = ddp_values["overlap_param_gather"]
         return {
             "model": {k: v for k, v in model_values.items() if v is not None},
             "ddp": ddp_values,

@@ -1,7 +1,8 @@
 """Mixed-precision recipes: one config that sets the precision fields of model, optimizer and DDP.
 
 A preset is applied by `runtime_config_update`. It never overwrites a field the user set
-explicitly: where the user's value contradicts the preset, validation reports it. Fields of the
+explicitly: where the user's value contradicts a field the preset chose (its factory set it),
+validation reports it; a field it only carries the class default of takes the user's value. Fields of the
 FP8 group are applied only when the preset trains in FP8 (likewise FP4, and loss scaling with
 FP16); otherwise the target keeps its own value. A named preset's FP8 parameter gathering
 (`fp8_param_gather`) is turned on only with the distributed optimizer, the one megatron-core
@@ -19,7 +20,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 
 from megatron_bridge.config.annotations import field_types, register_section_names
-from megatron_bridge.config.base import ConfigBase, config_dataclass
+from megatron_bridge.config.base import ConfigBase, config_dataclass, finalize_into
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.fields import COUNT, SIZE, field
 from megatron_bridge.config.rules import set_unless_user_set
@@ -141,6 +142,17 @@ class MixedPrecisionConfig(ConfigBase):
             )
 
     # ------------------------------------------------------------------ applying
+    def setup(self, model_config: ConfigBase, optimizer_config: Optional[ConfigBase] = None, ddp_config: Optional[ConfigBase] = None) -> None:
+        """Finalize this config and set its fields on the model config and, when given, the
+        optimizer and DDP configs, leaving the fields the user set alone (NVIDIA Megatron Bridge's
+        entry point; `runtime_config_update` does this). Raises `ConfigValidationError` listing
+        every problem, contradictions with the user's values included."""
+        problems = Problems()
+        finalize_into(self, problems.at("mixed_precision"))
+        if not problems:
+            self.apply(model_config, optimizer_config, ddp_config, problems, "mixed_precision config")
+        problems.raise_if_any()
+
     def apply(self, model: ConfigBase, optimizer: Optional[ConfigBase], ddp: Optional[ConfigBase], problems: Problems, name: str) -> None:
         """Set the precision fields of model/optimizer/ddp that the user did not set explicitly.
 
@@ -161,7 +173,9 @@ class MixedPrecisionConfig(ConfigBase):
             if target is None:
                 continue
 
-            def clash(field_name: str, current: object, value: object, section: str = section) -> tuple[str, str]:
+            def clash(field_name: str, current: object, value: object, section: str = section) -> Optional[tuple[str, str]]:
+                if not self._chose(field_name):
+                    return None  # the preset only carries the default there: the user's value stands
                 return (
                     f"{current!r} was set explicitly but mixed_precision {name!r} sets {value!r}",
                     f"remove the explicit {section}.{field_name} or choose another mixed_precision preset",
@@ -171,6 +185,13 @@ class MixedPrecisionConfig(ConfigBase):
             changed += set_unless_user_set(target, values, problems, section, clash, _short)
         if changed:
             logger.info("mixed_precision %r set %s", name, ", ".join(changed))
+
+    def _chose(self, name: str) -> bool:
+        """Whether field `name` is this config's choice: set on it explicitly, or set by the preset
+        it came from. A class default it merely carries (fp16_mixed's dynamic loss scaling, an FP8
+        preset's fp8_dot_product_attention=False) does not contradict a user's own value on the
+        model, optimizer or ddp: the user's value stands."""
+        return self.is_explicit(name) or name in self.__dict__.get(_PRESET_CHOICES, ())
 
     def _fp8_param_gather_asked(self, model: ConfigBase, ddp: Optional[ConfigBase]) -> bool:
         """Whether the user asked for FP8 parameter gathering: on this config, ddp or the model."""
@@ -250,9 +271,15 @@ def _short(value: object) -> str:
 
 
 # ---------------------------------------------------------------------- presets
+_PRESET_CHOICES = "_mb_preset_choices"
+"""Key in a preset's __dict__: the fields its factory set (what a user's different value contradicts)."""
+
+
 def _as_preset(cfg: MixedPrecisionConfig) -> MixedPrecisionConfig:
     """`cfg` with its values counted as the framework's, not the user's: presets apply them as
-    defaults (FP8 parameter gathering, for one, only with the distributed optimizer)."""
+    defaults (FP8 parameter gathering, for one, only with the distributed optimizer). The fields
+    that were set are remembered as the preset's choices."""
+    cfg.__dict__[_PRESET_CHOICES] = frozenset(cfg.__dict__.get(_PRESET_CHOICES, ())) | cfg.explicit_fields()
     for name in cfg.explicit_fields():
         cfg.mark_explicit(name, False)
     return cfg
@@ -279,8 +306,8 @@ def fp16_mixed() -> MixedPrecisionConfig:
 def _with(base: Callable[[], MixedPrecisionConfig], **fp_fields) -> MixedPrecisionConfig:
     cfg = base()
     for key, value in fp_fields.items():
-        cfg.apply_default(key, value)
-    return cfg
+        setattr(cfg, key, value)
+    return _as_preset(cfg)
 
 
 _DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1024, fp8_amax_compute_algo="max", fp8_param_gather=True)

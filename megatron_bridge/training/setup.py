@@ -198,10 +198,11 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     """Train/valid/test micro-batch iterators for this data-parallel rank (one per model chunk
     for virtual pipelining), resuming at the consumed-sample counters."""
     from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     ts, t, v = state.train_state, cfg.train, cfg.validation
-    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer, ProcessGroupCollection.use_mpu_process_groups())
     counts = sample_counts(cfg)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

@@ -426,13 +426,20 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
         warmup = int(s.lr_warmup_fraction * decay)
-        warmup_length = decay_length if warmup >= decay else warmup_length  # shown only when not shorter
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
     s._derive("wsd_decay_steps", wsd)
-    # lengths are reported as the user gave them
-    if s.lr_decay_style != "constant":
+    # Lengths are reported as the user gave them. megatron-core's scheduler needs the warmup
+    # shorter than the decay with every decay style (a constant LR is warmed up too).
+    if s.lr_warmup_fraction is not None:
+        problems.check(
+            warmup < decay,
+            "scheduler.lr_warmup_fraction",
+            f"a warmup of {s.lr_warmup_fraction} of the decay ({decay_length} {unit}) leaves no decay",
+            "use a fraction below 1",
+        )
+    else:
         problems.check(
             warmup < decay,
             f"scheduler.lr_warmup_{suffix}",

@@ -66,6 +66,42 @@ class ProfilingConfig(ConfigBase):
             )
 
 
+def check_profiled_window(cfg: Any, problems: Problems) -> None:
+    """A profiler that is on profiles something: its window holds an iteration (they are numbered
+    from 1) that the run reaches, and one of `profile_ranks` is a rank of the run. Otherwise no
+    trace would be written, and nothing would say why."""
+    p = cfg.profiling
+    if not (p.use_nsys_profiler or p.use_pytorch_profiler or p.record_memory_history):
+        return
+    last = cfg.train.train_iters
+    first = max(1, p.profile_step_start)
+    if p.profile_step_end <= p.profile_step_start:
+        pass  # reported by the section
+    elif p.profile_step_end <= first:
+        problems.add(
+            "profiling.profile_step_end",
+            f"iterations {p.profile_step_start} to {p.profile_step_end - 1} hold none of the run's "
+            "(they are numbered from 1, as the console shows them)",
+            "set profiling.profile_step_end to 2 or more (start=1, end=2 profiles the first iteration)",
+        )
+    elif last is not None:
+        problems.check(
+            first <= last,
+            "profiling.profile_step_start",
+            f"the profiled iterations start at {first}, after the run's last iteration ({last})",
+            f"set profiling.profile_step_start and profile_step_end within the run, e.g. 1 and {min(last, 2) + 1}",
+        )
+    m, dp = cfg.model, cfg.data_parallel_size
+    if dp is not None:
+        world = dp * m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        problems.check(
+            any(rank < world for rank in p.profile_ranks),
+            "profiling.profile_ranks",
+            f"none of {list(p.profile_ranks)} is a rank of this {world}-process run",
+            f"use ranks from 0 to {world - 1}",
+        )
+
+
 @config_dataclass(kw_only=True)
 class TensorInspectConfig(ConfigBase):
     """Configuration for Nvidia-DL-Framework-Inspect integration."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config.base import ConfigBase
 from megatron_bridge.config.errors import Problems
@@ -172,16 +172,35 @@ def check_schedule_length(cfg: "ConfigContainer", problems: Problems) -> None:
     )
 
 
+def check_warmup_start(cfg: "ConfigContainer", problems: Problems) -> None:
+    """The warmup starts at or below the peak LR: megatron-core's scheduler refuses a higher
+    start (whether or not there is a warmup)."""
+    start, peak = cfg.scheduler.lr_warmup_init, cfg.optimizer.lr
+    if peak is None:
+        return  # reported by the optimizer
+    problems.check(
+        start <= peak,
+        "scheduler.lr_warmup_init",
+        f"the warmup starts at {start}, above the peak learning rate optimizer.lr={peak}",
+        f"set scheduler.lr_warmup_init to at most {peak} (0.0 warms up from zero)",
+    )
+
+
 def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
     """A warmup that came as a default (a recipe's, not set by the user) and is not shorter than
     the decay is scaled down to a tenth of the decay, and the change is logged: a recipe's 2000
     warmup iterations are meant for its full-length run, not for a 1000-iteration one. A warmup
-    the user set is kept, and the schedule check reports it."""
+    the user set is kept, and the schedule check reports it. In sample-based training (a recipe
+    switched to train.train_samples) such a warmup becomes the samples of its iterations, as
+    the scheduler there counts in samples."""
     s, t = cfg.scheduler, cfg.train
-    if t.train_samples is not None or not t.train_iters or s.lr_warmup_fraction is not None:
+    if t.train_samples is not None:
+        _recipe_warmup_in_samples(s, t)
+        return
+    if not t.train_iters or s.lr_warmup_fraction is not None:
         return
     decay = s.lr_decay_iters or s.max_steps or t.train_iters
-    if s.is_explicit("lr_warmup_iters") or s.lr_decay_style == "constant" or s.lr_warmup_iters < decay:
+    if s.is_explicit("lr_warmup_iters") or s.lr_warmup_iters < decay:
         return
     scaled = decay // 10
     logger.info(
@@ -190,6 +209,26 @@ def derive_recipe_warmup(cfg: "ConfigContainer", problems: Problems) -> None:
         s.lr_warmup_iters, decay, scaled,
     )
     s._derive("lr_warmup_iters", scaled)
+
+
+def _recipe_warmup_in_samples(s: Any, t: Any) -> None:
+    if s.is_explicit("lr_warmup_iters") or not s.lr_warmup_iters or s.lr_warmup_fraction is not None:
+        return
+    if s.is_explicit("lr_warmup_samples") or not t.global_batch_size:
+        return
+    decay = s.lr_decay_samples or t.train_samples
+    samples = s.lr_warmup_iters * t.global_batch_size
+    if samples >= decay:
+        samples = decay // 10
+    logger.info(
+        "scheduler.lr_warmup_iters: the recipe's warmup of %d iterations, in sample-based training, is a "
+        "warmup of %d samples. Set scheduler.lr_warmup_samples to choose.",
+        s.lr_warmup_iters, samples,
+    )
+    # Framework values, not derived ones: the next resolution (or a reload of the saved config)
+    # keeps the converted warmup instead of finding it in iterations and samples at once.
+    s.apply_default("lr_warmup_iters", 0)
+    s.apply_default("lr_warmup_samples", samples)
 
 
 SCHEDULE_FIELDS = (

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config import ranges
 from megatron_bridge.config.base import finalize_into
-from megatron_bridge.config.errors import ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
@@ -24,6 +24,7 @@ from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.models.vocab import derive_vocab_size
 from megatron_bridge.peft.apply import check_config as check_peft_config
 from megatron_bridge.training.config.architecture import check_loaded_architectures
+from megatron_bridge.training.config.profiling import check_profiled_window
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.mixed_precision import get_mixed_precision_config
@@ -70,7 +71,15 @@ def current_world_size() -> int:
             return dist.get_world_size()
     except Exception:  # a broken distributed build must not break config handling
         pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigValidationError(ConfigProblem(
+            "WORLD_SIZE",
+            f"the environment variable is {value!r}, not a number of processes",
+            "unset it (one process) or set it to the number of processes; torchrun sets it itself",
+        )) from None  # fmt: skip
 
 
 
@@ -252,6 +261,8 @@ RULES: tuple[Rule, ...] = (
     Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
+    Rule("warmup start", "check", run_schedule.check_warmup_start),
+    Rule("profiled window", "check", check_profiled_window),
     Rule("recipe warmup", "derive", run_schedule.derive_recipe_warmup),
     Rule("weight decay schedule", "derive", checks.derive_weight_decay),
     Rule("scheduler steps", "derive", checks.derive_scheduler_steps),
