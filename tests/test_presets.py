@@ -98,14 +98,20 @@ def test_preset_never_overwrites_an_explicit_user_value_and_reports_the_contradi
 
 
 def test_user_values_where_the_preset_only_carries_a_default_stand():
-    """fp16_mixed chooses fp16 and its dtypes, not the loss scaling: the user's static loss scale
-    and hysteresis on the optimizer are kept (megatron-core's --loss-scale), not reported."""
+    """fp16_mixed chooses fp16 and its dtypes, not the loss scaling: the user's static loss scale,
+    or the dynamic scaler's hysteresis, on the optimizer are kept (megatron-core's --loss-scale,
+    --hysteresis), not reported."""
     cfg = tiny_config(mixed_precision="fp16_mixed")
-    cfg.optimizer.loss_scale, cfg.optimizer.hysteresis = 128.0, 4
+    cfg.optimizer.loss_scale = 128.0
     runtime_config_update(cfg)
     assert cfg.model.fp16 and cfg.optimizer.fp16
-    assert cfg.optimizer.loss_scale == 128.0 and cfg.optimizer.hysteresis == 4
+    assert cfg.optimizer.loss_scale == 128.0
     assert cfg.optimizer.min_loss_scale == 1.0  # not set by the user: the preset's
+
+    dynamic = tiny_config(mixed_precision="fp16_mixed")
+    dynamic.optimizer.hysteresis = 4
+    runtime_config_update(dynamic)
+    assert dynamic.optimizer.fp16 and dynamic.optimizer.loss_scale is None and dynamic.optimizer.hysteresis == 4
 
     chosen = tiny_config(mixed_precision="fp16_mixed")
     chosen.mixed_precision = get_mixed_precision_config("fp16_mixed")
