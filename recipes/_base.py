@@ -211,7 +211,7 @@ def _path(value: Optional[Union[str, os.PathLike]]) -> Optional[str]:
 def _container(model: GPTModelProvider, dataset: Any, opts: RecipeOptions) -> ConfigContainer:
     """Everything but the dataset: the same for every recipe."""
     _set_layout(model, opts)
-    run_dir = os.path.join(os.fspath(opts.dir), opts.name)
+    run_dir = os.path.join(os.fspath("runs" if opts.dir is None else opts.dir), opts.name)
     checkpoints = os.path.join(run_dir, "checkpoints")
     return ConfigContainer(
         model=model,

@@ -279,3 +279,12 @@ def test_bare_set_annotations_take_sets_and_their_own_decoding():
     assert tags.names == {"b", "c"} and tags.frozen == frozenset({1})
     with pytest.raises(TypeError, match="expected set, got str 'abc'"):
         tags.names = "abc"
+
+
+def test_hf_tokenizer_kwargs_may_be_none():
+    # the reference system's TokenizerConfig takes None for "no extra arguments"
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    tok = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=10, hf_tokenizer_kwargs=None)
+    tok.finalize()
+    assert tok.hf_tokenizer_kwargs is None

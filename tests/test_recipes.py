@@ -82,6 +82,12 @@ def test_recipe_outputs_go_under_dir_and_name(name, tmp_path):
     assert default.checkpoint.save == os.path.join(tmp_path, name[: -len("_config")], "checkpoints")
 
 
+def test_dir_none_is_the_default_runs_directory():
+    # the reference system's recipes take dir=None for their default output directory
+    cfg = recipes.get_recipe("tiny_gpt_pretrain_config")(dir=None)
+    assert cfg.checkpoint.save == os.path.join("runs", "tiny_gpt_pretrain", "checkpoints")
+
+
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_gpu_recipes_train_in_bf16_through_the_preset(name, tmp_path):
     fn = recipes.get_recipe(name)

@@ -86,7 +86,7 @@ class TokenizerConfig(ConfigBase):
     """Jinja chat template (or the path of a .jinja file) for chat fine-tuning data; overrides
     the tokenizer's own template."""
 
-    hf_tokenizer_kwargs: dict = field(default_factory=dict)
+    hf_tokenizer_kwargs: Optional[dict] = field(default_factory=dict)
     """Options of the Hugging Face tokenizer: bos_token / eos_token / pad_token name its special
     tokens; other keys go to transformers.AutoTokenizer.from_pretrained (always offline)."""
 

@@ -25,11 +25,11 @@ class SchedulerConfig(ConfigBase):
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
     """Shape of the decay from optimizer.lr to optimizer.min_lr after warmup."""
 
-    lr_decay_iters: Optional[int] = field(None, range=STEPS)
+    lr_decay_iters: Optional[int] = field(None, range="[1, 2**63)")  # 0 would be no decay period at all
     """Iterations over which to decay the LR (unset: the schedule length, max_steps or train_iters,
     which validate() fills in)."""
 
-    lr_decay_samples: Optional[int] = field(None, range=STEPS)
+    lr_decay_samples: Optional[int] = field(None, range="[1, 2**63)")  # 0 would be no decay period at all
     """Samples over which to decay the LR (sample-based training; unset: train_samples, which
     validate() fills in)."""
 
