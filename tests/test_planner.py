@@ -86,10 +86,11 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
     assert differing_shards == 2
     # multi-token prediction: the depths and an embedding copy on the last stage only; the MoE
     # model's depth is a mixture-of-experts layer, like its last decoder layer
-    stages = [[n for n, _ in json.loads(Path(f"{out}.rank{r}").read_text())["mtp_pp2_distopt"]["names"]] for r in (0, 1)]
+    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
+    stages = [[n for n, _ in result["mtp_pp2_distopt"]["names"]] for result in results]
     assert [any(n.startswith("mtp.layers.1.") for n in names) for names in stages] == [False, True]
     assert all("embedding.word_embeddings.weight" in names for names in stages)
-    moe_mtp = [n for n, _ in json.loads(Path(f"{out}.rank0").read_text())["mla_moe_ep2_mtp"]["names"]]
+    moe_mtp = [n for n, _ in results[0]["mla_moe_ep2_mtp"]["names"]]
     assert any(n.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for n in moe_mtp)
     rank0 = json.loads(Path(f"{out}.rank0").read_text())
     for layout, base in (("lora_tp2", "tp2"), ("dora_dp2_distopt", "tp2"), ("mla_dora_tp2", "mla_tp2")):

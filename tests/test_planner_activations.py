@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from factories import one_process_group, tiny_config, tiny_model
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron_bridge.models import count_parameters
 from megatron_bridge.peft import DoRA, LoRA
 from megatron_bridge.planning import activations
 from megatron_bridge.planning.activations import layer_terms, stage_activations
@@ -467,6 +468,8 @@ def test_multi_token_prediction_depth_terms_equal_what_autograd_saves(megatron, 
         norms = sum(isinstance(m, torch.nn.LayerNorm) for m in model.mtp.layers[0].modules())
         measured += 4 * SEQ * norms
     assert measured == planned, terms
+    # the parameter count (FLOPs, preflight) has the depths' parameters too
+    assert count_parameters(cfg.model).total == sum(p.numel() for p in model.parameters())
     layer = {k.removeprefix("MTP layer: "): v for k, v in terms.items() if k.startswith("MTP layer: ")}
     # a decoder layer's tensors; with full recompute the checkpoint keeps the embedding only
     assert layer == ({} if "full" in case else layer_terms(inp, False, None, False))

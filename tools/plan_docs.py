@@ -66,9 +66,9 @@ also holds a copy of the word embedding (and, tied, an output-layer weight megat
 but does not use): exact against real runs in the tests. Activations: what each depth keeps as a
 decoder layer does, its projection input and norms, and, since megatron-core computes the depths'
 losses in the forward pass, the fp32 softmax of each depth's logits until the backward pass; the
-peak also weighs the last depth's core-attention backward (measured on CPU). Not planned with MTP:
-LoRA/DoRA, full uniform recompute of more than one layer per unit; the step time leaves the depths'
-FLOPs out.
+peak also weighs the last depth's core-attention backward (measured on CPU). FLOPs count each
+depth's layer and output layer. Not planned with MTP: LoRA/DoRA, full uniform recompute of more
+than one layer per unit.
 
 Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
 buffers (inside the workspace allowance). With TE layers the parameter order, and so a few

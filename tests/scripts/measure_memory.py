@@ -92,7 +92,11 @@ LAYOUTS = {
         "bf16_mixed",
     ),
     # DeepSeek-V3's shape: one depth whose layer is a mixture of experts, as the last decoder layer
-    "mla_moe_ep2_mtp": (dict(expert_model_parallel_size=2, mtp_num_layers=1), dict(use_distributed_optimizer=True), "bf16_mixed"),
+    "mla_moe_ep2_mtp": (
+        dict(expert_model_parallel_size=2, mtp_num_layers=1),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
     # frozen base, adapters on the four projections split over TP (column: B and magnitude; row: A)
     "lora_tp2": (dict(tensor_model_parallel_size=2), {}, "bf16_mixed"),
     # some projections only, DoRA magnitudes, the distributed optimizer sharding the adapters
