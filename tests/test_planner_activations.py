@@ -308,6 +308,10 @@ def peak_of_a_step(model, vocab):
         loss = ddp(tokens, positions, None, labels=labels)  # no mask: causal, as in training
         loss.sum().backward()
         del loss
+    # megatron-core adds the prediction depths' losses to a process-wide tracker: leave it empty
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
     events = []
 
     def walk(nodes):
