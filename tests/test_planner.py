@@ -24,6 +24,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
 LAYOUTS = (
     "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
     "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt", "mla_dora_tp2", "mtp_pp2_distopt", "mla_moe_ep2_mtp",
+    "mtp_pp2_vp2_untied",
 )  # fmt: skip
 
 
@@ -47,7 +48,7 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Twelve layouts (three of them multi-latent attention, two with multi-token prediction)
+    """Thirteen layouts (three of them multi-latent attention, three with multi-token prediction)
     trained for one iteration with pretrain() under torchrun (2 processes), and three LoRA/DoRA
     runs (finetune() of the weights two of them save; one adapts multi-latent attention split
     over TP 2): the bytes of parameters, gradient

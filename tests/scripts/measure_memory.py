@@ -91,6 +91,14 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True),
         "bf16_mixed",
     ),
+    # untied, virtual stages: the depths on the last chunk; the first stage's embedding is still
+    # reduced with the last stage's copy
+    "mtp_pp2_vp2_untied": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4, mtp_num_layers=1,
+             share_embeddings_and_output_weights=False),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
     # DeepSeek-V3's shape: one depth whose layer is a mixture of experts, as the last decoder layer
     "mla_moe_ep2_mtp": (
         dict(expert_model_parallel_size=2, mtp_num_layers=1),
