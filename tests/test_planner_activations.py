@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron_bridge.models import count_parameters
 from megatron_bridge.peft import DoRA, LoRA
-from megatron_bridge.planning import activations
+from megatron_bridge.planning import mtp
 from megatron_bridge.planning.activations import layer_terms, stage_activations
 from megatron_bridge.planning.adapters import local_adapted
 from megatron_bridge.planning.inputs import PlanInputs
@@ -463,8 +463,8 @@ def test_multi_token_prediction_depth_terms_equal_what_autograd_saves(megatron, 
     model.train()
     inp = PlanInputs.from_config(cfg)
     assert inp.mtp_depths == 1
-    terms = activations.mtp_depth_terms(inp, 0)
-    after = (*activations.MTP_LOSS, *activations.MTP_OUTPUT_INPUTS)  # kept by the output layers and losses
+    terms = mtp.mtp_depth_terms(inp, 0)
+    after = (*mtp.MTP_LOSS, *mtp.MTP_OUTPUT_INPUTS)  # kept by the output layers and losses
     planned = sum(v for k, v in terms.items() if k not in after)
     measured = saved_by_mtp_depth(model)
     print(f"{case}: measured {measured}, planned {planned:.0f}")

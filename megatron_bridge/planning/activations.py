@@ -21,6 +21,7 @@ attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the no
 mixture-of-experts layers with shared experts, LoRA/DoRA adapters (`adapters.py`), context and
 sequence parallelism and megatron-core's selective recompute modules.
 `tests/test_planner_activations.py` compares it with the tensors autograd saves for one layer.
+Multi-token prediction's depths on the last stage are counted in `mtp.py`.
 Multi-latent attention keeps its latents and their norms' outputs, the up-projected Q, K and V
 (unless `mla_up_proj` is recomputed; that case is counted, not measured) and the value-width
 output projection input.
@@ -42,7 +43,7 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Optional
 
-from megatron_bridge.planning import core_attention
+from megatron_bridge.planning import core_attention, mtp
 from megatron_bridge.planning.adapters import activation_terms as adapter_terms
 from megatron_bridge.planning.adapters import local_adapted
 from megatron_bridge.planning.inputs import PlanInputs
@@ -64,7 +65,7 @@ def _selective(inp: PlanInputs, module: str) -> bool:
     return inp.recompute_granularity == "selective" and module in inp.recompute_modules
 
 
-def _norm_stats(inp: PlanInputs) -> int:
+def norm_stats(inp: PlanInputs) -> int:
     """fp32 bytes per token a norm keeps besides its input: mean and 1/std (LayerNorm) or 1/rms."""
     return 8 if inp.norm_has_bias else 4
 
@@ -75,7 +76,7 @@ def _output_norm(inp: PlanInputs, block: str, s: float, b: int, add) -> None:
     sp = inp.tp if inp.sequence_parallel else 1
     add(f"{block} output norm input", inp.activation_bytes * s * b * inp.hidden / sp)
     if not inp.transformer_engine:
-        add(f"{block} output norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+        add(f"{block} output norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
 
 
 def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
@@ -110,7 +111,7 @@ def _mla_terms(
     terms = {"query and key/value latents and their norm outputs": e * s * b * latents}
     if not inp.transformer_engine:
         norms = 2 if inp.q_lora_rank else 1
-        terms["latent norm statistics (fp32 per token)"] = norms * _norm_stats(inp) * s * b
+        terms["latent norm statistics (fp32 per token)"] = norms * norm_stats(inp) * s * b
         # cos and sin for the rope parts of Q and of K, as the grouped-query layers keep them
         terms["rotary cos/sin tables"] = 4 * e * s * inp.qk_rope_dim
     if not _selective(inp, "mla_up_proj"):
@@ -158,7 +159,7 @@ def layer_terms(
     if inp.input_norms:
         add("attention norm input", e * sbh / sp)
         if local:
-            add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+            add("attention norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
     attention_inputs = ("linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if inp.mla else ("linear_qkv",)
     if not norms_recomputed and input_kept(*attention_inputs):
         add("QKV projection input", e * sbh / sp)
@@ -174,7 +175,7 @@ def layer_terms(
         if inp.rotary_dim:
             add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
         if inp.qk_layernorm and inp.qk_norm_per_head:
-            add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
+            add("Q, K norm statistics (fp32)", norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
     if inp.qk_layernorm and not inp.qk_norm_per_head and not inp.mla:
         for name, value in _projection_norm_terms(inp, s, b).items():
             add(name, value)
@@ -191,7 +192,7 @@ def layer_terms(
     if inp.input_norms:
         add("MLP norm input", e * sbh / sp)
         if local:
-            add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+            add("MLP norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
     gated = 2 if inp.gated else 1
     unfused_glu = inp.gated and not inp.activation_fused  # keeps SiLU(gate) and a copy of the up half too
     if not norms_recomputed and (moe or input_kept("mlp.linear_fc1")):
@@ -226,109 +227,6 @@ def layer_terms(
     for name, value in adapter_terms(inp, adapted, s, b).items():
         add(name, value)
     return terms
-
-
-MTP_LOSS = (
-    "MTP softmax of the logits (fp32, cross entropy)", "MTP loss targets, mask and scaled loss (per token)",
-)  # fmt: skip
-"""Terms of a multi-token prediction depth that its loss keeps (freed first in backward)."""
-MTP_OUTPUT_INPUTS = (
-    "MTP output layer input (its slice of the concatenated hidden states)",
-    "main output layer input (its slice of the concatenated hidden states)",
-)
-"""The hidden states of the model and of every depth, concatenated: the output layers' inputs are
-slices of one storage, freed when the last of them has run its backward."""
-MTP_OUTPUT = (*MTP_OUTPUT_INPUTS, "MTP final norm input", "MTP final norm statistics (fp32 per token)")
-
-
-def _mtp_recomputed(inp: PlanInputs) -> bool:
-    """megatron-core checkpoints a depth's projection and layer with full uniform recompute (block
-    recompute skips them)."""
-    return inp.recompute_granularity == "full" and inp.recompute_method == "uniform"
-
-
-@lru_cache(maxsize=256)
-def mtp_depth_terms(inp: PlanInputs, depth: int, recomputed: Optional[bool] = None) -> dict[str, float]:
-    """Bytes multi-token prediction depth `depth` keeps for backward, per micro batch, on the last
-    stage, by tensor. It looks up the next tokens' embedding (keeping the token ids), normalizes
-    it and the hidden state (whose storage the preceding output layer keeps already), projects both
-    (2h -> h), runs its transformer layer (`layer_terms` of the last decoder layer's kind, its own
-    mask), normalizes the output, which the shared output layer keeps, and computes its loss in the
-    forward pass: the fp32 softmax of its logits and the per-token targets, loss mask and scaled
-    loss stay until the backward pass. Recomputed (`recomputed`, by default the config's), only the
-    embedding the checkpoint keeps and what follows the checkpoint are kept."""
-    s = inp.seq_length / inp.cp
-    b, h, e = inp.micro_batch_size, inp.hidden, inp.activation_bytes
-    sp = inp.tp if inp.sequence_parallel else 1
-    sbh = s * b * h
-    if recomputed is None:
-        recomputed = _mtp_recomputed(inp)
-    terms: dict[str, float] = {}
-
-    def add(name: str, value: float) -> None:
-        if value:
-            terms[name] = terms.get(name, 0.0) + value
-
-    ids = 2 if inp.learned_positions else 1  # token and position ids
-    add("MTP next-token ids (int64, the embedding lookup's)", ids * 8 * s * b)
-    if inp.hidden_dropout > 0:
-        add("MTP embedding dropout mask", sbh / sp)
-    add("MTP next-token embedding (embedding norm input)", e * sbh / sp)
-    if not recomputed:
-        if not inp.transformer_engine:
-            add("MTP embedding and hidden-state norm statistics (fp32 per token)", 2 * _norm_stats(inp) * s * b / sp)
-        add("MTP projection input (both norm outputs, 2h)", 2 * e * sbh / sp)
-        for name, value in layer_terms(inp, inp.moe_layer_pattern[-1], None, inp.mtp_masks[depth]).items():
-            add(f"MTP layer: {name}", value)
-        add("MTP final norm input", e * sbh / sp)
-        if not inp.transformer_engine:
-            add("MTP final norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
-    # megatron-core concatenates the hidden states of the model and of each depth, and each output
-    # layer keeps its slice; each depth's hidden-state norm keeps its input, the preceding final
-    # norm's output (the first depth's is the decoder's, planned with the decoder)
-    add(MTP_OUTPUT_INPUTS[0], e * sbh / sp)
-    if depth == 0:
-        add(MTP_OUTPUT_INPUTS[1], e * sbh / sp)
-    else:
-        add("MTP hidden-state norm input (the preceding depth's final norm output)", e * sbh / sp)
-    add("MTP softmax of the logits (fp32, cross entropy)", 4 * s * b * inp.padded_vocab / inp.tp)
-    # target mask (bool), vocabulary-local targets (int64), the rolled loss mask (fp32), the scaled loss (fp32)
-    add("MTP loss targets, mask and scaled loss (per token)", (1 + 8 + 4 + 4) * s * b)
-    return terms
-
-
-def mtp_bytes(inp: PlanInputs) -> float:
-    """What all multi-token prediction depths keep for backward, per micro batch."""
-    return sum(sum(mtp_depth_terms(inp, d).values()) for d in range(inp.mtp_depths))
-
-
-def _mtp_moment(inp: PlanInputs, s: float, b: int, tied_grad: float) -> dict[str, float]:
-    """The core attention backward of the last depth's layer: every depth's loss and output layer
-    has run its backward (they were computed last), so has the last depth's norm and its layer's
-    MLP block; the other depths' tensors are still kept, and so is a tied output-layer weight
-    gradient (`tied_grad`; the depths look their tokens up in the same weight)."""
-    last = inp.mtp_depths - 1
-    core = core_attention.working_set(inp, s, b, inp.mtp_masks[last])
-    kept = mtp_depth_terms(inp, last)
-    moment: dict[str, float] = {}
-    if _mtp_recomputed(inp):
-        full = mtp_depth_terms(inp, last, recomputed=False)
-        moment["last MTP depth recomputed for its backward"] = sum(full.values()) - sum(kept.values())
-        kept = full
-    moment.update(core)
-    if tied_grad:
-        moment["output-layer weight gradient (tied; held until the embedding's backward)"] = tied_grad
-    # the output layers' input gradients, joined as one for the concatenated hidden states; the
-    # decoder's slice waits there for the first depth's gradient
-    sp = inp.tp if inp.sequence_parallel else 1
-    width = (1 + inp.mtp_depths) * s * b * inp.hidden / sp
-    moment["gradient of the concatenated hidden states"] = inp.activation_bytes * width
-    done = MTP_LOSS + MTP_OUTPUT_INPUTS
-    losses = sum(sum(v for k, v in mtp_depth_terms(inp, d).items() if k in done) for d in range(last))
-    moment["losses and output-layer inputs of the other depths (freed by then)"] = -losses
-    freed = sum(v for k, v in kept.items() if k in MTP_LOSS + MTP_OUTPUT or k.removeprefix("MTP layer: ") in MLP_BLOCK)
-    moment["last depth's loss, output, final norm and layer's MLP block (freed by then)"] = -freed
-    return moment
 
 
 def layer_bytes(inp: PlanInputs, moe: bool = False) -> float:
@@ -415,7 +313,7 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
         total += s * b * h / sp  # embedding dropout mask
     if chunk.post_process:  # final norm input, output layer input (not kept when it is frozen)
         total += (2 if inp.peft is None else 1) * e * s * b * h / sp
-        total += mtp_bytes(inp)
+        total += mtp.mtp_bytes(inp)
     return total
 
 
@@ -490,11 +388,11 @@ def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]
     freed = sum(v for k, v in kept.items() if k in MLP_BLOCK)
     if freed and (core or inp.recompute_granularity == "full"):
         moment["last layer's MLP block and output-projection input (freed by then)"] = -freed
-    mtp = mtp_bytes(inp) if last_chunk.post_process else 0.0
-    if mtp and (core or tied_grad):  # their backward runs before the decoder's
-        moment["multi-token prediction depths (freed by then)"] = -mtp
-    if mtp and core_attention.working_set(inp, s, b, inp.mtp_masks[-1]):
-        moments["core attention backward of the last MTP depth"] = _mtp_moment(inp, s, b, tied_grad)
+    depths = mtp.mtp_bytes(inp) if last_chunk.post_process else 0.0
+    if depths and (core or tied_grad):  # their backward runs before the decoder's
+        moment["multi-token prediction depths (freed by then)"] = -depths
+    if depths and core_attention.working_set(inp, s, b, inp.mtp_masks[-1]):
+        moments["core attention backward of the last MTP depth"] = mtp.last_depth_moment(inp, s, b, tied_grad)
     if core or tied_grad:
         moments["core attention backward of the last layer"] = moment
     return moments
