@@ -23,7 +23,8 @@ from recipes import get_recipe, list_recipes
 SCRIPT = Path(__file__).parent / "scripts" / "measure_memory.py"
 LAYOUTS = (
     "tp2", "pp2", "dp2_distopt", "moe_ep2", "bf16_fp32_main", "buckets_bf16", "pp2_vp2_distopt", "tp2_output_norms",
-    "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt", "mla_dora_tp2",
+    "mla_moe_ep2", "mla_tp2", "lora_tp2", "dora_dp2_distopt", "mla_dora_tp2", "mtp_pp2_distopt", "mla_moe_ep2_mtp",
+    "mtp_pp2_vp2_untied",
 )  # fmt: skip
 
 
@@ -47,9 +48,10 @@ def resolved(name, world_size=None, overrides=(), **options):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path):
-    """Ten layouts (two of them multi-latent attention) trained for one iteration with pretrain()
-    under torchrun (2 processes), and three LoRA/DoRA runs (finetune() of the weights two of them
-    save; one adapts multi-latent attention split over TP 2): the bytes of parameters, gradient
+    """Thirteen layouts (three of them multi-latent attention, three with multi-token prediction)
+    trained for one iteration with pretrain() under torchrun (2 processes), and three LoRA/DoRA
+    runs (finetune() of the weights two of them save; one adapts multi-latent attention split
+    over TP 2): the bytes of parameters, gradient
     buffers, optimizer state (main copies + moments) and torch's step counters equal the
     planner's on each rank, and so does the parameter list (adapters after their base layer)."""
     out = tmp_path / "memory"
@@ -83,6 +85,14 @@ def test_model_state_bytes_equal_megatron_core_allocation_on_every_rank(tmp_path
         a, b = (json.loads(Path(f"{out}.rank{r}").read_text())[layout]["measured"] for r in (0, 1))
         differing_shards += a != b
     assert differing_shards == 2
+    # multi-token prediction: the depths and an embedding copy on the last stage only; the MoE
+    # model's depth is a mixture-of-experts layer, like its last decoder layer
+    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
+    stages = [[n for n, _ in result["mtp_pp2_distopt"]["names"]] for result in results]
+    assert [any(n.startswith("mtp.layers.1.") for n in names) for names in stages] == [False, True]
+    assert all("embedding.word_embeddings.weight" in names for names in stages)
+    moe_mtp = [n for n, _ in results[0]["mla_moe_ep2_mtp"]["names"]]
+    assert any(n.startswith("mtp.layers.0.transformer_layer.mlp.experts.") for n in moe_mtp)
     rank0 = json.loads(Path(f"{out}.rank0").read_text())
     for layout, base in (("lora_tp2", "tp2"), ("dora_dp2_distopt", "tp2"), ("mla_dora_tp2", "mla_tp2")):
         # only adapters have gradients and optimizer state
@@ -273,14 +283,47 @@ def test_every_recipe_plans_and_llama3_8b_fits_on_8_h100(tmp_path):
     assert p.fits and 0 < rank.margin < 2**30
 
 
-def test_what_the_planner_does_not_model_of_deepseek_models_is_named():
-    """Multi-token prediction is refused by name rather than planned without it."""
+def test_multi_token_prediction_is_planned_on_the_last_stage_and_what_it_cannot_plan_is_named(tmp_path):
+    """Moonlight with one prediction depth: its parameters and activations are planned (exact
+    against megatron-core in the allocation test above); LoRA on it and full uniform recompute of
+    more than one layer per unit (megatron-core asserts one for its depths) are refused by name."""
     from megatron_bridge.planning import PlanningError
 
-    cfg = resolved("moonlight_16b_pretrain_config")
-    cfg.model.mtp_num_layers = 1
-    with pytest.raises(PlanningError, match=r"multi-token prediction \(model.mtp_num_layers\) is not modeled"):
-        plan(cfg)
+    plain = plan(resolved("moonlight_16b_pretrain_config"), with_fixes=False)
+    cfg = resolved("moonlight_16b_pretrain_config", overrides=["model.mtp_num_layers=1"])
+    p = plan(cfg, with_fixes=False)
+    (rank,), (before,) = p.ranks, plain.ranks
+    assert p.inputs.mtp_depths == 1 and p.inputs.moe_layer_pattern[-1]
+    assert rank.state.params > before.state.params and rank.state.grads > before.state.grads
+    # the depth's loss keeps the fp32 softmax of its logits until the backward pass
+    s, vocab = cfg.model.seq_length, p.inputs.padded_vocab
+    assert rank.activations.per_micro_batch - before.activations.per_micro_batch > 4 * s * vocab
+    assert "multi-token prediction: 1 depth on every rank" in "\n".join(p.text())
+    (record,) = p.to_json()
+    assert record["mtp_depths"] == 1
+
+    lora = ["model.mtp_num_layers=1", "peft=lora", "peft.dim=8", "peft.target_modules=[linear_proj]",
+            f"checkpoint.pretrained_checkpoint={tmp_path}", "model.transformer_impl=local"]  # fmt: skip
+    with pytest.raises(PlanningError, match=r"LoRA/DoRA with multi-token prediction \(model.mtp_num_layers\) is not"):
+        plan(resolved("moonlight_16b_pretrain_config", overrides=lora))
+    recompute = ["model.mtp_num_layers=1", "model.recompute_granularity=full", "model.recompute_method=uniform",
+                 "model.recompute_num_layers=3"]  # fmt: skip
+    with pytest.raises(PlanningError, match=r"recompute of model.recompute_num_layers=3 layers is not modeled"):
+        plan(resolved("moonlight_16b_pretrain_config", overrides=recompute))
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_of_a_config_with_multi_token_prediction_prints_its_plan():
+    """DeepSeek-V3 with one prediction depth, as a user runs it (a fresh process): the plan is
+    appended and names the depth on the last of its 16 stages."""
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "deepseek_v3_pretrain_config",
+           "--dry-run", "model.mtp_num_layers=1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan_part = out.stdout[out.stdout.index("# ---- plan:") :]
+    assert "# multi-token prediction: 1 depth on stage 15, with a copy of the word embedding" in plan_part
+    assert "mixture-of-experts layer like the last decoder layer" in plan_part
+    assert "# fits: yes" in plan_part
 
 
 def test_lora_on_multi_latent_attention_is_planned_on_its_projections(tmp_path):

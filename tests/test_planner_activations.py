@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from factories import one_process_group, tiny_config, tiny_model
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron_bridge.models import count_parameters
 from megatron_bridge.peft import DoRA, LoRA
+from megatron_bridge.planning import mtp
 from megatron_bridge.planning.activations import layer_terms, stage_activations
 from megatron_bridge.planning.adapters import local_adapted
 from megatron_bridge.planning.inputs import PlanInputs
@@ -306,6 +308,10 @@ def peak_of_a_step(model, vocab):
         loss = ddp(tokens, positions, None, labels=labels)  # no mask: causal, as in training
         loss.sum().backward()
         del loss
+    # megatron-core adds the prediction depths' losses to a process-wide tracker: leave it empty
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
     events = []
 
     def walk(nodes):
@@ -337,8 +343,16 @@ def peak_of_a_step(model, vocab):
         ),
         (dict(attention_backend=AttnBackend.unfused), 1024, "core attention backward"),
         (dict(attention_backend=AttnBackend.auto), 4096, "cross entropy"),
+        # the losses of two prediction depths, computed in the forward pass, keep their softmax
+        (dict(attention_backend=AttnBackend.auto, mtp_num_layers=2), 4096, "cross entropy"),
+        # the depths' tensors are freed before the decoder's last layer runs its backward
+        (
+            dict(attention_backend=AttnBackend.unfused, recompute_granularity="selective", mtp_num_layers=1),
+            1024,
+            "core attention backward",
+        ),
     ],
-    ids=["unfused, selective", "unfused", "SDPA"],
+    ids=["unfused, selective", "unfused", "SDPA", "SDPA, two MTP depths", "unfused, selective, one MTP depth"],
 )
 def test_peak_of_a_training_step_matches_the_plan(megatron, tmp_path, fields, vocab, moment):
     """The planned activation peak (saved tensors of every layer, the working set of the
@@ -395,3 +409,71 @@ def test_plan_of_the_gpu_bench_config_is_within_10_percent_of_its_measured_peak(
     # the three fp32 score planes of one layer's softmax backward (1 x 32 heads x 4096 x 4096)
     assert rank.activations.working["attention score planes in the core attention's backward"] == 3 * 4 * 32 * 4096**2
     assert 0.9 <= MEASURED_BENCH_PEAK / planned <= 1.1, planned
+
+
+# ---------------------------------------------------------------------- multi-token prediction
+def saved_by_mtp_depth(model, depth=0):
+    """Bytes of the distinct storages one multi-token prediction depth saves for backward, less
+    its hidden-state input (the storage the preceding output layer keeps, planned there) and the
+    rotary frequencies (computed once per step; a recompute checkpoint keeps a reference)."""
+    rotary = model.rotary_pos_emb(SEQ) if hasattr(model, "rotary_pos_emb") else None
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if rotary is not None:
+        params.add(rotary.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    dtype = next(model.parameters()).dtype
+    hidden = torch.randn(SEQ, 1, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    tokens, positions = torch.randint(0, 256, (1, SEQ)), torch.arange(SEQ)[None]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.mtp.layers[depth](
+            input_ids=tokens, position_ids=positions, hidden_states=hidden, attention_mask=None,
+            rotary_pos_emb=rotary, embedding=model.embedding,
+        )  # fmt: skip
+    return sum(saved.values()) - saved.get(hidden.untyped_storage().data_ptr(), 0)
+
+
+MTP_CASES = {
+    "dense, unfused": dict(attention_backend=AttnBackend.unfused),
+    "dense, SDPA, selective recompute of the MLP": dict(
+        attention_backend=AttnBackend.auto, recompute_granularity="selective", recompute_modules=["mlp"]
+    ),
+    "dense, fp32, full uniform recompute": dict(
+        attention_backend=AttnBackend.unfused, precision=None, recompute_granularity="full",
+        recompute_method="uniform", recompute_num_layers=1,
+    ),  # fmt: skip
+}
+
+
+@ON_CPU
+@pytest.mark.parametrize("case", list(MTP_CASES))
+def test_multi_token_prediction_depth_terms_equal_what_autograd_saves(megatron, tmp_path, case):
+    """A multi-token prediction depth on local layers keeps the next tokens' ids and embedding,
+    the norms' statistics, the projection's input, a transformer layer's tensors and its final
+    norm's input: what autograd saves (the output layer input and the loss are measured in the
+    peak of a step below)."""
+    cfg = resolved(tmp_path, mtp_num_layers=1, **MTP_CASES[case])
+    model = build(cfg)
+    model.train()
+    inp = PlanInputs.from_config(cfg)
+    assert inp.mtp_depths == 1
+    terms = mtp.mtp_depth_terms(inp, 0)
+    after = (*mtp.MTP_LOSS, *mtp.MTP_OUTPUT_INPUTS)  # kept by the output layers and losses
+    planned = sum(v for k, v in terms.items() if k not in after)
+    measured = saved_by_mtp_depth(model)
+    print(f"{case}: measured {measured}, planned {planned:.0f}")
+    if cfg.mixed_precision:  # torch's CPU LayerNorm keeps mean and 1/std in bf16 (4 bytes a token; GPUs: 8)
+        norms = sum(isinstance(m, torch.nn.LayerNorm) for m in model.mtp.layers[0].modules())
+        measured += 4 * SEQ * norms
+    assert measured == planned, terms
+    # the parameter count (FLOPs, preflight) has the depths' parameters too
+    assert count_parameters(cfg.model).total == sum(p.numel() for p in model.parameters())
+    layer = {k.removeprefix("MTP layer: "): v for k, v in terms.items() if k.startswith("MTP layer: ")}
+    # a decoder layer's tensors; with full recompute the checkpoint keeps the embedding only
+    assert layer == ({} if "full" in case else layer_terms(inp, False, None, False))

@@ -60,6 +60,16 @@ attention has no `linear_qkv` (the default targets do not apply): its adapters a
 projections named in `peft.target_modules` (`linear_q_proj` or `linear_q_down_proj` and
 `linear_q_up_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`, `linear_proj`).
 
+Multi-token prediction (`model.mtp_num_layers`): each depth's norms, 2h -> h projection, transformer
+layer (dense or MoE as the last decoder layer) and final norm on the last pipeline stage, which then
+also holds a copy of the word embedding (and, tied, an output-layer weight megatron-core allocates
+but does not use): exact against real runs in the tests. Activations: what each depth keeps as a
+decoder layer does, its projection input and norms, and, since megatron-core computes the depths'
+losses in the forward pass, the fp32 softmax of each depth's logits until the backward pass; the
+peak also weighs the last depth's core-attention backward (measured on CPU). FLOPs count each
+depth's layer and output layer. Not planned with MTP: LoRA/DoRA, full uniform recompute of more
+than one layer per unit.
+
 Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
 buffers (inside the workspace allowance). With TE layers the parameter order, and so a few
 elements of alignment padding, is TE's as far as it is known here, and the activations are those

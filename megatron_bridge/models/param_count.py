@@ -100,10 +100,17 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
         moe_active = router + m.moe_router_topk * expert + shared
 
     total = active = 0
-    for is_moe in _moe_layers(m):
+    layers = _moe_layers(m)
+    for is_moe in layers:
         layer = norms_per_layer * norm + attention
         total += layer + (moe_total if is_moe else dense_mlp)
         active += layer + (moe_active if is_moe else dense_mlp)
+    # multi-token prediction: per depth three norms, the 2h -> h projection and a layer like the last
+    # decoder layer; the embedding and output layer are the model's
+    for _ in range(_mtp_depths(m)):
+        depth = 3 * norm + 2 * h * h + norms_per_layer * norm + attention
+        total += depth + (moe_total if layers[-1] else dense_mlp)
+        active += depth + (moe_active if layers[-1] else dense_mlp)
     final_norm = norm
     embedding = vocab * h
     if m.position_embedding_type == "learned_absolute":
@@ -115,13 +122,19 @@ def count_parameters(m: Any, vocab_size: int | None = None) -> ParameterCount:
     return ParameterCount(total=total, active=active, embedding=embedding)
 
 
+def _mtp_depths(m: Any) -> int:
+    return getattr(m, "mtp_num_layers", None) or 0
+
+
 def flops_per_token(m: Any, seq_length: int | None = None, vocab_size: int | None = None) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6 x active matmul parameters
-    plus the attention score/context matmuls."""
+    plus the attention score/context matmuls; each multi-token prediction depth runs its layer and
+    the output layer once more."""
     count = count_parameters(m, vocab_size)
     seq = seq_length or m.seq_length
     non_embedding = count.active - count.embedding
-    output_layer = m.padded_vocab_size(vocab_size) * m.hidden_size
+    output_layer = (1 + _mtp_depths(m)) * m.padded_vocab_size(vocab_size) * m.hidden_size
     qk, v = attention_widths(m)
-    attention = 2 * m.num_layers * seq * m.num_attention_heads * (qk + v)  # QK^T and AV, forward, per token
+    layers = m.num_layers + _mtp_depths(m)
+    attention = 2 * layers * seq * m.num_attention_heads * (qk + v)  # QK^T and AV, forward, per token
     return 3.0 * (2.0 * (non_embedding + output_layer) + attention)

@@ -21,6 +21,7 @@ attention (`core_attention.py`: unfused scores, SDPA, TransformerEngine), the no
 mixture-of-experts layers with shared experts, LoRA/DoRA adapters (`adapters.py`), context and
 sequence parallelism and megatron-core's selective recompute modules.
 `tests/test_planner_activations.py` compares it with the tensors autograd saves for one layer.
+Multi-token prediction's depths on the last stage are counted in `mtp.py`.
 Multi-latent attention keeps its latents and their norms' outputs, the up-projected Q, K and V
 (unless `mla_up_proj` is recomputed; that case is counted, not measured) and the value-width
 output projection input.
@@ -42,7 +43,7 @@ from functools import lru_cache
 from itertools import repeat
 from typing import Optional
 
-from megatron_bridge.planning import core_attention
+from megatron_bridge.planning import core_attention, mtp
 from megatron_bridge.planning.adapters import activation_terms as adapter_terms
 from megatron_bridge.planning.adapters import local_adapted
 from megatron_bridge.planning.inputs import PlanInputs
@@ -64,7 +65,7 @@ def _selective(inp: PlanInputs, module: str) -> bool:
     return inp.recompute_granularity == "selective" and module in inp.recompute_modules
 
 
-def _norm_stats(inp: PlanInputs) -> int:
+def norm_stats(inp: PlanInputs) -> int:
     """fp32 bytes per token a norm keeps besides its input: mean and 1/std (LayerNorm) or 1/rms."""
     return 8 if inp.norm_has_bias else 4
 
@@ -75,7 +76,7 @@ def _output_norm(inp: PlanInputs, block: str, s: float, b: int, add) -> None:
     sp = inp.tp if inp.sequence_parallel else 1
     add(f"{block} output norm input", inp.activation_bytes * s * b * inp.hidden / sp)
     if not inp.transformer_engine:
-        add(f"{block} output norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+        add(f"{block} output norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
 
 
 def _projection_norm_terms(inp: PlanInputs, s: float, b: int) -> dict[str, float]:
@@ -110,7 +111,7 @@ def _mla_terms(
     terms = {"query and key/value latents and their norm outputs": e * s * b * latents}
     if not inp.transformer_engine:
         norms = 2 if inp.q_lora_rank else 1
-        terms["latent norm statistics (fp32 per token)"] = norms * _norm_stats(inp) * s * b
+        terms["latent norm statistics (fp32 per token)"] = norms * norm_stats(inp) * s * b
         # cos and sin for the rope parts of Q and of K, as the grouped-query layers keep them
         terms["rotary cos/sin tables"] = 4 * e * s * inp.qk_rope_dim
     if not _selective(inp, "mla_up_proj"):
@@ -158,7 +159,7 @@ def layer_terms(
     if inp.input_norms:
         add("attention norm input", e * sbh / sp)
         if local:
-            add("attention norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+            add("attention norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
     attention_inputs = ("linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj") if inp.mla else ("linear_qkv",)
     if not norms_recomputed and input_kept(*attention_inputs):
         add("QKV projection input", e * sbh / sp)
@@ -174,7 +175,7 @@ def layer_terms(
         if inp.rotary_dim:
             add("rotary cos/sin tables", 4 * e * s * inp.rotary_dim)
         if inp.qk_layernorm and inp.qk_norm_per_head:
-            add("Q, K norm statistics (fp32)", _norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
+            add("Q, K norm statistics (fp32)", norm_stats(inp) * s * b * (inp.heads + inp.query_groups) / t)
     if inp.qk_layernorm and not inp.qk_norm_per_head and not inp.mla:
         for name, value in _projection_norm_terms(inp, s, b).items():
             add(name, value)
@@ -191,7 +192,7 @@ def layer_terms(
     if inp.input_norms:
         add("MLP norm input", e * sbh / sp)
         if local:
-            add("MLP norm statistics (fp32 per token)", _norm_stats(inp) * s * b / sp)
+            add("MLP norm statistics (fp32 per token)", norm_stats(inp) * s * b / sp)
     gated = 2 if inp.gated else 1
     unfused_glu = inp.gated and not inp.activation_fused  # keeps SiLU(gate) and a copy of the up half too
     if not norms_recomputed and (moe or input_kept("mlp.linear_fc1")):
@@ -312,6 +313,7 @@ def chunk_bytes(inp: PlanInputs, chunk: Chunk) -> float:
         total += s * b * h / sp  # embedding dropout mask
     if chunk.post_process:  # final norm input, output layer input (not kept when it is frozen)
         total += (2 if inp.peft is None else 1) * e * s * b * h / sp
+        total += mtp.mtp_bytes(inp)
     return total
 
 
@@ -358,6 +360,8 @@ def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]
     if any(c.post_process for c in stage):
         if e < 4:
             moments["cross entropy"] = {f"logits ({8 * e}-bit)": e * vocab, "logits in fp32 (cross entropy)": 4 * vocab}
+            if inp.mtp_depths:  # megatron-core's loop over the depths keeps the last one's in scope
+                moments["cross entropy"][f"last MTP depth's logits ({8 * e}-bit, still referenced)"] = e * vocab
         else:
             moments["cross entropy"] = {"logits (fp32)": 4 * vocab}
     tied_grad = 0.0
@@ -384,6 +388,11 @@ def _moments(inp: PlanInputs, stage: list[Chunk]) -> dict[str, dict[str, float]]
     freed = sum(v for k, v in kept.items() if k in MLP_BLOCK)
     if freed and (core or inp.recompute_granularity == "full"):
         moment["last layer's MLP block and output-projection input (freed by then)"] = -freed
+    depths = mtp.mtp_bytes(inp) if last_chunk.post_process else 0.0
+    if depths and (core or tied_grad):  # their backward runs before the decoder's
+        moment["multi-token prediction depths (freed by then)"] = -depths
+    if depths and core_attention.working_set(inp, s, b, inp.mtp_masks[-1]):
+        moments["core attention backward of the last MTP depth"] = mtp.last_depth_moment(inp, s, b, tied_grad)
     if core or tied_grad:
         moments["core attention backward of the last layer"] = moment
     return moments

@@ -152,6 +152,13 @@ class PlanInputs:
     v_head_dim: int = 0
     mla_fused_norms: bool = False
     """TransformerEngine layers with the latent norms fused into the up projections."""
+    # ---- multi-token prediction (mtp_depths 0: none)
+    mtp_depths: int = 0
+    """megatron-core's multi-token prediction layers (mtp_num_layers), on the last pipeline stage after
+    the last decoder layer: per depth two norms, a 2h -> h projection, one transformer layer of the
+    kind of the last decoder layer, a final norm, and logits and loss of their own."""
+    mtp_masks: tuple[bool, ...] = ()
+    """Per depth: a mask tensor reaches its transformer layer's core attention (as `attention_masks`)."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -221,8 +228,18 @@ class PlanInputs:
             raise PlanningError(
                 "model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner"
             )
-        if getattr(m, "mtp_num_layers", None):
-            raise PlanningError("multi-token prediction (model.mtp_num_layers) is not modeled by the planner")
+        mtp_depths = getattr(m, "mtp_num_layers", None) or 0
+        if mtp_depths and getattr(cfg, "peft", None) is not None:
+            raise PlanningError(
+                "LoRA/DoRA with multi-token prediction (model.mtp_num_layers) is not modeled by the planner"
+            )
+        if mtp_depths and m.recompute_granularity == "full" and m.recompute_method == "uniform":
+            if (m.recompute_num_layers or 1) != 1:
+                raise PlanningError(
+                    "multi-token prediction with full uniform recompute of "
+                    f"model.recompute_num_layers={m.recompute_num_layers} layers is not modeled by the planner "
+                    "(megatron-core recomputes its layers one at a time only: model.recompute_num_layers=1)"
+                )
         if (
             getattr(ddp, "use_megatron_fsdp", False)
             or getattr(ddp, "use_custom_fsdp", False)
@@ -248,7 +265,7 @@ class PlanInputs:
 
         te, core, note = _layers(m)
         local_core = core if m.context_parallel_size == 1 else _layers(m, without_cp=True)[1]
-        masks, per_sample = _attention_masks(cfg)
+        masks, per_sample = _attention_masks(cfg, mtp_depths)
         peft = getattr(cfg, "peft", None)
         return cls(
             num_layers=m.num_layers,
@@ -302,7 +319,7 @@ class PlanInputs:
             activation_fused=bool(m.bias_activation_fusion),
             rotary_dim=_rotary_dim(m),
             wgrad_fusion=bool(m.gradient_accumulation_fusion),
-            attention_masks=masks,
+            attention_masks=masks[: m.num_layers],
             mask_per_sample=per_sample,
             peft=None if peft is None else ("dora" if peft.method_name == "DoRA" else "lora"),
             peft_dim=peft.dim if peft is not None else 0,
@@ -335,6 +352,8 @@ class PlanInputs:
             micro_batch_size=t.micro_batch_size,
             global_batch_size=t.global_batch_size,
             train_iters=t.train_iters,
+            mtp_depths=mtp_depths,
+            mtp_masks=masks[m.num_layers :],
             **_mla_inputs(m, te),
         )
 
@@ -387,8 +406,10 @@ def _rotary_dim(m: Any) -> int:
     return int(kv * m.rotary_percent)
 
 
-def _attention_masks(cfg: Any) -> tuple[tuple[bool, ...], bool]:
-    """Which layers hand a mask tensor to the core attention, and whether it is per sample."""
+def _attention_masks(cfg: Any, mtp_depths: int = 0) -> tuple[tuple[bool, ...], bool]:
+    """Which layers hand a mask tensor to the core attention, and whether it is per sample; after
+    the decoder's layers, the transformer layers of the `mtp_depths` multi-token prediction depths
+    (megatron-core numbers them on after the decoder's)."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
     m, data = cfg.model, cfg.dataset
@@ -398,7 +419,7 @@ def _attention_masks(cfg: Any) -> tuple[tuple[bool, ...], bool]:
     shorter = window is not None and 0 <= int(window[0]) < m.seq_length - 1
     masks = tuple(
         packed or from_dataset or (shorter and is_layer_window_attention(window, m.window_attn_skip_freq, i + 1))
-        for i in range(m.num_layers)
+        for i in range(m.num_layers + mtp_depths)
     )
     return masks, packed or from_dataset
 

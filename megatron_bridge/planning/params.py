@@ -251,16 +251,19 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
     """The parameters of `chunk` on one rank, in `named_parameters()` order (`names=False`
     leaves layer parameters named relative to their layer, which is faster)."""
     h, tp = inp.hidden, inp.tp
-    shared = inp.tied_embeddings and inp.pp > 1
+    mtp = inp.mtp_depths if chunk.post_process else 0
+    # A word embedding of the first stage is reduced with the last stage's copy: the tied output
+    # layer's, or the embedding multi-token prediction looks the next tokens up in.
+    shared = (inp.tied_embeddings or inp.mtp_depths > 0) and inp.pp > 1
     trains = inp.peft is None  # with PEFT only adapters train
     out: list[Param] = []
-    if chunk.pre_process:
+    if chunk.pre_process or mtp:
         out.append(
             Param(
                 "embedding.word_embeddings.weight",
                 inp.padded_vocab // tp * h,
                 False,
-                shared and not chunk.post_process,
+                shared,
                 trainable=trains,
             )
         )
@@ -278,6 +281,26 @@ def chunk_params(inp: PlanInputs, chunk: Chunk, names: bool = True) -> list[Para
     if chunk.post_process:
         final_norm = _norm("decoder.final_layernorm", h, inp.norm_has_bias)
         out += [Param(n, k, False, False, trainable=trains) for n, k in final_norm]
+        for depth in range(mtp):
+            out += mtp_depth_params(inp, f"mtp.layers.{depth}." if names else "")
         if not (inp.tied_embeddings and chunk.pre_process):
-            out.append(Param("output_layer.weight", inp.padded_vocab // tp * h, False, shared, trainable=trains))
+            # with multi-token prediction the last stage's embedding is the tied copy; a tied
+            # output layer there still allocates its own weight, which megatron-core does not use
+            tied_copy = shared and inp.tied_embeddings and not mtp
+            out.append(Param("output_layer.weight", inp.padded_vocab // tp * h, False, tied_copy, trainable=trains))
+    return out
+
+
+def mtp_depth_params(inp: PlanInputs, prefix: str = "") -> list[Param]:
+    """One depth of megatron-core's `MultiTokenPredictionLayer`: norms of the next token's embedding
+    and of the hidden state, the projection of both (2h -> h, column-parallel, no bias), a
+    transformer layer built from the last decoder layer's spec (dense or MoE as that layer), and its
+    final norm. The embedding and output layer are the model's."""
+    h, nb = inp.hidden, inp.norm_has_bias
+    named = _norm(f"{prefix}enorm", h, nb) + _norm(f"{prefix}hnorm", h, nb)
+    out = [Param(n, k, False, False) for n, k in named]
+    out.append(Param(f"{prefix}eh_proj.weight", h // inp.tp * 2 * h, False, False, fp8=inp.fp8_params))
+    layer = _layer_template(inp, inp.moe_layer_pattern[-1])
+    out += [p._replace(name=f"{prefix}transformer_layer.{p.name}") for p in layer]
+    out += [Param(n, k, False, False) for n, k in _norm(f"{prefix}final_layernorm", h, nb)]
     return out

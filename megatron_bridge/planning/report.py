@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_bridge.planning import core_attention
+from megatron_bridge.planning.mtp import mtp_bytes
 from megatron_bridge.planning.buffers import optimizer_bytes_per_element
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.memory import RankMemory
@@ -153,6 +154,19 @@ def peft_line(plan: Any) -> Optional[str]:
     )
 
 
+def mtp_line(inp: PlanInputs) -> Optional[str]:
+    """Multi-token prediction: where its depths are and what they keep."""
+    if not inp.mtp_depths:
+        return None
+    kind = "mixture-of-experts" if inp.moe_layer_pattern[-1] else "dense"
+    where = f"stage {inp.pp - 1}, with a copy of the word embedding" if inp.pp > 1 else "every rank"
+    return (
+        f"multi-token prediction: {inp.mtp_depths} depth{'s' if inp.mtp_depths > 1 else ''} on {where}, each a "
+        f"2h -> h projection and a {kind} layer like the last decoder layer; with their losses they keep "
+        f"{gib(mtp_bytes(inp))} GiB per micro batch for backward"
+    )
+
+
 def plan_text(plan: Any) -> list[str]:
     """The plan as lines of text."""
     inp: PlanInputs = plan.inputs
@@ -163,6 +177,9 @@ def plan_text(plan: Any) -> list[str]:
     peft = peft_line(plan)
     if peft:
         lines.append(peft)
+    mtp = mtp_line(inp)
+    if mtp:
+        lines.append(mtp)
     lines.append(
         f"batch: global {inp.global_batch_size} = micro {inp.micro_batch_size} x {inp.num_microbatches} micro batches"
         f" x DP {inp.dp}; "
@@ -260,6 +277,7 @@ def json_records(plan: Any) -> list[dict[str, Any]]:
                 "layer_impl": "transformer_engine" if inp.transformer_engine else "local",
                 "core_attention": inp.core_attention,
                 "peft": inp.peft,
+                "mtp_depths": inp.mtp_depths,
                 "trainable_parameters": r.state.trainable_elements,
                 "frozen_parameters": r.state.frozen_elements,
                 "micro_batches_in_flight": r.activations.in_flight,

@@ -29,13 +29,13 @@ def attention_flops_per_token(inp: PlanInputs) -> float:
     """Forward + backward FLOPs of the attention score and context matmuls, per token."""
     if inp.mla:  # QK^T over the rope and no-rope parts, AV over the value heads
         widths = inp.qk_head_dim + inp.qk_rope_dim + inp.v_head_dim
-        return 3.0 * 2 * inp.num_layers * inp.seq_length * inp.heads * widths
-    return 3.0 * 2 * 2 * inp.num_layers * inp.seq_length * inp.heads * inp.kv_channels
+        return 3.0 * 2 * (inp.num_layers + inp.mtp_depths) * inp.seq_length * inp.heads * widths
+    return 3.0 * 2 * 2 * (inp.num_layers + inp.mtp_depths) * inp.seq_length * inp.heads * inp.kv_channels
 
 
 def hardware_factor(inp: PlanInputs, model_flops_per_token: float) -> float:
     """Work the GPUs do over the model FLOPs: recompute runs part of the forward again."""
-    output_layer = 6.0 * inp.padded_vocab * inp.hidden
+    output_layer = 6.0 * (1 + inp.mtp_depths) * inp.padded_vocab * inp.hidden
     if inp.recompute_granularity == "full":
         return 1.0 + (model_flops_per_token - output_layer) / 3 / model_flops_per_token
     if inp.recompute_granularity == "selective" and "core_attn" in inp.recompute_modules:
@@ -81,12 +81,14 @@ def timing(
     """Timing of `inp`. `base_flops_per_token` is `flops_per_token` of the config at
     `base_padded_vocab`; `reference` (the configured inputs) anchors the stated MFU when `inp` is
     a changed layout."""
-    fpt = base_flops_per_token + 6.0 * inp.hidden * (inp.padded_vocab - base_padded_vocab)
+    output_layers = 1 + inp.mtp_depths  # run per token: the model's and each prediction depth's
+    fpt = base_flops_per_token + 6.0 * output_layers * inp.hidden * (inp.padded_vocab - base_padded_vocab)
     tokens = inp.global_batch_size * inp.seq_length
     flops = fpt * tokens
     seconds = flops / (inp.world_size * peak_flops * mfu)
     if reference is not None:
-        ref_fpt = base_flops_per_token + 6.0 * reference.hidden * (reference.padded_vocab - base_padded_vocab)
+        ref_vocab = reference.padded_vocab - base_padded_vocab
+        ref_fpt = base_flops_per_token + 6.0 * output_layers * reference.hidden * ref_vocab
         seconds *= hardware_factor(inp, fpt) / hardware_factor(reference, ref_fpt)
         seconds *= (1 - bubble_fraction(reference)) / (1 - bubble_fraction(inp))
     return Timing(fpt, flops, tokens, mfu, peak_flops, inp.world_size, seconds, bubble_fraction(inp), inp.train_iters)

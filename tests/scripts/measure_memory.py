@@ -84,6 +84,27 @@ LAYOUTS = {
         dict(use_distributed_optimizer=True),
         "bf16_mixed",
     ),
+    # multi-token prediction: two depths on the last stage, which also holds the embedding they
+    # look tokens up in (tied: reduced with the first stage's) and an output-layer weight of its own
+    "mtp_pp2_distopt": (
+        dict(pipeline_model_parallel_size=2, num_layers=4, mtp_num_layers=2),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
+    # untied, virtual stages: the depths on the last chunk; the first stage's embedding is still
+    # reduced with the last stage's copy
+    "mtp_pp2_vp2_untied": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4, mtp_num_layers=1,
+             share_embeddings_and_output_weights=False),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
+    # DeepSeek-V3's shape: one depth whose layer is a mixture of experts, as the last decoder layer
+    "mla_moe_ep2_mtp": (
+        dict(expert_model_parallel_size=2, mtp_num_layers=1),
+        dict(use_distributed_optimizer=True),
+        "bf16_mixed",
+    ),
     # frozen base, adapters on the four projections split over TP (column: B and magnitude; row: A)
     "lora_tp2": (dict(tensor_model_parallel_size=2), {}, "bf16_mixed"),
     # some projections only, DoRA magnitudes, the distributed optimizer sharding the adapters
@@ -194,9 +215,17 @@ def run_layout(name, out, backend):
     for key, value in ddp_fields.items():
         setattr(cfg.ddp, key, value)
     cfg.mixed_precision = precision
-    cfg.logger.log_interval = 1
+    # no log step where the depths' losses would be reduced: that hangs with PP > 1 on gloo
+    cfg.logger.log_interval = 100 if model_fields.get("mtp_num_layers") else 1
     cfg.dist.distributed_backend = backend
     recorder = Measure()
+    # megatron-core's trackers of the depths' and the MoE layers' losses are process-wide, sized by
+    # the first run that fills them (a prediction depth's MoE layer is numbered after the decoder's)
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+    get_moe_layer_wise_logging_tracker().clear()
     if name in PEFT:
         cfg.peft = PEFT[name]()
         cfg.checkpoint.pretrained_checkpoint = f"{out}.{BASES[base_layout(name)]}"
