@@ -64,3 +64,26 @@ def test_mtp_layers_train_log_their_loss_and_are_saved(tmp_path, caplog):
         names = list(f.keys())
     assert "model.layers.1.mlp.down_proj.weight" in names and not any("mtp" in n or "layers.2" in n for n in names)
     assert "multi-token-prediction parameters (mtp.*) have no Hugging Face counterpart in llama" in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_a_run_logs_its_own_mtp_losses_after_another_run_in_the_process(caplog):
+    # megatron-core's loss trackers live for the whole process: an earlier run (here a 3-depth
+    # one, as it would leave them) must not leak into the next run's log.
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.pretrain import pretrain
+
+    MTPLossLoggingHelper.tracker.update(values=torch.full((3,), 1e6), reduce_group=None, avg_group=None)
+    cfg = tiny_config(
+        model=tiny_llama_model(mtp_num_layers=1),
+        train=TrainingConfig(train_iters=2, global_batch_size=4, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+    )
+    cfg.logger.log_interval = 2
+    with caplog.at_level(logging.INFO, logger="megatron_bridge"):
+        pretrain(cfg, forward_step)
+    (line,) = [r.getMessage() for r in caplog.records if "iteration" in r.getMessage() and "lm loss" in r.getMessage()]
+    assert "mtp_2" not in line and abs(float(line.split("mtp_1 loss ")[1].split()[0]) - math.log(256)) < 1.5, line

@@ -164,6 +164,17 @@ def reduced_metrics(state: Any, model_chunks: list, energy_meter: Optional[Energ
     return out
 
 
+def reset_loss_trackers() -> None:
+    """Empty megatron-core's process-wide trackers of MTP and MoE auxiliary losses: a run in a
+    process that trained before would otherwise log the earlier run's losses, or reduce them
+    over process groups that no longer exist."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 def mtp_losses(microbatches: int, dp_group: Any) -> dict[str, float]:
     """`mtp_<k> loss`: the loss of each multi-token-prediction depth over the training micro
     batches since the last call (`microbatches` of them), averaged over the data-parallel ranks.

@@ -23,6 +23,7 @@ from megatron_bridge.training.metrics import (
     moe_losses,
     mtp_losses,
     reduced_metrics,
+    reset_loss_trackers,
     timer_values,
     train_metrics,
 )
@@ -147,6 +148,7 @@ def train(run: Run) -> Stop:
     get_rerun_state_machine().current_iteration = state.train_state.step
     for chunk in run.state.model:
         chunk.train()
+    reset_loss_trackers()
     run.callbacks.on_train_start(state)
     profiler = profiling.StepProfiler.for_run(state)
     if t.manual_gc:
