@@ -210,7 +210,8 @@ def check_enabled_by(m: Any, p: Problems) -> None:
     """Fields megatron-core reads only when another setting turns their feature on: changed
     from the default without it, they would do nothing."""
     for name, enabled, feature, setting in _ENABLED_BY:
-        value, default = getattr(m, name), specs(type(m))[name].default
+        value = getattr(m, name)
+        default = None if name in _NONE_WHEN_OFF else specs(type(m))[name].default
         if value != default and not enabled(m):
             p.add(
                 name,
@@ -261,6 +262,10 @@ _ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
         "cpu_offloading_double_buffering")),
 )  # fmt: skip
 """(field, whether its feature is on, the feature, the setting that turns it on): `check_enabled_by`."""
+
+_NONE_WHEN_OFF = frozenset({"moe_ffn_hidden_size"})
+"""Fields of `_ENABLED_BY` megatron-core wants None while their feature is off (a provider's
+default may be set: DeepSeek's expert width)."""
 
 
 @functools.cache

@@ -14,7 +14,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
-from megatron_bridge.planning import activations, core_attention
+from megatron_bridge.planning import core_attention
+from megatron_bridge.planning import layer_activations as activations
 from megatron_bridge.planning.inputs import PlanInputs
 
 MTP_LOSS = (

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_bridge.planning import core_attention
-from megatron_bridge.planning.mtp import mtp_bytes
 from megatron_bridge.planning.buffers import optimizer_bytes_per_element
 from megatron_bridge.planning.inputs import PlanInputs
 from megatron_bridge.planning.memory import RankMemory
+from megatron_bridge.planning.mtp import mtp_bytes
 
 GIB = 2**30
 
