@@ -10,8 +10,8 @@ from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.data.checks import check_data
-from megatron_bridge.data.indexed import IndexedDatasetWriter
-from megatron_bridge.training.config import FinetuningDatasetConfig, GPTDatasetConfig, runtime_config_update
+from megatron_bridge.data.indexed import IndexedDatasetWriter, write_index
+from megatron_bridge.training.config import FinetuningDatasetConfig, GPTDatasetConfig, ValidationConfig, runtime_config_update
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
 
@@ -34,8 +34,9 @@ def problems(cfg, tokenizer=None, dry_run=False):
     return [str(p) for p in report.problems.items], report.not_found
 
 
-def gpt(data_path, **kw):
-    return tiny_config(dataset=GPTDatasetConfig(seq_length=32, data_path=data_path, num_workers=0), **kw)
+def gpt(data_path, split="90,10,0", **kw):
+    """On `indexed` data: its 20 documents leave none for validation at the default split 99,1,0."""
+    return tiny_config(dataset=GPTDatasetConfig(seq_length=32, data_path=data_path, split=split, num_workers=0), **kw)
 
 
 def sft(root, **kw):
@@ -73,6 +74,55 @@ def test_indexed_dataset_problems(tmp_path, tok_dir):
     assert problems(gpt(other_vocab))[0] == [
         f"dataset.data_path: {other_vocab} holds token id 299, outside the tokenizer's vocabulary of 256 "
         "(it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with))"
+    ]
+
+
+def test_index_arrays_that_lie(tmp_path):
+    """An .idx whose header matches the .bin but whose arrays do not: refused before megatron-core
+    reads them (a negative length made its epoch count loop forever, an offset past the .bin
+    failed with a traceback in the middle of building)."""
+    lengths = np.full(20, 20, dtype=np.int32)
+    documents = np.arange(21, dtype=np.int64)
+    negative = indexed(tmp_path / "negative")
+    bad = lengths.copy()
+    bad[3], bad[4] = -20, 60  # the total, and so the header's .bin size, stay right
+    write_index(negative + ".idx", np.uint16, bad, documents)
+    moved = indexed(tmp_path / "moved")
+    pointers = np.arange(20, dtype=np.int64) * 40
+    pointers[5] = 10**12
+    with open(moved + ".idx", "r+b") as f:
+        f.seek(34 + 4 * 20)
+        f.write(pointers.tobytes())
+    fix = "(the index is damaged or was not written by megatron-core's writer; preprocess the data again)"
+    assert problems(gpt(f"{negative} {moved}"))[0] == [
+        f"dataset.data_path: {negative}.idx gives sequence 3 a negative length (-20) {fix}",
+        f"dataset.data_path: {moved}.idx puts sequence 5 at byte 1,000,000,000,000 of the .bin, where the sequences before it end at byte 200 {fix}",
+    ]
+
+
+def test_a_split_without_documents(tmp_path):
+    """20 documents at the default split 99,1,0 leave none for validation: megatron-core would
+    repeat the empty split's epochs forever; the check names the split and the ways out."""
+    few = indexed(tmp_path / "few")
+    assert problems(gpt(few, split=None))[0] == [
+        f"dataset.split: '99,1,0' gives the valid split 0 of the 20 documents of {few} (give the valid split a larger "
+        "share (e.g. dataset.split='90,10,0') or use more data; no validation: validation.eval_iters=0)"
+    ]
+    assert problems(gpt(few, split=None, validation=ValidationConfig(eval_iters=0)))[0] == []
+    assert problems(gpt(few, split="90,10,0"))[0] == []
+    empty = str(tmp_path / "empty")
+    writer = IndexedDatasetWriter(empty, np.uint16)
+    writer.add_document([], [0])
+    writer.add_document([], [0])
+    writer.finalize()
+    assert problems(gpt(f"{few} {empty}", split=None, validation=ValidationConfig(eval_iters=0)))[0] == [
+        f"dataset.split: '99,1,0' gives the train split 2 of the 2 documents, all empty, of {empty} (give the train "
+        "split a larger share (e.g. dataset.split='90,10,0') or use more data)"
+    ]
+    per_split = tiny_config(dataset=GPTDatasetConfig(seq_length=32, blend_per_split=[([few], None), ([empty], None), None], num_workers=0))
+    assert problems(per_split)[0] == [
+        f"dataset.blend_per_split.valid: {empty} has no tokens (its 2 documents are empty) (give the valid split a "
+        "prefix with data; no validation: validation.eval_iters=0)"
     ]
 
 
