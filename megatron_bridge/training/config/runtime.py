@@ -27,6 +27,7 @@ from megatron_bridge.training.config.architecture import check_loaded_architectu
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -70,7 +71,7 @@ def current_world_size() -> int:
             return dist.get_world_size()
     except Exception:  # a broken distributed build must not break config handling
         pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher_int("WORLD_SIZE", 1)
 
 
 
