@@ -134,6 +134,24 @@ def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
     ]
 
 
+def test_a_chat_template_that_fails_while_rendering(tmp_path, tok_dir):
+    """A template from a tokenizer's files that reaches past the sandbox, names what is not there
+    or divides by zero is reported against tokenizer.chat_template, with the first row it fails
+    on (it was a SecurityError/UndefinedError/ZeroDivisionError traceback)."""
+    write_jsonl(tmp_path / "training.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    failures = {
+        "{{ ''.__class__.__mro__ }}": "SecurityError: access to attribute '__class__' of 'str' object is unsafe.",
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools.name }}": "UndefinedError: 'tools' is undefined",
+        "{% for m in messages %}{% generation %}{{ m.content / 0 }}{% endgeneration %}{% endfor %}": "TypeError: unsupported operand type(s) for /: 'str' and 'int'",
+    }
+    for template, error in failures.items():
+        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir, chat_template=template)
+        assert problems(sft(tmp_path, model=tiny_model(vocab_size=300), tokenizer=tokenizer))[0] == [
+            f"tokenizer.chat_template: {tmp_path}/training.jsonl line 1: the chat template fails on this conversation: "
+            f"{error} (set tokenizer.chat_template to a template that renders this conversation)"
+        ]
+
+
 def test_finetuning_file_problems(tmp_path, tok_dir):
     root = tmp_path / "bad_json"
     root.mkdir()
