@@ -100,6 +100,9 @@ def cases(work) -> dict[str, tuple[Future, str]]:
     writer.add_document(np.arange(10), [10])
     writer.finalize()
     write_index(damaged + ".idx", np.uint16, np.array([-10, 30], dtype=np.int32), np.arange(3))
+    latin1 = os.path.join(str(work), "latin1.jsonl")
+    with open(latin1, "wb") as f:
+        f.write(b'{"prompt": "1 2"}\n{"prompt": "caf\xe9"}\n')
     argvs = {
         "generate": (["generate", meta, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
         "resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "common", "train.train_iters=2"], None),
@@ -115,6 +118,7 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         "launcher rank": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "rank", "train.train_iters=1"], _env(LOCAL_RANK="first")),
         "launcher world": (["hf", "export", clean, os.path.join(str(work), "hf-world")], _env(WORLD_SIZE="two")),
         "damaged index": (["data", "inspect", damaged], None),
+        "latin-1 prompts": (["generate", clean, "--prompts", latin1, "--max-new-tokens", "1"], None),
     }  # fmt: skip
     pool = ThreadPoolExecutor(PARALLEL)
     started = {name: (pool.submit(_mbridge, argv, env), mark.get(name)) for name, (argv, env) in argvs.items()}
@@ -158,6 +162,8 @@ def test_json_nested_past_the_recursion_limit(cases):
     assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
     err = _refused(cases, "deep prompts")
     assert "prompts.jsonl:2: not JSON (arrays or objects nested too deeply)" in err, err
+    err = _refused(cases, "latin-1 prompts")
+    assert "latin1.jsonl:2: not JSON (not UTF-8 text (byte 0xe9))" in err, err
 
 
 @pytest.mark.timeout(400)

@@ -152,6 +152,13 @@ def test_a_chat_template_that_fails_while_rendering(tmp_path, tok_dir):
         ]
 
 
+def test_finetuning_text_that_is_not_utf8(tmp_path):
+    (tmp_path / "training.jsonl").write_bytes(b'{"input": "1 2", "output": "3"}\n{"input": "caf\xe9", "output": "4"}\n')
+    assert problems(sft(tmp_path))[0] == [
+        f"dataset.dataset_root: {tmp_path}/training.jsonl line 2: not valid JSON (not UTF-8 text (byte 0xe9), column 15) (fix or remove that row)"
+    ]
+
+
 def test_finetuning_file_problems(tmp_path, tok_dir):
     root = tmp_path / "bad_json"
     root.mkdir()

@@ -185,8 +185,8 @@ class LocalSplit:
     def json_records(file: str, limit: Optional[int] = None) -> Iterator[tuple[str, dict]]:
         with open(file, "rb") as f:
             head = f.read(64).lstrip()
-        if head.startswith(b"["):  # one JSON array of records
-            with open(file) as f:
+        if head.startswith(b"["):  # one JSON array of records (read as bytes: text that is not UTF-8 is malformed JSON)
+            with open(file, "rb") as f:
                 try:
                     items = json_input.load(f)
                 except json.JSONDecodeError as exc:
@@ -195,7 +195,7 @@ class LocalSplit:
                 yield f"{file} item {i}", _as_record(record, f"{file} item {i}")
             return
         count = 0
-        with open(file, encoding="utf-8") as f:
+        with open(file, "rb") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -25,7 +25,7 @@ class DataError(ValueError):
 def json_lines(path: str, error: type[ValueError]) -> Iterator[tuple[str, Any]]:
     """(location `path:line`, value) of every non-empty line of a JSONL file; a line that is not
     JSON raises `error` naming its location."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one that is not JSON
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
