@@ -159,6 +159,17 @@ def test_finetuning_text_that_is_not_utf8(tmp_path):
     ]
 
 
+def test_a_tokenizer_json_the_library_cannot_read(tmp_path):
+    """The tokenizers library raises a bare Exception for a tokenizer.json it cannot parse: a
+    problem naming the file, not that traceback."""
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    found = problems(tiny_config(tokenizer=hf_tokenizer(str(tmp_path))))[0]
+    assert found == [
+        f"tokenizer.tokenizer_model: '{tmp_path}/tokenizer.json' is not a tokenizer the tokenizers library reads: data did "
+        "not match any variant of untagged enum ModelUntagged at line 1 column 45 (use a tokenizer that loads from local files)"
+    ]
+
+
 def test_finetuning_file_problems(tmp_path, tok_dir):
     root = tmp_path / "bad_json"
     root.mkdir()
