@@ -2,7 +2,8 @@
 pickled files (`.metadata`, `common.pt`) were altered to run code is refused before anything
 loads it, by every command that reads checkpoints; JSON nested past the parser's recursion limit
 is reported as malformed; prompts are not read from a device (/dev/zero never ends); a run name is one directory under --dir; a text prompt for a model without a tokenizer
-is reported, not a traceback; a dry run does not print a value read from the environment.
+is reported, not a traceback; a dry run does not print a value read from the environment;
+environment values that are not numbers, and an index whose arrays lie, are reported by name.
 
 One tiny checkpoint is trained first; the cases then start together (a few processes at a time)
 and each test checks its own.
@@ -18,7 +19,10 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import pytest
+
+from megatron_bridge.data.indexed import IndexedDatasetWriter, write_index
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "tiny_gpt_pretrain_config"
@@ -87,6 +91,18 @@ def cases(work) -> dict[str, tuple[Future, str]]:
     prompts = os.path.join(str(work), "prompts.jsonl")
     with open(prompts, "w") as f:
         f.write('{"prompt": "1 2"}\n{"prompt": ' + deep + "}\n")
+    config = os.path.join(str(work), "small.yaml")
+    with open(config, "w") as f:
+        f.write("train:\n  train_iters: 3\n")
+    damaged = os.path.join(str(work), "damaged")
+    writer = IndexedDatasetWriter(damaged, np.uint16)
+    writer.add_document(np.arange(10), [10])
+    writer.add_document(np.arange(10), [10])
+    writer.finalize()
+    write_index(damaged + ".idx", np.uint16, np.array([-10, 30], dtype=np.int32), np.arange(3))
+    latin1 = os.path.join(str(work), "latin1.jsonl")
+    with open(latin1, "wb") as f:
+        f.write(b'{"prompt": "1 2"}\n{"prompt": "caf\xe9"}\n')
     argvs = {
         "generate": (["generate", meta, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
         "resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "common", "train.train_iters=2"], None),
@@ -98,6 +114,11 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         "text prompt": (["generate", clean, "--prompt", "hello world", "--max-new-tokens", "1"], None),
         "secret path": (["pretrain", "--recipe", TINY, "--dry-run", "--recipe-arg", "tokenizer=${oc.env:MB_TEST_TOKENIZER}"],
                         _env(MB_TEST_TOKENIZER=SECRET)),
+        "config size limit": (["pretrain", "--recipe", TINY, "--config", config, "--dry-run"], _env(MBRIDGE_MAX_CONFIG_BYTES="8 MiB")),
+        "launcher rank": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "rank", "train.train_iters=1"], _env(LOCAL_RANK="first")),
+        "launcher world": (["hf", "export", clean, os.path.join(str(work), "hf-world")], _env(WORLD_SIZE="two")),
+        "damaged index": (["data", "inspect", damaged], None),
+        "latin-1 prompts": (["generate", clean, "--prompts", latin1, "--max-new-tokens", "1"], None),
     }  # fmt: skip
     pool = ThreadPoolExecutor(PARALLEL)
     started = {name: (pool.submit(_mbridge, argv, env), mark.get(name)) for name, (argv, env) in argvs.items()}
@@ -141,6 +162,8 @@ def test_json_nested_past_the_recursion_limit(cases):
     assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
     err = _refused(cases, "deep prompts")
     assert "prompts.jsonl:2: not JSON (arrays or objects nested too deeply)" in err, err
+    err = _refused(cases, "latin-1 prompts")
+    assert "latin1.jsonl:2: not JSON (not UTF-8 text (byte 0xe9))" in err, err
 
 
 @pytest.mark.timeout(400)
@@ -167,3 +190,19 @@ def test_dry_run_data_lines_hide_environment_values(cases):
     assert result.returncode == 0, result.stderr[-3000:]
     assert SECRET not in result.stdout + result.stderr
     assert "tokenizer.tokenizer_model: '${oc.env:MB_TEST_TOKENIZER}': not found" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.timeout(400)
+def test_environment_values_that_are_not_numbers(cases):
+    err = _refused(cases, "config size limit")
+    assert "MBRIDGE_MAX_CONFIG_BYTES: '8 MiB' is not a positive whole number of bytes (set it to a size in bytes" in err, err
+    err = _refused(cases, "launcher rank")
+    assert "LOCAL_RANK: 'first' is not a whole number of at least 0 (launchers such as torchrun set it" in err, err
+    err = _refused(cases, "launcher world")
+    assert "WORLD_SIZE: 'two' is not a whole number of at least 1" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_data_inspect_of_a_damaged_index(cases):
+    err = _refused(cases, "damaged index")
+    assert "damaged.idx gives sequence 0 a negative length (-10)" in err, err

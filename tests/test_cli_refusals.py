@@ -190,8 +190,8 @@ def test_env_vars_that_load_code_or_exceed_the_os_limit_are_refused(cases):
 def test_an_empty_world_size_variable_is_named(cases, work):
     refused(
         cases, "empty WORLD_SIZE",
-        "WORLD_SIZE: the environment variable is '', not a number of processes (unset it (one process) or set it "
-        "to the number of processes; torchrun sets it itself)",
+        "WORLD_SIZE: '' is not a whole number of at least 1 (launchers such as torchrun set it; unset it to run "
+        "one process, or launch with torchrun)",
     )  # fmt: skip
 
 

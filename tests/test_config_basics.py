@@ -229,6 +229,28 @@ def test_a_path_name_over_255_bytes_is_refused_however_short_the_text():
         assert not problems, fine
 
 
+def test_a_path_with_control_characters_is_refused():
+    """An escape sequence or a newline in a path (from a shared config) would reach the terminal
+    and the logs as it is when the path is printed: refused, like a run name with them."""
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.config.paths import check
+    from megatron_bridge.training.config import CheckpointConfig, LoggerConfig
+
+    problems = Problems()
+    check(CheckpointConfig(save="runs/x\x1b[2J", load="runs/x\nsaved checkpoint of iteration 9"), problems)
+    check(LoggerConfig(tensorboard_dir="tb\x9b31m"), problems)
+    fix = "(use a path without control characters (they would reach terminals and logs as they are))"
+    assert [str(p) for p in problems] == [
+        f"save: 'runs/x\\x1b[2J' has a control character ('\\x1b') {fix}",
+        f"load: 'runs/x\\nsaved checkpoint of iteration 9' has a control character ('\\n') {fix}",
+        f"tensorboard_dir: 'tb\\x9b31m' has a control character ('\\x9b') {fix}",
+    ]
+    for fine in ("runs/café ✓/x", "/data/a b/c"):
+        problems = Problems()
+        check(CheckpointConfig(save=fine), problems)
+        assert not problems, fine
+
+
 def test_positional_constructor_arguments_are_named_checked_and_tracked():
     mock = MockGPTDatasetConfig(32)  # the sequence length, as in Megatron Bridge's signature
     assert mock.sequence_length == 32 and mock.explicit_fields() == {"sequence_length"}

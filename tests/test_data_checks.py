@@ -10,8 +10,8 @@ from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.data.checks import check_data
-from megatron_bridge.data.indexed import IndexedDatasetWriter
-from megatron_bridge.training.config import FinetuningDatasetConfig, GPTDatasetConfig, runtime_config_update
+from megatron_bridge.data.indexed import IndexedDatasetWriter, write_index
+from megatron_bridge.training.config import FinetuningDatasetConfig, GPTDatasetConfig, ValidationConfig, runtime_config_update
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 
 
@@ -34,8 +34,9 @@ def problems(cfg, tokenizer=None, dry_run=False):
     return [str(p) for p in report.problems.items], report.not_found
 
 
-def gpt(data_path, **kw):
-    return tiny_config(dataset=GPTDatasetConfig(seq_length=32, data_path=data_path, num_workers=0), **kw)
+def gpt(data_path, split="90,10,0", **kw):
+    """On `indexed` data: its 20 documents leave none for validation at the default split 99,1,0."""
+    return tiny_config(dataset=GPTDatasetConfig(seq_length=32, data_path=data_path, split=split, num_workers=0), **kw)
 
 
 def sft(root, **kw):
@@ -76,11 +77,96 @@ def test_indexed_dataset_problems(tmp_path, tok_dir):
     ]
 
 
+def test_index_arrays_that_lie(tmp_path):
+    """An .idx whose header matches the .bin but whose arrays do not: refused before megatron-core
+    reads them (a negative length made its epoch count loop forever, an offset past the .bin
+    failed with a traceback in the middle of building)."""
+    lengths = np.full(20, 20, dtype=np.int32)
+    documents = np.arange(21, dtype=np.int64)
+    negative = indexed(tmp_path / "negative")
+    bad = lengths.copy()
+    bad[3], bad[4] = -20, 60  # the total, and so the header's .bin size, stay right
+    write_index(negative + ".idx", np.uint16, bad, documents)
+    moved = indexed(tmp_path / "moved")
+    pointers = np.arange(20, dtype=np.int64) * 40
+    pointers[5] = 10**12
+    with open(moved + ".idx", "r+b") as f:
+        f.seek(34 + 4 * 20)
+        f.write(pointers.tobytes())
+    fix = "(the index is damaged or was not written by megatron-core's writer; preprocess the data again)"
+    assert problems(gpt(f"{negative} {moved}"))[0] == [
+        f"dataset.data_path: {negative}.idx gives sequence 3 a negative length (-20) {fix}",
+        f"dataset.data_path: {moved}.idx puts sequence 5 at byte 1,000,000,000,000 of the .bin, where the sequences before it end at byte 200 {fix}",
+    ]
+
+
+def test_a_split_without_documents(tmp_path):
+    """20 documents at the default split 99,1,0 leave none for validation: megatron-core would
+    repeat the empty split's epochs forever; the check names the split and the ways out."""
+    few = indexed(tmp_path / "few")
+    assert problems(gpt(few, split=None))[0] == [
+        f"dataset.split: '99,1,0' gives the valid split 0 of the 20 documents of {few} (give the valid split a larger "
+        "share (e.g. dataset.split='90,10,0') or use more data; no validation: validation.eval_iters=0)"
+    ]
+    assert problems(gpt(few, split=None, validation=ValidationConfig(eval_iters=0)))[0] == []
+    assert problems(gpt(few, split="90,10,0"))[0] == []
+    empty = str(tmp_path / "empty")
+    writer = IndexedDatasetWriter(empty, np.uint16)
+    writer.add_document([], [0])
+    writer.add_document([], [0])
+    writer.finalize()
+    assert problems(gpt(f"{few} {empty}", split=None, validation=ValidationConfig(eval_iters=0)))[0] == [
+        f"dataset.split: '99,1,0' gives the train split 2 of the 2 documents, all empty, of {empty} (give the train "
+        "split a larger share (e.g. dataset.split='90,10,0') or use more data)"
+    ]
+    per_split = tiny_config(dataset=GPTDatasetConfig(seq_length=32, blend_per_split=[([few], None), ([empty], None), None], num_workers=0))
+    assert problems(per_split)[0] == [
+        f"dataset.blend_per_split.valid: {empty} has no tokens (its 2 documents are empty) (give the valid split a "
+        "prefix with data; no validation: validation.eval_iters=0)"
+    ]
+
+
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
     cfg = gpt(indexed(tmp_path / "d"), model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
     assert problems(cfg)[0] == [
         "model.vocab_size: 256 is smaller than the tokenizer's vocabulary of 300 (token ids up to 299 would index past the "
         "embedding) (set model.vocab_size to at least 300, or leave it unset to take the tokenizer's)"
+    ]
+
+
+def test_a_chat_template_that_fails_while_rendering(tmp_path, tok_dir):
+    """A template from a tokenizer's files that reaches past the sandbox, names what is not there
+    or divides by zero is reported against tokenizer.chat_template, with the first row it fails
+    on (it was a SecurityError/UndefinedError/ZeroDivisionError traceback)."""
+    write_jsonl(tmp_path / "training.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    failures = {
+        "{{ ''.__class__.__mro__ }}": "SecurityError: access to attribute '__class__' of 'str' object is unsafe.",
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools.name }}": "UndefinedError: 'tools' is undefined",
+        "{% for m in messages %}{% generation %}{{ m.content / 0 }}{% endgeneration %}{% endfor %}": "TypeError: unsupported operand type(s) for /: 'str' and 'int'",
+    }
+    for template, error in failures.items():
+        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir, chat_template=template)
+        assert problems(sft(tmp_path, model=tiny_model(vocab_size=300), tokenizer=tokenizer))[0] == [
+            f"tokenizer.chat_template: {tmp_path}/training.jsonl line 1: the chat template fails on this conversation: "
+            f"{error} (set tokenizer.chat_template to a template that renders this conversation)"
+        ]
+
+
+def test_finetuning_text_that_is_not_utf8(tmp_path):
+    (tmp_path / "training.jsonl").write_bytes(b'{"input": "1 2", "output": "3"}\n{"input": "caf\xe9", "output": "4"}\n')
+    assert problems(sft(tmp_path))[0] == [
+        f"dataset.dataset_root: {tmp_path}/training.jsonl line 2: not valid JSON (not UTF-8 text (byte 0xe9), column 15) (fix or remove that row)"
+    ]
+
+
+def test_a_tokenizer_json_the_library_cannot_read(tmp_path):
+    """The tokenizers library raises a bare Exception for a tokenizer.json it cannot parse: a
+    problem naming the file, not that traceback."""
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"}}')
+    found = problems(tiny_config(tokenizer=hf_tokenizer(str(tmp_path))))[0]
+    assert found == [
+        f"tokenizer.tokenizer_model: '{tmp_path}/tokenizer.json' is not a tokenizer the tokenizers library reads: data did "
+        "not match any variant of untagged enum ModelUntagged at line 1 column 45 (use a tokenizer that loads from local files)"
     ]
 
 

@@ -106,6 +106,42 @@ def test_export_in_another_dtype(tmp_path):
     assert keys and all(resaved[k] == written[k] for k in keys)
 
 
+def test_export_and_import_keep_what_they_did_not_write(tmp_path):
+    """An export replaces its output directory: one holding anything an export does not write
+    (here a file and a folder of the user's) is refused before the model is built, and left as
+    it was; an earlier export is replaced; a symbolic link is followed, not replaced. An import
+    into a directory holding a checkpoint of other iterations is refused too (its tracker would
+    make the imported iteration the latest)."""
+    from megatron_bridge.models.hf.convert import export_checkpoint, import_hf
+
+    ckpt = str(tmp_path / "ckpt")
+    import_hf(save_tiny("qwen3", str(tmp_path / "hf")), ckpt)
+    mine = tmp_path / "mine"
+    (mine / "folder").mkdir(parents=True)
+    (mine / "thesis.txt").write_text("mine")
+    with pytest.raises(ConfigValidationError) as caught:
+        export_checkpoint(ckpt, str(mine))
+    assert str(caught.value).endswith(
+        f"{mine}: holds folder/, thesis.txt, which an export does not write (give a new or empty directory: an export "
+        "replaces the whole directory)"
+    )
+    assert sorted(os.listdir(mine)) == ["folder", "thesis.txt"] and (mine / "thesis.txt").read_text() == "mine"
+
+    target, link = tmp_path / "target", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    export_checkpoint(ckpt, str(link))
+    export_checkpoint(ckpt, str(link))  # an earlier export is replaced
+    assert link.is_symlink() and sorted(os.listdir(target)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+    trained = tmp_path / "trained"
+    (trained / "iter_0000100").mkdir(parents=True)
+    (trained / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(ConfigValidationError, match=r"trained: holds iter_0000100/, which an import does not write"):
+        import_hf(str(tmp_path / "hf"), str(trained))
+    assert (trained / "latest_checkpointed_iteration.txt").read_text() == "100"
+
+
 def test_a_model_trained_here_exports_with_a_config_json_of_its_own(tmp_path):
     """A Llama-architecture model pretrained from scratch: config.json is written from the
     provider, and transformers computes the logits our model computes from the checkpoint."""

@@ -3,6 +3,7 @@ resume, merge, and adapters that the `peft` library reads onto a transformers Ll
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -302,6 +303,28 @@ def test_dora_trains_its_magnitude(dora_run):
 
 
 # ---------------------------------------------------------------------- merge and export
+def test_merge_keeps_what_it_did_not_write(lora_run, tmp_path):
+    """A merge into the adapters' own save directory, or one holding files of the user's, is
+    refused before anything loads (it replaced the adapter checkpoint, or hid other iterations
+    behind its tracker); the directories are left as they were."""
+    from megatron_bridge.peft.merge import merge_checkpoint
+
+    path, _ = lora_run
+    before = sorted(os.listdir(path))
+    with pytest.raises(ConfigValidationError, match="holds the adapters being merged, which the merge would replace"):
+        merge_checkpoint(path, path)
+    occupied = tmp_path / "occupied"
+    (occupied / "iter_0000005").mkdir(parents=True)
+    (occupied / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigValidationError) as caught:
+        merge_checkpoint(path, str(occupied))
+    assert str(caught.value).endswith(
+        f"{occupied}: holds iter_0000005/, notes.txt, which a merge does not write (give a new or empty directory: "
+        "a merge there would make its iteration 20 the latest)"
+    )
+    assert sorted(os.listdir(path)) == before and sorted(os.listdir(occupied)) == ["iter_0000005", "notes.txt"]
+
+
 @pytest.mark.parametrize("run", ["lora_run", "dora_run"])
 def test_merged_and_hf_peft_logits_match(run, base, tmp_path, request):
     path, _ = request.getfixturevalue(run)

@@ -156,6 +156,14 @@ def test_a_bad_line_is_named_and_nothing_is_written(tok_dir, tmp_path, monkeypat
     assert os.listdir(tmp_path) == ["bad.jsonl"]  # no partial output, no temporary files
 
 
+def test_a_line_that_is_not_utf8_is_named(tok_dir, tmp_path):
+    """Latin-1 text in a JSONL file: a malformed line, named (it was a UnicodeDecodeError traceback)."""
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(pre.PreprocessError, match=r"latin1.jsonl line 2: not valid JSON \(not UTF-8 text \(byte 0xe9\), column 14\)"):
+        pre.preprocess(options(tok_dir, tmp_path / "latin1.jsonl", tmp_path / "out", workers=1))
+    assert os.listdir(tmp_path) == ["latin1.jsonl"]
+
+
 def test_interruption_leaves_nothing_under_the_final_names(tok_dir, corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(pre, "CHUNK_BYTES", 64 << 10)
     calls = []

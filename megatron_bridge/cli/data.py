@@ -108,7 +108,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from megatron_bridge.data.indexed import largest_token_id, read_index_header
+    from megatron_bridge.data.indexed import check_index_arrays, largest_token_id, read_index_header
 
     prefix = args.prefix[: -len(".bin")] if args.prefix.endswith((".bin", ".idx")) else args.prefix
     for suffix in (".bin", ".idx"):
@@ -116,6 +116,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             raise UsageError(f"no {prefix + suffix}")
     try:
         header = read_index_header(prefix)
+        check_index_arrays(prefix, header)
     except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     actual = os.path.getsize(prefix + ".bin")
@@ -140,6 +141,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             tokenizer = tokenizer_from_flags(args.tokenizer_type, args.tokenizer, args.vocab_file, args.merge_file)
         except PreprocessError as exc:
             raise UsageError(str(exc)) from None
+    if actual < np.dtype(header.dtype).itemsize:  # no tokens to show (and numpy maps no empty file)
+        return 0
     data = np.memmap(prefix + ".bin", dtype=header.dtype, mode="r")
     for d in range(min(args.samples, header.documents)):
         begin, end = offsets[doc_index[d]], offsets[doc_index[d + 1]]

@@ -9,6 +9,7 @@ from typing import Any
 from megatron_bridge.cli.errors import UsageError
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 EPILOG = """\
 examples:
@@ -93,7 +94,7 @@ def parse_size(text: str) -> int:
 
 
 def _sizes(args: argparse.Namespace) -> tuple[int, int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher_int("WORLD_SIZE", 1)
     pp, ep = args.pp, args.ep
     tp = args.tp if args.tp is not None else max(1, world // (pp * ep))
     if min(tp, pp, ep) < 1 or world % (tp * pp) or (world // (tp * pp)) % ep:
@@ -137,4 +138,4 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _last_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    return launcher_int("RANK", 0) == launcher_int("WORLD_SIZE", 1) - 1

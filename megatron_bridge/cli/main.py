@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from megatron_bridge.cli.common import add_debug_flag
 from megatron_bridge.cli.errors import EXIT_USAGE, UsageError
+from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge import __version__
 from megatron_bridge.warning_filters import quiet_known_warnings
 
@@ -88,8 +89,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> ar
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run `mbridge` with `argv` (default: sys.argv[1:]); return the exit status.
 
-    A bad command line or config prints one report to stderr and returns 2 (`--debug` adds the
-    traceback); any other exception propagates with its traceback.
+    A bad command line or config (a `UsageError` or `ConfigValidationError`) prints one report to
+    stderr and returns 2 (`--debug` adds the traceback); any other exception propagates with its
+    traceback.
     """
     _quiet_third_party_warnings()
     parser = build_parser()
@@ -99,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
         return args.handler(args) or 0
-    except UsageError as exc:
+    except (UsageError, ConfigValidationError) as exc:  # the latter: a problem no command wrapped (a launcher variable)
         if args.debug:
             traceback.print_exception(exc)
         print(f"mbridge {args.command}: error: {exc}", file=sys.stderr)

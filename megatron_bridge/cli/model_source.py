@@ -12,6 +12,7 @@ from megatron_bridge.inference.model import BACKENDS
 from megatron_bridge.cli.errors import UsageError
 from megatron_bridge.inference.errors import DataError, PromptError, SourceError
 from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 SOURCE_HELP = (
     "a Hugging Face model directory (with config.json), or a checkpoint directory of ours: a save directory "
@@ -51,4 +52,4 @@ def user_errors() -> Iterator[None]:
 
 def prints() -> bool:
     """Whether this process writes the results (the first rank under torchrun)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return launcher_int("RANK", 0) == 0

@@ -5,12 +5,13 @@ A field named like a path (`save`, `load`, `tensorboard_dir`, `save_config_filep
 default is None takes None for "off"; an empty string there is not a path (it would name the
 current directory, or nothing, depending on who reads it), so it is refused. A path component
 longer than `NAME_MAX` bytes is refused too: no common filesystem stores such a name, and the
-run would fail where it first creates the file.
+run would fail where it first creates the file. So is a control character (see `_CONTROL`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from typing import Any
 
@@ -21,14 +22,18 @@ NAME_MAX = 255
 """Longest file or directory name, in bytes, on the filesystems runs write to (ext4, XFS,
 Lustre, GPFS, NFS)."""
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Control characters: in a path that is printed (checkpoint and log lines), an escape sequence
+would recolor or clear the terminal and a newline forge a log line."""
+
 _BY_CLASS: dict[type, tuple[str, ...]] = {}
 """The path fields of each class (`FieldSpec.is_path`), looked up without a call: `check` runs
 for every section of every update."""
 
 
 def check(obj: Any, problems: Problems) -> None:
-    """Add a problem for each path field of config `obj` that is empty or has a component too
-    long for a filesystem."""
+    """Add a problem for each path field of config `obj` that is empty, has a control character
+    or has a component too long for a filesystem."""
     names = _BY_CLASS.get(obj.__class__)
     if names is None:
         names = _BY_CLASS[obj.__class__] = tuple(s.name for s in specs(obj.__class__).values() if s.is_path)
@@ -40,6 +45,14 @@ def check(obj: Any, problems: Problems) -> None:
         # the common case: a path too short for any name in it to reach NAME_MAX bytes (a
         # character takes at most 4 bytes in UTF-8)
         short = len(value) <= NAME_MAX // 4 or (len(value) <= NAME_MAX and value.isascii())
+        control = _CONTROL.search(value)
+        if control:
+            problems.add(
+                name,
+                f"{show(value)} has a control character ({control.group()!r})",
+                "use a path without control characters (they would reach terminals and logs as they are)",
+            )
+            continue
         if value and short and not value[0].isspace():
             continue
         if not value.strip():

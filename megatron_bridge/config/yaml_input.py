@@ -22,8 +22,27 @@ import yaml
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config.paths import file_kind
 
-MAX_BYTES = int(os.environ.get("MBRIDGE_MAX_CONFIG_BYTES", 8 * 1024 * 1024))
-"""Largest config file read, in bytes."""
+MAX_BYTES = 8 * 1024 * 1024
+"""Largest config file read, in bytes, unless `MBRIDGE_MAX_CONFIG_BYTES` says otherwise."""
+
+
+def max_bytes() -> int:
+    """The size limit for config files: `MBRIDGE_MAX_CONFIG_BYTES` when set (read at each use, so
+    a bad value is a message naming the variable, not an error importing this module)."""
+    text = os.environ.get("MBRIDGE_MAX_CONFIG_BYTES", "").strip()
+    if not text:
+        return MAX_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise _error(
+            "MBRIDGE_MAX_CONFIG_BYTES",
+            f"{text[:40]!r} is not a positive whole number of bytes",
+            f"set it to a size in bytes (the default is {MAX_BYTES}) or unset it",
+        )
+    return value
 
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists."""
@@ -108,16 +127,16 @@ def read_text(path: Union[str, os.PathLike]) -> str:
         raise FileNotFoundError(f"config file {name!r} does not exist")
     if not os.path.isfile(name):
         raise _error(name, f"is {file_kind(name)}, not a regular file", "give the path of a YAML file")
-    size = os.path.getsize(name)
-    if size > MAX_BYTES:
+    size, limit = os.path.getsize(name), max_bytes()
+    if size > limit:
         raise _error(
             name,
-            f"is {size:,} bytes, over the {MAX_BYTES:,}-byte limit for config files",
+            f"is {size:,} bytes, over the {limit:,}-byte limit for config files",
             "configs are small; raise MBRIDGE_MAX_CONFIG_BYTES if this one really is meant to be this large",
         )
     try:
         with open(name, "rb") as fh:
-            data = fh.read(MAX_BYTES + 1)
+            data = fh.read(limit + 1)
     except OSError as exc:
         raise _error(name, f"cannot be read: {exc.strerror or exc}", "check the path and its permissions") from None
     try:

@@ -19,10 +19,11 @@ The characters are mapped to tokens through the tokenizer's offsets.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from megatron_bridge.extras import require
@@ -115,6 +116,18 @@ def compile_template(template: str) -> Any:
         raise ChatFormatError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
 
 
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """Whatever a template raises while rendering (the sandbox refusing an attribute, an undefined
+    name, a division by zero) is the template's fault: a `ChatFormatError` naming it."""
+    try:
+        yield
+    except ChatFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - templates come from files, any error is theirs
+        raise ChatFormatError(f"the chat template fails on this conversation: {type(exc).__name__}: {exc}") from None
+
+
 class ChatRenderer:
     """Turns conversations into token ids and the flags of assistant tokens."""
 
@@ -130,7 +143,8 @@ class ChatRenderer:
         self.variables = {"bos_token": getattr(tokenizer, "bos_token", None) or "", "eos_token": getattr(tokenizer, "eos_token", None) or ""}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.variables)
+        with _template_errors():
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.variables)
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation, and the character span of each assistant turn in it."""
@@ -170,7 +184,8 @@ class ChatRenderer:
         found: list[tuple[int, int, str]] = []
         token = _GENERATED.set((pieces, found))
         try:
-            pieces.extend(self.template.generate(messages=messages, add_generation_prompt=False, **self.variables))
+            with _template_errors():
+                pieces.extend(self.template.generate(messages=messages, add_generation_prompt=False, **self.variables))
         finally:
             _GENERATED.reset(token)
         text = "".join(pieces)

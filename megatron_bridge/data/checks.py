@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from megatron_bridge.config.secrets import scrub
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.data.hf_local import DataSourceError
-from megatron_bridge.data.indexed import largest_token_id, read_index_header
+from megatron_bridge.data.indexed import check_index_arrays, largest_token_id, read_index_header, sequence_tokens
 from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
 from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES
 from megatron_bridge.runtime.tokenizers.tokenizer import build_tokenizer
@@ -99,8 +99,9 @@ def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = Fa
         check_vocab_fits(cfg, tokenizer, report.problems)
     data = cfg.dataset
     if isinstance(data, GPTDatasetConfig) and not data.mock:
+        needed = needed_splits(cfg)
         for path, prefix in data_prefixes(data):
-            check_indexed_prefix(prefix, path, tokenizer, report, dry_run)
+            check_indexed_prefix(prefix, path, tokenizer, report, dry_run, needed.get(path, ()))
     if isinstance(data, FinetuningDatasetConfig) and data.dataset_root is not None:
         check_finetuning_data(cfg, tokenizer, report, dry_run)
     return report
@@ -137,7 +138,36 @@ def data_prefixes(data: Any) -> list[tuple[str, str]]:
     return found
 
 
-def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool) -> None:
+class SplitShare(NamedTuple):
+    """A split the run draws samples from, and the share of a prefix's sequences it reads."""
+
+    name: str
+    low: float
+    high: float
+    setting: Optional[str]
+    """The `dataset.split` weighting the share comes from; None: the prefix is the split's own."""
+
+
+def needed_splits(cfg: "ConfigContainer") -> dict[str, tuple[SplitShare, ...]]:
+    """By config path of the prefixes (as `data_prefixes` names them): the splits the run draws
+    samples from, with their share of each prefix (megatron-core's split matrix for a blend, the
+    whole prefix in `blend_per_split`)."""
+    from megatron_bridge.data.builders import sample_counts
+
+    counts = sample_counts(cfg)
+    wanted = {"train": counts.train > 0, "valid": counts.valid > 0, "test": counts.test > 0}
+    data = cfg.dataset
+    source = "dataset.data_path" if data.data_path is not None else "dataset.blend"
+    matrix = getattr(data, "split_matrix", None) or ()
+    needed = {source: tuple(SplitShare(n, s[0], s[1], data.split) for n, s in zip(wanted, matrix) if s is not None and wanted[n])}
+    for name in wanted:
+        needed[f"dataset.blend_per_split.{name}"] = (SplitShare(name, 0.0, 1.0, None),) if wanted[name] else ()
+    return needed
+
+
+def check_indexed_prefix(
+    prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool, splits: tuple[SplitShare, ...] = ()
+) -> None:
     p = report.problems
     have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
     odd = next((prefix + s for s, regular in have.items() if not regular and os.path.exists(prefix + s)), None)
@@ -165,6 +195,12 @@ def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataRep
     if size != header.bin_bytes:
         p.add(path, f"{prefix}.bin has {size:,} bytes but its .idx describes {header.bin_bytes:,}", "the two files come from different runs or a copy was cut short; preprocess again")
         return
+    try:
+        check_index_arrays(prefix, header)
+    except ValueError as exc:
+        p.add(path, str(exc), "the index is damaged or was not written by megatron-core's writer; preprocess the data again")
+        return
+    _check_splits_have_tokens(prefix, path, header, splits, p)
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is None:
         return
@@ -179,6 +215,28 @@ def check_indexed_prefix(prefix: str, path: str, tokenizer: Any, report: DataRep
         f"{prefix} holds token id {largest:,}, outside the tokenizer's vocabulary of {vocab:,}",
         "it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with)",
     )
+
+
+def _check_splits_have_tokens(prefix: str, path: str, header: Any, splits: tuple[SplitShare, ...], p: Problems) -> None:
+    """Each split the run draws from gets tokens of `prefix`: megatron-core repeats a split's
+    epochs until it has the samples asked for, which never ends on an empty split."""
+    unit = "documents" if header.sequences == header.documents else "sequences"
+    empty = []
+    for share in splits:
+        begin, end = int(round(share.low * header.sequences)), int(round(share.high * header.sequences))
+        if sequence_tokens(prefix, header, begin, end) == 0:
+            empty.append((share, end - begin))
+    for share, count in empty:
+        skip = {"valid": "; no validation: validation.eval_iters=0", "test": "; no test: validation.test_iters=0"}.get(share.name, "")
+        if share.setting is None:
+            p.add(path, f"{prefix} has no tokens (its {header.sequences:,} {unit} are empty)", f"give the {share.name} split a prefix with data{skip}")
+            continue
+        got = f"{count} of the {header.sequences:,} {unit}" + (", all empty," if count else "")
+        p.add(
+            "dataset.split",
+            f"{share.setting!r} gives the {share.name} split {got} of {prefix}",
+            f"give the {share.name} split a larger share (e.g. dataset.split='90,10,0') or use more data{skip}",
+        )
 
 
 # ---------------------------------------------------------------------- fine-tuning data

@@ -139,11 +139,78 @@ def read_index_header(prefix: str) -> IndexHeader:
     return IndexHeader(DTYPE_CODES[code], sequences, max(documents - 1, 0), bin_bytes)
 
 
+_CHUNK = 1 << 20
+"""Sequences read at a time by the checks of an index's arrays (12 MiB of the .idx)."""
+
+
+def _index_arrays(prefix: str, header: IndexHeader) -> tuple[np.ndarray, np.ndarray]:
+    """The sequence lengths and byte offsets of `prefix.idx`, memory-mapped (nothing read yet)."""
+    n = header.sequences
+    lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=34, shape=(n,))
+    pointers = np.memmap(prefix + ".idx", dtype=np.int64, mode="r", offset=34 + 4 * n, shape=(n,))
+    return lengths, pointers
+
+
+def check_index_arrays(prefix: str, header: IndexHeader) -> None:
+    """Raise ValueError unless every sequence of `prefix.idx` has a length of at least 0 and
+    starts in the .bin where the one before it ends, and the document boundaries run from 0 up to
+    the sequence count: what megatron-core's reader and its sample index take for granted (a
+    negative length makes its epoch count never end, an offset past the .bin fails in the middle
+    of building). Read in chunks, so memory stays small."""
+    _check_document_boundaries(prefix, header)
+    if header.sequences == 0:
+        return
+    lengths, pointers = _index_arrays(prefix, header)
+    itemsize = np.dtype(header.dtype).itemsize
+    offset = 0
+    for start in range(0, header.sequences, _CHUNK):
+        chunk = np.asarray(lengths[start : start + _CHUNK], dtype=np.int64)
+        if chunk.min() < 0:
+            at = int(chunk.argmin())
+            raise ValueError(f"{prefix}.idx gives sequence {start + at:,} a negative length ({int(chunk[at]):,})")
+        expected = offset + np.concatenate(([0], np.cumsum(chunk[:-1] * itemsize)))
+        wrong = np.flatnonzero(np.asarray(pointers[start : start + _CHUNK]) != expected)
+        if wrong.size:
+            at = int(wrong[0])
+            raise ValueError(
+                f"{prefix}.idx puts sequence {start + at:,} at byte {int(pointers[start + at]):,} of the .bin, "
+                f"where the sequences before it end at byte {int(expected[at]):,}"
+            )
+        offset = int(expected[-1] + chunk[-1] * itemsize)
+
+
+def _check_document_boundaries(prefix: str, header: IndexHeader) -> None:
+    n = header.documents + 1
+    boundaries = np.memmap(prefix + ".idx", dtype=np.int64, mode="r", offset=34 + 12 * header.sequences, shape=(n,))
+    first, last = int(boundaries[0]), int(boundaries[-1])
+    if first != 0 or last != header.sequences:
+        raise ValueError(f"{prefix}.idx: its document boundaries run from {first:,} to {last:,}, not from 0 to its {header.sequences:,} sequences")
+    previous = 0
+    for start in range(0, n, _CHUNK):
+        chunk = np.asarray(boundaries[start : start + _CHUNK])
+        if chunk.max() > header.sequences:
+            at = start + int(chunk.argmax())
+            raise ValueError(f"{prefix}.idx: document boundary {at:,} ({int(boundaries[at]):,}) is past its {header.sequences:,} sequences")
+        steps = np.diff(chunk, prepend=previous)
+        if steps.min() < 0:
+            at = start + int(steps.argmin())
+            raise ValueError(f"{prefix}.idx: document boundary {at:,} ({int(boundaries[at]):,}) is less than the one before it ({int(boundaries[at - 1]):,})")
+        previous = int(chunk[-1])
+
+
+def sequence_tokens(prefix: str, header: IndexHeader, begin: int, end: int) -> int:
+    """The tokens of sequences `begin` to `end` (exclusive) of `prefix`, from its index."""
+    if begin >= end:
+        return 0
+    lengths, _ = _index_arrays(prefix, header)
+    return sum(int(np.sum(lengths[s : min(s + _CHUNK, end)], dtype=np.int64)) for s in range(begin, end, _CHUNK))
+
+
 def largest_token_id(prefix: str, dtype: type, max_tokens: int = 1 << 22) -> int:
     """The largest token id in up to `max_tokens` of `prefix.bin`, read in 16 evenly spaced windows."""
-    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
-    if data.size == 0:
+    if os.path.getsize(prefix + ".bin") < np.dtype(dtype).itemsize:  # numpy maps no empty file
         return -1
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
     window = max(1, min(data.size, max_tokens) // 16)
     starts = np.linspace(0, max(data.size - window, 0), 16).astype(np.int64)
     return int(max(int(data[s : s + window].max()) for s in np.unique(starts)))

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Union
 
 from megatron_bridge.inference.errors import SourceError
 from megatron_bridge.inference.sources import ModelSource, resolve
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 BACKENDS = ("auto", "nccl", "gloo")
 """Process-group backends a model loads with: auto is nccl where GPUs are visible, else gloo."""
@@ -102,7 +103,7 @@ def open_model(model: ModelLike, **load_options: Any) -> Iterator[InferenceModel
 def tensor_parallel_size(tp: Optional[int]) -> int:
     """The tensor-parallel size: `tp`, else every process of the launch (there is no data
     parallelism in inference)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher_int("WORLD_SIZE", 1)
     tp = world if tp is None else tp
     if tp < 1 or tp != world:
         raise SourceError(f"--tp {tp} must equal the number of processes ({world}): inference splits the model over all of them")

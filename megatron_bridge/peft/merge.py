@@ -13,7 +13,8 @@ import logging
 import os
 import shutil
 from typing import Any, Optional
-from megatron_bridge.models.hf.files import copy_hf_assets, hf_origin
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.models.hf.files import check_replaceable, copy_hf_assets, hf_origin
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
@@ -59,6 +60,11 @@ def merge_checkpoint(adapters: str, out: str, base: Optional[str] = None) -> str
     """Fold the adapters of the PEFT checkpoint `adapters` into their base and save the result
     under `out` (as `out/iter_N`, N the adapters' iteration); returns that directory."""
     directory, iteration, cfg, common = read_adapter_checkpoint(adapters)
+    fix = f"give a new or empty directory: a merge there would make its iteration {iteration} the latest"
+    if os.path.realpath(layout.iteration_dir(out, iteration)) == os.path.realpath(directory):
+        raise ConfigValidationError(ConfigProblem(out, "holds the adapters being merged, which the merge would replace", fix))
+    ours = (os.path.basename(layout.iteration_dir(out, iteration)), layout.TRACKER_FILE)
+    check_replaceable(out, ours.__contains__, "a merge", fix)
     base_dir = base_of(cfg, common, base)
     with single_process_model(cfg) as model:
         load_weights(model, base_dir, "base")

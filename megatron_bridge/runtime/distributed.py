@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -78,7 +79,7 @@ def checked_backend(
     """The backend (nccl or gloo) this process uses for `requested` (auto, nccl or gloo); raises
     `ConfigValidationError` when this launch cannot use it on this machine (`launch_problem`,
     with the local world size torchrun gives)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = launcher_int("LOCAL_WORLD_SIZE", 1)
     problem = launch_problem(
         torch.cuda.device_count(), local_rank, local_world, requested, gpu_per_process, setting
     )
@@ -125,7 +126,7 @@ def cpu_threads(world_size: int) -> int:
     wanted = os.environ.get("OMP_NUM_THREADS", "").strip()
     if wanted.isdigit() and int(wanted) > 0:
         return int(wanted)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world = launcher_int("LOCAL_WORLD_SIZE", world_size)
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
@@ -136,7 +137,7 @@ def cuda_device_index(dist_config) -> int:
         return 0
     if dist_config.local_rank is not None:
         return dist_config.local_rank
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return launcher_int("LOCAL_RANK", 0)
 
 
 def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = None) -> tuple[str, bool]:
@@ -158,7 +159,7 @@ def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = Non
         rank, world_size = 0, 1
         store = store if store is not None else single_process_store()
     else:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world_size = launcher_int("RANK"), launcher_int("WORLD_SIZE")
     dist.init_process_group(
         backend=backend,
         rank=rank,

@@ -20,7 +20,9 @@ from megatron_bridge.models.hf.config import (
     provider_from_hf_config,
     read_hf_config,
 )
-from megatron_bridge.models.hf.files import HF_ASSETS_DIR, has_tokenizer, hf_origin, is_hf_directory
+from megatron_bridge.models.hf.files import (
+    EXPORT_FIX, HF_ASSETS_DIR, check_replaceable, has_tokenizer, hf_origin, is_hf_directory, written_by_export,
+)
 from megatron_bridge.models.hf.load import check_hf_directory, load_hf_weights
 from megatron_bridge.models.hf.registry import family_for_config
 from megatron_bridge.models.hf.runtime import (
@@ -36,7 +38,7 @@ from megatron_bridge.models.hf.writer import DEFAULT_SHARD_BYTES, torch_dtype, w
 from megatron_bridge.peft.apply import apply_peft, saved_with_peft
 from megatron_bridge.peft.export import export_adapters
 from megatron_bridge.peft.merge import base_of, read_adapter_checkpoint
-from megatron_bridge.runtime.checkpointing.layout import iteration_dir, resolve
+from megatron_bridge.runtime.checkpointing.layout import TRACKER_FILE, iteration_dir, resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TokenizerConfig
 from megatron_bridge.runtime.tokenizers.gpt2_bpe import EOD_TOKEN
@@ -96,6 +98,8 @@ def import_hf(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, 
     problems = Problems(hf_dir)
     provider = check_hf_directory(hf_dir, problems)
     problems.raise_if_any()
+    check_replaceable(out_dir, lambda name: name in (os.path.basename(iteration_dir("", 0)), TRACKER_FILE), "an import",
+                      "give a new or empty directory: an import there would make its iteration 0 the latest")
     hf = read_hf_config(hf_dir)
     weights_dtype = torch_dtype(dtype or default_dtype(provider, hf))
     with model_parallel(tp=tp, pp=pp, ep=ep, etp=provider.expert_tensor_parallel(tp), backend=backend) as device:
@@ -139,6 +143,7 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     checkpoint are folded into the base weights they record (or those in `base`). `backend`: see
     `runtime.model_parallel`."""
     directory, _ = resolve(ckpt, step)
+    check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX)
     provider = checkpoint_provider(directory)
     peft, base_dir = _adapters_of(directory, base)
     origin = hf_origin(directory) or hf_origin(base_dir)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.runtime import json_input
 from megatron_bridge.runtime.checkpointing.layout import resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
@@ -40,6 +42,34 @@ TOKENIZER_FILES = (
 
 ORIGIN_FILES = ("generation_config.json",)
 """Files of the Hugging Face model a checkpoint came from, copied into its export."""
+
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def written_by_export(name: str) -> bool:
+    """Whether `name` is a file an export writes (weights, index, config, tokenizer, origin files)."""
+    return name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILES, *ORIGIN_FILES) or bool(_SHARD.fullmatch(name))
+
+
+EXPORT_FIX = "give a new or empty directory: an export replaces the whole directory"
+
+
+def check_replaceable(out_dir: str, ours: Callable[[str], bool], what: str, fix: str) -> None:
+    """Refuse (`ConfigValidationError` naming `out_dir`, with `fix`) an output directory that
+    holds entries `ours` does not accept, or symbolic links: the writer replaces what it writes,
+    and would delete or hide anything else there (a directory of the user's, a checkpoint of
+    other iterations). A missing or empty directory, or one an earlier such write left, is fine."""
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise ConfigValidationError(ConfigProblem(out_dir, "exists and is not a directory", f"give a new directory for {what}"))
+    foreign = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(out_dir) if not ours(e.name) or e.is_symlink())
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigValidationError(
+            ConfigProblem(out_dir, f"holds {shown}, which {what} does not write", fix)
+        )
 
 
 def is_hf_directory(path: Optional[str]) -> bool:

@@ -24,6 +24,7 @@ from megatron_bridge.runtime.checkpointing.safe_reading import check_pickled_fil
 from megatron_bridge.runtime.checkpointing.weights import load_model_state, model_state
 from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
 from megatron_bridge.runtime.distributed import checked_backend, single_process_store
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -41,18 +42,18 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = N
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    backend = checked_backend(backend, int(os.environ.get("LOCAL_RANK", "0")), setting="--backend")
+    backend = checked_backend(backend, launcher_int("LOCAL_RANK", 0), setting="--backend")
     device = "cuda" if backend == "nccl" else "cpu"
     created = activated = False
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launcher_int("LOCAL_RANK", 0))
     if not dist.is_initialized():
         single = "RANK" not in os.environ
         dist.init_process_group(
             backend=backend,
             store=single_process_store() if single else None,
-            rank=0 if single else int(os.environ["RANK"]),
-            world_size=1 if single else int(os.environ["WORLD_SIZE"]),
+            rank=0 if single else launcher_int("RANK"),
+            world_size=1 if single else launcher_int("WORLD_SIZE"),
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
         created = True

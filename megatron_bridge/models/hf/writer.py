@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from megatron_bridge.models.hf import mapping
-from megatron_bridge.models.hf.files import CONFIG_FILE, INDEX_FILE, ORIGIN_FILES, SINGLE_FILE, copy_tokenizer_files
+from megatron_bridge.models.hf.files import (
+    CONFIG_FILE, EXPORT_FIX, INDEX_FILE, ORIGIN_FILES, SINGLE_FILE, check_replaceable, copy_tokenizer_files, written_by_export,
+)
 from megatron_bridge.models.hf.load import named_global_parameters
 from megatron_bridge.peft.apply import adapters
 
@@ -230,8 +232,10 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     started = time.perf_counter()
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     rank = dist.get_rank()
+    out_dir = os.path.realpath(out_dir) if os.path.islink(out_dir.rstrip("/")) else out_dir  # replace what the link names
     staging = out_dir.rstrip("/") + INCOMPLETE_SUFFIX
     if rank == 0:
+        check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     items = _items(chunks, hf_config)

@@ -106,7 +106,10 @@ class HuggingFaceTokenizer(TokenizersBacked):
             file = file / "tokenizer.json"
         if file.is_file():
             tokenizers = require("tokenizers", "tokenizer.tokenizer_type='HuggingFaceTokenizer'")
-            self._tok = tokenizers.Tokenizer.from_file(str(file))
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(str(file))
+            except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception for a file it cannot parse
+                raise ValueError(f"tokenizer.tokenizer_model: {str(file)!r} is not a tokenizer the tokenizers library reads: {exc}") from None
             self.path = str(file)
         elif file.is_dir():
             self._tok, loaded = _load_with_transformers(str(file), kwargs)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_bridge.config import ranges
 from megatron_bridge.config.base import finalize_into
-from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, Problems
+from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.rules import Rule, run_rules
 from megatron_bridge.data.rules import check_data_rules
 from megatron_bridge.config.secrets import printable
@@ -28,6 +28,7 @@ from megatron_bridge.training.config.profiling import check_profiled_window
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.training.mixed_precision import get_mixed_precision_config
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config.container import ConfigContainer
@@ -71,15 +72,7 @@ def current_world_size() -> int:
             return dist.get_world_size()
     except Exception:  # a broken distributed build must not break config handling
         pass
-    value = os.environ.get("WORLD_SIZE", "1")
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigValidationError(ConfigProblem(
-            "WORLD_SIZE",
-            f"the environment variable is {value!r}, not a number of processes",
-            "unset it (one process) or set it to the number of processes; torchrun sets it itself",
-        )) from None  # fmt: skip
+    return launcher_int("WORLD_SIZE", 1)
 
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from megatron_bridge.extras import require
 from megatron_bridge.runtime.callbacks import Callback
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import FaultToleranceConfig
@@ -120,7 +121,7 @@ def maybe_simulate_fault(config: "FaultToleranceConfig", rank: int, world_size: 
     Faults fire only in a launcher's first attempt (TORCHELASTIC_RESTART_COUNT=0), so that a
     restarted job can run to completion.
     """
-    if not config.simulate_fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if not config.simulate_fault or launcher_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
         return None
     target = config.simulated_fault_rank if config.simulated_fault_rank is not None else random.randrange(world_size)
     if rank != target:

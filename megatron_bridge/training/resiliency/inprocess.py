@@ -17,6 +17,7 @@ import torch
 from megatron_bridge.extras import is_installed, require
 from megatron_bridge.runtime.child_processes import children_may_outlive_parent, tie_children_to_parent
 from megatron_bridge.runtime.distributed import free_port
+from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.runtime.callbacks import Callback
@@ -63,11 +64,11 @@ def build_wrapper(config: "ConfigContainer") -> Any:
     """An `inprocess.Wrapper` with the timeouts, granularity and limits of `config.inprocess_restart`."""
     inprocess = require("nvidia_resiliency_ext.inprocess", "inprocess_restart.enabled")
     c = config.inprocess_restart
-    world = int(os.environ["WORLD_SIZE"])
+    world = launcher_int("WORLD_SIZE")
     active = c.active_world_size or world
     layers = [inprocess.rank_assignment.Layer(min_ranks=active, max_ranks=active, flag=inprocess.rank_assignment.LayerFlag.RESERVE)]
     if c.granularity == "node":
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+        per_node = launcher_int("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1)
         layers.append(
             inprocess.rank_assignment.Layer(
                 min_ranks=per_node,
@@ -86,7 +87,7 @@ def build_wrapper(config: "ConfigContainer") -> Any:
         if c.empty_cuda_cache:
             finalizers.append(inprocess.finalize.ThreadedFinalize(timeout=_seconds(10), fn=torch.cuda.empty_cache))
     return inprocess.Wrapper(
-        store_kwargs={"timeout": _seconds(c.barrier_timeout), "port": int(os.environ["MASTER_PORT"]) + 2},
+        store_kwargs={"timeout": _seconds(c.barrier_timeout), "port": launcher_int("MASTER_PORT") + 2},
         initialize=inprocess.initialize.RetryController(max_iterations=c.max_iterations),
         abort=inprocess.Compose(*aborts),
         finalize=inprocess.Compose(*finalizers) if finalizers else None,
@@ -133,9 +134,9 @@ def _run(execute: Callable[..., "GlobalState"], config: "ConfigContainer", forwa
     inprocess = require("nvidia_resiliency_ext.inprocess", "inprocess_restart.enabled")
     base_store = torch.distributed.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]) + 1,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        is_master=int(os.environ["RANK"]) == 0,
+        port=launcher_int("MASTER_PORT") + 1,
+        world_size=launcher_int("WORLD_SIZE"),
+        is_master=launcher_int("RANK") == 0,
         timeout=_seconds(config.inprocess_restart.barrier_timeout),
         wait_for_workers=True,
         use_libuv=True,
