@@ -93,17 +93,23 @@ def build(cfg):
     return model.bfloat16() if cfg.mixed_precision else model
 
 
-def saved_by_layer(model, layer=0):
-    """Bytes of the distinct storages the layer's forward saves for backward (parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def storage_recorder(excluded: set) -> tuple[dict, object]:
+    """({storage pointer: bytes}, a saved-tensors pack hook that fills it with the storages of
+    the tensors autograd saves, those in `excluded` (parameters) left out)."""
     saved = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in excluded:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    return saved, pack
+
+
+def saved_by_layer(model, layer=0):
+    """Bytes of the distinct storages the layer's forward saves for backward (parameters left out)."""
+    saved, pack = storage_recorder({p.untyped_storage().data_ptr() for p in model.parameters()})
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(SEQ, 1, model.config.hidden_size, dtype=dtype, requires_grad=True)
     rotary = model.rotary_pos_emb(SEQ) if hasattr(model, "rotary_pos_emb") else None
@@ -420,14 +426,7 @@ def saved_by_mtp_depth(model, depth=0):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     if rotary is not None:
         params.add(rotary.untyped_storage().data_ptr())
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    saved, pack = storage_recorder(params)
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(SEQ, 1, model.config.hidden_size, dtype=dtype, requires_grad=True)
     tokens, positions = torch.randint(0, 256, (1, SEQ)), torch.arange(SEQ)[None]
