@@ -50,11 +50,32 @@ def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), value
 
 
 def check_file(path: str) -> None:
-    """A `UsageError` unless `path` is a regular file, saying what it is instead."""
+    """A `UsageError` unless `path` is a regular file, saying what it is instead (for a run or
+    checkpoint directory, the config it saved)."""
     if not os.path.isfile(path):
         kind = file_kind(path)
         what = "does not exist" if kind == "missing" else f"is {kind}, not a YAML file"
-        raise UsageError(f"config file {path!r} {what}")
+        saved = saved_run_config(path) if kind != "missing" else None
+        hint = f"; the config that run saved is {saved!r}" if saved else ""
+        raise UsageError(f"config file {path!r} {what}{hint}")
+
+
+def saved_run_config(path: str) -> Optional[str]:
+    """The run_config.yaml of the latest checkpoint in directory `path` (a checkpoint directory,
+    an iteration, or a run directory with `checkpoints/`), or None."""
+    from megatron_bridge.runtime.checkpointing import layout
+
+    for root in (path, layout.checkpoint_below(path)):
+        if root is None:
+            continue
+        try:
+            directory, _ = layout.resolve(root)
+        except (OSError, ValueError):
+            continue
+        found = os.path.join(directory, layout.RUN_CONFIG_FILE)
+        if os.path.isfile(found):
+            return found
+    return None
 
 
 def build_config(
