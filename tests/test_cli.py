@@ -435,7 +435,8 @@ def test_real_training_run_through_the_cli(tmp_path):
 def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant(tmp_path):
     """A newcomer names the run directory (`runs/NAME`) where its `checkpoints/` or a config file
     belongs: each command refuses with exit status 2 and names the path meant, and `checkpoint.load`
-    does not quietly start from scratch. Also a field given in the wrong section."""
+    does not quietly start from scratch. Also a field given in the wrong section; and loading the
+    checkpoints themselves prints no warnings of the libraries' internals."""
     from concurrent.futures import ThreadPoolExecutor
 
     trained = cli_process("pretrain", "--recipe", TINY, "--dir", str(tmp_path), "--name", "run",
@@ -454,6 +455,7 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
         "generate": ["generate", run, "--prompt", "1 2"],
         "config file": ["pretrain", "--config-file", run, "--dry-run"],
         "wrong section": ["pretrain", "--recipe", TINY, "--dry-run", "model.train_iters=2", "lr=0.1"],
+        "generate from the checkpoints": ["generate", ckpts, "--prompt", "1 2", "--max-new-tokens", "2"],
     }  # fmt: skip
     with ThreadPoolExecutor(3) as pool:
         procs = dict(zip(argvs, pool.map(lambda argv: cli_process(*argv, cwd=str(tmp_path), timeout=240), argvs.values())))
@@ -467,6 +469,9 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
         "wrong section": ["model.train_iters: unknown key", "(did you mean train.train_iters?)",
                           "lr: unknown key: ConfigContainer has no field 'lr'", "(did you mean optimizer.lr?)"],
     }  # fmt: skip
+    loaded = procs.pop("generate from the checkpoints")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "Warning" not in loaded.stderr, loaded.stderr  # torch's deprecations inside megatron-core's loading
     for name, proc in procs.items():
         assert proc.returncode == 2, (name, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
