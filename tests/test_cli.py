@@ -478,3 +478,28 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
         for message in expected[name]:
             assert message in proc.stderr, (name, proc.stderr[-3000:])
     assert not (tmp_path / "resumed" / "checkpoints").exists() and not (tmp_path / "ft" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_config_field_as_recipe_arg_a_key_without_value_and_a_partial_file_name_the_fix(tmp_path):
+    """Newcomer mistakes on the command line, each in a fresh process: exit status 2 with the fix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "my.yaml").write_text("optimizer:\n  weight_decay: 0.05\nvalidation:\n  eval_interval: 25\n")
+    argvs = {
+        "config field as option": ["pretrain", "--recipe", TINY, "--recipe-arg", "model.num_layers=3", "--dry-run"],
+        "option without value": ["pretrain", "--recipe", TINY, "--recipe-arg", "train_iters", "--dry-run"],
+        "partial file alone": ["pretrain", "--config-file", "my.yaml", "--dry-run"],
+    }
+    expected = {
+        "config field as option": "--recipe-arg model.num_layers=3: 'model' is a section of the config, not an option "
+                                  f"of recipe {TINY} (give it as an override, without --recipe-arg: model.num_layers=3",
+        "option without value": "train_iters: override 'train_iters' has no '=' [override 'train_iters'] (write train_iters=VALUE)",
+        "partial file alone": "config file 'my.yaml' is not a complete config (it lacks train, model, dataset): to merge "
+                              "it over a recipe, add --recipe NAME",
+    }  # fmt: skip
+    with ThreadPoolExecutor(3) as pool:
+        procs = dict(zip(argvs, pool.map(lambda argv: cli_process(*argv, cwd=str(tmp_path)), argvs.values())))
+    for name, proc in procs.items():
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        assert expected[name] in proc.stderr, (name, proc.stderr[-3000:])
