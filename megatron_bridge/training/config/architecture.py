@@ -1,11 +1,10 @@
-"""A validation rule: the checkpoints a run loads weights from hold a checkpoint, were saved with
-the config's model architecture (`check_loaded_architectures`, from their run_config.yaml, before
-anything is built), and their pickled files name nothing but checkpoint data. The same fields are checked
+"""A validation rule: the checkpoints a run loads weights from were saved with the config's model
+architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
+built), and their pickled files name nothing but checkpoint data. The same fields are checked
 again when the weights are loaded (`megatron_bridge.training.checkpointing.compat`)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
@@ -61,10 +60,7 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
     architecture (their run_config.yaml against the model section): a mismatch is reported
     before the model is built. Which checkpoints: see `loaded_checkpoints`. Fields the config
     leaves to be derived later (the vocabulary size from a tokenizer) are compared at loading.
-    A checkpoint whose `.metadata` names code to run is reported too (`safe_reading`), as is a
-    `pretrained_checkpoint` directory without a checkpoint and a `load` that names a run
-    directory instead of its `checkpoints/`."""
-    _check_run_directory_as_load(cfg, problems)
+    A checkpoint whose `.metadata` names code to run is reported too (`safe_reading`)."""
     current = None  # encoded only when there is a saved model to compare with (rarely)
     for field, path, step in loaded_checkpoints(cfg):
         try:
@@ -73,10 +69,6 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
         except UnsafeCheckpointError as exc:
             problems.add(field, exc.problem, exc.fix)
             continue
-        except FileNotFoundError as exc:
-            if step is None and os.path.isdir(path):  # a missing directory is the section's own check
-                problems.add(field, str(exc), "point it at a checkpoint directory, one of its iter_* directories or a Hugging Face model directory")
-            continue  # a missing ckpt_step: reported when it is loaded
         except (OSError, ValueError):
             continue  # no readable checkpoint there: reported when it is loaded
         try:
@@ -98,25 +90,6 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
             field,
             f"{path!r} holds a {_describe(saved)}, but the config's model is a {_describe(current)} ({fields})",
             "point it at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe)",
-        )
-
-
-def _check_run_directory_as_load(cfg: Any, problems: Problems) -> None:
-    """`checkpoint.load` naming a run directory (no checkpoint there, but in its `checkpoints/`)
-    would start training from scratch without a word: refused, with the directory meant."""
-    load = cfg.checkpoint.load
-    if not load or has_checkpoint(load):
-        return
-    below = os.path.join(load, "checkpoints")
-    try:
-        found = has_checkpoint(below)
-    except (OSError, ValueError):
-        found = False  # an unreadable tracker there: nothing to point at
-    if found:
-        problems.add(
-            "checkpoint.load",
-            f"{load!r} holds no checkpoint, so the run would start from scratch, but {below!r} holds one",
-            f"set checkpoint.load={below} to resume from it, or name an empty directory to start afresh",
         )
 
 
