@@ -477,7 +477,8 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
         assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
         for message in expected[name]:
             assert message in proc.stderr, (name, proc.stderr[-3000:])
-    assert not (tmp_path / "resumed" / "checkpoints").exists() and not (tmp_path / "ft" / "checkpoints").exists()
+    for refused_run in ("resumed", "ft"):  # refused before training: nothing saved
+        assert not (tmp_path / refused_run / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
 
 
 @pytest.mark.timeout(300)
