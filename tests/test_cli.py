@@ -482,7 +482,7 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
 
 
 @pytest.mark.timeout(300)
-def test_a_config_field_as_recipe_arg_a_key_without_value_and_a_partial_file_name_the_fix(tmp_path):
+def test_a_config_field_as_recipe_arg_a_key_without_value_a_partial_file_and_a_bad_option_name_the_fix(tmp_path):
     """Newcomer mistakes on the command line, each in a fresh process: exit status 2 with the fix."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -491,6 +491,7 @@ def test_a_config_field_as_recipe_arg_a_key_without_value_and_a_partial_file_nam
         "config field as option": ["pretrain", "--recipe", TINY, "--recipe-arg", "model.num_layers=3", "--dry-run"],
         "option without value": ["pretrain", "--recipe", TINY, "--recipe-arg", "train_iters", "--dry-run"],
         "partial file alone": ["pretrain", "--config-file", "my.yaml", "--dry-run"],
+        "generate option": ["generate", "no-model", "--prompt", "1 2", "--max-new-tokens", "0"],
     }
     expected = {
         "config field as option": "--recipe-arg model.num_layers=3: 'model' is a section of the config, not an option "
@@ -498,6 +499,7 @@ def test_a_config_field_as_recipe_arg_a_key_without_value_and_a_partial_file_nam
         "option without value": "train_iters: override 'train_iters' has no '=' [override 'train_iters'] (write train_iters=VALUE)",
         "partial file alone": "config file 'my.yaml' is not a complete config (it lacks train, model, dataset): to merge "
                               "it over a recipe, add --recipe NAME",
+        "generate option": "1 configuration problem:\n  - --max-new-tokens: must be positive, got 0 (use 1 or more)",
     }  # fmt: skip
     with ThreadPoolExecutor(3) as pool:
         procs = dict(zip(argvs, pool.map(lambda argv: cli_process(*argv, cwd=str(tmp_path)), argvs.values())))
