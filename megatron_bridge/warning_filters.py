@@ -7,7 +7,9 @@ and carry no information for the user.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Iterator
 
 _INSTALLED = False
 
@@ -26,3 +28,14 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
     # torch.cuda warns about the pynvml package on every import.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+
+
+@contextlib.contextmanager
+def checkpoint_loading() -> Iterator[None]:
+    """Around megatron-core's `dist_checkpointing.load`: it calls torch APIs that torch has
+    deprecated (`load_state_dict`, ShardedTensor), which warn on every load with nothing a user can
+    change. Only while loading: the process's filters stay as they were."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        yield

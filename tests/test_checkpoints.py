@@ -15,7 +15,7 @@ from factories import on_cpu, tiny_config, tiny_model
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import CheckpointMismatchError, read_tracker
-from megatron_bridge.runtime.checkpointing.layout import complete_iterations
+from megatron_bridge.runtime.checkpointing.layout import complete_iterations, resolve, write_tracker
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,
@@ -344,3 +344,25 @@ def test_writer_results_come_back_without_a_helper_process(tmp_path, monkeypatch
     started = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not [c for c in started if "spawn_main" in " ".join(c)], started
     assert read_tracker(str(tmp_path / "ckpt")) == 2
+
+
+def test_a_directory_without_a_checkpoint_says_where_one_is(tmp_path):
+    """`resolve` of a directory holding no checkpoint names the one meant: a run directory's
+    `checkpoints/`, the newest iteration of a directory without its tracker, or a save that did
+    not finish."""
+    (tmp_path / "run" / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    write_tracker(str(tmp_path / "run" / "checkpoints"), 2)
+    (tmp_path / "untracked" / "iter_0000004").mkdir(parents=True)
+    (tmp_path / "untracked" / "iter_0000002").mkdir()
+    (tmp_path / "unfinished" / "iter_0000006.incomplete").mkdir(parents=True)
+    expected = {
+        "run": f"did you mean {str(tmp_path / 'run' / 'checkpoints')!r}? (it holds one)",
+        "untracked": f"give one of its iterations, e.g. {str(tmp_path / 'untracked' / 'iter_0000004')!r}",
+        "unfinished": "its only save did not finish (a run still saving, or one stopped while saving)",
+    }
+    for name, hint in expected.items():
+        path = str(tmp_path / name)
+        with pytest.raises(FileNotFoundError) as err:
+            resolve(path)
+        assert str(err.value) == f"no checkpoint in {path!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; {hint}"
+    assert resolve(str(tmp_path / "run" / "checkpoints")) == (str(tmp_path / "run" / "checkpoints" / "iter_0000002"), 2)

@@ -428,3 +428,81 @@ def test_real_training_run_through_the_cli(tmp_path):
     assert (run_dir / "checkpoints" / "iter_0000004").is_dir()
     expected = f"checkpoints: {run_dir / 'checkpoints'} | tensorboard: {run_dir / 'tb_logs'}"
     assert proc.stdout.strip().splitlines()[-1] == expected
+
+
+# ---------------------------------------------------------------------- a run directory where a checkpoint or file goes
+@pytest.mark.timeout(400)
+def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant(tmp_path):
+    """A newcomer names the run directory (`runs/NAME`) where its `checkpoints/` or a config file
+    belongs: each command refuses with exit status 2 and names the path meant, and `checkpoint.load`
+    does not quietly start from scratch. Also a field given in the wrong section; and loading the
+    checkpoints themselves prints no warnings of the libraries' internals."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    trained = cli_process("pretrain", "--recipe", TINY, "--dir", str(tmp_path), "--name", "run",
+                          "train.train_iters=2", "validation.eval_iters=0", cwd=str(tmp_path), timeout=280)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run, ckpts = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "training.jsonl").write_text('{"input": "5 6 7", "output": "8 9"}\n' * 16)
+    argvs = {
+        "pretrained": ["finetune", "--recipe", "tiny_gpt_finetune_config", "--dir", str(tmp_path), "--name", "ft",
+                       "--recipe-arg", f"pretrained_checkpoint={run}", "--recipe-arg", f"dataset_root={sft}",
+                       "train.train_iters=2"],
+        "load": ["pretrain", "--recipe", TINY, "--dir", str(tmp_path), "--name", "resumed", f"checkpoint.load={run}",
+                 "train.train_iters=4"],
+        "generate": ["generate", run, "--prompt", "1 2"],
+        "config file": ["pretrain", "--config-file", run, "--dry-run"],
+        "wrong section": ["pretrain", "--recipe", TINY, "--dry-run", "model.train_iters=2", "lr=0.1"],
+        "generate from the checkpoints": ["generate", ckpts, "--prompt", "1 2", "--max-new-tokens", "2"],
+    }  # fmt: skip
+    with ThreadPoolExecutor(3) as pool:
+        procs = dict(zip(argvs, pool.map(lambda argv: cli_process(*argv, cwd=str(tmp_path), timeout=240), argvs.values())))
+    expected = {
+        "pretrained": [f"checkpoint.pretrained_checkpoint: no checkpoint in {run!r}", f"did you mean {ckpts!r}?"],
+        "load": [f"checkpoint.load: {run!r} holds no checkpoint, so the run would start from scratch, but {ckpts!r} "
+                 f"holds one (set checkpoint.load={ckpts} to resume from it"],
+        "generate": [f"no checkpoint in {run!r}", f"did you mean {ckpts!r}? (it holds one)"],
+        "config file": [f"config file {run!r} is a directory, not a YAML file; the config that run saved is "
+                        f"{os.path.join(ckpts, 'iter_0000002', 'run_config.yaml')!r}"],
+        "wrong section": ["model.train_iters: unknown key", "(did you mean train.train_iters?)",
+                          "lr: unknown key: ConfigContainer has no field 'lr'", "(did you mean optimizer.lr?)"],
+    }  # fmt: skip
+    loaded = procs.pop("generate from the checkpoints")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "Warning" not in loaded.stderr, loaded.stderr  # torch's deprecations inside megatron-core's loading
+    for name, proc in procs.items():
+        assert proc.returncode == 2, (name, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        for message in expected[name]:
+            assert message in proc.stderr, (name, proc.stderr[-3000:])
+    for refused_run in ("resumed", "ft"):  # refused before training: nothing saved
+        assert not (tmp_path / refused_run / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_config_field_as_recipe_arg_a_key_without_value_a_partial_file_and_a_bad_option_name_the_fix(tmp_path):
+    """Newcomer mistakes on the command line, each in a fresh process: exit status 2 with the fix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "my.yaml").write_text("optimizer:\n  weight_decay: 0.05\nvalidation:\n  eval_interval: 25\n")
+    argvs = {
+        "config field as option": ["pretrain", "--recipe", TINY, "--recipe-arg", "model.num_layers=3", "--dry-run"],
+        "option without value": ["pretrain", "--recipe", TINY, "--recipe-arg", "train_iters", "--dry-run"],
+        "partial file alone": ["pretrain", "--config-file", "my.yaml", "--dry-run"],
+        "generate option": ["generate", "no-model", "--prompt", "1 2", "--max-new-tokens", "0"],
+    }
+    expected = {
+        "config field as option": "--recipe-arg model.num_layers=3: 'model' is a section of the config, not an option "
+                                  f"of recipe {TINY} (give it as an override, without --recipe-arg: model.num_layers=3",
+        "option without value": "train_iters: override 'train_iters' has no '=' [override 'train_iters'] (write train_iters=VALUE)",
+        "partial file alone": "config file 'my.yaml' is not a complete config (it lacks train, model, dataset): to merge "
+                              "it over a recipe, add --recipe NAME",
+        "generate option": "1 configuration problem:\n  - --max-new-tokens: must be positive, got 0 (use 1 or more)",
+    }  # fmt: skip
+    with ThreadPoolExecutor(3) as pool:
+        procs = dict(zip(argvs, pool.map(lambda argv: cli_process(*argv, cwd=str(tmp_path)), argvs.values())))
+    for name, proc in procs.items():
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        assert expected[name] in proc.stderr, (name, proc.stderr[-3000:])

@@ -194,3 +194,29 @@ def test_cli_errors_and_inspect(tok_dir, corpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "documents: 2" in out and "dtype:     uint16" in out
     assert "document 1 (" in out and "'A dog likes an apple.<|endoftext|>'" in out
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_command_creates_the_output_directory(tok_dir, tmp_path):
+    """`--output-prefix data/corpus` as the README writes it, in a directory without `data/`: made
+    once the input and tokenizer are good; a prefix under a file is refused (exit status 2)."""
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in documents(20)])
+    (tmp_path / "a_file").write_text("")
+
+    def mbridge(prefix):
+        argv = ["data", "preprocess", "--input", "corpus.jsonl", "--output-prefix", prefix, "--tokenizer", tok_dir, "--no-progress"]
+        return subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=tmp_path, env=source_tree_env(),
+                              capture_output=True, text=True, timeout=100)  # fmt: skip
+
+    made = mbridge("data/corpus")
+    assert made.returncode == 0, made.stderr
+    assert "text: data/corpus_text_document.bin/.idx: 20 documents" in made.stdout
+    assert (tmp_path / "data" / "corpus_text_document.idx").is_file()
+    refused = mbridge("a_file/corpus")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"--output-prefix: {str(tmp_path / 'a_file')!r} is not a directory (choose a prefix in a directory)" in refused.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 from typing import Iterator
 
@@ -46,8 +47,19 @@ def user_errors() -> Iterator[None]:
     its traceback (it is a bug)."""
     try:
         yield
-    except (SourceError, PromptError, DataError, ConfigValidationError) as exc:
+    except ConfigValidationError as exc:  # the Python API's argument names, said as the command's options
+        named = [dataclasses.replace(p, path=_OPTIONS.get(p.path, p.path)) for p in exc.problems]
+        raise UsageError(str(ConfigValidationError(named))) from exc
+    except (SourceError, PromptError, DataError) as exc:
         raise UsageError(str(exc)) from exc
+
+
+_OPTIONS = {
+    name: "--" + name.replace("_", "-")
+    for name in ("max_new_tokens", "batch_size", "temperature", "top_k", "top_p", "seed", "stop", "backend", "seq_length")
+} | {"data_format": "--format", "prompts": "--prompt"}
+"""The options of `mbridge generate|eval` by the argument name of `generate()`/`evaluate()` a
+problem names."""
 
 
 def prints() -> bool:

@@ -30,6 +30,7 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
     options_class = getattr(fn, "options_class", None)
     if options_class is None:
         raise UsageError(f"recipe {fn.__name__} takes no options")
+    _refuse_config_keys(fn, options_class, assignments)
     options = options_class(**fn.defaults)
     for name in options.explicit_fields():  # start from the recipe's defaults, none set yet
         options.mark_explicit(name, False)
@@ -41,6 +42,24 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
     return options
 
 
+def _refuse_config_keys(fn: Callable[..., Any], options_class: type, assignments: Sequence[str]) -> None:
+    """`--recipe-arg model.num_layers=3` names a config field, not a recipe option: a `UsageError`
+    saying to give it as an override."""
+    import dataclasses
+
+    from megatron_bridge.config.serialization import field_of
+    from megatron_bridge.training.config import ConfigContainer
+
+    sections = {f.name for f in dataclasses.fields(ConfigContainer)}
+    for text in assignments:
+        head = str(text).lstrip("+~").partition("=")[0].strip().split(".")[0]
+        if head in sections and field_of(options_class, head) is None:
+            raise UsageError(
+                f"--recipe-arg {text}: {head!r} is a section of the config, not an option of recipe {fn.__name__} "
+                f"(give it as an override, without --recipe-arg: {text}; `--help-config options` lists the options)"
+            )
+
+
 def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), values: Optional[dict] = None) -> dict:
     """Keyword arguments for recipe `fn`: the options `recipe_options` sets."""
     if not assignments and not values:
@@ -50,11 +69,51 @@ def recipe_kwargs(fn: Callable[..., Any], assignments: Sequence[str] = (), value
 
 
 def check_file(path: str) -> None:
-    """A `UsageError` unless `path` is a regular file, saying what it is instead."""
+    """A `UsageError` unless `path` is a regular file, saying what it is instead (for a run or
+    checkpoint directory, the config it saved)."""
     if not os.path.isfile(path):
         kind = file_kind(path)
         what = "does not exist" if kind == "missing" else f"is {kind}, not a YAML file"
-        raise UsageError(f"config file {path!r} {what}")
+        saved = saved_run_config(path) if kind != "missing" else None
+        hint = f"; the config that run saved is {saved!r}" if saved else ""
+        raise UsageError(f"config file {path!r} {what}{hint}")
+
+
+def saved_run_config(path: str) -> Optional[str]:
+    """The run_config.yaml of the latest checkpoint in directory `path` (a checkpoint directory,
+    an iteration, or a run directory with `checkpoints/`), or None."""
+    from megatron_bridge.runtime.checkpointing import layout
+
+    for root in (path, layout.checkpoint_below(path)):
+        if root is None:
+            continue
+        try:
+            directory, _ = layout.resolve(root)
+        except (OSError, ValueError):
+            continue
+        found = os.path.join(directory, layout.RUN_CONFIG_FILE)
+        if os.path.isfile(found):
+            return found
+    return None
+
+
+def _complete_config(path: str) -> "ConfigContainer":
+    """The complete config in file `path`; a file of a few sections (made to merge over a recipe)
+    is a `UsageError` that says to name the recipe."""
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.training.config import ConfigContainer
+
+    try:
+        return ConfigContainer.from_yaml(path)
+    except ConfigValidationError as exc:
+        missing = [p.path for p in exc.problems if "is required by ConfigContainer but missing" in p.message]
+        if not missing:
+            raise
+        raise UsageError(
+            f"config file {path!r} is not a complete config (it lacks {', '.join(missing)}): to merge it over a "
+            "recipe, add --recipe NAME (`mbridge recipes` lists them); a complete file is what a run saves "
+            "(checkpoints/iter_*/run_config.yaml) or cfg.to_yaml() writes"
+        ) from exc
 
 
 def build_config(
@@ -81,7 +140,7 @@ def build_config(
             cfg = fn(**recipe_kwargs(fn, recipe_args, recipe_values))
             merge_file = config_file
         else:
-            cfg = ConfigContainer.from_yaml(config_file)
+            cfg = _complete_config(config_file)
             merge_file = None  # already loaded as a whole
         if merge_file is not None or overrides:
             process_config_with_overrides(cfg, merge_file, list(overrides))

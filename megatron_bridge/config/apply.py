@@ -87,6 +87,9 @@ class Applier:
                 f, where, last = field_of(type(obj), part), ".".join(o.key[: i + 1]), i == len(o.key) - 1
                 if f is None:
                     message, fix = unknown_key(type(obj), part)
+                    elsewhere = self.sections_with_field(part, obj) if last else []
+                    if elsewhere:  # `train_iters=5`, `model.train_iters=5`: the right name, the wrong section
+                        fix = f"did you mean {' or '.join(elsewhere)}?"
                     if o.op == "add" and last:
                         message = f"cannot add key {part!r}: {type(obj).__name__} has a fixed set of fields"
                     return self.error(where, message, fix, source)
@@ -116,6 +119,17 @@ class Applier:
                 obj = section
         except DecodeError as exc:  # a value, or a key path into a dict or list, that does not fit
             exc.report(self.problems, o.dotted, source)
+
+    def sections_with_field(self, name: str, besides: Any) -> list[str]:
+        """`section.name` for each section of the config (other than `besides`) with a field `name`."""
+        if not dataclasses.is_dataclass(self.config):
+            return []
+        found = []
+        for f in dataclasses.fields(self.config):
+            section = getattr(self.config, f.name, None)
+            if section is not besides and isinstance(section, ConfigBase) and field_of(type(section), name) is not None:
+                found.append(f"{f.name}.{name}")
+        return found
 
     def apply_to_field(self, obj: Any, f: Any, o: Override, path: str, source: str) -> None:
         current = getattr(obj, f.name, None)

@@ -61,7 +61,8 @@ def parse_override(text: str) -> Override:
     op, (key_text, eq, value_text) = _OPS[prefix], body[len(prefix) :].partition("=")
     key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
-        raise OverrideSyntaxError(f"override {_short(text)} has no '='", fix)
+        named = key_text and len(key_text) <= 200 and all(_KEY_PART.fullmatch(p) for p in key_text.split("."))
+        raise OverrideSyntaxError(f"override {_short(text)} has no '='", f"write {key_text}=VALUE" if named else fix)
     if not key_text:
         raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
     key = tuple(key_text.split("."))

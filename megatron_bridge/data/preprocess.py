@@ -371,10 +371,14 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError("--json-keys: give at least one key")
     tokenizer = load_tokenizer(options)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
-    if not os.path.isdir(out_dir):
-        raise PreprocessError(f"--output-prefix: the directory {out_dir!r} does not exist")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise PreprocessError(f"--output-prefix: {out_dir!r} is not a directory (choose a prefix in a directory)")
     source = input_split(options.input, options.split)
     chunks = plan_chunks(source)
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # made only once the input and tokenizer are known good
+    except OSError as exc:
+        raise PreprocessError(f"--output-prefix: cannot create the directory {out_dir!r}: {exc.strerror}") from None
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {key: IndexedDatasetWriter(output_prefix(options, key), dtype) for key in options.json_keys}
     skipped = dict.fromkeys(options.json_keys, 0)

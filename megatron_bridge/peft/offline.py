@@ -23,6 +23,7 @@ from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.safe_reading import check_pickled_files
 from megatron_bridge.runtime.distributed import init_model_parallel, init_process_group, teardown
+from megatron_bridge.warning_filters import checkpoint_loading
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -92,6 +93,7 @@ def load_weights(model: Any, directory: str, part: str = "all", step: Optional[i
     iteration_dir, iteration = layout.resolve(directory, step)
     check_pickled_files(iteration_dir)
     template = weights.model_state(model, part)
-    loaded = dist_checkpointing.load({"model": template}, iteration_dir)
+    with checkpoint_loading():
+        loaded = dist_checkpointing.load({"model": template}, iteration_dir)
     weights.load_model_state(model, loaded["model"], part)
     return iteration_dir, iteration

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem
 from megatron_bridge.config.paths import file_kind
+from megatron_bridge.models.hf.files import is_hf_directory
+from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.training.profiling import default_profile_dir
 from megatron_bridge.models import count_parameters
 
@@ -107,20 +109,53 @@ def _name_too_long(path: str, existing: str) -> Optional[str]:
 
 
 def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
-    """A problem for each output directory of this rank that cannot be written, and for a
-    `checkpoint.load` that is not a directory (a run would silently start from scratch)."""
-    problems = []
-    load = cfg.checkpoint.load
-    if load and os.path.exists(load) and not os.path.isdir(load):
-        problems.append(ConfigProblem(
-            "checkpoint.load", f"{load} is {file_kind(load)}, not a checkpoint directory",
-            "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
-        ))  # fmt: skip
+    """A problem for each output directory of this rank that cannot be written, and for the
+    checkpoints the run starts from (`check_inputs`)."""
+    problems = check_inputs(cfg)
     for field, path in output_dirs(cfg, logging_rank):
         why = unwritable_reason(path, create)
         if why:
             problems.append(ConfigProblem(field, why, "choose a writable directory"))
     return problems
+
+
+def check_inputs(cfg: "ConfigContainer") -> list[ConfigProblem]:
+    """A `checkpoint.load` that is not a directory, or a run directory whose `checkpoints/` holds
+    the checkpoints (either way the run would silently start from scratch); a
+    `pretrained_checkpoint` directory that holds no checkpoint (the run would fail at loading)."""
+    problems = []
+    c = cfg.checkpoint
+    if c.load and os.path.exists(c.load) and not os.path.isdir(c.load):
+        problems.append(ConfigProblem(
+            "checkpoint.load", f"{c.load} is {file_kind(c.load)}, not a checkpoint directory",
+            "point it at the directory the checkpoints were saved to (the earlier run's checkpoint.save)",
+        ))  # fmt: skip
+    elif c.load and not _holds_checkpoint(c.load) and _holds_checkpoint(os.path.join(c.load, "checkpoints")):
+        below = os.path.join(c.load, "checkpoints")
+        problems.append(ConfigProblem(
+            "checkpoint.load", f"{c.load!r} holds no checkpoint, so the run would start from scratch, but {below!r} holds one",
+            f"set checkpoint.load={below} to resume from it, or name an empty directory to start afresh",
+        ))  # fmt: skip
+    pretrained, resume = c.pretrained_checkpoint, _holds_checkpoint(c.load)
+    loads_pretrained = cfg.peft is not None or not resume  # a LoRA/DoRA run loads its base also when resuming
+    if pretrained and loads_pretrained and os.path.isdir(pretrained) and not is_hf_directory(pretrained):
+        try:
+            layout.resolve(pretrained, None if resume else c.ckpt_step)
+        except FileNotFoundError as exc:
+            problems.append(ConfigProblem(
+                "checkpoint.pretrained_checkpoint", str(exc),
+                "point it at a checkpoint directory, one of its iter_* directories or a Hugging Face model directory",
+            ))  # fmt: skip
+        except (OSError, ValueError):
+            pass  # an unreadable tracker: reported when it is loaded
+    return problems
+
+
+def _holds_checkpoint(path: Optional[str]) -> bool:
+    try:
+        return layout.has_checkpoint(path)
+    except (OSError, ValueError):
+        return False  # an unreadable tracker: reported when it is loaded
 
 
 def checkpoint_bytes(cfg: "ConfigContainer") -> int:

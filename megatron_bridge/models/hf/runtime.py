@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 from typing import Any, Iterator, Optional
+
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.data.config import MockGPTDatasetConfig
 from megatron_bridge.models.experts import GROUPED_GEMM_FIX, machine_decision
@@ -25,6 +26,7 @@ from megatron_bridge.runtime.checkpointing.weights import load_model_state, mode
 from megatron_bridge.runtime.cpu_backend import CPU_MODEL_SETTINGS
 from megatron_bridge.runtime.distributed import checked_backend, single_process_store
 from megatron_bridge.runtime.launcher_env import launcher_int
+from megatron_bridge.warning_filters import checkpoint_loading
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -151,8 +153,9 @@ def load_checkpoint_weights(chunks: list[Any], directory: str, part: str = "all"
     check_pickled_files(directory)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     template = {key: model_state(chunk, part) for key, chunk in zip(keys, chunks)}
-    loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),
-                                     strict="assume_ok_unexpected")  # fmt: skip
+    with checkpoint_loading():
+        loaded = dist_checkpointing.load(template, directory, get_default_load_sharded_strategy(directory),
+                                         strict="assume_ok_unexpected")  # fmt: skip
     for key, chunk in zip(keys, chunks):
         load_model_state(chunk, loaded[key], part)
 

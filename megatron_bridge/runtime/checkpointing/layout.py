@@ -64,6 +64,39 @@ def has_checkpoint(root: Optional[str]) -> bool:
     return bool(root) and read_tracker(root) is not None
 
 
+def checkpoint_below(path: str) -> Optional[str]:
+    """A directory right under `path` that holds checkpoints (a run directory's `checkpoints/`
+    first), or None: where a user who named the run directory meant to point."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        names = sorted(os.listdir(path), key=lambda n: (n != "checkpoints", n))
+    except OSError:
+        return None
+    for name in names:
+        child = os.path.join(path, name)
+        try:
+            if os.path.isdir(child) and has_checkpoint(child):
+                return child
+        except (OSError, ValueError):
+            continue  # an unreadable or odd tracker: not a place to suggest
+    return None
+
+
+def no_checkpoint_message(path: str) -> str:
+    """Why `path` holds no checkpoint to load, and where one is when the mistake is plain."""
+    message = f"no checkpoint in {path!r}: no {TRACKER_FILE} and not an iter_* directory"
+    below = checkpoint_below(path)
+    if below is not None:
+        return f"{message}; did you mean {below!r}? (it holds one)"
+    iterations = complete_iterations(path)
+    if iterations:
+        return f"{message}; give one of its iterations, e.g. {iteration_dir(path, iterations[-1])!r}"
+    if os.path.isdir(path) and any(n.endswith(INCOMPLETE_SUFFIX) for n in os.listdir(path)):
+        return f"{message}; its only save did not finish (a run still saving, or one stopped while saving)"
+    return message
+
+
 def resolve(path: str, step: Optional[int] = None) -> tuple[str, int]:
     """The checkpoint directory and iteration to load from `path`.
 
@@ -82,7 +115,7 @@ def resolve(path: str, step: Optional[int] = None) -> tuple[str, int]:
         return directory, step
     latest = read_tracker(path)
     if latest is None:
-        raise FileNotFoundError(f"no checkpoint in {path!r}: no {TRACKER_FILE} and not an iter_* directory")
+        raise FileNotFoundError(no_checkpoint_message(path))
     directory = iteration_dir(path, latest)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{path!r}: the tracker names iteration {latest}, but {directory!r} is missing")

@@ -28,6 +28,7 @@ from megatron_bridge.models.hf.convert import save_run
 from megatron_bridge.models.hf.load import load_hf_weights
 from megatron_bridge.peft.apply import base_weights_loaded
 from megatron_bridge.training import preflight
+from megatron_bridge.warning_filters import checkpoint_loading
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
@@ -265,7 +266,8 @@ class DefaultCheckpointManager:
             with_rerun=with_rerun, model_part=part,
         )  # fmt: skip
         strategy = self._load_strategy(directory)
-        loaded = dist_checkpointing.load(template, directory, strategy, strict=self.ckpt.dist_ckpt_strictness)
+        with checkpoint_loading():
+            loaded = dist_checkpointing.load(template, directory, strategy, strict=self.ckpt.dist_ckpt_strictness)
         for key, chunk in zip(state_dict.model_keys(run), run.state.model):
             state_dict.load_model_state(chunk, loaded[key], part)
         if with_optimizer:
