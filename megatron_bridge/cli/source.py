@@ -3,18 +3,30 @@ YAML file's values and the `KEY=VALUE` overrides."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 from megatron_bridge.cli import recipe_loader
+from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
+from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.config.overrides import process_config_with_overrides
 from megatron_bridge.config.paths import file_kind
+from megatron_bridge.config.serialization import field_of
+from megatron_bridge.runtime.checkpointing import layout
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
 
 YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def config_class() -> type:
+    """`ConfigContainer`, imported when first needed: it loads megatron-core, which `--help` and
+    the refusals of bad arguments do without."""
+    from megatron_bridge.training.config import ConfigContainer
+
+    return ConfigContainer
 
 
 def get_recipe(name: str) -> Callable[..., "ConfigContainer"]:
@@ -45,12 +57,7 @@ def recipe_options(fn: Callable[..., Any], assignments: Sequence[str] = (), valu
 def _refuse_config_keys(fn: Callable[..., Any], options_class: type, assignments: Sequence[str]) -> None:
     """`--recipe-arg model.num_layers=3` names a config field, not a recipe option: a `UsageError`
     saying to give it as an override."""
-    import dataclasses
-
-    from megatron_bridge.config.serialization import field_of
-    from megatron_bridge.training.config import ConfigContainer
-
-    sections = {f.name for f in dataclasses.fields(ConfigContainer)}
+    sections = {f.name for f in dataclasses.fields(config_class())}
     for text in assignments:
         head = str(text).lstrip("+~").partition("=")[0].strip().split(".")[0]
         if head in sections and field_of(options_class, head) is None:
@@ -82,8 +89,6 @@ def check_file(path: str) -> None:
 def saved_run_config(path: str) -> Optional[str]:
     """The run_config.yaml of the latest checkpoint in directory `path` (a checkpoint directory,
     an iteration, or a run directory with `checkpoints/`), or None."""
-    from megatron_bridge.runtime.checkpointing import layout
-
     for root in (path, layout.checkpoint_below(path)):
         if root is None:
             continue
@@ -100,11 +105,8 @@ def saved_run_config(path: str) -> Optional[str]:
 def _complete_config(path: str) -> "ConfigContainer":
     """The complete config in file `path`; a file of a few sections (made to merge over a recipe)
     is a `UsageError` that says to name the recipe."""
-    from megatron_bridge.config.errors import ConfigValidationError
-    from megatron_bridge.training.config import ConfigContainer
-
     try:
-        return ConfigContainer.from_yaml(path)
+        return config_class().from_yaml(path)
     except ConfigValidationError as exc:
         missing = [p.path for p in exc.problems if "is required by ConfigContainer but missing" in p.message]
         if not missing:
@@ -132,8 +134,6 @@ def build_config(
         raise UsageError("recipe options (--recipe-arg, --dir, --name) need --recipe NAME")
     if config_file is not None:
         check_file(config_file)
-    from megatron_bridge.training.config import ConfigContainer
-
     with config_errors_are_usage_errors():
         if recipe is not None:
             fn = get_recipe(recipe)

@@ -18,6 +18,7 @@ import numpy as np
 from megatron_bridge.config.errors import ConfigValidationError, Problems
 from megatron_bridge.config.paths import file_kind
 from megatron_bridge.config.secrets import scrub
+from megatron_bridge.data.builders import sample_counts
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
 from megatron_bridge.data.hf_local import DataSourceError
@@ -152,8 +153,6 @@ def needed_splits(cfg: "ConfigContainer") -> dict[str, tuple[SplitShare, ...]]:
     """By config path of the prefixes (as `data_prefixes` names them): the splits the run draws
     samples from, with their share of each prefix (megatron-core's split matrix for a blend, the
     whole prefix in `blend_per_split`)."""
-    from megatron_bridge.data.builders import sample_counts
-
     counts = sample_counts(cfg)
     wanted = {"train": counts.train > 0, "valid": counts.valid > 0, "test": counts.test > 0}
     data = cfg.dataset
