@@ -75,6 +75,8 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
         @functools.wraps(fn)
         def build(**kwargs: Any) -> ConfigContainer:
             _check_names(fn.__name__, options_cls, kwargs)
+            if "dir" in kwargs and kwargs["dir"] is None:
+                del kwargs["dir"]  # the reference system's recipes take dir=None for their default directory
             aliases = options_cls._field_aliases
             if any(aliases.get(key) in kwargs for key in kwargs):
                 both = next(key for key in kwargs if aliases.get(key) in kwargs)
@@ -211,7 +213,7 @@ def _path(value: Optional[Union[str, os.PathLike]]) -> Optional[str]:
 def _container(model: GPTModelProvider, dataset: Any, opts: RecipeOptions) -> ConfigContainer:
     """Everything but the dataset: the same for every recipe."""
     _set_layout(model, opts)
-    run_dir = os.path.join(os.fspath("runs" if opts.dir is None else opts.dir), opts.name)
+    run_dir = os.path.join(os.fspath(opts.dir), opts.name)
     checkpoints = os.path.join(run_dir, "checkpoints")
     return ConfigContainer(
         model=model,

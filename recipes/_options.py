@@ -26,8 +26,8 @@ class RecipeOptions(ConfigBase):
         "sequence_parallelism": "sequence_parallel",
     }
 
-    dir: Optional[str] = "runs"
-    """Base output directory (relative to the current directory unless absolute; None: runs)."""
+    dir: str = "runs"
+    """Base output directory (relative to the current directory unless absolute)."""
 
     name: str = "run"
     """Run name: checkpoints go to dir/name/checkpoints, TensorBoard logs to dir/name/tb_logs.
