@@ -716,16 +716,6 @@ def test_autocast_is_refused_on_cpu():
     ]
 
 
-def test_transformer_engine_rng_tracker_needs_transformer_engine():
-    cfg = tiny_config()
-    cfg.rng.te_rng_tracker = True
-    with extras.assume_installed(transformer_engine=False):
-        assert only_problem(cfg) == (
-            "rng.te_rng_tracker: TransformerEngine's RNG tracker needs the 'transformer_engine' package "
-            "(pip install 'megatron-bridge[te]')"
-        )
-
-
 @pytest.mark.parametrize(
     "mixed_precision, fields, text",
     [

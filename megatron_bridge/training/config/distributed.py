@@ -99,10 +99,6 @@ class RNGConfig(ConfigBase):
     data_parallel_random_init: bool = False
     """Initialize data-parallel replicas with different weights (normally they start identical)."""
 
-    def _finalize(self, problems: Problems) -> None:
-        if self.te_rng_tracker:  # without the package megatron-core silently keeps its own tracker
-            problems.require_package("transformer_engine", "te_rng_tracker", "TransformerEngine's RNG tracker")
-
 
 @config_dataclass(kw_only=True)
 class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBase):
