@@ -431,6 +431,7 @@ def test_real_training_run_through_the_cli(tmp_path):
 
 
 # ---------------------------------------------------------------------- a run directory where a checkpoint or file goes
+@pytest.mark.slow  # several fresh processes
 @pytest.mark.timeout(400)
 def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant(tmp_path):
     """A newcomer names the run directory (`runs/NAME`) where its `checkpoints/` or a config file
@@ -481,6 +482,7 @@ def test_a_run_directory_given_for_its_checkpoints_or_config_names_the_one_meant
         assert not (tmp_path / refused_run / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.slow  # several fresh processes
 @pytest.mark.timeout(300)
 def test_a_config_field_as_recipe_arg_a_key_without_value_a_partial_file_and_a_bad_option_name_the_fix(tmp_path):
     """Newcomer mistakes on the command line, each in a fresh process: exit status 2 with the fix."""

@@ -121,6 +121,7 @@ def test_hf_import_with_more_processes_than_gpus_exits_2(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow  # several fresh processes
 @pytest.mark.timeout(120)
 def test_slurm_script_backend_matches_the_nodes_it_asks_for(tmp_path):
     """--cpu nodes train with gloo, asked for explicitly in the script; NCCL on CPU nodes, or

@@ -159,6 +159,7 @@ def test_the_file_search_finds_a_secret_in_a_file_and_in_a_zip_member(tmp_path):
     assert sorted(_files_holding(str(tmp_path), SECRET.encode())) == [f"{tmp_path}/a.zip!messages.json", f"{tmp_path}/plain.txt"]
 
 
+@pytest.mark.slow  # several fresh processes
 @pytest.mark.timeout(600)
 def test_a_run_with_every_tracker_leaves_no_secret_in_its_directory(tmp_path):
     needs("mlflow", "wandb", "comet_ml")
