@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem
 from megatron_bridge.config.paths import file_kind
-from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.training.config.architecture import loaded_checkpoints
 from megatron_bridge.training.profiling import default_profile_dir
 from megatron_bridge.models import count_parameters
 
@@ -136,11 +136,15 @@ def check_inputs(cfg: "ConfigContainer") -> list[ConfigProblem]:
             "checkpoint.load", f"{c.load!r} holds no checkpoint, so the run would start from scratch, but {below!r} holds one",
             f"set checkpoint.load={below} to resume from it, or name an empty directory to start afresh",
         ))  # fmt: skip
-    pretrained, resume = c.pretrained_checkpoint, _holds_checkpoint(c.load)
-    loads_pretrained = cfg.peft is not None or not resume  # a LoRA/DoRA run loads its base also when resuming
-    if pretrained and loads_pretrained and os.path.isdir(pretrained) and not is_hf_directory(pretrained):
+    try:
+        loaded = loaded_checkpoints(cfg)  # which ones a run loads, as the checkpoint manager chooses
+    except (OSError, ValueError):
+        loaded = []  # an unreadable tracker in checkpoint.load: reported when it is loaded
+    for field, path, step in loaded:
+        if field != "checkpoint.pretrained_checkpoint" or not os.path.isdir(path):
+            continue
         try:
-            layout.resolve(pretrained, None if resume else c.ckpt_step)
+            layout.resolve(path, step)
         except FileNotFoundError as exc:
             problems.append(ConfigProblem(
                 "checkpoint.pretrained_checkpoint", str(exc),
