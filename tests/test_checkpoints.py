@@ -191,6 +191,16 @@ def test_ckpt_step_and_iteration_directory(tmp_path):
     assert state.train_state.step == 3  # weights only: the step count starts at 0
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for ckpt_step=3 .*complete iterations: \[2, 4\]"):
         pretrain(config(load=str(ckpt), iters=6, ckpt_step=3), forward_step)
+    # the command line: refused before anything is built, naming the field (exit 2, no traceback)
+    for extra in ([], ["--dry-run"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir",
+             str(tmp_path / "runs"), f"checkpoint.load={ckpt}", "checkpoint.ckpt_step=3", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == (0 if extra else 2), out.stderr[-2000:]
+        expected = f"checkpoint.ckpt_step: no checkpoint for ckpt_step=3 in '{ckpt}' (complete iterations: [2, 4])"
+        assert expected in out.stdout + out.stderr and "Traceback" not in out.stderr
 
 
 def test_extending_a_finished_run_is_decided_at_validation(tmp_path, caplog):

@@ -241,8 +241,7 @@ def check_outputs_and_lock(cfg: ConfigContainer, state: GlobalState) -> None:
         everyone: list = [None] * state.world_size
         torch.distributed.all_gather_object(everyone, found)
         found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
-    if found:
-        raise ConfigValidationError(found)
+    preflight.raise_problems(found)
     warning = preflight.free_space_warning(cfg) if state.is_logging_rank else None
     if warning:
         logger.warning("%s", warning)
