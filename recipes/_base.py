@@ -44,7 +44,7 @@ from megatron_bridge.training.config import (
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 from recipes._options import FinetuneOptions, PretrainOptions, RecipeOptions
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("megatron_bridge.recipes")
 
 RECIPES: dict[str, Callable[..., ConfigContainer]] = {}
 """Every registered recipe, by function name."""

@@ -508,3 +508,41 @@ def test_a_config_field_as_recipe_arg_a_key_without_value_a_partial_file_and_a_b
     for name, proc in procs.items():
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
         assert expected[name] in proc.stderr, (name, proc.stderr[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_what_the_recipe_and_validation_decide_is_on_the_console(tmp_path):
+    """A run prints what building the recipe and resolving the config chose for the user (a
+    Hugging Face context capped, a preset's settings, a warmup scaled to a short run), from the
+    command line and from `pretrain()` in a script. These lines were logged before the console
+    was set up, so nobody saw them."""
+    import json
+
+    from hf_models import family_configs, save_tiny
+
+    config = family_configs()["llama"]
+    config.max_position_embeddings = 131072
+    hf = save_tiny("llama", str(tmp_path / "hf"), config=config)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "training.jsonl").write_text("".join(json.dumps({"input": f"{i} {i}", "output": f"{i}"}) + "\n" for i in range(40)))
+    out = cli_process(
+        "finetune", "--recipe", "tiny_gpt_finetune_config", "--recipe-arg", f"pretrained={hf}", "--recipe-arg",
+        f"dataset_root={data}", "--dir", str(tmp_path / "runs"), "train.train_iters=3", "validation.eval_iters=0",
+        "checkpoint.save=null", "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.vocab_size=256", timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"seq_length 4096: {hf} allows 131072 positions; give --recipe-arg seq_length=N" in out.stdout
+    warmup = "scheduler.lr_warmup_iters: the recipe's warmup of 10 iterations is not shorter than the 3-iteration decay"
+    assert warmup in out.stdout
+    assert "mixed_precision 'fp32' set model.pipeline_dtype=float32" in out.stdout
+    script = (
+        "import recipes\nfrom megatron_bridge.training.gpt_step import forward_step\n"
+        "from megatron_bridge.training.pretrain import pretrain\n"
+        f"cfg = recipes.tiny_gpt_pretrain_config(dir={str(tmp_path / 'api')!r}, train_iters=3, eval_iters=0, save_interval=None)\n"
+        "cfg.checkpoint.save = None\npretrain(cfg, forward_step)\n"
+    )
+    api = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=REPO, env=source_tree_env())
+    assert api.returncode == 0, api.stderr[-3000:]
+    assert warmup in api.stdout and "mixed_precision 'fp32' set model.pipeline_dtype=float32" in api.stdout

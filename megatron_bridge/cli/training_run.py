@@ -16,6 +16,7 @@ from megatron_bridge.cli.recipe_loader import world_size_of
 from megatron_bridge.cli.training import GPU_CHOICES
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.config.secrets import scrub
+from megatron_bridge.training.console import log_to_console
 
 
 def _label(args: argparse.Namespace, fn: Any) -> str:
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace, cmd: str) -> int:
             raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")
     if args.json and not args.plan_only:
         raise UsageError("--json only applies to --plan-only (the dry run prints YAML)")
+    if not checking and args.help_config is None:
+        log_to_console(None, is_logging_rank())  # what building the recipe decides is shown too
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
     fn = source.get_recipe(args.recipe) if args.recipe is not None else None

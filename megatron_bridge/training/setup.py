@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -16,6 +15,7 @@ from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.callbacks import Callback, CallbackList
 from megatron_bridge.runtime.child_processes import die_with_parent
+from megatron_bridge.runtime.launcher_env import launcher_int
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.runtime.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
@@ -31,7 +31,7 @@ from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
 from megatron_bridge.models.attention import layer_problems
 from megatron_bridge.peft.apply import trainable_counts
-from megatron_bridge.training import build, preflight
+from megatron_bridge.training import build, console, preflight
 from megatron_bridge.training.checkpointing import Checkpointer, lock, make_manager
 from megatron_bridge.training.loggers import build_tracker
 from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
@@ -92,24 +92,11 @@ def _filter_megatron_warnings(on: bool) -> None:
                 source.removeFilter(f)
 
 
-CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
-"""strftime format of the timestamp that starts every console line."""
-
-
 def configure_logging(state: GlobalState) -> None:
     """Progress lines from the logging rank on stdout (unless the application configured
     logging itself); warnings from every rank."""
     cfg = state.cfg.logger
-    ours = logging.getLogger("megatron_bridge")
-    level = cfg.logging_level if cfg.logging_level is not None else logging.INFO
-    ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
-    if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
-        handler._mb_console = True  # type: ignore[attr-defined]
-        ours.addHandler(handler)
-        ours.propagate = False
+    console.log_to_console(cfg.logging_level, state.is_logging_rank)
     _filter_megatron_warnings(cfg.filter_warnings)
     for name in cfg.modules_to_filter or []:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
@@ -282,6 +269,9 @@ def setup(
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
+    # What validation decides for the user (a preset's settings, a warmup scaled to the run) is
+    # logged, so the console is set up first, on the rank the launcher says will log.
+    console.log_to_console(cfg.logger.logging_level, launcher_int("RANK", 0) == launcher_int("WORLD_SIZE", 1) - 1)
     device = resolve_config(cfg)
     die_with_parent()
     stop_when_launcher_dies()
