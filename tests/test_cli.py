@@ -121,6 +121,22 @@ def test_dry_run_of_tiny_recipe_prints_resolved_yaml_and_summary(capsys):
     assert f"# ---- dry run of {TINY} at world size 1 (the recipe's world size)" in out
 
 
+def test_dry_run_shows_what_was_decided_for_the_user():
+    """What building and resolving the config decided (a preset's settings, a warmup scaled to
+    a short run, a deprecated name read as the new one) is shown as comments: before, it was
+    logged with no handler and never seen (the deprecation warning went bare to stderr)."""
+    out = cli_process("pretrain", "--recipe", TINY, "--dry-run", "train.train_iters=3", "train.eval_iters=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    notes = out.stdout.split("# ---- dry run of", 1)[1].split("# ---- plan", 1)[0]
+    assert "# note: mixed_precision 'fp32' set model.pipeline_dtype=float32, ddp.grad_reduce_in_fp32=True\n" in notes
+    assert (
+        "# note: scheduler.lr_warmup_iters: the recipe's warmup of 10 iterations is not shorter than the 3-iteration "
+        "decay; using 0 (a tenth of it). Set scheduler.lr_warmup_iters to choose.\n"
+    ) in notes
+    assert "# warning: train.eval_iters is deprecated: using it as validation.eval_iters=4\n" in notes
+    assert printed_config(out.stdout)["validation"]["eval_iters"] == 4  # still a loadable config
+
+
 def test_dry_run_of_gpu_recipe_uses_its_world_size(capsys):
     code, out, err = cli(capsys, "pretrain", "--recipe", "llama3_8b_pretrain", "--dry-run")
     assert code == 0, err
