@@ -220,6 +220,8 @@ def test_finetune_dry_run(tmp_path, capsys):
     cfg = printed_config(out)
     assert cfg["dataset"]["dataset_root"] == str(tmp_path)
     assert cfg["checkpoint"]["pretrained_checkpoint"] == str(tmp_path)
+    # its batches are padded to their longest sample: the step holds at most GBS x seq_length tokens
+    assert summary(out)["tokens per step"] == "at most 512  (GBS 8 x seq_length 64); each batch is padded to its longest sample"
 
 
 # ---------------------------------------------------------------------- errors

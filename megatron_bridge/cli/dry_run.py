@@ -126,7 +126,11 @@ def summary(cfg: "ConfigContainer", world_size: int) -> list[tuple[str, str]]:
         params += f", active per token {count.active:,} ({human(count.active)})"
     rows.append(("parameters", params))
     if gbs:
-        rows.append(("tokens per step", f"{gbs * m.seq_length:,}  (GBS {gbs} x seq_length {m.seq_length})"))
+        tokens = f"{gbs * m.seq_length:,}  (GBS {gbs} x seq_length {m.seq_length})"
+        padded = getattr(cfg.dataset, "packed_sequence_specs", False) is None and m.pipeline_model_parallel_size == 1
+        if padded:  # fine-tuning batches, unpacked, are padded to their longest sample
+            tokens = f"at most {tokens}; each batch is padded to its longest sample"
+        rows.append(("tokens per step", tokens))
     return rows
 
 
