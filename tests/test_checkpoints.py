@@ -376,3 +376,41 @@ def test_a_directory_without_a_checkpoint_says_where_one_is(tmp_path):
             resolve(path)
         assert str(err.value) == f"no checkpoint in {path!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; {hint}"
     assert resolve(str(tmp_path / "run" / "checkpoints")) == (str(tmp_path / "run" / "checkpoints" / "iter_0000002"), 2)
+
+
+class Evaluations(Callback):
+    def __init__(self):
+        self.at = []
+
+    def on_eval_end(self, state, *args, **kwargs):
+        self.at.append(state.train_state.step)
+
+
+def test_resuming_with_fewer_evaluations_or_a_smaller_batch_still_has_data(tmp_path):
+    """A fine-tuning set is sized for the run's samples; a job resumed with a config that needs
+    fewer (eval_interval raised, global batch lowered, a finished run evaluated again) than the
+    earlier jobs drew must still find data after the consumed counts."""
+    rows = [{"input": f"{i} {i + 1} {i + 2}", "output": f"{i + 3} {i + 4}"} for i in range(12)]
+    data = tmp_path / "sft"
+    data.mkdir()
+    _write_jsonl(data / "training.jsonl", rows)
+    _write_jsonl(data / "validation.jsonl", rows[:4])
+    save = str(tmp_path / "ckpt")
+
+    def sft(iters, gbs, eval_interval):
+        return tiny_config(
+            train=TrainingConfig(train_iters=iters, global_batch_size=gbs, micro_batch_size=2),
+            dataset=FinetuningDatasetConfig(dataset_root=str(data), seq_length=32, num_workers=0),
+            validation=ValidationConfig(eval_interval=eval_interval, eval_iters=1),
+            checkpoint=CheckpointConfig(save=save, load=save),
+        )
+
+    _, state = run(sft(iters=4, gbs=8, eval_interval=2))
+    assert (state.train_state.consumed_train_samples, state.train_state.consumed_valid_samples) == (32, 16)
+    evaluations = Evaluations()
+    state = pretrain(sft(iters=6, gbs=4, eval_interval=None), forward_step, callbacks=[evaluations])
+    assert state.train_state.step == 6 and state.train_state.consumed_train_samples == 40
+    assert evaluations.at == [6]  # the validation at the end
+    again = Evaluations()
+    state = pretrain(sft(iters=6, gbs=4, eval_interval=None), forward_step, callbacks=[again])
+    assert state.train_state.step == 6 and again.at == [6]  # finished: evaluated again

@@ -25,7 +25,7 @@ from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
-from megatron_bridge.data.builders import build_datasets, resolved_phases, sample_counts
+from megatron_bridge.data.builders import build_datasets, resolved_phases, resumed_sample_counts
 from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
@@ -189,8 +189,8 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     ts, t, v = state.train_state, cfg.train, cfg.validation
-    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer, ProcessGroupCollection.use_mpu_process_groups())
-    counts = sample_counts(cfg)
+    counts = resumed_sample_counts(cfg, ts.step, ts.consumed_train_samples, ts.consumed_valid_samples)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer, ProcessGroupCollection.use_mpu_process_groups(), counts)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     pin = state.device == "cuda"
