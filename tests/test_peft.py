@@ -295,6 +295,26 @@ def test_adapter_checkpoints_are_not_bases_and_bases_are_not_resumed(lora_run, b
     ]
 
 
+def test_resuming_other_adapters_is_refused_before_anything_is_built(lora_run, base):
+    path, _ = lora_run  # LoRA rank 8 on the four projections
+    where = f"the adapters in {path!r} (iteration directory iter_0000020)"
+    fix = "train new adapters in another run directory (--name NEW, or checkpoint.save and checkpoint.load elsewhere)"
+    cfg = config(iters=30, peft=LoRA(dim=4, target_modules=["linear_qkv"]), pretrained=base, load=path)
+    with pytest.raises(ConfigValidationError) as err:
+        cfg.validate()
+    assert err.value.errors == [
+        f"peft.dim: 4, but {where} have rank 8 (set peft.dim=8 to resume them, or {fix})",
+        f"peft.target_modules: ['linear_qkv'], but {where} were trained on ['linear_qkv', 'linear_proj', 'linear_fc1', "
+        f"'linear_fc2'] (set peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2] to resume them, or {fix})",
+    ]
+    with pytest.raises(ConfigValidationError) as err:
+        config(iters=30, peft=DoRA(dim=8), pretrained=base, load=path).validate()
+    assert err.value.errors == [f"peft: DoRA, but {where} are LoRA (set peft=lora to resume them, or {fix})"]
+    # other patterns for the same modules, another alpha and dropout: the same adapters, resumable
+    same = LoRA(dim=8, alpha=4, target_modules=["*.linear_qkv", "*.self_attention.linear_proj", "linear_fc1", "linear_fc2"])
+    config(iters=30, peft=same, pretrained=base, load=path).validate()
+
+
 def test_dora_trains_its_magnitude(dora_run):
     _, record = dora_run
     magnitudes = [n for n in record.start if n.endswith("lora_magnitude")]
