@@ -323,6 +323,31 @@ def test_dora_trains_its_magnitude(dora_run):
 
 
 # ---------------------------------------------------------------------- merge and export
+def test_a_base_of_another_architecture_is_refused_by_each_command(lora_run, tmp_path):
+    """`--base` names the weights the adapters go on: one of another shape (here a Llama with
+    another MLP width) is a usage error naming the fields, before any model is built."""
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+    from hf_models import save_tiny
+
+    path, _ = lora_run
+    other = save_tiny("llama", str(tmp_path / "other_llama"))
+    expected = (
+        f"--base {other!r} holds a LlamaModelProvider (2 layers, hidden size 64, 4 attention heads), but the adapters "
+        "were trained on a GPTModelProvider (2 layers, hidden size 64, 4 attention heads) (ffn_hidden_size: base 96, "
+        "adapters 128); give the base they were trained on, or leave it out to use the one they record"
+    )
+    for argv in (["generate", path, "--prompt", "1 2 3", "--base", other],
+                 ["peft", "merge", path, str(tmp_path / "merged"), "--base", other]):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], env=source_tree_env(),
+                              capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().endswith(expected), proc.stderr[-3000:]
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_keeps_what_it_did_not_write(lora_run, tmp_path):
     """A merge into the adapters' own save directory, or one holding files of the user's, is
     refused before anything loads (it replaced the adapter checkpoint, or hid other iterations

@@ -79,18 +79,49 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
         if not saved:
             continue  # a directory without our run config, or one without a model section
         current = to_dict(cfg.model) if current is None else current
-        differing = [
-            n for n in ARCHITECTURE_FIELDS
-            if n in saved and current.get(n) is not None and saved[n] != current[n]
-        ]  # fmt: skip
-        if not differing:
+        fields = differing_fields(saved, current, "checkpoint", "config")
+        if not fields:
             continue
-        fields = "; ".join(f"{n}: checkpoint {show(saved[n])}, config {show(current[n])}" for n in differing)
         problems.add(
             field,
             f"{path!r} holds a {_describe(saved)}, but the config's model is a {_describe(current)} ({fields})",
             "point it at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe)",
         )
+
+
+def differing_fields(first: dict, second: dict, first_name: str, second_name: str) -> str:
+    """'hidden_size: checkpoint 64, config 96; ...' for the architecture fields where two model
+    sections differ ('' when none does); a field the second leaves unset is not compared."""
+    differing = [
+        n for n in ARCHITECTURE_FIELDS
+        if n in first and second.get(n) is not None and first[n] != second[n]
+    ]  # fmt: skip
+    return "; ".join(f"{n}: {first_name} {show(first[n])}, {second_name} {show(second[n])}" for n in differing)
+
+
+def base_mismatch(adapters_model: dict, base: str) -> Optional[str]:
+    """Why the weights at `base` (a checkpoint of ours or a Hugging Face directory) cannot be the
+    base of adapters trained on `adapters_model` (the model section of their run config), or None
+    when they can (or `base` describes no model: its loading reports that)."""
+    if is_hf_directory(base):
+        from megatron_bridge.models import GPTModelProvider
+
+        base_model = to_dict(GPTModelProvider.from_hf(base))
+    else:
+        try:
+            run_config = read_run_config(resolve(base)[0])
+        except (OSError, ValueError):
+            return None
+        base_model = run_config.section("model") if run_config is not None else {}
+    if not base_model:
+        return None
+    fields = differing_fields(base_model, adapters_model, "base", "adapters")
+    if not fields:
+        return None
+    return (
+        f"{base!r} holds a {_describe(base_model)}, but the adapters were trained on a {_describe(adapters_model)} "
+        f"({fields}); give the base they were trained on, or leave it out to use the one they record"
+    )
 
 
 def _describe(model: dict) -> str:
