@@ -414,3 +414,30 @@ def test_resuming_with_fewer_evaluations_or_a_smaller_batch_still_has_data(tmp_p
     again = Evaluations()
     state = pretrain(sft(iters=6, gbs=4, eval_interval=None), forward_step, callbacks=[again])
     assert state.train_state.step == 6 and again.at == [6]  # finished: evaluated again
+
+
+def test_resuming_with_another_tokenizer_is_warned_about(tmp_path, caplog):
+    from text_data import documents, train_tokenizer
+
+    from megatron_bridge.training.config import runtime_config_update
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    trained_with = train_tokenizer(str(tmp_path / "tok"))
+    other = train_tokenizer(str(tmp_path / "other"), texts=[d.upper() for d in documents(400, seed=7)])
+    ckpt = str(tmp_path / "ckpt")
+
+    def with_tokenizer(directory, iters):
+        cfg = config(save=ckpt, load=ckpt, iters=iters)
+        cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=directory)
+        return cfg
+
+    run(with_tokenizer(trained_with, iters=1))
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        runtime_config_update(with_tokenizer(os.path.relpath(trained_with), iters=2))  # the same files
+        assert "another tokenizer" not in caplog.text
+        runtime_config_update(with_tokenizer(other, iters=2))
+    assert (
+        f"resuming from {ckpt!r} with another tokenizer than it was trained with (tokenizer.tokenizer_model "
+        f"{trained_with!r} -> {other!r}): the same text becomes other token ids unless the files only moved; give the "
+        "run's tokenizer to continue it"
+    ) in caplog.text

@@ -5,6 +5,8 @@ again when the weights are loaded (`megatron_bridge.training.checkpointing.compa
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Optional
 
 from megatron_bridge.config.errors import Problems, show
@@ -13,6 +15,11 @@ from megatron_bridge.config.serialization import to_dict
 from megatron_bridge.runtime.checkpointing.layout import has_checkpoint, resolve
 from megatron_bridge.runtime.checkpointing.safe_reading import UnsafeCheckpointError, check_pickled_files
 from megatron_bridge.models.hf.files import is_hf_directory
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""Tokenizer fields that choose the token ids a model was trained on."""
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -78,6 +85,8 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
             continue  # no readable checkpoint there: reported when it is loaded
         if not saved:
             continue  # a directory without our run config, or one without a model section
+        if field == "checkpoint.load":
+            _warn_of_another_tokenizer(path, run_config.section("tokenizer"), cfg.tokenizer)
         current = to_dict(cfg.model) if current is None else current
         fields = differing_fields(saved, current, "checkpoint", "config")
         if not fields:
@@ -86,6 +95,27 @@ def check_loaded_architectures(cfg: Any, problems: Problems) -> None:
             field,
             f"{path!r} holds a {_describe(saved)}, but the config's model is a {_describe(current)} ({fields})",
             "point it at a checkpoint of this architecture, or use the checkpoint's model (e.g. the matching recipe)",
+        )
+
+
+def _warn_of_another_tokenizer(path: str, saved: dict, tokenizer: Any) -> None:
+    """A run resumed with another tokenizer than its checkpoint's reads other token ids for the
+    same text. The files may only have moved, so this is a warning, not an error."""
+    def same(name: str, before: Any, now: Any) -> bool:
+        if name != "tokenizer_type" and isinstance(before, str) and isinstance(now, str):
+            return os.path.abspath(before) == os.path.abspath(now)
+        return before == now
+
+    changed = [
+        f"{name} {show(saved.get(name))} -> {show(getattr(tokenizer, name))}"
+        for name in TOKENIZER_FIELDS
+        if name in saved and not same(name, saved[name], getattr(tokenizer, name))
+    ]  # fmt: skip
+    if changed:
+        logger.warning(
+            "resuming from %r with another tokenizer than it was trained with (tokenizer.%s): the same text "
+            "becomes other token ids unless the files only moved; give the run's tokenizer to continue it",
+            path, "; tokenizer.".join(changed),
         )
 
 
