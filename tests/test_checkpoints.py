@@ -441,3 +441,25 @@ def test_resuming_with_another_tokenizer_is_warned_about(tmp_path, caplog):
         f"{trained_with!r} -> {other!r}): the same text becomes other token ids unless the files only moved; give the "
         "run's tokenizer to continue it"
     ) in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_adapters_in_the_peft_format_given_as_a_checkpoint_say_what_they_are(tmp_path):
+    """`mbridge peft export` writes adapters for the peft library; a newcomer hands that directory
+    to a command that reads our checkpoints."""
+    exported = tmp_path / "adapters"
+    exported.mkdir()
+    (exported / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    expected = (
+        f"no checkpoint in {str(exported)!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; it "
+        "holds adapters in the peft library's format (adapter_config.json), which load onto the Hugging Face base "
+        "model with peft.PeftModel.from_pretrained: give the LoRA/DoRA run's checkpoint directory instead (its checkpoints/)"
+    )
+    with pytest.raises(FileNotFoundError) as err:
+        resolve(str(exported))
+    assert str(err.value) == expected
+    from factories import source_tree_env
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_bridge", "peft", "merge", str(exported), str(tmp_path / "m")],
+                          env=source_tree_env(), capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == f"mbridge peft merge: error: {expected}", proc.stderr
