@@ -341,6 +341,48 @@ def test_checkpoint_rules(tmp_path):
     )
 
 
+def test_saving_settings_without_a_save_directory_are_refused():
+    forgotten = tiny_config(checkpoint=CheckpointConfig(save_interval=5, most_recent_k=2))
+    assert problems_of(forgotten) == [
+        "checkpoint.save_interval: 5 has no effect: checkpoint.save is not set, so no checkpoint is written "
+        "(set checkpoint.save to a directory, or remove checkpoint.save_interval)",
+        "checkpoint.most_recent_k: 2 has no effect: checkpoint.save is not set, so no checkpoint is written "
+        "(set checkpoint.save to a directory, or remove checkpoint.most_recent_k)",
+    ]
+    # save=None given on purpose (e.g. `checkpoint.save=null` over a recipe) turns saving off with its schedule
+    runtime_config_update(tiny_config(checkpoint=CheckpointConfig(save=None, save_interval=5, most_recent_k=2)))
+
+
+def test_garbage_collection_settings_need_manual_gc():
+    cfg = tiny_config(train=TrainingConfig(train_iters=20, global_batch_size=8, micro_batch_size=2, manual_gc_interval=5))
+    assert only_problem(cfg) == (
+        "train.manual_gc_interval: 5 has no effect without train.manual_gc (Python's automatic garbage collection "
+        "stays on) (set train.manual_gc=true to collect garbage on this schedule, or remove train.manual_gc_interval)"
+    )
+    cfg.train.manual_gc_interval, cfg.train.manual_gc_eval = 0, False
+    assert "train.manual_gc_eval: False has no effect without train.manual_gc" in only_problem(cfg)
+    cfg.train.manual_gc, cfg.train.manual_gc_interval = True, 5
+    runtime_config_update(cfg)
+
+
+def test_a_ckpt_step_that_no_loaded_checkpoint_has_is_refused(tmp_path):
+    empty = tmp_path / "first_run"
+    empty.mkdir()
+    assert only_problem(tiny_config(checkpoint=CheckpointConfig(load=str(empty), ckpt_step=5))) == (
+        f"checkpoint.ckpt_step: ckpt_step=5 asks for a saved iteration, but checkpoint.load={str(empty)!r} holds no "
+        "checkpoint: the run would start without it (point checkpoint.load at the run that saved iteration 5, or "
+        "remove ckpt_step)"
+    )
+    one_iteration = tmp_path / "ckpt" / "iter_0000004"
+    one_iteration.mkdir(parents=True)
+    assert only_problem(tiny_config(checkpoint=CheckpointConfig(pretrained_checkpoint=str(one_iteration), ckpt_step=2))) == (
+        f"checkpoint.ckpt_step: ckpt_step=2, but checkpoint.pretrained_checkpoint={str(one_iteration)!r} is the "
+        "directory of iteration 4 (point checkpoint.pretrained_checkpoint at the parent directory to pick an "
+        "iteration, or remove ckpt_step)"
+    )
+    runtime_config_update(tiny_config(checkpoint=CheckpointConfig(pretrained_checkpoint=str(one_iteration), ckpt_step=4)))
+
+
 def test_logger_rules():
     errors = problems_of(tiny_config(logger=LoggerConfig(mlflow_experiment="exp", comet_project="proj")))
     assert (

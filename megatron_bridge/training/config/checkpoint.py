@@ -173,6 +173,7 @@ class CheckpointConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
+        self._check_saving_settings(p)
         if self.async_save:
             p.check(self.save is not None, "async_save", "async_save needs a save directory", "set checkpoint.save")
             p.check(
@@ -214,3 +215,17 @@ class CheckpointConfig(ConfigBase):
                     f"{self.custom_manager_class!r} is not a class",
                     "name a class implementing save / load / finalize_async_saves",
                 )
+
+    def _check_saving_settings(self, problems: Problems) -> None:
+        """How often to save and how many saves to keep mean nothing without a save directory.
+        Reported when `save` was never given (a forgotten directory: the run would write no
+        checkpoint at all); a `save` set to None on purpose turns saving off with its settings."""
+        if self.save is not None or self.is_explicit("save"):
+            return
+        for name, value, default in (("save_interval", self.save_interval, None), ("most_recent_k", self.most_recent_k, -1)):
+            problems.check(
+                value == default,
+                name,
+                f"{value} has no effect: checkpoint.save is not set, so no checkpoint is written",
+                f"set checkpoint.save to a directory, or remove checkpoint.{name}",
+            )

@@ -155,6 +155,13 @@ class TrainingConfig(ConfigBase):
                 f"use at least {gbs} samples",
             ):
                 self._derive("train_iters", iters)
+        for name, default in (("manual_gc_interval", 0), ("manual_gc_eval", True)):
+            problems.check(
+                self.manual_gc or getattr(self, name) == default,
+                name,
+                f"{getattr(self, name)} has no effect without train.manual_gc (Python's automatic garbage collection stays on)",
+                f"set train.manual_gc=true to collect garbage on this schedule, or remove train.{name}",
+            )
         sig = self.exit_signal
         problems.check(
             sig in PREEMPTION_SIGNALS,
