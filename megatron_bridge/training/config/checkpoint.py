@@ -27,7 +27,8 @@ class CheckpointConfig(ConfigBase):
     """Directory to save checkpoints to (None: never save)."""
 
     save_interval: Optional[int] = field(None, range=INTERVAL)
-    """Save every N iterations (a checkpoint is also saved at the end of training and on exit)."""
+    """Save every N iterations into `save` (a checkpoint is also saved at the end of training and
+    on exit); refused when `save` is not given."""
 
     save_optim: bool = True
     """Save optimizer state."""

@@ -91,7 +91,8 @@ class TrainingConfig(ConfigBase):
     all ranks pause together instead of at random times."""
 
     manual_gc_interval: int = field(0, range=STEPS)
-    """Iterations between manual garbage collections (0: only before evaluations, see manual_gc_eval)."""
+    """Iterations between garbage collections under manual_gc (0: only before evaluations, see
+    manual_gc_eval); without manual_gc it is refused, as it would do nothing."""
 
     manual_gc_eval: bool = True
     """With manual_gc, also collect garbage before each evaluation."""
