@@ -124,6 +124,18 @@ def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
     assert "the WSD decay phase (50 iterations) is longer than the whole decay (20 iterations)" in only_problem(cfg)
 
 
+def test_wsd_settings_need_the_wsd_schedule():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="cosine", lr_wsd_decay_iters=5, lr_wsd_decay_style="linear"))
+    assert problems_of(cfg) == [
+        "scheduler.lr_wsd_decay_style: 'linear' has no effect: lr_decay_style is 'cosine', not 'WSD' "
+        "(set scheduler.lr_decay_style=WSD, or remove scheduler.lr_wsd_decay_style)",
+        "scheduler.lr_wsd_decay_iters: 5 has no effect: lr_decay_style is 'cosine', not 'WSD' "
+        "(set scheduler.lr_decay_style=WSD, or remove scheduler.lr_wsd_decay_iters)",
+    ]
+    cfg.scheduler.lr_decay_style = "WSD"
+    runtime_config_update(cfg)
+
+
 def test_warmup_not_shorter_than_decay_is_an_error():
     cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_iters=20, lr_decay_style="cosine"))
     assert only_problem(cfg) == (

@@ -24,6 +24,8 @@ RELATED = {
     "CheckpointConfig.save_interval": "save",
     "CheckpointConfig.most_recent_k": "save",
     "TrainingConfig.manual_gc_interval": "manual_gc",
+    "SchedulerConfig.lr_wsd_decay_iters": "lr_decay_style",
+    "SchedulerConfig.lr_wsd_decay_samples": "lr_decay_style",
     "ProfilingConfig.profile_step_start": "use_pytorch_profiler",
     "ProfilingConfig.profile_step_end": "use_pytorch_profiler",
     "ProfilingConfig.profile_ranks": "use_pytorch_profiler",
