@@ -366,3 +366,18 @@ def test_a_directory_without_a_checkpoint_says_where_one_is(tmp_path):
             resolve(path)
         assert str(err.value) == f"no checkpoint in {path!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; {hint}"
     assert resolve(str(tmp_path / "run" / "checkpoints")) == (str(tmp_path / "run" / "checkpoints" / "iter_0000002"), 2)
+
+
+def test_an_iteration_directory_as_load_is_refused_with_the_settings_meant(tmp_path):
+    """`checkpoint.load` reads a save directory's tracker: given one `iter_*` directory, the run
+    used to start from scratch without a word."""
+    iteration = tmp_path / "ckpt" / "iter_0000006"
+    iteration.mkdir(parents=True)
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(config(load=str(iteration), iters=8), forward_step)
+    assert err.value.errors == [
+        f"checkpoint.load: {str(iteration)!r} is the directory of iteration 6, not a save directory with a tracker, "
+        f"so the run would start from scratch (set checkpoint.load={tmp_path / 'ckpt'} and checkpoint.ckpt_step=6 to "
+        f"resume from it, or checkpoint.pretrained_checkpoint={iteration} to start from its weights)"
+    ]
+    assert not torch.distributed.is_initialized()

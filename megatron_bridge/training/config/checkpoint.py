@@ -38,8 +38,8 @@ class CheckpointConfig(ConfigBase):
 
     load: Optional[str] = None
     """Directory to resume from: its latest complete checkpoint, or `ckpt_step` (a directory
-    without checkpoints starts the run from scratch; a file, or a run directory whose
-    `checkpoints/` holds them, is refused before the run starts)."""
+    without checkpoints starts the run from scratch; a file, one `iter_*` directory, or a run
+    directory whose `checkpoints/` holds them, is refused before the run starts)."""
 
     load_optim: bool = True
     """Load optimizer state when resuming."""
