@@ -377,6 +377,18 @@ def test_garbage_collection_settings_need_manual_gc():
     runtime_config_update(cfg)
 
 
+def test_an_exit_signal_needs_the_exit_signal_handler():
+    import signal
+
+    cfg = tiny_config(train=TrainingConfig(train_iters=20, global_batch_size=8, micro_batch_size=2, exit_signal=signal.SIGUSR1))
+    assert only_problem(cfg) == (
+        "train.exit_signal: SIGUSR1 has no effect without train.exit_signal_handler (no handler is installed: the "
+        "signal ends the run without a checkpoint) (set train.exit_signal_handler=true, or remove train.exit_signal)"
+    )
+    cfg.train.exit_signal_handler = True
+    runtime_config_update(cfg)
+
+
 def test_a_ckpt_step_that_no_loaded_checkpoint_has_is_refused(tmp_path):
     empty = tmp_path / "first_run"
     empty.mkdir()

@@ -163,6 +163,13 @@ class TrainingConfig(ConfigBase):
                 f"{getattr(self, name)} has no effect without train.manual_gc (Python's automatic garbage collection stays on)",
                 f"set train.manual_gc=true to collect garbage on this schedule, or remove train.{name}",
             )
+        problems.check(
+            self.exit_signal_handler or self.exit_signal == signal.SIGTERM,
+            "exit_signal",
+            f"{getattr(self.exit_signal, 'name', self.exit_signal)} has no effect without train.exit_signal_handler "
+            "(no handler is installed: the signal ends the run without a checkpoint)",
+            "set train.exit_signal_handler=true, or remove train.exit_signal",
+        )
         sig = self.exit_signal
         problems.check(
             sig in PREEMPTION_SIGNALS,
