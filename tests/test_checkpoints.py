@@ -463,3 +463,18 @@ def test_adapters_in_the_peft_format_given_as_a_checkpoint_say_what_they_are(tmp
     proc = subprocess.run([sys.executable, "-m", "megatron_bridge", "peft", "merge", str(exported), str(tmp_path / "m")],
                           env=source_tree_env(), capture_output=True, text=True, timeout=100)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip() == f"mbridge peft merge: error: {expected}", proc.stderr
+
+
+def test_an_iteration_directory_as_load_is_refused_with_the_settings_meant(tmp_path):
+    """`checkpoint.load` reads a save directory's tracker: given one `iter_*` directory, the run
+    used to start from scratch without a word."""
+    iteration = tmp_path / "ckpt" / "iter_0000006"
+    iteration.mkdir(parents=True)
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(config(load=str(iteration), iters=8), forward_step)
+    assert err.value.errors == [
+        f"checkpoint.load: {str(iteration)!r} is the directory of iteration 6, not a save directory with a tracker, "
+        f"so the run would start from scratch (set checkpoint.load={tmp_path / 'ckpt'} and checkpoint.ckpt_step=6 to "
+        f"resume from it, or checkpoint.pretrained_checkpoint={iteration} to start from its weights)"
+    ]
+    assert not torch.distributed.is_initialized()

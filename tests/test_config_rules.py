@@ -124,6 +124,18 @@ def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
     assert "the WSD decay phase (50 iterations) is longer than the whole decay (20 iterations)" in only_problem(cfg)
 
 
+def test_wsd_settings_need_the_wsd_schedule():
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="cosine", lr_wsd_decay_iters=5, lr_wsd_decay_style="linear"))
+    assert problems_of(cfg) == [
+        "scheduler.lr_wsd_decay_style: 'linear' has no effect: lr_decay_style is 'cosine', not 'WSD' "
+        "(set scheduler.lr_decay_style=WSD, or remove scheduler.lr_wsd_decay_style)",
+        "scheduler.lr_wsd_decay_iters: 5 has no effect: lr_decay_style is 'cosine', not 'WSD' "
+        "(set scheduler.lr_decay_style=WSD, or remove scheduler.lr_wsd_decay_iters)",
+    ]
+    cfg.scheduler.lr_decay_style = "WSD"
+    runtime_config_update(cfg)
+
+
 def test_warmup_not_shorter_than_decay_is_an_error():
     cfg = tiny_config(scheduler=SchedulerConfig(lr_warmup_iters=20, lr_decay_style="cosine"))
     assert only_problem(cfg) == (
@@ -339,6 +351,60 @@ def test_checkpoint_rules(tmp_path):
     assert "checkpoint.most_recent_k: must be -1 (keep all) or >= 1, got 0" in only_problem(
         tiny_config(checkpoint=CheckpointConfig(most_recent_k=0))
     )
+
+
+def test_saving_settings_without_a_save_directory_are_refused():
+    forgotten = tiny_config(checkpoint=CheckpointConfig(save_interval=5, most_recent_k=2))
+    assert problems_of(forgotten) == [
+        "checkpoint.save_interval: 5 has no effect: checkpoint.save is not set, so no checkpoint is written "
+        "(set checkpoint.save to a directory, or remove checkpoint.save_interval)",
+        "checkpoint.most_recent_k: 2 has no effect: checkpoint.save is not set, so no checkpoint is written "
+        "(set checkpoint.save to a directory, or remove checkpoint.most_recent_k)",
+    ]
+    # save=None given on purpose (e.g. `checkpoint.save=null` over a recipe) turns saving off with its schedule
+    runtime_config_update(tiny_config(checkpoint=CheckpointConfig(save=None, save_interval=5, most_recent_k=2)))
+
+
+def test_garbage_collection_settings_need_manual_gc():
+    cfg = tiny_config(train=TrainingConfig(train_iters=20, global_batch_size=8, micro_batch_size=2, manual_gc_interval=5))
+    assert only_problem(cfg) == (
+        "train.manual_gc_interval: 5 has no effect without train.manual_gc (Python's automatic garbage collection "
+        "stays on) (set train.manual_gc=true to collect garbage on this schedule, or remove train.manual_gc_interval)"
+    )
+    cfg.train.manual_gc_interval, cfg.train.manual_gc_eval = 0, False
+    assert "train.manual_gc_eval: False has no effect without train.manual_gc" in only_problem(cfg)
+    cfg.train.manual_gc, cfg.train.manual_gc_interval = True, 5
+    runtime_config_update(cfg)
+
+
+def test_an_exit_signal_needs_the_exit_signal_handler():
+    import signal
+
+    cfg = tiny_config(train=TrainingConfig(train_iters=20, global_batch_size=8, micro_batch_size=2, exit_signal=signal.SIGUSR1))
+    assert only_problem(cfg) == (
+        "train.exit_signal: SIGUSR1 has no effect without train.exit_signal_handler (no handler is installed: the "
+        "signal ends the run without a checkpoint) (set train.exit_signal_handler=true, or remove train.exit_signal)"
+    )
+    cfg.train.exit_signal_handler = True
+    runtime_config_update(cfg)
+
+
+def test_a_ckpt_step_that_no_loaded_checkpoint_has_is_refused(tmp_path):
+    empty = tmp_path / "first_run"
+    empty.mkdir()
+    assert only_problem(tiny_config(checkpoint=CheckpointConfig(load=str(empty), ckpt_step=5))) == (
+        f"checkpoint.ckpt_step: ckpt_step=5 asks for a saved iteration, but checkpoint.load={str(empty)!r} holds no "
+        "checkpoint: the run would start without it (point checkpoint.load at the run that saved iteration 5, or "
+        "remove ckpt_step)"
+    )
+    one_iteration = tmp_path / "ckpt" / "iter_0000004"
+    one_iteration.mkdir(parents=True)
+    assert only_problem(tiny_config(checkpoint=CheckpointConfig(pretrained_checkpoint=str(one_iteration), ckpt_step=2))) == (
+        f"checkpoint.ckpt_step: ckpt_step=2, but checkpoint.pretrained_checkpoint={str(one_iteration)!r} is the "
+        "directory of iteration 4 (point checkpoint.pretrained_checkpoint at the parent directory to pick an "
+        "iteration, or remove ckpt_step)"
+    )
+    runtime_config_update(tiny_config(checkpoint=CheckpointConfig(pretrained_checkpoint=str(one_iteration), ckpt_step=4)))
 
 
 def test_logger_rules():

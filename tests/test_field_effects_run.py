@@ -489,6 +489,36 @@ def test_finetuning_dataset_settings(tmp_path):
     assert train is not None and valid is None and test is None
 
 
+def test_finetuning_samples_whose_answer_is_truncated_away(tmp_path, caplog):
+    from megatron_bridge.data.builders import SampleCounts
+    from megatron_bridge.data.finetuning import build_finetuning_datasets
+    from megatron_bridge.training.config import ConfigValidationError, FinetuningDatasetConfig
+    from megatron_bridge.training.console import eval_line
+    from megatron_bridge.runtime.tokenizers.tokenizer import NullTokenizer
+
+    def build(long_prompts: int):
+        rows = [{"input": " ".join(map(str, range(1, 41 if i < long_prompts else 6))), "output": "7 8 9"} for i in range(8)]
+        (tmp_path / "training.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = FinetuningDatasetConfig(dataset_root=str(tmp_path), seq_length=16)
+        return build_finetuning_datasets(data, NullTokenizer(256), SampleCounts(train=8, valid=0, test=0))
+
+    with pytest.raises(ConfigValidationError) as err:
+        build(long_prompts=8)  # it used to train on no token at all, reporting a NaN loss
+    assert err.value.errors == [
+        "dataset.seq_length: 8 of the 8 train samples keep no answer token within dataset.seq_length=16: their "
+        "prompts fill it (raise dataset.seq_length (up to model.seq_length) or shorten the prompts)"
+    ]
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        train, _, _ = build(long_prompts=3)
+    assert sum(sum(train[i]["loss_mask"]) == 0 for i in range(8)) == 3
+    assert (
+        "3 of the 8 train samples keep no answer token within dataset.seq_length=16 (their prompts fill it): they "
+        "add nothing to the loss; raise dataset.seq_length (up to model.seq_length) or shorten the prompts"
+    ) in caplog.text
+    # a step of such samples alone has no loss: shown as NaN, and so is its perplexity (not e^20)
+    assert eval_line(2, "validation", {"lm loss": math.nan}) == "validation at iteration 2 | lm loss NAN | lm loss PPL NAN"
+
+
 def test_tokenizer_special_tokens_and_extra_ids(tmp_path):
     from text_data import train_tokenizer
 

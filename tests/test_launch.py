@@ -201,3 +201,16 @@ def test_gpu_only_settings_of_a_cpu_run_on_a_gpu_machine_point_to_the_gpus(monke
         "model.enable_cuda_graph: enable_cuda_graph=True needs a GPU (CUDA graphs) "
         "(train on the GPUs (dist.distributed_backend=auto or nccl), or leave it unset)"
     ]
+
+
+@pytest.mark.timeout(120)
+def test_slurm_checks_the_exit_signal_as_the_job_uses_it(tmp_path):
+    """The script turns train.exit_signal_handler on, so a config that leaves it unset may pick
+    its signal: the job's config is checked with the handler on."""
+    recipe = os.path.join(os.path.dirname(__file__), "factories.py") + ":tiny_config"
+    cmd = [sys.executable, "-m", "megatron_bridge", "slurm", "--recipe", recipe, "--cpu", "--nodes", "1",
+           "--gpus-per-node", "1", "--log-dir", str(tmp_path / "logs"), "-o", "-", "train.exit_signal=SIGUSR1",
+           f"checkpoint.save={tmp_path / 'ckpt'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "train.exit_signal_handler=true" in proc.stdout and "pkill -USR1" in proc.stdout

@@ -1,5 +1,6 @@
 """pretrain() in one process on CPU (gloo): real megatron-core training of a tiny GPT."""
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from factories import tiny_config
 
 from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.config import (
+    ConfigValidationError,
     DatasetProvider,
     GPTDatasetConfig,
     LoggerConfig,
@@ -320,6 +322,37 @@ def test_training_set_smaller_than_a_global_batch_is_a_clear_error():
     with pytest.raises(ValueError, match="the training set has 4 samples, fewer than one global batch of 8"):
         pretrain(cfg, forward_step)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_a_provider_without_the_splits_a_run_uses(caplog):
+    @dataclass
+    class Only(DatasetProvider):
+        train: bool = True
+
+        def build_datasets(self, context):
+            return (_Counting(context.train_samples, 32, 256) if self.train else None), None, None
+
+    no_training = tiny_config(dataset=Only(train=False, num_workers=0), validation=ValidationConfig(eval_iters=0))
+    with pytest.raises(ConfigValidationError) as err:
+        pretrain(no_training, forward_step)  # it used to end at once as a completed run
+    assert err.value.errors == [
+        "dataset: Only gives no training set (None), but train.train_iters=20 asks for training (return a training "
+        "dataset from build_datasets, or set validation.skip_train=true to only evaluate)"
+    ]
+    assert not torch.distributed.is_initialized()
+
+    no_validation = tiny_config(
+        train=TrainingConfig(train_iters=2, global_batch_size=8, micro_batch_size=4),
+        dataset=Only(num_workers=0),
+        validation=ValidationConfig(eval_interval=1, eval_iters=2),
+    )
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        assert pretrain(no_validation, forward_step).train_state.step == 2
+    assert (
+        "no validation set: Only gives none, so validation.eval_iters=2 evaluates nothing "
+        "(set validation.eval_iters=0 to run without evaluation)"
+    ) in caplog.text
 
 
 def test_forward_step_signatures_are_adapted():

@@ -9,7 +9,13 @@ from factories import tiny_config
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.runtime import cpu_backend
-from megatron_bridge.training.config import ProfilingConfig, TrainingConfig, ValidationConfig
+from megatron_bridge.training.config import (
+    ConfigValidationError,
+    ProfilingConfig,
+    TrainingConfig,
+    ValidationConfig,
+    runtime_config_update,
+)
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 from megatron_bridge.training.profiling import StepProfiler, default_profile_dir
@@ -153,3 +159,22 @@ def test_a_profiler_that_would_record_nothing_is_a_config_error(window, world_si
     assert err.value.errors == [message]
     cfg.profiling.profile_step_start, cfg.profiling.profile_step_end, cfg.profiling.profile_ranks = 5, 6, [0, 3]
     runtime_config_update(cfg, world_size=world_size)  # the last iteration, on a rank that exists
+
+
+def test_profiler_settings_without_a_profiler_are_refused():
+    cfg = tiny_config(profiling=ProfilingConfig(profile_step_start=2, profile_step_end=4, record_shapes=True))
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    any_profiler = "profiling.use_pytorch_profiler or profiling.use_nsys_profiler or profiling.record_memory_history"
+    assert err.value.errors == [
+        f"profiling.profile_step_start: 2 has no effect: no profiler that reads it is on ({any_profiler}) "
+        f"(turn on {any_profiler}, or remove profiling.profile_step_start)",
+        f"profiling.profile_step_end: 4 has no effect: no profiler that reads it is on ({any_profiler}) "
+        f"(turn on {any_profiler}, or remove profiling.profile_step_end)",
+        "profiling.record_shapes: True has no effect: no profiler that reads it is on (profiling.use_pytorch_profiler "
+        "or profiling.use_nsys_profiler) (turn on profiling.use_pytorch_profiler or profiling.use_nsys_profiler, or "
+        "remove profiling.record_shapes)",
+    ]
+    cfg.profiling.use_pytorch_profiler = True
+    runtime_config_update(cfg)
+

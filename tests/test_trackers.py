@@ -472,3 +472,20 @@ def test_tracker_process_warns_once_when_far_behind_training(monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.count("experiment trackers are") == 1
     assert re.search(r"are 6\d\d s behind training: .* leave a core free \(OMP_NUM_THREADS\)", err)
+
+
+def test_tracker_settings_without_their_tracker_are_named(caplog):
+    import logging
+
+    from megatron_bridge.training.loggers.base import NullTracker
+    from megatron_bridge.training.loggers.factory import build_tracker
+
+    cfg = tiny_config(logger=LoggerConfig(wandb_exp_name="run-a", wandb_entity="team", mlflow_tags={"a": "b"}))
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        assert isinstance(build_tracker(cfg, is_logging_rank=True), NullTracker)  # nothing is turned on
+    assert [r.getMessage() for r in caplog.records] == [
+        "logger.wandb_exp_name, logger.wandb_entity set, but logger.wandb_project is not: no W&B logging "
+        "(set logger.wandb_project to turn it on)",
+        "logger.mlflow_tags set, but logger.mlflow_experiment is not: no MLflow logging "
+        "(set logger.mlflow_experiment to turn it on)",
+    ]

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         problems.raise_if_any()
     world = args.nodes * args.gpus_per_node
     target_te = args.target_te and not args.cpu  # resolved for the nodes the job runs on, not for this machine
+    t.exit_signal_handler = True  # as the job runs it (the override above), so its exit_signal is checked as used
     resolve(cfg, world, target_te=target_te)
     job_name = args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config")  # as checked above
     notes = [

@@ -10,12 +10,14 @@ The data (`dataset.dataset_root`) is a directory with `training.jsonl` / `valida
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.data.sft_records import CHAT, SPLITS, RecordFormat, column_mapping, detect_format, record_problem, split_sources
 from megatron_bridge.models.attention import core_attention_choice
 from megatron_bridge.runtime.child_processes import worker_pool
@@ -27,6 +29,8 @@ from megatron_bridge.data.samples import EpochOrder, Sample
 if TYPE_CHECKING:
     from megatron_bridge.data.builders import SampleCounts
     from megatron_bridge.training.config import FinetuningDatasetConfig
+
+logger = logging.getLogger(__name__)
 
 
 def read_examples(path: str, prompt_key: str, answer_key: str, limit: Optional[int] = None) -> list[tuple[str, str]]:
@@ -154,6 +158,21 @@ class PromptAnswerDataset(SFTDataset):
 
 
 # ---------------------------------------------------------------------- building
+def check_loss_tokens(samples: list[Sample], split: str, seq_length: int) -> None:
+    """Samples are truncated to `seq_length`: one whose prompt fills it keeps no answer token and
+    trains nothing (a step of only such samples has no loss at all). Some such samples are
+    logged; a split of nothing but such samples is refused."""
+    # the first token is never a label: it is the input of the first prediction
+    empty = sum(1 for _, flags in samples if not flags[1:].any())
+    if not empty:
+        return
+    what = f"{empty} of the {len(samples)} {split} samples keep no answer token within dataset.seq_length={seq_length}"
+    fix = "raise dataset.seq_length (up to model.seq_length) or shorten the prompts"
+    if empty == len(samples):
+        raise ConfigValidationError(ConfigProblem("dataset.seq_length", f"{what}: their prompts fill it", fix))
+    logger.warning("%s (their prompts fill it): they add nothing to the loss; %s", what, fix)
+
+
 def build_finetuning_datasets(data: "FinetuningDatasetConfig", tokenizer: Any, counts: "SampleCounts", model: Any = None):
     """(train, valid, test) datasets from `data.dataset_root`."""
     pad_multiple, pad_to = 8, None
@@ -174,9 +193,11 @@ def build_finetuning_datasets(data: "FinetuningDatasetConfig", tokenizer: Any, c
         fmt = detect_format(source.columns(), mapping, source.describe())
         limit = data.max_train_samples if split == "train" else None
 
-        def tokenized(source=source, fmt=fmt, limit=limit) -> list[Sample]:
+        def tokenized(source=source, fmt=fmt, limit=limit, split=split) -> list[Sample]:
             records = _valid_records(source, fmt, null_vocab, limit)
-            return encode_records(records, SampleEncoder(tokenizer, fmt, data.seq_length), data.memmap_workers)
+            samples = encode_records(records, SampleEncoder(tokenizer, fmt, data.seq_length), data.memmap_workers)
+            check_loss_tokens(samples, split, data.seq_length)
+            return samples
 
         specs = data.packed_sequence_specs
         if specs is not None:

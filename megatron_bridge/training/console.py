@@ -84,5 +84,6 @@ def eval_line(step: int, split: str, metrics: Mapping[str, float]) -> str:
     parts = [f"{split} at iteration {step}"]
     for key, value in metrics.items():
         parts.append(f"{key} {value:.4E}")
-        parts.append(f"{key} PPL {math.exp(min(20.0, value)):.4E}")
+        # capped at e^20 as Megatron-LM shows it; a NaN loss (no loss tokens) has no perplexity
+        parts.append(f"{key} PPL {math.exp(min(20.0, value)) if not math.isnan(value) else math.nan:.4E}")
     return " | ".join(parts)

@@ -120,8 +120,9 @@ def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = Tru
 
 
 def check_inputs(cfg: "ConfigContainer") -> list[ConfigProblem]:
-    """A `checkpoint.load` that is not a directory, or a run directory whose `checkpoints/` holds
-    the checkpoints (either way the run would silently start from scratch); a
+    """A `checkpoint.load` that is not a directory, a run directory whose `checkpoints/` holds
+    the checkpoints, or one `iter_*` directory (each way the run would silently start from
+    scratch); a
     `pretrained_checkpoint` directory that holds no checkpoint (the run would fail at loading)."""
     problems = []
     c = cfg.checkpoint
@@ -135,6 +136,14 @@ def check_inputs(cfg: "ConfigContainer") -> list[ConfigProblem]:
         problems.append(ConfigProblem(
             "checkpoint.load", f"{c.load!r} holds no checkpoint, so the run would start from scratch, but {below!r} holds one",
             f"set checkpoint.load={below} to resume from it, or name an empty directory to start afresh",
+        ))  # fmt: skip
+    elif c.load and not _holds_checkpoint(c.load) and layout.iteration_of_dir(c.load) is not None:
+        parent, iteration = os.path.dirname(os.path.normpath(c.load)), layout.iteration_of_dir(c.load)
+        problems.append(ConfigProblem(
+            "checkpoint.load", f"{c.load!r} is the directory of iteration {iteration}, not a save directory with a "
+            "tracker, so the run would start from scratch",
+            f"set checkpoint.load={parent} and checkpoint.ckpt_step={iteration} to resume from it, or "
+            f"checkpoint.pretrained_checkpoint={c.load} to start from its weights",
         ))  # fmt: skip
     try:
         loaded = loaded_checkpoints(cfg)  # which ones a run loads, as the checkpoint manager chooses

@@ -203,6 +203,7 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
         return wrapped if num_chunks > 1 else wrapped[0]
 
     train_it = iterators(train_ds, ts.consumed_train_samples, t.micro_batch_size, t.global_batch_size, counts.train, "train")
+    _check_splits_asked_for(cfg, state, train_ds, valid_ds)
     valid_it = test_it = None
     if v.eval_iters:
         valid_it = iterators(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size, v.eval_global_batch_size, counts.valid, "valid")
@@ -212,6 +213,24 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     ts.do_valid = valid_it is not None
     ts.do_test = test_it is not None
     return train_it, valid_it, test_it
+
+
+def _check_splits_asked_for(cfg: ConfigContainer, state: GlobalState, train_ds: Any, valid_ds: Any) -> None:
+    """A dataset may leave out splits (None), but not the training set of a run that trains: the
+    run would end at once as if complete. A missing validation set only skips evaluation: said
+    once, with the setting that says so."""
+    ts, t, v = state.train_state, cfg.train, cfg.validation
+    kind = type(cfg.dataset).__name__
+    if train_ds is None and not v.skip_train and ts.step < t.train_iters:
+        raise ConfigValidationError(ConfigProblem(
+            "dataset", f"{kind} gives no training set (None), but train.train_iters={t.train_iters} asks for training",
+            "return a training dataset from build_datasets, or set validation.skip_train=true to only evaluate",
+        ))  # fmt: skip
+    if valid_ds is None and v.eval_iters and state.is_logging_rank:
+        logger.warning(
+            "no validation set: %s gives none, so validation.eval_iters=%d evaluates nothing "
+            "(set validation.eval_iters=0 to run without evaluation)", kind, v.eval_iters,
+        )
 
 
 def check_outputs_and_lock(cfg: ConfigContainer, state: GlobalState) -> None:

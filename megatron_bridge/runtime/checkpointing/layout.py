@@ -25,6 +25,12 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def iteration_of_dir(path: str) -> Optional[int]:
+    """The iteration of an `iter_*` checkpoint directory, or None for any other path."""
+    match = _ITER_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match and os.path.isdir(path) else None
+
+
 def read_tracker(root: str) -> Optional[int]:
     """The latest complete iteration recorded in `root`, or None."""
     path = os.path.join(root, TRACKER_FILE)

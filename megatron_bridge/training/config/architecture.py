@@ -1,7 +1,8 @@
-"""A validation rule: the checkpoints a run loads weights from were saved with the config's model
-architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
-built), and their pickled files name nothing but checkpoint data. The same fields are checked
-again when the weights are loaded (`megatron_bridge.training.checkpointing.compat`)."""
+"""Validation rules on the checkpoints a run loads weights from: they were saved with the config's
+model architecture (`check_loaded_architectures`, from their run_config.yaml, before anything is
+built), their pickled files name nothing but checkpoint data, and a `ckpt_step` names an
+iteration that one of them is loaded from (`check_ckpt_step_is_loaded`). The architecture is
+checked again when the weights are loaded (`megatron_bridge.training.checkpointing.compat`)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,39 @@ def loaded_checkpoints(cfg: Any) -> list[tuple[str, str, Optional[int]]]:
     if resume:
         found.append(("checkpoint.load", c.load, c.ckpt_step))
     return found
+
+
+def check_ckpt_step_is_loaded(cfg: Any, problems: Problems) -> None:
+    """`ckpt_step` picks the iteration of a checkpoint of ours that the run loads. When the run
+    loads none (`load` holds no checkpoint yet, and `pretrained_checkpoint` is unset or a Hugging
+    Face directory), it would start from scratch as if the step had not been asked for; when the
+    path is one `iter_*` directory, that directory's iteration is loaded, not the step."""
+    c = cfg.checkpoint
+    if c.ckpt_step is None or not (c.load or c.pretrained_checkpoint):
+        return  # nothing to load at all: the checkpoint section reports it
+    stepped = [(field, path) for field, path, step in loaded_checkpoints(cfg) if step is not None]
+    if not stepped:
+        where = [f"checkpoint.load={c.load!r} holds no checkpoint"] if c.load else []
+        if c.pretrained_checkpoint:
+            where.append(f"checkpoint.pretrained_checkpoint={c.pretrained_checkpoint!r} is a Hugging Face directory")
+        problems.add(
+            "checkpoint.ckpt_step",
+            f"ckpt_step={c.ckpt_step} asks for a saved iteration, but {' and '.join(where)}: the run would start "
+            "without it",
+            f"point checkpoint.load at the run that saved iteration {c.ckpt_step}, or remove ckpt_step",
+        )
+        return
+    for field, path in stepped:
+        try:
+            iteration = resolve(path, c.ckpt_step)[1]
+        except (OSError, ValueError):
+            continue  # no such iteration there: reported, with the ones there are, when it is loaded
+        problems.check(
+            iteration == c.ckpt_step,
+            "checkpoint.ckpt_step",
+            f"ckpt_step={c.ckpt_step}, but {field}={path!r} is the directory of iteration {iteration}",
+            f"point {field} at the parent directory to pick an iteration, or remove ckpt_step",
+        )
 
 
 def check_loaded_architectures(cfg: Any, problems: Problems) -> None:

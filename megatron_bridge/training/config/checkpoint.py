@@ -27,7 +27,8 @@ class CheckpointConfig(ConfigBase):
     """Directory to save checkpoints to (None: never save)."""
 
     save_interval: Optional[int] = field(None, range=INTERVAL)
-    """Save every N iterations (a checkpoint is also saved at the end of training and on exit)."""
+    """Save every N iterations into `save` (a checkpoint is also saved at the end of training and
+    on exit); refused when `save` is not given."""
 
     save_optim: bool = True
     """Save optimizer state."""
@@ -37,8 +38,8 @@ class CheckpointConfig(ConfigBase):
 
     load: Optional[str] = None
     """Directory to resume from: its latest complete checkpoint, or `ckpt_step` (a directory
-    without checkpoints starts the run from scratch; a file, or a run directory whose
-    `checkpoints/` holds them, is refused before the run starts)."""
+    without checkpoints starts the run from scratch; a file, one `iter_*` directory, or a run
+    directory whose `checkpoints/` holds them, is refused before the run starts)."""
 
     load_optim: bool = True
     """Load optimizer state when resuming."""
@@ -173,6 +174,7 @@ class CheckpointConfig(ConfigBase):
 
     def _finalize(self, problems: Problems) -> None:
         p = problems
+        self._check_saving_settings(p)
         if self.async_save:
             p.check(self.save is not None, "async_save", "async_save needs a save directory", "set checkpoint.save")
             p.check(
@@ -214,3 +216,17 @@ class CheckpointConfig(ConfigBase):
                     f"{self.custom_manager_class!r} is not a class",
                     "name a class implementing save / load / finalize_async_saves",
                 )
+
+    def _check_saving_settings(self, problems: Problems) -> None:
+        """How often to save and how many saves to keep mean nothing without a save directory.
+        Reported when `save` was never given (a forgotten directory: the run would write no
+        checkpoint at all); a `save` set to None on purpose turns saving off with its settings."""
+        if self.save is not None or self.is_explicit("save"):
+            return
+        for name, value, default in (("save_interval", self.save_interval, None), ("most_recent_k", self.most_recent_k, -1)):
+            problems.check(
+                value == default,
+                name,
+                f"{value} has no effect: checkpoint.save is not set, so no checkpoint is written",
+                f"set checkpoint.save to a directory, or remove checkpoint.{name}",
+            )

@@ -91,7 +91,8 @@ class TrainingConfig(ConfigBase):
     all ranks pause together instead of at random times."""
 
     manual_gc_interval: int = field(0, range=STEPS)
-    """Iterations between manual garbage collections (0: only before evaluations, see manual_gc_eval)."""
+    """Iterations between garbage collections under manual_gc (0: only before evaluations, see
+    manual_gc_eval); without manual_gc it is refused, as it would do nothing."""
 
     manual_gc_eval: bool = True
     """With manual_gc, also collect garbage before each evaluation."""
@@ -155,6 +156,20 @@ class TrainingConfig(ConfigBase):
                 f"use at least {gbs} samples",
             ):
                 self._derive("train_iters", iters)
+        for name, default in (("manual_gc_interval", 0), ("manual_gc_eval", True)):
+            problems.check(
+                self.manual_gc or getattr(self, name) == default,
+                name,
+                f"{getattr(self, name)} has no effect without train.manual_gc (Python's automatic garbage collection stays on)",
+                f"set train.manual_gc=true to collect garbage on this schedule, or remove train.{name}",
+            )
+        problems.check(
+            self.exit_signal_handler or self.exit_signal == signal.SIGTERM,
+            "exit_signal",
+            f"{getattr(self.exit_signal, 'name', self.exit_signal)} has no effect without train.exit_signal_handler "
+            "(no handler is installed: the signal ends the run without a checkpoint)",
+            "set train.exit_signal_handler=true, or remove train.exit_signal",
+        )
         sig = self.exit_signal
         problems.check(
             sig in PREEMPTION_SIGNALS,

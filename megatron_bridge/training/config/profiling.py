@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -55,6 +56,7 @@ class ProfilingConfig(ConfigBase):
             "use_nsys_profiler and use_pytorch_profiler are both on",
             "enable one profiler at a time",
         )
+        self._check_settings_of_profilers_that_are_off(problems)
         if self.use_nsys_profiler or self.use_pytorch_profiler or self.record_memory_history:
             # profile_step_start and profile_ranks are >= 0 by their declared ranges
             problems.check(
@@ -63,6 +65,29 @@ class ProfilingConfig(ConfigBase):
                 f"profile_step_end ({self.profile_step_end}) must be greater than "
                 f"profile_step_start ({self.profile_step_start})",
                 "set profiling.profile_step_end above profile_step_start",
+            )
+
+    def _check_settings_of_profilers_that_are_off(self, problems: Problems) -> None:
+        """The window, ranks and outputs are read only by the profilers that use them: set while
+        those are off, nothing would be profiled and nothing would say why."""
+        any_profiler = ("use_pytorch_profiler", "use_nsys_profiler", "record_memory_history")
+        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(self)}
+        for name, switches in (
+            ("profile_step_start", any_profiler),
+            ("profile_step_end", any_profiler),
+            ("profile_ranks", any_profiler),
+            ("profile_dir", ("use_pytorch_profiler",)),
+            ("record_shapes", ("use_pytorch_profiler", "use_nsys_profiler")),
+            ("memory_snapshot_path", ("record_memory_history",)),
+        ):
+            value = getattr(self, name)
+            if value == defaults[name] or any(getattr(self, s) for s in switches):
+                continue
+            named = " or ".join(f"profiling.{s}" for s in switches)
+            problems.add(
+                name,
+                f"{value!r} has no effect: no profiler that reads it is on ({named})",
+                f"turn on {named}, or remove profiling.{name}",
             )
 
 

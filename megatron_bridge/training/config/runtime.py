@@ -23,7 +23,7 @@ from megatron_bridge.models.experts import adapt_expert_mlp
 from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.models.vocab import derive_vocab_size
 from megatron_bridge.peft.apply import check_config as check_peft_config
-from megatron_bridge.training.config.architecture import check_loaded_architectures
+from megatron_bridge.training.config.architecture import check_ckpt_step_is_loaded, check_loaded_architectures
 from megatron_bridge.training.config.profiling import check_profiled_window
 from megatron_bridge.training.config import checks, env_vars, run_rules as run_schedule
 from megatron_bridge.runtime import cpu_backend
@@ -245,6 +245,7 @@ RULES: tuple[Rule, ...] = (
     Rule("adapters", "check", check_peft_config),
     Rule("Hugging Face weights", "check", checks.check_hugging_face),
     Rule("checkpoint architecture", "check", check_loaded_architectures),
+    Rule("checkpoint step", "check", check_ckpt_step_is_loaded),
     Rule("vocabulary", "check", checks.check_vocab),
     Rule("logger outputs", "check", checks.check_logger_outputs),
     Rule("environment variables", "check", check_env_vars),

@@ -107,7 +107,15 @@ class SchedulerConfig(ConfigBase):
                 "lr_warmup_fraction is set together with lr_warmup_iters/lr_warmup_samples",
                 "set only one way of giving the warmup length",
             )
-        if self.lr_decay_style == "WSD":
+        if self.lr_decay_style != "WSD":
+            for name, default in (("lr_wsd_decay_style", "exponential"), ("lr_wsd_decay_iters", None), ("lr_wsd_decay_samples", None)):
+                problems.check(
+                    getattr(self, name) == default,
+                    name,
+                    f"{getattr(self, name)!r} has no effect: lr_decay_style is {self.lr_decay_style!r}, not 'WSD'",
+                    f"set scheduler.lr_decay_style=WSD, or remove scheduler.{name}",
+                )
+        else:
             problems.check(
                 bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
                 "lr_wsd_decay_iters",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import sys
@@ -100,11 +101,37 @@ def tracker_specs(cfg: "ConfigContainer") -> list[TrackerSpec]:
     return specs
 
 
+BACKEND_SETTINGS = {
+    "tensorboard_dir": ("TensorBoard", ("tensorboard_log_interval", "tensorboard_queue_size")),
+    "wandb_project": ("W&B", ("wandb_exp_name", "wandb_save_dir", "wandb_entity")),
+    "mlflow_experiment": ("MLflow", ("mlflow_run_name", "mlflow_tracking_uri", "mlflow_tags", "mlflow_log_checkpoints")),
+    "comet_project": ("Comet", ("comet_experiment_name", "comet_workspace", "comet_tags", "comet_offline_directory")),
+}
+"""The setting that turns each tracker on, and the settings that only that tracker reads."""
+
+
+def unused_backend_settings(log: Any) -> list[str]:
+    """What a `LoggerConfig` sets for a tracker that it does not turn on (a run name given, the
+    project forgotten): one line per tracker, naming the setting that would turn it on."""
+    defaults = {f.name: f.default for f in dataclasses.fields(log)}
+    lines = []
+    for switch, (what, names) in BACKEND_SETTINGS.items():
+        if getattr(log, switch):
+            continue
+        changed = [n for n in names if getattr(log, n) != defaults[n]]
+        if changed:
+            shown = ", ".join(f"logger.{n}" for n in changed)
+            lines.append(f"{shown} set, but logger.{switch} is not: no {what} logging (set logger.{switch} to turn it on)")
+    return lines
+
+
 def build_tracker(cfg: "ConfigContainer", is_logging_rank: bool) -> Tracker:
     """The configured trackers on the logging rank (in a helper process unless
     `logger.tracker_subprocess` is off); a `NullTracker` elsewhere and when none is configured."""
     if not is_logging_rank:
         return NullTracker()
+    for line in unused_backend_settings(cfg.logger):
+        logger.warning(line)
     specs = tracker_specs(cfg)
     if not specs:
         return NullTracker()
