@@ -360,3 +360,13 @@ def test_a_hugging_face_base_with_a_long_context_fine_tunes_at_4096_tokens_unles
     assert (f"seq_length 4096: {source} allows 131072 positions" in caplog.text) == (context > 4096)
     told = recipes.tiny_gpt_finetune_config(dir=tmp_path, dataset_root=tmp_path, pretrained=source, seq_length=8192)
     assert told.model.seq_length == told.dataset.seq_length == 8192
+    # past the positions the model was trained on: said, not refused (a context may be extended on purpose)
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.models.hf.checks import check_pretrained
+
+    caplog.clear()
+    problems = Problems()
+    check_pretrained(told, problems)
+    assert not problems
+    beyond = f"model.seq_length 8192 is beyond the {context} positions of the Hugging Face model in {source}"
+    assert (beyond in caplog.text) == (context < 8192)

@@ -62,6 +62,12 @@ def check_pretrained(cfg: "ConfigContainer", problems: Problems) -> None:
             f"{show(mine)}, but the Hugging Face model in {directory} has {show(theirs)}",
             f"build the model with GPTModelProvider.from_hf({directory!r}) (or set model.{name}={theirs!r})",
         )
+    if cfg.model.seq_length > reference.seq_length:
+        logger.warning(
+            "model.seq_length %d is beyond the %d positions of the Hugging Face model in %s: the model never saw "
+            "positions past them (set model.seq_length and dataset.seq_length to at most %d, unless you extend "
+            "its context on purpose)", cfg.model.seq_length, reference.seq_length, directory, reference.seq_length,
+        )  # fmt: skip
 
 
 def pretrained_vocab_size(cfg: "ConfigContainer") -> Optional[int]:
