@@ -153,7 +153,7 @@ def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> 
         base = resolve(given)
         if base.kind == ADAPTERS:
             raise SourceError(f"--base {given!r} holds adapters too; the base is a complete model")
-        from megatron_bridge.training.config.architecture import base_mismatch  # reads config.json with the model code
+        from megatron_bridge.models.saved_architecture import base_mismatch  # megatron-core: only for --base
 
         mismatch = base_mismatch(config.section("model"), given)
         if mismatch:

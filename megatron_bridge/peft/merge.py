@@ -14,7 +14,9 @@ import os
 import shutil
 from typing import Any, Optional
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
+from megatron_bridge.config.serialization import to_dict
 from megatron_bridge.models.hf.files import check_replaceable, copy_hf_assets, hf_origin
+from megatron_bridge.models.saved_architecture import base_mismatch
 from megatron_bridge.runtime.checkpointing import layout, weights
 from megatron_bridge.runtime.checkpointing.results_queue import use_results_queue
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
@@ -44,9 +46,6 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
 def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
     """The base weights the adapters were trained on (or `base` when given)."""
     if base is not None:
-        from megatron_bridge.config.serialization import to_dict
-        from megatron_bridge.training.config.architecture import base_mismatch
-
         mismatch = base_mismatch(to_dict(cfg.model), base)
         if mismatch:
             raise ValueError(f"--base {mismatch}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from megatron_bridge.config.serialization import ConfigEncoder
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
-from megatron_bridge.training.config.architecture import ARCHITECTURE_FIELDS
+from megatron_bridge.models.saved_architecture import ARCHITECTURE_FIELDS
 
 
 class CheckpointMismatchError(ValueError):
