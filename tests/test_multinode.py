@@ -243,6 +243,26 @@ def test_slurm_script_for_gpus_with_container(tmp_path, capsys, caplog):
     assert " optimizer.lr=1e-4 " in text and " train.exit_signal_handler=true )" in text
     assert "# plan on H100 80GB: fits" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0  # valid shell
+    assert f"#SBATCH --chdir={os.getcwd()}\n" in text  # relative paths mean paths here, wherever sbatch runs
+
+
+@pytest.mark.timeout(120)
+def test_slurm_script_runs_where_it_was_written_or_says_to_submit_from_there(tmp_path):
+    """`#SBATCH --chdir` pins the directory the script's relative paths (runs/, slurm_logs/) were
+    meant in; `cd jobs && sbatch ../t.sbatch` put them elsewhere. A directory an #SBATCH value
+    cannot hold is named in a comment instead."""
+    from factories import source_tree_env
+
+    for name in ("plain", "with space"):
+        here = tmp_path / name
+        here.mkdir()
+        argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "2", "--gpus-per-node", "1", "--cpu", "-o", "-"]
+        out = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=here, capture_output=True, text=True,
+                             timeout=100, env=source_tree_env())  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        chdir = f"#SBATCH --chdir={here}\n"
+        note = f"# submit this script from {here}: its relative paths and log directory mean paths there\n"
+        assert (chdir in out.stdout, note in out.stdout) == ((True, False) if name == "plain" else (False, True))
 
 
 @pytest.mark.parametrize(

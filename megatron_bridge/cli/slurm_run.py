@@ -9,7 +9,7 @@ import re
 import shlex
 import signal
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from megatron_bridge.cli import source
 from megatron_bridge.cli.dry_run import for_target, resolve
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             notes += _plan_notes(cfg, args.gpu, job_name)
     command = _command(args, mode, extra)
     _check_printable([args.container, args.container_mounts, *command])
+    workdir = _workdir(notes)
     job = SlurmJob(
         command=command,
         nodes=args.nodes,
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         python=args.python or ("python" if args.container else sys.executable),
         cpu=args.cpu,
         header_notes=notes,
+        workdir=workdir,
     )
     text = render(job)
     if args.output == "-":
@@ -193,3 +195,14 @@ def _plan_notes(cfg: Any, gpu: str, label: str) -> list[str]:
     if not p.fits:
         print(f"mbridge slurm: warning: {line}", file=sys.stderr)
     return [line]
+
+
+def _workdir(notes: list[str]) -> Optional[str]:
+    """This directory, for `#SBATCH --chdir`: the script's relative paths mean paths here. A
+    directory an #SBATCH value cannot hold (whitespace) is left out, with a note to submit from it."""
+    here = os.getcwd()
+    if any(c.isspace() or not c.isprintable() for c in here):
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in here)
+        notes.append(f"submit this script from {shown}: its relative paths and log directory mean paths there")
+        return None
+    return here

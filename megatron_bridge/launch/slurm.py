@@ -53,6 +53,9 @@ class SlurmJob:
     """No GPUs requested (processes per node = gpus_per_node)."""
     header_notes: list[str] = field(default_factory=list)
     """Comment lines put at the top (the plan, the command that wrote the script)."""
+    workdir: Optional[str] = None
+    """The directory the job runs in (`#SBATCH --chdir`): where the command's relative paths and
+    `log_dir` were meant, whatever directory the script is submitted from."""
 
 
 def render(job: SlurmJob) -> str:
@@ -68,6 +71,8 @@ def render(job: SlurmJob) -> str:
     for flag, value in (("partition", job.partition), ("account", job.account), ("time", job.time)):
         if value:
             sb.append(f"#SBATCH --{flag}={value}")
+    if job.workdir:
+        sb.append(f"#SBATCH --chdir={job.workdir}")
     sb += [
         f"#SBATCH --output={job.log_dir}/%x-%j.out",
         "#SBATCH --open-mode=append",
