@@ -33,6 +33,7 @@ from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TEXT_TOKENIZER_TYPES, TokenizerConfig
 from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from megatron_bridge.runtime import json_input
+from megatron_bridge.runtime.writable import unwritable_reason
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
@@ -375,10 +376,10 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError(f"--output-prefix: {out_dir!r} is not a directory (choose a prefix in a directory)")
     source = input_split(options.input, options.split)
     chunks = plan_chunks(source)
-    try:
-        os.makedirs(out_dir, exist_ok=True)  # made only once the input and tokenizer are known good
-    except OSError as exc:
-        raise PreprocessError(f"--output-prefix: cannot create the directory {out_dir!r}: {exc.strerror}") from None
+    # made (and a file written there) only once the input and tokenizer are known good
+    unwritable = unwritable_reason(out_dir, create=True)
+    if unwritable:
+        raise PreprocessError(f"--output-prefix: {unwritable} (choose a prefix in a directory you can write)")
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {key: IndexedDatasetWriter(output_prefix(options, key), dtype) for key in options.json_keys}
     skipped = dict.fromkeys(options.json_keys, 0)

@@ -13,13 +13,12 @@ import errno
 import logging
 import os
 import shutil
-import stat
-import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem
 from megatron_bridge.config.paths import file_kind
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.writable import unwritable_reason
 from megatron_bridge.training.config.architecture import loaded_checkpoints
 from megatron_bridge.training.profiling import default_profile_dir
 from megatron_bridge.models import count_parameters
@@ -53,59 +52,6 @@ def output_dirs(cfg: "ConfigContainer", logging_rank: bool = True) -> list[tuple
     if cfg.profiling.use_pytorch_profiler:
         out.append(("profiling.profile_dir", default_profile_dir(cfg)))
     return out
-
-
-def unwritable_reason(path: str, create: bool) -> Optional[str]:
-    """Why files cannot be written into directory `path`, or None. With `create`, the directory
-    is created and a probe file written and removed (the only test that is exact, e.g. for root on
-    a read-only filesystem); otherwise only permissions and mount flags are inspected."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path):
-        mode = os.stat(path).st_mode
-        if not stat.S_ISDIR(mode):
-            kind = "a file" if stat.S_ISREG(mode) else "a device or special file" if not stat.S_ISLNK(mode) else "a link"
-            return f"{path} is {kind}, not a directory"
-        existing = path
-    else:
-        existing = os.path.dirname(path)
-        while existing and not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if existing and not os.path.isdir(existing):
-            return f"{path} lies under {existing}, which is a file, not a directory"
-    long_name = _name_too_long(path, existing)
-    if long_name:
-        return long_name
-    if not create:
-        if not os.access(existing, os.W_OK | os.X_OK):
-            return f"{existing} is not writable by this user"
-        try:
-            if os.statvfs(existing).f_flag & os.ST_RDONLY:
-                return f"{existing} is on a read-only filesystem"
-        except OSError:
-            pass
-        return None
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"{path} cannot be written: {exc.strerror or exc}"
-    return None
-
-
-def _name_too_long(path: str, existing: str) -> Optional[str]:
-    """Why a name in `path` is longer than the filesystem of its nearest existing directory
-    `existing` stores, or None."""
-    try:
-        limit = os.pathconf(existing or "/", "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    for part in path.split(os.sep):
-        size = len(os.fsencode(part))
-        if size > limit:
-            return f"{path}: the name {part[:40]!r}... is {size} bytes, over the {limit} bytes its filesystem allows"
-    return None
 
 
 def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
