@@ -182,12 +182,15 @@ def test_a_stale_lock_of_a_killed_job_is_taken_over(tmp_path, caplog):
     assert not (save / lock.LOCK_FILE).exists()  # released at the end
 
 
-def _run_on_small_tmpfs(tmp_path, size):
+def _run_on_small_tmpfs(tmp_path, size, *args, then=""):
+    """Train on a private tmpfs of `size` (`args`: more options of train_tiny.py); `then`: a shell
+    command run after it, while the tmpfs is still mounted ($CKPT is the save directory)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    script = " ".join(
-        [f"mount -t tmpfs -o size={size} tmpfs {mount} &&", "exec", *_script("--iters", "4", "--save", str(mount / "ckpt"), "--out", str(tmp_path / "o"))]
-    )
+    train = _script("--iters", "4", "--save", str(mount / "ckpt"), "--out", str(tmp_path / "o"), *args)
+    script = " ".join([f"mount -t tmpfs -o size={size} tmpfs {mount} &&", "exec", *train])
+    if then:
+        script = " ".join([f"mount -t tmpfs -o size={size} tmpfs {mount} &&", *train, f"; status=$?; CKPT={mount / 'ckpt'}; {then}; exit $status"])
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
         pytest.skip("needs unshare -m to mount a private tmpfs")
     return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=_env(), timeout=240)
@@ -201,6 +204,25 @@ def test_a_save_that_runs_out_of_space_says_so(tmp_path):
     assert "KiB free, but one checkpoint of this model takes about" in output  # the preflight warning
     assert "saving the checkpoint of iteration 4 to" in output and "no space left on the device" in output
     assert "one checkpoint takes about" in output
+
+
+@pytest.mark.timeout(300)
+def test_space_for_the_checkpoints_kept_at_once_is_checked_and_a_failed_save_frees_its_space(tmp_path):
+    """Room for one checkpoint but not two, with most_recent_k=1: the second save needs both at
+    once (the old one is deleted only after the new one is complete). The preflight says so before
+    training; the save that fails removes what it wrote and leaves the tracker at the first one."""
+    result = _run_on_small_tmpfs(
+        tmp_path, "2400k", "--save-interval", "2", "--most-recent-k", "1",
+        then='ls -a "$CKPT"; echo "tracker=$(cat "$CKPT"/latest_checkpointed_iteration.txt)"',
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "this run holds up to 2 new checkpoints of about" in output, output[-3000:]
+    assert "(checkpoint.most_recent_k=1 kept, plus the one being written)" in output
+    assert "saving the checkpoint of iteration 4 to" in output and "partly written one removed" in output
+    listing = result.stdout.split()
+    assert "iter_0000002" in listing and "tracker=2" in listing, result.stdout[-2000:]
+    assert not [name for name in listing if name.endswith(".incomplete")], result.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)

@@ -122,7 +122,8 @@ def checkpoint_bytes(cfg: "ConfigContainer") -> int:
 
 
 def free_space_warning(cfg: "ConfigContainer") -> Optional[str]:
-    """A warning when the save directory's filesystem has less free space than one checkpoint."""
+    """A warning when the save directory's filesystem has less free space than the new
+    checkpoints this run holds there at once (`new_checkpoints_at_once`)."""
     save = cfg.checkpoint.save
     if not save:
         return None
@@ -132,14 +133,39 @@ def free_space_warning(cfg: "ConfigContainer") -> Optional[str]:
     try:
         free = shutil.disk_usage(existing).free
         needed = checkpoint_bytes(cfg)
+        count, why = new_checkpoints_at_once(cfg)
     except (OSError, ValueError):
         return None
-    if needed and free < needed:
+    if not needed or free >= needed * count:
+        return None
+    if free < needed:
         return (
             f"checkpoint.save: {save} has {human_bytes(free)} free, but one checkpoint of this model takes "
             f"about {human_bytes(needed)}; saves will fail unless space is freed"
         )
-    return None
+    return (
+        f"checkpoint.save: {save} has {human_bytes(free)} free, but this run holds up to {count} new checkpoints "
+        f"of about {human_bytes(needed)} each there at once ({why}), {human_bytes(needed * count)} in all; "
+        "a save partway through the run will fail unless space is freed or checkpoint.most_recent_k is lowered"
+    )
+
+
+def new_checkpoints_at_once(cfg: "ConfigContainer") -> tuple[int, str]:
+    """(the most checkpoints this run adds to its save directory that exist at the same time, why).
+    A checkpoint is written before the old ones beyond `most_recent_k` are deleted, so k kept
+    ones plus the one being written exist at once; the complete checkpoints already there count
+    towards the k. With most_recent_k=-1 every save of the run is kept."""
+    c, t = cfg.checkpoint, cfg.train
+    start = layout.read_tracker(c.save) or 0  # a run resumes where its own checkpoints end
+    interval = c.save_interval
+    saves = 1
+    if interval and t.train_iters:  # interval saves, and one at the end when it is not one of them
+        saves = max(t.train_iters // interval - start // interval + (1 if t.train_iters % interval else 0), 1)
+    if c.most_recent_k is None or c.most_recent_k < 1:
+        return saves, f"checkpoint.most_recent_k={c.most_recent_k} keeps all {saves} saves"
+    present = len(layout.complete_iterations(c.save))
+    count = max(1, min(saves, c.most_recent_k + 1 - present))
+    return count, f"checkpoint.most_recent_k={c.most_recent_k} kept, plus the one being written"
 
 
 def human_bytes(n: float) -> str:
@@ -179,6 +205,6 @@ def out_of_space_error(cfg: "ConfigContainer", iteration: int, exc: BaseExceptio
     return CheckpointSpaceError(
         errno.ENOSPC,
         f"saving the checkpoint of iteration {iteration} to {save} failed: no space left on the device "
-        f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact; "
-        f"free space or point checkpoint.save elsewhere, then resume. ({type(exc).__name__}: {str(exc)[:200]})",
+        f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact and the "
+        f"partly written one removed; free space or point checkpoint.save elsewhere, then resume. ({type(exc).__name__}: {str(exc)[:200]})",
     )

@@ -327,12 +327,18 @@ def _spread_note(load_strategy: Any) -> str:
 
 @contextlib.contextmanager
 def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
-    """Re-raise a write that failed for lack of space as one that says so, with the numbers."""
+    """Re-raise a write that failed for lack of space as one that says so, with the numbers. The
+    partly written checkpoint is removed: left there, it would hold on to the space that the
+    user frees to resume."""
     try:
         yield
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and preflight.is_out_of_space(exc):
-            raise preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc) from exc
+            error = preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc)  # the space when it failed
+            if iteration is not None:
+                staging = layout.iteration_dir(config.checkpoint.save, iteration) + layout.INCOMPLETE_SUFFIX
+                shutil.rmtree(staging, ignore_errors=True)
+            raise error from exc
         raise
 
 
