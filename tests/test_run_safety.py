@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -16,8 +17,9 @@ from factories import source_tree_env, tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training import build
+from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import lock, read_tracker
-from megatron_bridge.training.config import TrainingConfig, ValidationConfig
+from megatron_bridge.training.config import DatasetProvider, TrainingConfig, ValidationConfig
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 
@@ -316,6 +318,59 @@ def _signal_after_steps(tmp_path, sig, times, steps=3):
     finally:
         _kill_session(job)
     return job.returncode, "".join(lines) + rest, save, out
+
+
+def _terminate_this_process() -> None:
+    """SIGTERM to this process, as a preemption sends it, once the run's handler is installed
+    (without one the signal would end the test session)."""
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), "no exit-signal handler installed"
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass
+class _PreemptedWhileBuilt(DatasetProvider):
+    """Random token windows; SIGTERM arrives while they are built (during the run's setup)."""
+
+    seq_length: int = 32
+
+    def build_datasets(self, context):
+        import torch
+
+        _terminate_this_process()
+        texts = torch.randint(0, 256, (context.train_samples, 33), generator=torch.Generator().manual_seed(0))
+        windows = [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(32), "position_ids": torch.arange(32)} for t in texts]
+        return windows, None, None
+
+
+class _PreemptedDuringEvaluation(Callback):
+    def on_eval_start(self, state):
+        _terminate_this_process()
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_during_setup_stops_the_run_before_it_trains(tmp_path, caplog):
+    cfg = _config(str(tmp_path / "ckpt"), iters=50)
+    cfg.dataset = _PreemptedWhileBuilt(num_workers=0)
+    cfg.train.exit_signal_handler = True
+    caplog.set_level("INFO", logger="megatron_bridge")
+    state = pretrain(cfg, forward_step)
+    assert state.train_state.step == 0
+    assert "training stopped at iteration 0: exit signal received before the first iteration" in caplog.text
+    assert read_tracker(str(tmp_path / "ckpt")) is None  # nothing trained: nothing saved
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_during_evaluation_stops_it_and_saves_at_once(tmp_path, caplog):
+    cfg = _config(str(tmp_path / "ckpt"), iters=50)
+    cfg.validation = ValidationConfig(eval_interval=2, eval_iters=40)
+    cfg.train.exit_signal_handler = True
+    caplog.set_level("INFO", logger="megatron_bridge")
+    state = pretrain(cfg, forward_step, callbacks=[_PreemptedDuringEvaluation()])
+    assert state.train_state.step == 2 and read_tracker(str(tmp_path / "ckpt")) == 2
+    assert state.train_state.consumed_valid_samples == 0, "evaluation went on after the signal"
+    assert "evaluation stopped after 0 of 40 batches: exit signal received" in caplog.text
+    assert "training stopped at iteration 2: exit signal received" in caplog.text
 
 
 @pytest.mark.timeout(300)

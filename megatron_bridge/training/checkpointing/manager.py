@@ -393,10 +393,10 @@ class Checkpointer:
         if self.config.checkpoint.async_save:
             self.manager.finalize_async_saves(blocking=False)
 
-    def finalize(self, run: "Run") -> None:
-        """Save the final state (if not saved yet) and wait for background saves; with
+    def finalize(self, run: "Run", save: bool = True) -> None:
+        """Save the final state (if not saved yet, and `save`) and wait for background saves; with
         `checkpoint.save_hf`, write the trained model as a Hugging Face directory too."""
-        if run.state.train_state.do_train:
+        if save and run.state.train_state.do_train:
             self.manager.save(run, "end of training")
         self.manager.finalize_async_saves(blocking=True)
         if self.config.checkpoint.save_hf and run.state.train_state.step >= self.config.train.train_iters:
