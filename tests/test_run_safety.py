@@ -413,6 +413,25 @@ def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
     assert "mbridge pretrain: interrupted." in output and "Traceback" not in output
 
 
+@pytest.mark.timeout(300)
+def test_a_run_whose_stdout_reader_ends_trains_on_without_tracebacks(tmp_path):
+    """`mbridge pretrain ... | head -1`: the pipe's reader ends after one line; the run goes on to
+    its checkpoint, saying once on stderr that its console lines are dropped."""
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path),
+           "train.train_iters=3", "logger.log_interval=1", "validation.eval_iters=1", "~logger.tensorboard_dir"]  # fmt: skip
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        job.stdout.readline()
+        job.stdout.close()  # as `head -1` exits
+        _, stderr = job.communicate(timeout=200)
+    finally:
+        _kill_session(job)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "Logging error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "stdout was closed (the reader of its pipe ended); training goes on without console lines" in stderr
+    assert read_tracker(str(tmp_path / "tiny_gpt_pretrain" / "checkpoints")) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killing_the_launcher_stops_every_process_of_the_job(tmp_path):

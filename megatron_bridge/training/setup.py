@@ -17,6 +17,7 @@ from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.callbacks import Callback, CallbackList
 from megatron_bridge.runtime.child_processes import die_with_parent
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
+from megatron_bridge.training.console import ConsoleHandler
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.runtime.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
@@ -104,7 +105,7 @@ def configure_logging(state: GlobalState) -> None:
     level = cfg.logging_level if cfg.logging_level is not None else logging.INFO
     ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
     if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = ConsoleHandler(sys.stdout)
         # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
         handler._mb_console = True  # type: ignore[attr-defined]
