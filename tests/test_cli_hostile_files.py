@@ -146,7 +146,7 @@ def _read_only_prefix() -> list[str] | None:
 
 
 def _output_cases(work: str, checkpoint: str) -> dict[str, tuple[list[str], None]]:
-    """Commands writing into a read-only directory, or under a file."""
+    """Commands writing into a read-only directory, under a file, or where a name is too long."""
     read_only, a_file = os.path.join(work, "read-only"), os.path.join(work, "a-file")
     os.makedirs(read_only)
     os.chmod(read_only, 0o555)
@@ -158,6 +158,7 @@ def _output_cases(work: str, checkpoint: str) -> dict[str, tuple[list[str], None
     slurm = ["slurm", "--recipe", TINY, "--nodes", "1", "--gpus-per-node", "1", "--cpu"]
     cases = {
         "export under a file": (["hf", "export", checkpoint, os.path.join(a_file, "hf")], None),
+        "export name without room for its staging suffix": (["hf", "export", checkpoint, os.path.join(work, "e" * 250)], None),
         "slurm script into a directory": ([*slurm, "-o", work], None),
         "slurm logs under a file": ([*slurm, "-o", os.path.join(work, "job.sbatch"), "--log-dir", os.path.join(a_file, "logs")], None),
     }
@@ -255,9 +256,11 @@ def test_data_inspect_of_a_damaged_index(cases):
 
 
 @pytest.mark.timeout(400)
-def test_outputs_under_a_file_are_refused_before_any_work(cases):
+def test_outputs_under_a_file_or_with_too_long_names_are_refused_before_any_work(cases):
     err = _refused(cases, "export under a file")
-    assert "a-file is a file, not a directory (give a directory this user can write for an export)" in err, err
+    assert "a-file is a file, not a directory (give a directory this user can write, with names the filesystem can store, for an export)" in err, err
+    err = _refused(cases, "export name without room for its staging suffix")
+    assert f"{'e' * 250}.incomplete: the name {'e' * 40!r}... is 261 bytes, over the 255 bytes" in err, err
     err = _refused(cases, "slurm script into a directory")
     assert "--output: cannot write the script to" in err and "Is a directory" in err, err
     err = _refused(cases, "slurm logs under a file")
@@ -269,7 +272,7 @@ def test_outputs_into_a_read_only_directory_are_refused_before_any_work(cases):
     if "export into read-only" not in cases:
         pytest.skip("root here cannot drop the capability that overrides permissions (setpriv)")
     err = _refused(cases, "export into read-only")
-    assert "read-only is not writable by this user (give a directory this user can write for an export)" in err, err
+    assert "read-only is not writable by this user (give a directory this user can write, with names the filesystem can store, for an export)" in err, err
     err = _refused(cases, "preprocess into read-only")
     assert "--output-prefix:" in err and "read-only cannot be written: Permission denied" in err, err
     err = _refused(cases, "slurm script into read-only")
