@@ -132,6 +132,25 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_before_writing(tmp_
     assert os.listdir(tmp_path) == []
 
 
+def test_a_path_without_room_for_the_files_inside_it_is_refused_before_anything_is_made(tmp_path):
+    """A save directory whose own path nearly fills PATH_MAX could be made, and its first
+    checkpoint (`iter_N.incomplete/__0_0.distcp` inside it) could not: refused, and no partial
+    directories are left."""
+    from megatron_bridge.runtime.writable import INSIDE_BYTES
+    from megatron_bridge.training.preflight import unwritable_reason
+
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    path = str(tmp_path)
+    while len(os.fsencode(path)) + INSIDE_BYTES < limit:
+        path = os.path.join(path, "d" * 200)
+    for create in (False, True):
+        why = unwritable_reason(path, create)
+        assert why is not None and f"the path is {len(os.fsencode(path)):,} bytes" in why, why
+        assert f"passes the {limit:,} bytes this system allows for a path" in why
+    assert os.listdir(tmp_path) == []
+    assert unwritable_reason(str(tmp_path / "short" / "checkpoints"), create=False) is None
+
+
 @pytest.mark.timeout(120)
 def test_unwritable_tracker_directory_is_refused(tmp_path, no_model_building):
     a_file = tmp_path / "a_file"

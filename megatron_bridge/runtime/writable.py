@@ -30,7 +30,7 @@ def unwritable_reason(path: str, create: bool) -> Optional[str]:
             existing = os.path.dirname(existing)
         if existing and not os.path.isdir(existing):
             return f"{path} lies under {existing}, which is a file, not a directory"
-    long_name = _name_too_long(path, existing)
+    long_name = _name_too_long(path, existing) or _path_too_long(path, existing)
     if long_name:
         return long_name
     if not create:
@@ -63,4 +63,26 @@ def _name_too_long(path: str, existing: str) -> Optional[str]:
         size = len(os.fsencode(part))
         if size > limit:
             return f"{path}: the name {part[:40]!r}... is {size} bytes, over the {limit} bytes its filesystem allows"
+    return None
+
+
+INSIDE_BYTES = 128
+"""Room left for what is written inside an output directory (`iter_0000200.incomplete/__0_0.distcp`,
+`events.out.tfevents.<time>.<host name>.<pid>...`): a directory whose own path takes nearly all of PATH_MAX
+could be made, and the first checkpoint saved into it would fail."""
+
+
+def _path_too_long(path: str, existing: str) -> Optional[str]:
+    """Why `path`, with room for the files written inside it, is longer than the system's
+    PATH_MAX, or None."""
+    try:
+        limit = os.pathconf(existing or "/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        limit = 4096
+    size = len(os.fsencode(path))
+    if size + INSIDE_BYTES >= limit:
+        return (
+            f"{path[:60]}...: the path is {size:,} bytes; with the names written inside it (up to {INSIDE_BYTES} "
+            f"bytes more) it passes the {limit:,} bytes this system allows for a path"
+        )
     return None
