@@ -172,13 +172,17 @@ def run(args: argparse.Namespace) -> int:
     path = args.output or f"{job_name}.sbatch"
     unwritable = unwritable_reason(args.log_dir, create=True)  # Slurm opens --output before the script runs
     if unwritable:
-        raise UsageError(f"--log-dir: {unwritable} (give a directory this user can write, on a filesystem the nodes share)")
+        raise UsageError(
+            f"--log-dir: {unwritable} (give a directory this user can write, on a filesystem the nodes share)"
+        )
     try:
         with open(path, "w") as f:
             f.write(text)
         os.chmod(path, 0o755)
     except OSError as exc:
-        raise UsageError(f"--output: cannot write the script to {path}: {exc.strerror} (give a writable file path, or - for stdout)") from None
+        raise UsageError(
+            f"--output: cannot write the script to {path}: {exc.strerror} (give a writable file path, or - for stdout)"
+        ) from None
     print(f"wrote {path}; submit it with: sbatch {path}")
     return 0
 

@@ -394,7 +394,8 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         for writer in writers.values():
             writer.abort()
         raise PreprocessError(
-            f"--output-prefix: cannot create {exc.filename!r}: {exc.strerror} (choose a shorter prefix, in a directory you can write)"
+            f"--output-prefix: cannot create {exc.filename!r}: {exc.strerror} "
+            "(choose a shorter prefix, in a directory you can write)"
         ) from None
     skipped = dict.fromkeys(options.json_keys, 0)
     unit = "rows" if source.dataset_dir or any(c[0] in ("parquet", "arrow") for c in chunks) else "bytes"

@@ -206,5 +206,6 @@ def out_of_space_error(cfg: "ConfigContainer", iteration: int, exc: BaseExceptio
         errno.ENOSPC,
         f"saving the checkpoint of iteration {iteration} to {save} failed: no space left on the device "
         f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact and the "
-        f"partly written one removed; free space or point checkpoint.save elsewhere, then resume. ({type(exc).__name__}: {str(exc)[:200]})",
+        f"partly written one removed; free space or point checkpoint.save elsewhere, then resume. "
+        f"({type(exc).__name__}: {str(exc)[:200]})",
     )

@@ -56,7 +56,9 @@ def written_by_export(name: str) -> bool:
 EXPORT_FIX = "give a new or empty directory: an export replaces the whole directory"
 
 
-def check_replaceable(out_dir: str, ours: Callable[[str], bool], what: str, fix: str, staged_beside: bool = False) -> None:
+def check_replaceable(
+    out_dir: str, ours: Callable[[str], bool], what: str, fix: str, staged_beside: bool = False
+) -> None:
     """Refuse (`ConfigValidationError` naming `out_dir`, with `fix`) an output directory that
     holds entries `ours` does not accept, or symbolic links: the writer replaces what it writes,
     and would delete or hide anything else there (a directory of the user's, a checkpoint of
@@ -70,7 +72,8 @@ def check_replaceable(out_dir: str, ours: Callable[[str], bool], what: str, fix:
     for target in targets + [out_dir]:
         why = unwritable_reason(target, create=False)
         if why:
-            raise ConfigValidationError(ConfigProblem(out_dir, why, f"give a directory this user can write, with names the filesystem can store, for {what}"))
+            fix_place = f"give a directory this user can write, with names the filesystem can store, for {what}"
+            raise ConfigValidationError(ConfigProblem(out_dir, why, fix_place))
     if not os.path.lexists(out_dir):
         return
     foreign = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(out_dir) if not ours(e.name) or e.is_symlink())

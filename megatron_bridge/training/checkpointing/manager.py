@@ -334,7 +334,8 @@ def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
         yield
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and preflight.is_out_of_space(exc):
-            error = preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc)  # the space when it failed
+            # the error states the free space when the save failed, before the partial save is removed
+            error = preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc)
             if iteration is not None:
                 staging = layout.iteration_dir(config.checkpoint.save, iteration) + layout.INCOMPLETE_SUFFIX
                 shutil.rmtree(staging, ignore_errors=True)
