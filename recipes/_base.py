@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import logging
 import os
 import typing
 from types import MappingProxyType
@@ -42,6 +43,8 @@ from megatron_bridge.training.config import (
 )
 from megatron_bridge.training.tokenizers.config import TokenizerConfig
 from recipes._options import FinetuneOptions, PretrainOptions, RecipeOptions
+
+logger = logging.getLogger("megatron_bridge.recipes")
 
 RECIPES: dict[str, Callable[..., ConfigContainer]] = {}
 """Every registered recipe, by function name."""
@@ -171,6 +174,12 @@ def finetune_config(model: GPTModelProvider, opts: FinetuneOptions) -> ConfigCon
     pretrained = _path(opts.pretrained_checkpoint)
     if is_hf_directory(pretrained):
         model = _from_hf(model, pretrained)
+        if opts.seq_length is None and model.seq_length > HF_FINETUNE_SEQ_LENGTH:
+            logger.info(
+                "seq_length %d: %s allows %d positions; give --recipe-arg seq_length=N (or dataset.seq_length and "
+                "model.seq_length) for longer samples", HF_FINETUNE_SEQ_LENGTH, pretrained, model.seq_length,
+            )  # fmt: skip
+            model.seq_length = HF_FINETUNE_SEQ_LENGTH
     seq = _seq_length(model, opts)
     dataset = FinetuningDatasetConfig(
         dataset_root=_path(opts.dataset_root), seq_length=seq, seed=opts.seed, num_workers=opts.num_workers
@@ -200,6 +209,12 @@ def _from_hf(recipe_model: GPTModelProvider, directory: str) -> GPTModelProvider
     for name in sorted(recipe_model.explicit_fields() - model.explicit_fields()):
         setattr(model, name, getattr(recipe_model, name))
     return model
+
+
+HF_FINETUNE_SEQ_LENGTH = 4096
+"""Tokens per sample of a recipe that fine-tunes a Hugging Face model and names no length, where
+the model's context is longer: packed samples and pipeline stages use the whole length, so 131,072
+(Llama 3.1's context) would make every micro batch that long."""
 
 
 def _seq_length(model: GPTModelProvider, opts: RecipeOptions) -> int:

@@ -55,7 +55,8 @@ class RecipeOptions(ConfigBase):
     """Split norms and dropout over the sequence dimension across TP ranks (needs TP > 1)."""
 
     seq_length: Optional[int] = None
-    """Tokens per sample (None: the model's context length)."""
+    """Tokens per sample (None: the model's context length; at most 4096 when fine-tuning a
+    Hugging Face model)."""
 
     train_iters: int = 500_000
     """Optimizer steps to train for."""

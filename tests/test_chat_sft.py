@@ -319,3 +319,46 @@ def test_encoding_in_worker_processes_gives_the_samples_of_one_process(tok_dir):
         assert len(one) == len(two) == len(rows)
         for (ids_a, flags_a), (ids_b, flags_b) in zip(one, two):
             assert list(ids_a) == list(ids_b) and list(flags_a) == list(flags_b)
+
+
+@pytest.mark.timeout(300)
+def test_throughput_counts_the_tokens_of_batches_padded_to_their_longest_sample(tok_dir, tmp_path):
+    """Fine-tuning batches are padded to their longest sample, not to `seq_length`: tokens/s and
+    TFLOP/s count the tokens the model ran on (recorded here batch by batch), read back from
+    TensorBoard."""
+    from megatron_bridge.models.param_count import flops_per_token
+    from megatron_bridge.training.config import FinetuningDatasetConfig, LoggerConfig, TrainingConfig, ValidationConfig
+    from megatron_bridge.training.gpt_step import forward_step
+    from megatron_bridge.training.loggers.readback import read_tensorboard
+    from megatron_bridge.training.pretrain import pretrain
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    data = tmp_path / "chat"
+    data.mkdir()
+    write_jsonl(data / "training.jsonl", chat_rows(40, seed=0))
+    shapes = []
+
+    def recording_step(state, data_iterator, model, return_schedule_plan=False):
+        batch = next(data_iterator)
+        shapes.append(tuple(batch["tokens"].shape))
+        return forward_step(state, iter([batch]), model)
+
+    cfg = tiny_config(
+        model=tiny_model(seq_length=128),
+        train=TrainingConfig(train_iters=3, global_batch_size=4, micro_batch_size=2),
+        dataset=FinetuningDatasetConfig(dataset_root=str(data), seq_length=128, num_workers=0, do_validation=False),
+        tokenizer=TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir=str(tmp_path / "tb"), log_throughput=True),
+    )
+    pretrain(cfg, recording_step)
+    assert len(shapes) == 6  # 3 steps of 2 micro batches
+    series = read_tensorboard(str(tmp_path / "tb")).series
+    for step in range(3):
+        ran = shapes[2 * step : 2 * step + 2]
+        tokens = sum(rows * length for rows, length in ran)
+        assert tokens < 4 * 128  # padded to the longest sample: the nominal count would be wrong
+        seconds = series["iteration-time"].values[step]
+        assert series["tokens-per-second"].values[step] * seconds == pytest.approx(tokens, rel=1e-5)
+        flops = sum(flops_per_token(cfg.model, length, cfg.model.vocab_size) * length * rows for rows, length in ran)
+        assert series["tflops-per-device"].values[step] * 1e12 * seconds == pytest.approx(flops, rel=1e-5)

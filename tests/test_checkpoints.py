@@ -191,6 +191,16 @@ def test_ckpt_step_and_iteration_directory(tmp_path):
     assert state.train_state.step == 3  # weights only: the step count starts at 0
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for ckpt_step=3 .*complete iterations: \[2, 4\]"):
         pretrain(config(load=str(ckpt), iters=6, ckpt_step=3), forward_step)
+    # the command line: refused before anything is built, naming the field (exit 2, no traceback)
+    for extra in ([], ["--dry-run"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir",
+             str(tmp_path / "runs"), f"checkpoint.load={ckpt}", "checkpoint.ckpt_step=3", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == (0 if extra else 2), out.stderr[-2000:]
+        expected = f"checkpoint.ckpt_step: no checkpoint for ckpt_step=3 in '{ckpt}' (complete iterations: [2, 4])"
+        assert expected in out.stdout + out.stderr and "Traceback" not in out.stderr
 
 
 def test_extending_a_finished_run_is_decided_at_validation(tmp_path, caplog):
@@ -369,3 +379,90 @@ def test_a_directory_without_a_checkpoint_says_where_one_is(tmp_path):
     missing = str(tmp_path / "no-such-run" / "checkpoints")
     with pytest.raises(FileNotFoundError, match="it does not exist"):
         resolve(missing)
+
+
+class Evaluations(Callback):
+    def __init__(self):
+        self.at = []
+
+    def on_eval_end(self, state, *args, **kwargs):
+        self.at.append(state.train_state.step)
+
+
+def test_resuming_with_fewer_evaluations_or_a_smaller_batch_still_has_data(tmp_path):
+    """A fine-tuning set is sized for the run's samples; a job resumed with a config that needs
+    fewer (eval_interval raised, global batch lowered, a finished run evaluated again) than the
+    earlier jobs drew must still find data after the consumed counts."""
+    rows = [{"input": f"{i} {i + 1} {i + 2}", "output": f"{i + 3} {i + 4}"} for i in range(12)]
+    data = tmp_path / "sft"
+    data.mkdir()
+    _write_jsonl(data / "training.jsonl", rows)
+    _write_jsonl(data / "validation.jsonl", rows[:4])
+    save = str(tmp_path / "ckpt")
+
+    def sft(iters, gbs, eval_interval):
+        return tiny_config(
+            train=TrainingConfig(train_iters=iters, global_batch_size=gbs, micro_batch_size=2),
+            dataset=FinetuningDatasetConfig(dataset_root=str(data), seq_length=32, num_workers=0),
+            validation=ValidationConfig(eval_interval=eval_interval, eval_iters=1),
+            checkpoint=CheckpointConfig(save=save, load=save),
+        )
+
+    _, state = run(sft(iters=4, gbs=8, eval_interval=2))
+    assert (state.train_state.consumed_train_samples, state.train_state.consumed_valid_samples) == (32, 16)
+    evaluations = Evaluations()
+    state = pretrain(sft(iters=6, gbs=4, eval_interval=None), forward_step, callbacks=[evaluations])
+    assert state.train_state.step == 6 and state.train_state.consumed_train_samples == 40
+    assert evaluations.at == [6]  # the validation at the end
+    again = Evaluations()
+    state = pretrain(sft(iters=6, gbs=4, eval_interval=None), forward_step, callbacks=[again])
+    assert state.train_state.step == 6 and again.at == [6]  # finished: evaluated again
+
+
+def test_resuming_with_another_tokenizer_is_warned_about(tmp_path, caplog):
+    from text_data import documents, train_tokenizer
+
+    from megatron_bridge.training.config import runtime_config_update
+    from megatron_bridge.training.tokenizers.config import TokenizerConfig
+
+    trained_with = train_tokenizer(str(tmp_path / "tok"))
+    other = train_tokenizer(str(tmp_path / "other"), texts=[d.upper() for d in documents(400, seed=7)])
+    ckpt = str(tmp_path / "ckpt")
+
+    def with_tokenizer(directory, iters):
+        cfg = config(save=ckpt, load=ckpt, iters=iters)
+        cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=directory)
+        return cfg
+
+    run(with_tokenizer(trained_with, iters=1))
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        runtime_config_update(with_tokenizer(os.path.relpath(trained_with), iters=2))  # the same files
+        assert "another tokenizer" not in caplog.text
+        runtime_config_update(with_tokenizer(other, iters=2))
+    assert (
+        f"resuming from {ckpt!r} with another tokenizer than it was trained with (tokenizer.tokenizer_model "
+        f"{trained_with!r} -> {other!r}): the same text becomes other token ids unless the files only moved; give the "
+        "run's tokenizer to continue it"
+    ) in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_adapters_in_the_peft_format_given_as_a_checkpoint_say_what_they_are(tmp_path):
+    """`mbridge peft export` writes adapters for the peft library; a newcomer hands that directory
+    to a command that reads our checkpoints."""
+    exported = tmp_path / "adapters"
+    exported.mkdir()
+    (exported / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    expected = (
+        f"no checkpoint in {str(exported)!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; it "
+        "holds adapters in the peft library's format (adapter_config.json), which load onto the Hugging Face base "
+        "model with peft.PeftModel.from_pretrained: give the LoRA/DoRA run's checkpoint directory instead (its checkpoints/)"
+    )
+    with pytest.raises(FileNotFoundError) as err:
+        resolve(str(exported))
+    assert str(err.value) == expected
+    from factories import source_tree_env
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_bridge", "peft", "merge", str(exported), str(tmp_path / "m")],
+                          env=source_tree_env(), capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == f"mbridge peft merge: error: {expected}", proc.stderr

@@ -121,6 +121,22 @@ def test_dry_run_of_tiny_recipe_prints_resolved_yaml_and_summary(capsys):
     assert f"# ---- dry run of {TINY} at world size 1 (the recipe's world size)" in out
 
 
+def test_dry_run_shows_what_was_decided_for_the_user():
+    """What building and resolving the config decided (a preset's settings, a warmup scaled to
+    a short run, a deprecated name read as the new one) is shown as comments: before, it was
+    logged with no handler and never seen (the deprecation warning went bare to stderr)."""
+    out = cli_process("pretrain", "--recipe", TINY, "--dry-run", "train.train_iters=3", "train.eval_iters=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    notes = out.stdout.split("# ---- dry run of", 1)[1].split("# ---- plan", 1)[0]
+    assert "# note: mixed_precision 'fp32' set model.pipeline_dtype=float32, ddp.grad_reduce_in_fp32=True\n" in notes
+    assert (
+        "# note: scheduler.lr_warmup_iters: the recipe's warmup of 10 iterations is not shorter than the 3-iteration "
+        "decay; using 0 (a tenth of it). Set scheduler.lr_warmup_iters to choose.\n"
+    ) in notes
+    assert "# warning: train.eval_iters is deprecated: using it as validation.eval_iters=4\n" in notes
+    assert printed_config(out.stdout)["validation"]["eval_iters"] == 4  # still a loadable config
+
+
 def test_dry_run_of_gpu_recipe_uses_its_world_size(capsys):
     code, out, err = cli(capsys, "pretrain", "--recipe", "llama3_8b_pretrain", "--dry-run")
     assert code == 0, err
@@ -204,6 +220,8 @@ def test_finetune_dry_run(tmp_path, capsys):
     cfg = printed_config(out)
     assert cfg["dataset"]["dataset_root"] == str(tmp_path)
     assert cfg["checkpoint"]["pretrained_checkpoint"] == str(tmp_path)
+    # its batches are padded to their longest sample: the step holds at most GBS x seq_length tokens
+    assert summary(out)["tokens per step"] == "at most 512  (GBS 8 x seq_length 64); each batch is padded to its longest sample"
 
 
 # ---------------------------------------------------------------------- errors
@@ -508,3 +526,41 @@ def test_a_config_field_as_recipe_arg_a_key_without_value_a_partial_file_and_a_b
     for name, proc in procs.items():
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
         assert expected[name] in proc.stderr, (name, proc.stderr[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_what_the_recipe_and_validation_decide_is_on_the_console(tmp_path):
+    """A run prints what building the recipe and resolving the config chose for the user (a
+    Hugging Face context capped, a preset's settings, a warmup scaled to a short run), from the
+    command line and from `pretrain()` in a script. These lines were logged before the console
+    was set up, so nobody saw them."""
+    import json
+
+    from hf_models import family_configs, save_tiny
+
+    config = family_configs()["llama"]
+    config.max_position_embeddings = 131072
+    hf = save_tiny("llama", str(tmp_path / "hf"), config=config)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "training.jsonl").write_text("".join(json.dumps({"input": f"{i} {i}", "output": f"{i}"}) + "\n" for i in range(40)))
+    out = cli_process(
+        "finetune", "--recipe", "tiny_gpt_finetune_config", "--recipe-arg", f"pretrained={hf}", "--recipe-arg",
+        f"dataset_root={data}", "--dir", str(tmp_path / "runs"), "train.train_iters=3", "validation.eval_iters=0",
+        "checkpoint.save=null", "tokenizer.tokenizer_type=NullTokenizer", "tokenizer.vocab_size=256", timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"seq_length 4096: {hf} allows 131072 positions; give --recipe-arg seq_length=N" in out.stdout
+    warmup = "scheduler.lr_warmup_iters: the recipe's warmup of 10 iterations is not shorter than the 3-iteration decay"
+    assert warmup in out.stdout
+    assert "mixed_precision 'fp32' set model.pipeline_dtype=float32" in out.stdout
+    script = (
+        "import recipes\nfrom megatron_bridge.training.gpt_step import forward_step\n"
+        "from megatron_bridge.training.pretrain import pretrain\n"
+        f"cfg = recipes.tiny_gpt_pretrain_config(dir={str(tmp_path / 'api')!r}, train_iters=3, eval_iters=0, save_interval=None)\n"
+        "cfg.checkpoint.save = None\npretrain(cfg, forward_step)\n"
+    )
+    api = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=REPO, env=source_tree_env())
+    assert api.returncode == 0, api.stderr[-3000:]
+    assert warmup in api.stdout and "mixed_precision 'fp32' set model.pipeline_dtype=float32" in api.stdout

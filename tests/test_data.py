@@ -3,7 +3,7 @@
 import pytest
 from factories import tiny_config
 
-from megatron_bridge.data.builders import sample_counts
+from megatron_bridge.data.builders import resumed_sample_counts, sample_counts
 from megatron_bridge.data.samplers import CyclicSampler, GlobalBatchSampler, SequentialSampler
 from megatron_bridge.training.config import TrainingConfig, ValidationConfig, runtime_config_update
 
@@ -62,3 +62,8 @@ def test_sample_counts_follow_train_iters_eval_interval_and_eval_iters():
     runtime_config_update(cfg)
     counts = sample_counts(cfg)
     assert (counts.train, counts.valid, counts.test) == (240, 2 * 8 * 4, 3 * 8)
+    # resuming with the same config: the same datasets as an uninterrupted run
+    assert resumed_sample_counts(cfg, 15, 15 * 8, 2 * 8) == counts
+    assert resumed_sample_counts(cfg, 30, 240, 2 * 8 * 3) == counts  # finished: the last evaluation
+    # the earlier jobs evaluated every 5 iterations and used a batch of 16
+    assert resumed_sample_counts(cfg, 20, 20 * 16, 2 * 8 * 4) == type(counts)(20 * 16 + 10 * 8, 2 * 8 * 6, 3 * 8)

@@ -152,6 +152,34 @@ def test_a_chat_template_that_fails_while_rendering(tmp_path, tok_dir):
         ]
 
 
+def test_a_chat_template_that_would_run_for_hours_or_render_gigabytes(tmp_path, tok_dir, monkeypatch):
+    """Nested loops over the sandbox's ranges (100,000 each) would run for hours, and repeated
+    strings would fill memory: each rendering is bounded in time and in characters."""
+    import signal
+
+    from megatron_bridge.data import chat
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    write_jsonl(tmp_path / "training.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    failures = {
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}":
+            "the chat template did not finish rendering this conversation in 0.5 s (does it loop over large ranges?)",
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}":
+            "the chat template renders this conversation to over 67,108,864 characters",
+    }  # fmt: skip
+    signal.setitimer(signal.ITIMER_REAL, 100.0)  # an alarm of the caller's (as a test timeout sets)
+    try:
+        for template, error in failures.items():
+            tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir, chat_template=template)
+            assert problems(sft(tmp_path, model=tiny_model(vocab_size=300), tokenizer=tokenizer))[0] == [
+                f"tokenizer.chat_template: {tmp_path}/training.jsonl line 1: {error} "
+                "(set tokenizer.chat_template to a template that renders this conversation)"
+            ]
+        assert 90.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100.0  # still armed, less the time spent
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def test_finetuning_text_that_is_not_utf8(tmp_path):
     (tmp_path / "training.jsonl").write_bytes(b'{"input": "1 2", "output": "3"}\n{"input": "caf\xe9", "output": "4"}\n')
     assert problems(sft(tmp_path))[0] == [

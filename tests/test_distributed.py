@@ -3,6 +3,7 @@ is a GPU per process): DP=2, TP=2, PP=2. One-process runs compared with them use
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,10 @@ def test_data_parallel_2_averages_to_one_process(tmp_path, single):
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
     assert mean == pytest.approx(single["losses"], abs=1e-4)
     assert "[100%] iteration 10/10" in output
+    # tokens/s counts the batches of both ranks: 8 sequences of 32 tokens per step
+    line = next(x for x in output.splitlines() if "[100%] iteration 10/10" in x)
+    ms, tokens_per_s = (float(re.search(p, line).group(1)) for p in (r"([\d.]+) ms/iter", r"(\d+) tokens/s"))
+    assert tokens_per_s * ms / 1000 == pytest.approx(8 * 32, rel=0.02)
 
 
 def test_data_parallel_2_with_distributed_optimizer(tmp_path, single):

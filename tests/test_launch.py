@@ -73,6 +73,31 @@ def test_a_run_reads_the_launch_from_its_environment(monkeypatch):
     assert run_backend(cfg.dist) == "gloo"
 
 
+@pytest.mark.timeout(120)
+def test_local_rank_minus_one_means_a_single_process(tmp_path):
+    """The Hugging Face and DeepSpeed tools export LOCAL_RANK=-1 for "not one of several
+    processes": a plain run in such a shell trains (it was refused as not a whole number)."""
+    from megatron_bridge.runtime.launcher_env import launcher_int
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["LOCAL_RANK"] = "-1"
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path),
+         "train.train_iters=2", "validation.eval_iters=0", "checkpoint.save=null"],
+        env=env, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "training stopped at iteration 2: completed" in out.stdout + out.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCAL_RANK", "-1")
+        assert launcher_int("LOCAL_RANK", 0) == 0
+        with pytest.raises(KeyError):
+            launcher_int("LOCAL_RANK")  # as when it is unset
+        mp.setenv("LOCAL_RANK", "-2")
+        with pytest.raises(ConfigValidationError, match="LOCAL_RANK: '-2' is not a whole number of at least 0"):
+            launcher_int("LOCAL_RANK", 0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_with_more_processes_than_gpus_exits_2_with_the_message(tmp_path):

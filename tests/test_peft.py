@@ -295,6 +295,26 @@ def test_adapter_checkpoints_are_not_bases_and_bases_are_not_resumed(lora_run, b
     ]
 
 
+def test_resuming_other_adapters_is_refused_before_anything_is_built(lora_run, base):
+    path, _ = lora_run  # LoRA rank 8 on the four projections
+    where = f"the adapters in {path!r} (iteration directory iter_0000020)"
+    fix = "train new adapters in another run directory (--name NEW, or checkpoint.save and checkpoint.load elsewhere)"
+    cfg = config(iters=30, peft=LoRA(dim=4, target_modules=["linear_qkv"]), pretrained=base, load=path)
+    with pytest.raises(ConfigValidationError) as err:
+        cfg.validate()
+    assert err.value.errors == [
+        f"peft.dim: 4, but {where} have rank 8 (set peft.dim=8 to resume them, or {fix})",
+        f"peft.target_modules: ['linear_qkv'], but {where} were trained on ['linear_qkv', 'linear_proj', 'linear_fc1', "
+        f"'linear_fc2'] (set peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2] to resume them, or {fix})",
+    ]
+    with pytest.raises(ConfigValidationError) as err:
+        config(iters=30, peft=DoRA(dim=8), pretrained=base, load=path).validate()
+    assert err.value.errors == [f"peft: DoRA, but {where} are LoRA (set peft=lora to resume them, or {fix})"]
+    # other patterns for the same modules, another alpha and dropout: the same adapters, resumable
+    same = LoRA(dim=8, alpha=4, target_modules=["*.linear_qkv", "*.self_attention.linear_proj", "linear_fc1", "linear_fc2"])
+    config(iters=30, peft=same, pretrained=base, load=path).validate()
+
+
 def test_dora_trains_its_magnitude(dora_run):
     _, record = dora_run
     magnitudes = [n for n in record.start if n.endswith("lora_magnitude")]
@@ -303,6 +323,36 @@ def test_dora_trains_its_magnitude(dora_run):
 
 
 # ---------------------------------------------------------------------- merge and export
+def test_a_base_of_another_architecture_is_refused_by_each_command(lora_run, tmp_path):
+    """`--base` names the weights the adapters go on: one of another shape (here a Llama with
+    another MLP width) is a usage error naming the fields, before any model is built."""
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+    from hf_models import save_tiny
+
+    path, _ = lora_run
+    other = save_tiny("llama", str(tmp_path / "other_llama"))
+    expected = (
+        f"--base {other!r} holds a LlamaModelProvider (2 layers, hidden size 64, 4 attention heads), but the adapters "
+        "were trained on a GPTModelProvider (2 layers, hidden size 64, 4 attention heads) (ffn_hidden_size: base 96, "
+        "adapters 128); give the base they were trained on, or leave it out to use the one they record"
+    )
+    argv = ["peft", "merge", path, str(tmp_path / "merged"), "--base", other]
+    proc = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], env=source_tree_env(),
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == f"mbridge peft merge: error: {expected}", proc.stderr[-3000:]
+    assert not (tmp_path / "merged").exists()
+    # generate and eval resolve their source this way (a SourceError is their usage error, exit 2)
+    from megatron_bridge.inference.errors import SourceError
+    from megatron_bridge.inference.sources import resolve
+
+    with pytest.raises(SourceError) as err:
+        resolve(path, base=other)
+    assert str(err.value) == expected
+
+
 def test_merge_keeps_what_it_did_not_write(lora_run, tmp_path):
     """A merge into the adapters' own save directory, or one holding files of the user's, is
     refused before anything loads (it replaced the adapter checkpoint, or hid other iterations

@@ -144,3 +144,15 @@ def test_an_output_that_is_a_directory_is_refused(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"--output {str(tmp_path)!r} is a directory; give the image file to write, e.g. {tmp_path}/training_curves.png" in done.stderr
     assert not os.path.exists(f"{tmp_path}.png")
+
+
+@pytest.mark.timeout(120)
+def test_an_output_in_a_missing_directory_is_refused_before_reading_the_runs(tmp_path):
+    output = str(tmp_path / "plots" / "loss.png")
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", "plot", str(tmp_path / "no_run"), "-o", output],
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == (
+        f"mbridge plot: error: --output {output!r}: its directory {str(tmp_path / 'plots')!r} does not exist "
+        "(create it, or write the image elsewhere)"
+    )

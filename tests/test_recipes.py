@@ -343,3 +343,20 @@ def test_recipes_take_the_reference_systems_argument_names():
     assert str(err.value) == (
         "llama3_8b_pretrain_config(): pass either 'tensor_parallelism' or 'tensor_model_parallel_size', not both"
     )
+
+
+@pytest.mark.parametrize("context, expected", [(131072, 4096), (512, 512)])
+def test_a_hugging_face_base_with_a_long_context_fine_tunes_at_4096_tokens_unless_told(tmp_path, caplog, context, expected):
+    """The tiny recipes name no length: a Hugging Face base's context (131,072 for Llama 3.1)
+    would make every packed micro batch that long."""
+    from hf_models import family_configs, save_tiny
+
+    config = family_configs()["llama"]
+    config.max_position_embeddings = context
+    source = save_tiny("llama", str(tmp_path / "hf"), config=config)
+    with caplog.at_level("INFO"):
+        cfg = recipes.tiny_gpt_finetune_config(dir=tmp_path, dataset_root=tmp_path, pretrained=source)
+    assert cfg.model.seq_length == cfg.dataset.seq_length == expected
+    assert (f"seq_length 4096: {source} allows 131072 positions" in caplog.text) == (context > 4096)
+    told = recipes.tiny_gpt_finetune_config(dir=tmp_path, dataset_root=tmp_path, pretrained=source, seq_length=8192)
+    assert told.model.seq_length == told.dataset.seq_length == 8192

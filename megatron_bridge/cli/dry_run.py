@@ -9,10 +9,12 @@ as installed there (GPU recipes use its layers; a login node rarely has it), so 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from megatron_bridge.cli.errors import UsageError, config_errors_are_usage_errors
 from megatron_bridge import extras
@@ -43,6 +45,32 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
 
             check_pretrained_weights(cfg, problems)
         problems.raise_if_any()
+
+
+class _Notes(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "note" if record.levelno < logging.WARNING else record.levelname.lower()
+        self.lines.extend(f"{kind}: {line}" for line in record.getMessage().splitlines())
+
+
+@contextlib.contextmanager
+def noted_decisions() -> Iterator[list[str]]:
+    """What the project logs while the block builds and resolves a config (INFO and up): what a
+    recipe, a preset or a rule decided for the user, which a dry run shows as comments."""
+    logger = logging.getLogger("megatron_bridge")
+    notes, level = _Notes(), logger.level
+    logger.addHandler(notes)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)
+    try:
+        yield notes.lines
+    finally:
+        logger.removeHandler(notes)
+        logger.setLevel(level)
 
 
 def for_target(target_te: bool) -> Any:
@@ -98,7 +126,11 @@ def summary(cfg: "ConfigContainer", world_size: int) -> list[tuple[str, str]]:
         params += f", active per token {count.active:,} ({human(count.active)})"
     rows.append(("parameters", params))
     if gbs:
-        rows.append(("tokens per step", f"{gbs * m.seq_length:,}  (GBS {gbs} x seq_length {m.seq_length})"))
+        tokens = f"{gbs * m.seq_length:,}  (GBS {gbs} x seq_length {m.seq_length})"
+        padded = getattr(cfg.dataset, "packed_sequence_specs", False) is None and m.pipeline_model_parallel_size == 1
+        if padded:  # fine-tuning batches, unpacked, are padded to their longest sample
+            tokens = f"at most {tokens}; each batch is padded to its longest sample"
+        rows.append(("tokens per step", tokens))
     return rows
 
 
@@ -129,17 +161,21 @@ def make_plan(cfg: "ConfigContainer", label: str, options: PlanOptions) -> Any:
 
 
 def print_dry_run(cfg: "ConfigContainer", world_size: int, world_source: str, label: str,
-                  options: Optional[PlanOptions] = None, finetuning: bool = False) -> None:
-    """Resolve `cfg` at `world_size`, print its YAML, then the summary and the plan as YAML
-    comments (so the output is still a loadable config)."""
+                  options: Optional[PlanOptions] = None, finetuning: bool = False, notes: Sequence[str] = ()) -> None:
+    """Resolve `cfg` at `world_size`, print its YAML, then the summary, what was decided for the
+    user (`notes`, and what resolving logs) and the plan as YAML comments (so the output is still
+    a loadable config)."""
     options = options or PlanOptions()
-    resolve(cfg, world_size, finetuning, options.target_te)
+    with noted_decisions() as resolving:
+        resolve(cfg, world_size, finetuning, options.target_te)
     print(cfg.to_yaml(), end="")
     print(f"# ---- dry run of {label} at world size {world_size} ({world_source}) ----")
     rows = [("resolved for", layers_note(cfg, options))] + summary(cfg, world_size)
     width = max(len(k) for k, _ in rows) + 1
     for key, text in rows:
         print(f"# {key + ':':<{width}} {text}")
+    for line in [*notes, *resolving]:
+        print(f"# {line}")
     for line in machine_problems(cfg):
         print(f"# would fail on this machine: {line}")
     result = make_plan(cfg, label, options)

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
             f"--output {args.output!r} is a directory; give the image file to write, e.g. "
             f"{os.path.join(args.output, 'training_curves.png')}"
         )
+    folder = os.path.dirname(args.output)
+    if folder and not os.path.isdir(folder):
+        raise UsageError(f"--output {args.output!r}: its directory {folder!r} does not exist (create it, or write the image elsewhere)")
     if not os.path.splitext(args.output)[1]:
         args.output += ".png"  # what the image writer does with a name without a suffix; the message says so
     try:

@@ -9,13 +9,14 @@ import os
 from typing import Any
 
 from megatron_bridge.cli import source
-from megatron_bridge.cli.dry_run import PlanOptions, default_world_size, print_dry_run, print_plan
+from megatron_bridge.cli.dry_run import PlanOptions, default_world_size, noted_decisions, print_dry_run, print_plan
 from megatron_bridge.cli.errors import UsageError
 from megatron_bridge.cli.help_config import help_text
 from megatron_bridge.cli.recipe_loader import world_size_of
 from megatron_bridge.cli.training import GPU_CHOICES
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.config.secrets import scrub
+from megatron_bridge.training.console import log_to_console
 
 
 def _label(args: argparse.Namespace, fn: Any) -> str:
@@ -37,8 +38,11 @@ def run(args: argparse.Namespace, cmd: str) -> int:
             raise UsageError(f"{flag} only applies to --dry-run and --plan-only (it shapes the plan, not the run)")
     if args.json and not args.plan_only:
         raise UsageError("--json only applies to --plan-only (the dry run prints YAML)")
+    if not checking and args.help_config is None:
+        log_to_console(None, is_logging_rank())  # what building the recipe decides is shown too
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
-    cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
+    with noted_decisions() as building:  # shown by a dry run
+        cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)
     fn = source.get_recipe(args.recipe) if args.recipe is not None else None
     if args.help_config is not None:
         options = source.recipe_options(fn, args.recipe_args, shortcuts) if fn is not None else None
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace, cmd: str) -> int:
         if args.plan_only:
             print_plan(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune")
         else:
-            print_dry_run(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune")
+            print_dry_run(cfg, world, why, _label(args, fn), options, finetuning=cmd == "finetune", notes=building)
         return 0
     train(cfg, cmd)
     return 0

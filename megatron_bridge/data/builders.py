@@ -40,9 +40,31 @@ def sample_counts(cfg: "ConfigContainer") -> SampleCounts:
     return SampleCounts(train=train, valid=valid, test=test_iters * eval_batch)
 
 
-def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = None) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:
-    """(train, valid, test) datasets for `cfg.dataset`; a split may be None."""
+def resumed_sample_counts(cfg: "ConfigContainer", step: int, consumed_train: int, consumed_valid: int) -> SampleCounts:
+    """The samples each split must provide for a job that starts at iteration `step`, after
+    earlier jobs drew `consumed_train` and `consumed_valid` samples: those of `sample_counts`, or
+    more where this config would need fewer than were drawn plus what is left to draw (a run
+    extended with a larger eval_interval or a smaller global batch, a finished run evaluated
+    again); the samplers start at the consumed counts, so the splits must reach past them.
+    Resuming with the run's own config keeps `sample_counts`, so the data match an uninterrupted run."""
     counts = sample_counts(cfg)
+    t, v = cfg.train, cfg.validation
+    train = counts.train
+    if t.train_samples is None:
+        train = max(train, consumed_train + max(t.train_iters - step, 0) * t.global_batch_size)
+    valid = counts.valid
+    if v.eval_iters:
+        eval_batch = v.eval_global_batch_size or t.global_batch_size
+        later = (t.train_iters // v.eval_interval - step // v.eval_interval if v.eval_interval else 0) + 1  # the last: at the end
+        valid = max(valid, consumed_valid + v.eval_iters * eval_batch * max(later, 1))
+    return SampleCounts(train=train, valid=valid, test=counts.test)
+
+
+def build_datasets(cfg: "ConfigContainer", tokenizer: Any, pg_collection: Any = None,
+                   counts: Optional[SampleCounts] = None) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:  # fmt: skip
+    """(train, valid, test) datasets for `cfg.dataset`, of `counts` samples (default: `sample_counts`);
+    a split may be None."""
+    counts = counts if counts is not None else sample_counts(cfg)
     data = cfg.dataset
     if isinstance(data, DatasetProvider):
         context = DatasetBuildContext(

@@ -23,6 +23,9 @@ import contextlib
 import contextvars
 import functools
 import re
+import signal
+import threading
+import time
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -116,16 +119,69 @@ def compile_template(template: str) -> Any:
         raise ChatFormatError(f"the chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
 
 
+RENDER_SECONDS = 10.0
+"""Time one rendering may take. A template comes with a tokenizer or a config: the sandbox stops
+it from reaching anything, but nested loops over `range` could run for hours."""
+
+RENDER_CHARS = 1 << 26
+"""Characters one rendering may produce (64 Mi)."""
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise `_RenderTimeout` in the block after `seconds`, through SIGALRM (only the main thread
+    gets signals: elsewhere the block runs unbounded). A timer already set is re-armed after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _RenderTimeout
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    pending, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # restored even when the alarm goes off just before it is disarmed
+            signal.signal(signal.SIGALRM, previous)
+        if pending:  # someone else's alarm (a test timeout, a watchdog): what remains of it
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, pending - (time.monotonic() - started)), interval)
+
+
 @contextlib.contextmanager
 def _template_errors() -> Iterator[None]:
     """Whatever a template raises while rendering (the sandbox refusing an attribute, an undefined
-    name, a division by zero) is the template's fault: a `ChatFormatError` naming it."""
+    name, a division by zero) is the template's fault: a `ChatFormatError` naming it. So is a
+    rendering over `RENDER_SECONDS` (`_time_limit`, inside this block)."""
     try:
         yield
     except ChatFormatError:
         raise
+    except _RenderTimeout:
+        raise ChatFormatError(
+            f"the chat template did not finish rendering this conversation in {RENDER_SECONDS:g} s "
+            "(does it loop over large ranges?)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - templates come from files, any error is theirs
         raise ChatFormatError(f"the chat template fails on this conversation: {type(exc).__name__}: {exc}") from None
+
+
+def _bounded(pieces: Iterator[str]) -> Iterator[str]:
+    """The pieces a template outputs, refused past `RENDER_CHARS` characters in all."""
+    total = 0
+    for piece in pieces:
+        total += len(piece)
+        if total > RENDER_CHARS:
+            raise ChatFormatError(f"the chat template renders this conversation to over {RENDER_CHARS:,} characters")
+        yield piece
 
 
 class ChatRenderer:
@@ -143,22 +199,31 @@ class ChatRenderer:
         self.variables = {"bos_token": getattr(tokenizer, "bos_token", None) or "", "eos_token": getattr(tokenizer, "eos_token", None) or ""}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        with _template_errors(), _time_limit(RENDER_SECONDS):
+            return self._render(messages, add_generation_prompt)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         with _template_errors():
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.variables)
+            pieces = self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt, **self.variables)
+            return "".join(_bounded(pieces))
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation, and the character span of each assistant turn in it."""
+        with _template_errors(), _time_limit(RENDER_SECONDS):
+            return self._assistant_spans(messages)
+
+    def _assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         if self.marks_generation:
             text, spans = self._render_marked(messages)
             if spans is not None:
                 return text, spans
-        text = self.render(messages)
+        text = self._render(messages)
         spans, cursor = [], 0
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            upto = self.render(messages[: i + 1])
+            prompt = self._render(messages[:i], add_generation_prompt=True)
+            upto = self._render(messages[: i + 1])
             if not upto.startswith(prompt):
                 raise ChatFormatError(
                     f"the chat template renders the conversation before messages[{i}] (an assistant turn) "
@@ -185,7 +250,7 @@ class ChatRenderer:
         token = _GENERATED.set((pieces, found))
         try:
             with _template_errors():
-                pieces.extend(self.template.generate(messages=messages, add_generation_prompt=False, **self.variables))
+                pieces.extend(_bounded(self.template.generate(messages=messages, add_generation_prompt=False, **self.variables)))
         finally:
             _GENERATED.reset(token)
         text = "".join(pieces)

@@ -153,6 +153,11 @@ def _base_of(directory: str, config: "SavedRunConfig", given: Optional[str]) -> 
         base = resolve(given)
         if base.kind == ADAPTERS:
             raise SourceError(f"--base {given!r} holds adapters too; the base is a complete model")
+        from megatron_bridge.training.config.architecture import base_mismatch  # reads config.json with the model code
+
+        mismatch = base_mismatch(config.section("model"), given)
+        if mismatch:
+            raise SourceError(f"--base {mismatch}")
         return base
     try:
         common = load_common(directory)

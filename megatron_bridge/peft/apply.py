@@ -8,6 +8,7 @@ parallelism, so DDP and the optimizer only ever see the adapter parameters as tr
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -89,6 +90,48 @@ def _check_saved_runs(cfg: "ConfigContainer", method: str, problems: Problems) -
             f"{c.load!r} holds a checkpoint without adapters; a {method} run resumes only from its own adapter checkpoints",
             "set checkpoint.load to this run's save directory (or a new one); the base goes in pretrained_checkpoint",
         )
+    if c.load is not None:
+        _check_resumed_adapters(cfg, problems)
+
+
+def _check_resumed_adapters(cfg: "ConfigContainer", problems: Problems) -> None:
+    """Adapters resumed from `checkpoint.load` must be the ones this config builds: the same method,
+    rank and adapted modules (a different rank cannot load; fewer targets would drop trained
+    adapters, more would start some from scratch)."""
+    c, peft = cfg.checkpoint, cfg.peft
+    try:
+        saved = find_run_config(c.load, c.ckpt_step)
+    except (OSError, ValueError):  # reported when loaded
+        return
+    if saved is None or not saved.with_peft:
+        return
+    before = saved.section("peft")
+    where = f"the adapters in {c.load!r} (iteration directory {os.path.basename(saved.directory)})"
+    fix = "train new adapters in another run directory (--name NEW, or checkpoint.save and checkpoint.load elsewhere)"
+    kind = str(before.get("_target_", "")).rsplit(".", 1)[-1]
+    if kind in ("LoRA", "DoRA") and kind != peft.method_name:
+        problems.add("peft", f"{peft.method_name}, but {where} are {kind}", f"set peft={kind.lower()} to resume them, or {fix}")
+        return
+    if before.get("dim") is not None and before["dim"] != peft.dim:
+        problems.add("peft.dim", f"{peft.dim}, but {where} have rank {before['dim']}", f"set peft.dim={before['dim']} to resume them, or {fix}")
+    targets = before.get("target_modules")
+    if not isinstance(targets, list) or list(targets) == list(peft.target_modules):
+        return
+    m = cfg.model
+    if m.transformer_layer_spec is None and m.num_layers:
+        names = tg.expected_names(m)
+        if tg.match_targets(targets, names)[0] == tg.match_targets(peft.target_modules, names)[0]:
+            return  # other patterns, the same modules
+    problems.add(
+        "peft.target_modules",
+        f"{list(peft.target_modules)}, but {where} were trained on {targets}",
+        f"set peft.target_modules={_flow_list(targets)} to resume them, or {fix}",
+    )
+
+
+def _flow_list(items: list) -> str:
+    """A list as an override value: [a,b]."""
+    return "[" + ",".join(str(i) for i in items) + "]"
 
 
 def _check_expert_targets(cfg: "ConfigContainer", experts: list[str], method: str, problems: Problems) -> None:

@@ -44,6 +44,12 @@ def read_adapter_checkpoint(path: str) -> tuple[str, int, Any, dict]:
 def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
     """The base weights the adapters were trained on (or `base` when given)."""
     if base is not None:
+        from megatron_bridge.config.serialization import to_dict
+        from megatron_bridge.training.config.architecture import base_mismatch
+
+        mismatch = base_mismatch(to_dict(cfg.model), base)
+        if mismatch:
+            raise ValueError(f"--base {mismatch}")
         return base
     record = common["peft"]
     recorded = record.get("pretrained_iteration_dir") or record.get("pretrained_checkpoint")

@@ -14,9 +14,11 @@ MINIMUM = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "
 
 
 def launcher_int(name: str, default: Optional[int] = None) -> int:
-    """`int(os.environ[name])`, or `default` when unset (KeyError when there is no default)."""
+    """`int(os.environ[name])`, or `default` when unset (KeyError when there is no default).
+    LOCAL_RANK=-1 counts as unset: the Hugging Face and DeepSpeed tools export it for "not
+    launched as one of several processes"."""
     text = os.environ.get(name)
-    if text is None:
+    if text is None or (name == "LOCAL_RANK" and text.strip() == "-1"):
         if default is None:
             raise KeyError(name)
         return default

@@ -12,6 +12,23 @@ from typing import Mapping, Optional
 
 logger = logging.getLogger("megatron_bridge")
 
+CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+"""strftime format of the timestamp that starts every console line."""
+
+
+def log_to_console(level: Optional[int], logging_rank: bool) -> None:
+    """The project's log lines on stdout: those of `level` (default INFO) from the logging rank,
+    warnings from every other rank; unless the application configured logging itself."""
+    level = level if level is not None else logging.INFO
+    logger.setLevel(level if logging_rank else max(level, logging.WARNING))
+    if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in logger.handlers):
+        handler = ConsoleHandler(sys.stdout)
+        # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
+        handler._mb_console = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+
 
 class ConsoleHandler(logging.StreamHandler):
     """The logging rank's lines on stdout. When the reader of a pipe goes away (`mbridge pretrain
@@ -30,7 +47,7 @@ class ConsoleHandler(logging.StreamHandler):
         except (OSError, ValueError, AttributeError):  # a stream without a file descriptor
             self.setStream(open(os.devnull, "w"))
         try:
-            print("megatron_bridge: stdout was closed (the reader of its pipe ended); training goes on "
+            print("megatron_bridge: stdout was closed (the reader of its pipe ended); going on "
                   "without console lines", file=sys.stderr)  # fmt: skip
         except OSError:
             pass  # stderr went the same way

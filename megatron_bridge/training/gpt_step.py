@@ -26,6 +26,9 @@ def get_batch(data_iterator: Iterator[dict], state: GlobalState) -> dict[str, Op
         if value is not None and device is not None:
             value = value.to(device, non_blocking=True)
         out[key] = value
+    tokens = out["tokens"]
+    if state.batch_lengths is not None and tokens is not None and tokens.dim() == 2:
+        state.batch_lengths[tokens.shape[1]] += tokens.shape[0]  # shapes are on the host: no wait
     if state.cfg.model.context_parallel_size > 1:
         from megatron.core.utils import get_batch_on_this_cp_rank
 

@@ -44,13 +44,15 @@ def peak_tflops(logger_cfg: Any, device: str) -> Optional[float]:
     return peak_tflops_for(torch.cuda.get_device_name())
 
 
-def throughput(cfg: Any, step_time: float, global_batch: int, world_size: int, device: str) -> dict[str, float]:
+def throughput(cfg: Any, step_time: float, global_batch: int, world_size: int, device: str, step_flops: Optional[float] = None) -> dict[str, float]:
     """`tflops-per-device` from the model shape (`flops_per_token`), and `mfu` (fraction of the
-    device's peak) where the peak is known."""
+    device's peak) where the peak is known. `step_flops`: the FLOPs of a step as its batches were
+    (`processed_work`); by default `global_batch` sequences of `model.seq_length` tokens."""
     if step_time <= 0:
         return {}
-    seq = cfg.model.seq_length
-    step_flops = flops_per_token(cfg.model, seq, cfg.model.vocab_size) * seq * global_batch
+    if step_flops is None:
+        seq = cfg.model.seq_length
+        step_flops = flops_per_token(cfg.model, seq, cfg.model.vocab_size) * seq * global_batch
     tflops = step_flops / step_time / max(1, world_size) / 1e12
     out = {"tflops-per-device": tflops}
     peak = peak_tflops(cfg.logger, device)
@@ -254,6 +256,24 @@ def moe_losses(model: Any, microbatches: int, device: Any) -> dict[str, float]:
     return out
 
 
+def processed_work(model: Any, lengths: Mapping[int, int], device: str) -> Optional[tuple[float, float]]:
+    """(tokens, training FLOPs) of the micro batches counted in `lengths` ({sequence length:
+    sequences} on this rank), summed over the data-parallel ranks; None when nothing was counted
+    (a forward step that does not use `gpt_step.get_batch`). Collective on every rank."""
+    import torch
+
+    tokens = sum(length * n for length, n in lengths.items())
+    flops = sum(flops_per_token(model, length, model.vocab_size) * length * n for length, n in lengths.items())
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        # Context-parallel ranks count the same sequences, so the group leaves them out.
+        totals = torch.tensor([tokens, flops], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        tokens, flops = totals.tolist()
+    return (tokens, flops) if tokens > 0 else None
+
+
 def train_metrics(
     state: Any,
     optimizer: Any,
@@ -261,16 +281,19 @@ def train_metrics(
     losses: Mapping[str, float],
     timers: Mapping[str, float],
     global_batch: int,
+    work: Optional[tuple[float, float]] = None,
 ) -> dict[str, float]:
     """The metrics of one log step. `interval`: steps, seconds, skipped, nan, grad_norm since the
-    last log step."""
+    last log step; `work`: (tokens, FLOPs) its batches held (`processed_work`), else `global_batch`
+    sequences of `model.seq_length` tokens per step."""
     cfg, log, ts = state.cfg, state.cfg.logger, state.train_state
     step_time = interval.seconds / max(1, interval.steps)
+    tokens_per_step = work[0] / max(1, interval.steps) if work else global_batch * cfg.model.seq_length
     metrics = {
         **losses,
         "learning-rate": float(optimizer.param_groups[0]["lr"]),
         "iteration-time": step_time,
-        "tokens-per-second": global_batch * cfg.model.seq_length / step_time if step_time > 0 else 0.0,
+        "tokens-per-second": tokens_per_step / step_time if step_time > 0 else 0.0,
         "batch-size": float(global_batch),
         "consumed-samples": float(ts.consumed_train_samples),
         "skipped-iterations": float(interval.skipped),
@@ -281,7 +304,8 @@ def train_metrics(
     if log.log_loss_scale_to_tensorboard:
         metrics["loss-scale"] = float(optimizer.get_loss_scale())
     if log.log_throughput:
-        metrics.update(throughput(cfg, step_time, global_batch, state.world_size, state.device))
+        step_flops = work[1] / max(1, interval.steps) if work else None
+        metrics.update(throughput(cfg, step_time, global_batch, state.world_size, state.device, step_flops))
     if log.log_memory_to_tensorboard:
         metrics.update(memory(state.device))
     if log.log_world_size_to_tensorboard:

@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Optional
 
-from megatron_bridge.config.errors import ConfigProblem
+from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config.paths import file_kind
 from megatron_bridge.runtime.checkpointing import layout
 from megatron_bridge.runtime.writable import unwritable_reason
@@ -87,18 +87,32 @@ def check_inputs(cfg: "ConfigContainer") -> list[ConfigProblem]:
     except (OSError, ValueError):
         loaded = []  # an unreadable tracker in checkpoint.load: reported when it is loaded
     for field, path, step in loaded:
-        if field != "checkpoint.pretrained_checkpoint" or not os.path.isdir(path):
-            continue
+        resuming = field == "checkpoint.load"
+        if (resuming and step is None) or not os.path.isdir(path):
+            continue  # a resumable `load` holds its latest checkpoint
         try:
             layout.resolve(path, step)
         except FileNotFoundError as exc:
-            problems.append(ConfigProblem(
-                "checkpoint.pretrained_checkpoint", str(exc),
-                "point it at a checkpoint directory, one of its iter_* directories or a Hugging Face model directory",
-            ))  # fmt: skip
+            fix = "point it at a checkpoint directory, one of its iter_* directories or a Hugging Face model directory"
+            if resuming:
+                field, fix = "checkpoint.ckpt_step", "choose one of the complete iterations, or remove it to load the latest"
+            problems.append(ConfigProblem(field, str(exc), fix))
         except (OSError, ValueError):
             pass  # an unreadable tracker: reported when it is loaded
     return problems
+
+
+class MissingCheckpointError(ConfigValidationError, FileNotFoundError):
+    """The checkpoint a run would load is not on disk: a config problem, and the
+    FileNotFoundError that loading it raises."""
+
+
+def raise_problems(problems: list[ConfigProblem]) -> None:
+    """Raise `problems` (if any) as one `ConfigValidationError`; a `MissingCheckpointError` when
+    one of them is a checkpoint that is not there."""
+    if problems:
+        missing = any(p.path in ("checkpoint.ckpt_step", "checkpoint.pretrained_checkpoint") for p in problems)
+        raise (MissingCheckpointError if missing else ConfigValidationError)(problems)
 
 
 def _holds_checkpoint(path: Optional[str]) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -16,8 +15,8 @@ from megatron_bridge.models.hf import checks as hf_checks
 from megatron_bridge.runtime import cpu_backend
 from megatron_bridge.runtime.callbacks import Callback, CallbackList
 from megatron_bridge.runtime.child_processes import die_with_parent
+from megatron_bridge.runtime.launcher_env import launcher_int
 from megatron_bridge.training.comm_overlap import initialize_tp_communicators
-from megatron_bridge.training.console import ConsoleHandler
 from megatron_bridge.training.config import ConfigContainer, runtime_config_update
 from megatron_bridge.runtime.distributed import cpu_threads, init_model_parallel, init_process_group, run_backend
 from megatron_bridge.training.forward_step_adapter import prepare_forward_step
@@ -26,13 +25,13 @@ from megatron_bridge.training.progress import ProgressFile
 from megatron_bridge.training.signals import ExitSignalHandler
 from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
-from megatron_bridge.data.builders import build_datasets, resolved_phases, sample_counts
+from megatron_bridge.data.builders import build_datasets, resolved_phases, resumed_sample_counts
 from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
 from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
 from megatron_bridge.models.attention import layer_problems
 from megatron_bridge.peft.apply import trainable_counts
-from megatron_bridge.training import build, preflight
+from megatron_bridge.training import build, console, preflight
 from megatron_bridge.training.checkpointing import Checkpointer, lock, make_manager
 from megatron_bridge.training.loggers import build_tracker
 from megatron_bridge.training.resiliency.fault_tolerance import FaultTolerance, maybe_simulate_fault
@@ -93,24 +92,11 @@ def _filter_megatron_warnings(on: bool) -> None:
                 source.removeFilter(f)
 
 
-CONSOLE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
-"""strftime format of the timestamp that starts every console line."""
-
-
 def configure_logging(state: GlobalState) -> None:
     """Progress lines from the logging rank on stdout (unless the application configured
     logging itself); warnings from every rank."""
     cfg = state.cfg.logger
-    ours = logging.getLogger("megatron_bridge")
-    level = cfg.logging_level if cfg.logging_level is not None else logging.INFO
-    ours.setLevel(level if state.is_logging_rank else max(level, logging.WARNING))
-    if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in ours.handlers):
-        handler = ConsoleHandler(sys.stdout)
-        # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
-        handler._mb_console = True  # type: ignore[attr-defined]
-        ours.addHandler(handler)
-        ours.propagate = False
+    console.log_to_console(cfg.logging_level, state.is_logging_rank)
     _filter_megatron_warnings(cfg.filter_warnings)
     for name in cfg.modules_to_filter or []:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
@@ -203,8 +189,8 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, num_chunks: i
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     ts, t, v = state.train_state, cfg.train, cfg.validation
-    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer, ProcessGroupCollection.use_mpu_process_groups())
-    counts = sample_counts(cfg)
+    counts = resumed_sample_counts(cfg, ts.step, ts.consumed_train_samples, ts.consumed_valid_samples)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, state.tokenizer, ProcessGroupCollection.use_mpu_process_groups(), counts)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     pin = state.device == "cuda"
@@ -242,8 +228,7 @@ def check_outputs_and_lock(cfg: ConfigContainer, state: GlobalState) -> None:
         everyone: list = [None] * state.world_size
         torch.distributed.all_gather_object(everyone, found)
         found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
-    if found:
-        raise ConfigValidationError(found)
+    preflight.raise_problems(found)
     warning = preflight.free_space_warning(cfg) if state.is_logging_rank else None
     if warning:
         logger.warning("%s", warning)
@@ -284,6 +269,9 @@ def setup(
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
+    # What validation decides for the user (a preset's settings, a warmup scaled to the run) is
+    # logged, so the console is set up first, on the rank the launcher says will log.
+    console.log_to_console(cfg.logger.logging_level, launcher_int("RANK", 0) == launcher_int("WORLD_SIZE", 1) - 1)
     device = resolve_config(cfg)
     die_with_parent()
     stop_when_launcher_dies()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -115,6 +116,11 @@ class GlobalState:
     """While a training step or an evaluation batch runs its micro batches: their losses (on the
     device), checked for NaN/Inf together once the passes end (`gpt_step.check_step_losses`);
     None elsewhere, where each loss is checked as it is computed."""
+
+    batch_lengths: Optional[Counter] = None
+    """While a training step runs its micro batches: {sequence length: sequences} of the batches
+    `gpt_step.get_batch` handed out (before context-parallel slicing), so throughput counts the
+    tokens of batches padded only to their longest sample; None elsewhere."""
 
     @property
     def is_logging_rank(self) -> bool:

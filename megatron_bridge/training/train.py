@@ -6,6 +6,7 @@ import gc
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -22,6 +23,7 @@ from megatron_bridge.training.metrics import (
     eval_metrics,
     moe_losses,
     mtp_losses,
+    processed_work,
     reduced_metrics,
     reset_loss_trackers,
     timer_values,
@@ -62,6 +64,7 @@ class _Interval:
     nan: int = 0
     grad_norm: float = float("nan")
     losses: LossAccumulator = field(default_factory=LossAccumulator)
+    lengths: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -69,6 +72,9 @@ class StepResult:
     """What one training step produced."""
 
     reports: list = field(default_factory=list)
+    lengths: Counter = field(default_factory=Counter)
+    """{sequence length: sequences} of the micro batches this rank trained on (`GlobalState.batch_lengths`)."""
+
     grad_norm: float = float("nan")
     update_ok: bool = False
     rerun_checkpoint: bool = False
@@ -104,6 +110,7 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
             chunk.zero_grad_buffer()
         run.state.optimizer.zero_grad()
         defer_loss_checks(run.state)
+        run.state.batch_lengths = Counter()  # a repeated pass counts once
         # megatron-core's schedule times itself as "forward-backward" (model config `timers`)
         result.reports = fwd_bwd(
             forward_step_func=run.forward_step,
@@ -116,6 +123,7 @@ def train_step(run: Run, fwd_bwd: Callable) -> StepResult:
             forward_only=False,
         )
         check_step_losses(run.state)
+    result.lengths, run.state.batch_lengths = run.state.batch_lengths or Counter(), None
     checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
     result.rerun_checkpoint = checkpoint
     if should_exit:
@@ -214,6 +222,7 @@ def _loop(run: Run, profiler: Any) -> Stop:
         interval.skipped += 0 if step.update_ok else 1
         interval.nan += 0 if math.isfinite(step.grad_norm) or not step.update_ok else 1
         interval.grad_norm = step.grad_norm
+        interval.lengths.update(step.lengths)
         if last_stage:
             interval.losses.add(step.reports)
         if run.checkpointer is not None:
@@ -263,9 +272,10 @@ def _log_step(run: Run, interval: _Interval, dp_group: Any, loop_start: float, s
     # collective: every rank, before the rank check
     timers = timer_values(state, interval.steps)
     reduced = reduced_metrics(state, run.state.model, run.energy_meter)
+    work = processed_work(cfg.model, interval.lengths, state.device)  # collective
     if not state.is_logging_rank or cfg.logger.skip_train_metrics_log:
         return
-    values = train_metrics(state, run.state.optimizer, interval, losses, timers, get_current_global_batch_size())
+    values = train_metrics(state, run.state.optimizer, interval, losses, timers, get_current_global_batch_size(), work)
     values.update(reduced)
     done, remaining = ts.step - start_step, cfg.train.train_iters - ts.step
     eta = (time.perf_counter() - loop_start) / done * remaining if done else float("nan")

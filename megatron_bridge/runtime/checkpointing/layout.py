@@ -83,6 +83,10 @@ def checkpoint_below(path: str) -> Optional[str]:
     return None
 
 
+PEFT_LIBRARY_CONFIG = "adapter_config.json"
+"""The file of an adapter directory in the peft library's format (`mbridge peft export` writes one)."""
+
+
 def no_checkpoint_message(path: str) -> str:
     """Why `path` holds no checkpoint to load, and where one is when the mistake is plain."""
     if not os.path.lexists(path):
@@ -96,6 +100,12 @@ def no_checkpoint_message(path: str) -> str:
         return f"{message}; give one of its iterations, e.g. {iteration_dir(path, iterations[-1])!r}"
     if os.path.isdir(path) and any(n.endswith(INCOMPLETE_SUFFIX) for n in os.listdir(path)):
         return f"{message}; its only save did not finish (a run still saving, or one stopped while saving)"
+    if os.path.isfile(os.path.join(path, PEFT_LIBRARY_CONFIG)):
+        return (
+            f"{message}; it holds adapters in the peft library's format ({PEFT_LIBRARY_CONFIG}), which load onto "
+            "the Hugging Face base model with peft.PeftModel.from_pretrained: give the LoRA/DoRA run's checkpoint "
+            "directory instead (its checkpoints/)"
+        )
     return message
 
 
