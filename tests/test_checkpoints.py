@@ -376,6 +376,9 @@ def test_a_directory_without_a_checkpoint_says_where_one_is(tmp_path):
             resolve(path)
         assert str(err.value) == f"no checkpoint in {path!r}: no latest_checkpointed_iteration.txt and not an iter_* directory; {hint}"
     assert resolve(str(tmp_path / "run" / "checkpoints")) == (str(tmp_path / "run" / "checkpoints" / "iter_0000002"), 2)
+    missing = str(tmp_path / "no-such-run" / "checkpoints")
+    with pytest.raises(FileNotFoundError, match="it does not exist"):
+        resolve(missing)
 
 
 class Evaluations(Callback):

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.data.indexed import IndexedDatasetWriter, write_index
 
@@ -47,9 +48,11 @@ def _env(**extra: str) -> dict:
 
 
 def _mbridge(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`mbridge argv` in a fresh process; a leading command prefix (`setpriv ... --`) runs it."""
+    prefix = argv[: argv.index("--") + 1] if argv and argv[0] == "setpriv" else []
     return subprocess.run(
-        [sys.executable, "-m", "megatron_bridge", *argv], cwd=REPO, env=env or _env(), capture_output=True, text=True,
-        timeout=240,
+        [*prefix, sys.executable, "-m", "megatron_bridge", *argv[len(prefix) :]], cwd=REPO, env=env or _env(),
+        capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
 
@@ -119,11 +122,55 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         "launcher world": (["hf", "export", clean, os.path.join(str(work), "hf-world")], _env(WORLD_SIZE="two")),
         "damaged index": (["data", "inspect", damaged], None),
         "latin-1 prompts": (["generate", clean, "--prompts", latin1, "--max-new-tokens", "1"], None),
+        **_output_cases(str(work), clean),
     }  # fmt: skip
     pool = ThreadPoolExecutor(PARALLEL)
     started = {name: (pool.submit(_mbridge, argv, env), mark.get(name)) for name, (argv, env) in argvs.items()}
     pool.shutdown(wait=False)
     return started
+
+
+_NO_ROOT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+"""A command prefix under which root, like any user, cannot write into a directory without write
+permission (the capability that lets root ignore permissions is dropped)."""
+
+
+def _read_only_prefix() -> list[str] | None:
+    """What makes a read-only directory read-only for the command: nothing for a user, setpriv
+    for root; None where root cannot drop the capability (the read-only cases are then skipped)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") and subprocess.run([*_NO_ROOT_OVERRIDE, "true"]).returncode == 0:
+        return _NO_ROOT_OVERRIDE
+    return None
+
+
+def _output_cases(work: str, checkpoint: str) -> dict[str, tuple[list[str], None]]:
+    """Commands writing into a read-only directory, under a file, or where a name is too long."""
+    read_only, a_file = os.path.join(work, "read-only"), os.path.join(work, "a-file")
+    os.makedirs(read_only)
+    os.chmod(read_only, 0o555)
+    with open(a_file, "w") as f:
+        f.write("x\n")
+    tokenizer = train_tokenizer(os.path.join(work, "tok"), texts=["some text to tokenize"] * 4)
+    corpus = os.path.join(work, "corpus.jsonl")
+    write_jsonl(corpus, [{"text": "some text"}, {"text": "to tokenize"}])
+    slurm = ["slurm", "--recipe", TINY, "--nodes", "1", "--gpus-per-node", "1", "--cpu"]
+    cases = {
+        "export under a file": (["hf", "export", checkpoint, os.path.join(a_file, "hf")], None),
+        "export name without room for its staging suffix": (["hf", "export", checkpoint, os.path.join(work, "e" * 250)], None),
+        "slurm script into a directory": ([*slurm, "-o", work], None),
+        "slurm logs under a file": ([*slurm, "-o", os.path.join(work, "job.sbatch"), "--log-dir", os.path.join(a_file, "logs")], None),
+    }
+    prefix = _read_only_prefix()
+    if prefix is not None:
+        preprocess = ["data", "preprocess", "--input", corpus, "--tokenizer", tokenizer, "--output-prefix"]
+        cases.update({
+            "export into read-only": ([*prefix, "hf", "export", checkpoint, os.path.join(read_only, "hf")], None),
+            "preprocess into read-only": ([*prefix, *preprocess, os.path.join(read_only, "corpus")], None),
+            "slurm script into read-only": ([*prefix, *slurm, "-o", os.path.join(read_only, "job.sbatch")], None),
+        })  # fmt: skip
+    return cases
 
 
 def _refused(cases, name: str) -> str:
@@ -206,3 +253,27 @@ def test_environment_values_that_are_not_numbers(cases):
 def test_data_inspect_of_a_damaged_index(cases):
     err = _refused(cases, "damaged index")
     assert "damaged.idx gives sequence 0 a negative length (-10)" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_outputs_under_a_file_or_with_too_long_names_are_refused_before_any_work(cases):
+    err = _refused(cases, "export under a file")
+    assert "a-file/hf.incomplete lies under" in err and "a-file, which is a file, not a directory (give a directory" in err, err
+    err = _refused(cases, "export name without room for its staging suffix")
+    assert f"{'e' * 250}.incomplete: the name {'e' * 40!r}... is 261 bytes, over the 255 bytes" in err, err
+    err = _refused(cases, "slurm script into a directory")
+    assert "--output: cannot write the script to" in err and "Is a directory" in err, err
+    err = _refused(cases, "slurm logs under a file")
+    assert "--log-dir:" in err and "which is a file, not a directory" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_outputs_into_a_read_only_directory_are_refused_before_any_work(cases):
+    if "export into read-only" not in cases:
+        pytest.skip("root here cannot drop the capability that overrides permissions (setpriv)")
+    err = _refused(cases, "export into read-only")
+    assert "read-only is not writable by this user (give a directory this user can write, with names the filesystem can store, for an export)" in err, err
+    err = _refused(cases, "preprocess into read-only")
+    assert "--output-prefix:" in err and "read-only cannot be written: Permission denied" in err, err
+    err = _refused(cases, "slurm script into read-only")
+    assert "--output: cannot write the script to" in err and "Permission denied" in err, err

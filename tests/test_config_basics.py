@@ -2,6 +2,7 @@
 
 import ast
 import copy
+import os
 import pathlib
 import pickle
 import subprocess
@@ -249,6 +250,22 @@ def test_a_path_with_control_characters_is_refused():
         problems = Problems()
         check(CheckpointConfig(save=fine), problems)
         assert not problems, fine
+
+
+def test_a_path_that_is_not_utf8_is_refused():
+    """A directory named in Latin-1 reaches Python with the byte as a lone surrogate; the run
+    could not write it into its UTF-8 files (the checkpoint's run_config.yaml), so the first save
+    would fail after the training before it: refused with the config."""
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.config.paths import check
+    from megatron_bridge.training.config import CheckpointConfig
+
+    problems = Problems()
+    check(CheckpointConfig(save=os.fsdecode(b"runs/caf\xe9/checkpoints")), problems)
+    assert [str(p) for p in problems] == [
+        "save: 'runs/caf\\udce9/checkpoints' has a byte that is not UTF-8 text (b'\\xe9') (use a path in UTF-8: the run "
+        "writes its paths into UTF-8 files (run_config.yaml, tracker logs))"
+    ]
 
 
 def test_positional_constructor_arguments_are_named_checked_and_tracked():

@@ -220,3 +220,31 @@ def test_the_readme_command_creates_the_output_directory(tok_dir, tmp_path):
     refused = mbridge("a_file/corpus")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert f"--output-prefix: {str(tmp_path / 'a_file')!r} is not a directory (choose a prefix in a directory)" in refused.stderr
+
+
+def test_a_prefix_too_long_and_a_full_disk_are_reported_and_leave_nothing(tok_dir, tmp_path):
+    """A prefix whose file names (plus their temporary suffix) do not fit the filesystem, and a
+    write that fails for lack of space (a file size limit stands in for a full disk): exit status
+    2 with the reason, and no partial files left under the output names."""
+    import resource
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in documents(2000)])
+    (tmp_path / "out").mkdir()
+
+    def mbridge(prefix, max_file_bytes=None):
+        argv = ["data", "preprocess", "--input", "corpus.jsonl", "--output-prefix", prefix, "--tokenizer", tok_dir, "--no-progress"]
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))) if max_file_bytes else None
+        return subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], cwd=tmp_path, env=source_tree_env(),
+                              capture_output=True, text=True, timeout=100, preexec_fn=limit)  # fmt: skip
+
+    long_name = mbridge("out/" + "p" * 240)
+    assert long_name.returncode == 2 and "Traceback" not in long_name.stderr, long_name.stderr[-3000:]
+    assert "--output-prefix: cannot create 'out/pppp" in long_name.stderr and "File name too long" in long_name.stderr
+    full = mbridge("out/corpus", max_file_bytes=20_000)
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert "writing out/corpus_*.bin/.idx failed: File too large; nothing was written under the output names" in full.stderr
+    assert os.listdir(tmp_path / "out") == []

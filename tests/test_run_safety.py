@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -16,8 +17,9 @@ from factories import source_tree_env, tiny_config
 
 from megatron_bridge.config.errors import ConfigValidationError
 from megatron_bridge.training import build
+from megatron_bridge.training.callbacks import Callback
 from megatron_bridge.training.checkpointing import lock, read_tracker
-from megatron_bridge.training.config import TrainingConfig, ValidationConfig
+from megatron_bridge.training.config import DatasetProvider, TrainingConfig, ValidationConfig
 from megatron_bridge.training.gpt_step import forward_step
 from megatron_bridge.training.pretrain import pretrain
 
@@ -130,6 +132,25 @@ def test_a_name_longer_than_the_filesystem_allows_is_refused_before_writing(tmp_
     assert os.listdir(tmp_path) == []
 
 
+def test_a_path_without_room_for_the_files_inside_it_is_refused_before_anything_is_made(tmp_path):
+    """A save directory whose own path nearly fills PATH_MAX could be made, and its first
+    checkpoint (`iter_N.incomplete/__0_0.distcp` inside it) could not: refused, and no partial
+    directories are left."""
+    from megatron_bridge.runtime.writable import INSIDE_BYTES
+    from megatron_bridge.training.preflight import unwritable_reason
+
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    path = str(tmp_path)
+    while len(os.fsencode(path)) + INSIDE_BYTES < limit:
+        path = os.path.join(path, "d" * 200)
+    for create in (False, True):
+        why = unwritable_reason(path, create)
+        assert why is not None and f"the path is {len(os.fsencode(path)):,} bytes" in why, why
+        assert f"passes the {limit:,} bytes this system allows for a path" in why
+    assert os.listdir(tmp_path) == []
+    assert unwritable_reason(str(tmp_path / "short" / "checkpoints"), create=False) is None
+
+
 @pytest.mark.timeout(120)
 def test_unwritable_tracker_directory_is_refused(tmp_path, no_model_building):
     a_file = tmp_path / "a_file"
@@ -182,12 +203,15 @@ def test_a_stale_lock_of_a_killed_job_is_taken_over(tmp_path, caplog):
     assert not (save / lock.LOCK_FILE).exists()  # released at the end
 
 
-def _run_on_small_tmpfs(tmp_path, size):
+def _run_on_small_tmpfs(tmp_path, size, *args, then=""):
+    """Train on a private tmpfs of `size` (`args`: more options of train_tiny.py); `then`: a shell
+    command run after it, while the tmpfs is still mounted ($CKPT is the save directory)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    script = " ".join(
-        [f"mount -t tmpfs -o size={size} tmpfs {mount} &&", "exec", *_script("--iters", "4", "--save", str(mount / "ckpt"), "--out", str(tmp_path / "o"))]
-    )
+    train = _script("--iters", "4", "--save", str(mount / "ckpt"), "--out", str(tmp_path / "o"), *args)
+    script = " ".join([f"mount -t tmpfs -o size={size} tmpfs {mount} &&", "exec", *train])
+    if then:
+        script = " ".join([f"mount -t tmpfs -o size={size} tmpfs {mount} &&", *train, f"; status=$?; CKPT={mount / 'ckpt'}; {then}; exit $status"])
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode:
         pytest.skip("needs unshare -m to mount a private tmpfs")
     return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=_env(), timeout=240)
@@ -201,6 +225,25 @@ def test_a_save_that_runs_out_of_space_says_so(tmp_path):
     assert "KiB free, but one checkpoint of this model takes about" in output  # the preflight warning
     assert "saving the checkpoint of iteration 4 to" in output and "no space left on the device" in output
     assert "one checkpoint takes about" in output
+
+
+@pytest.mark.timeout(300)
+def test_space_for_the_checkpoints_kept_at_once_is_checked_and_a_failed_save_frees_its_space(tmp_path):
+    """Room for one checkpoint but not two, with most_recent_k=1: the second save needs both at
+    once (the old one is deleted only after the new one is complete). The preflight says so before
+    training; the save that fails removes what it wrote and leaves the tracker at the first one."""
+    result = _run_on_small_tmpfs(
+        tmp_path, "2400k", "--save-interval", "2", "--most-recent-k", "1",
+        then='ls -a "$CKPT"; echo "tracker=$(cat "$CKPT"/latest_checkpointed_iteration.txt)"',
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "this run holds up to 2 new checkpoints of about" in output, output[-3000:]
+    assert "(checkpoint.most_recent_k=1 kept, plus the one being written)" in output
+    assert "saving the checkpoint of iteration 4 to" in output and "partly written one removed" in output
+    listing = result.stdout.split()
+    assert "iter_0000002" in listing and "tracker=2" in listing, result.stdout[-2000:]
+    assert not [name for name in listing if name.endswith(".incomplete")], result.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)
@@ -296,6 +339,59 @@ def _signal_after_steps(tmp_path, sig, times, steps=3):
     return job.returncode, "".join(lines) + rest, save, out
 
 
+def _terminate_this_process() -> None:
+    """SIGTERM to this process, as a preemption sends it, once the run's handler is installed
+    (without one the signal would end the test session)."""
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), "no exit-signal handler installed"
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@dataclass
+class _PreemptedWhileBuilt(DatasetProvider):
+    """Random token windows; SIGTERM arrives while they are built (during the run's setup)."""
+
+    seq_length: int = 32
+
+    def build_datasets(self, context):
+        import torch
+
+        _terminate_this_process()
+        texts = torch.randint(0, 256, (context.train_samples, 33), generator=torch.Generator().manual_seed(0))
+        windows = [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(32), "position_ids": torch.arange(32)} for t in texts]
+        return windows, None, None
+
+
+class _PreemptedDuringEvaluation(Callback):
+    def on_eval_start(self, state):
+        _terminate_this_process()
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_during_setup_stops_the_run_before_it_trains(tmp_path, caplog):
+    cfg = _config(str(tmp_path / "ckpt"), iters=50)
+    cfg.dataset = _PreemptedWhileBuilt(num_workers=0)
+    cfg.train.exit_signal_handler = True
+    caplog.set_level("INFO", logger="megatron_bridge")
+    state = pretrain(cfg, forward_step)
+    assert state.train_state.step == 0
+    assert "training stopped at iteration 0: exit signal received before the first iteration" in caplog.text
+    assert read_tracker(str(tmp_path / "ckpt")) is None  # nothing trained: nothing saved
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the run
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_during_evaluation_stops_it_and_saves_at_once(tmp_path, caplog):
+    cfg = _config(str(tmp_path / "ckpt"), iters=50)
+    cfg.validation = ValidationConfig(eval_interval=2, eval_iters=40)
+    cfg.train.exit_signal_handler = True
+    caplog.set_level("INFO", logger="megatron_bridge")
+    state = pretrain(cfg, forward_step, callbacks=[_PreemptedDuringEvaluation()])
+    assert state.train_state.step == 2 and read_tracker(str(tmp_path / "ckpt")) == 2
+    assert state.train_state.consumed_valid_samples == 0, "evaluation went on after the signal"
+    assert "evaluation stopped after 0 of 40 batches: exit signal received" in caplog.text
+    assert "training stopped at iteration 2: exit signal received" in caplog.text
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_saves_and_exits_like_sigterm(tmp_path):
     code, output, save, out = _signal_after_steps(tmp_path, signal.SIGINT, times=1)
@@ -334,6 +430,25 @@ def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
     output = "".join(lines) + rest
     assert job.returncode == 130, output[-2000:]
     assert "mbridge pretrain: interrupted." in output and "Traceback" not in output
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_stdout_reader_ends_trains_on_without_tracebacks(tmp_path):
+    """`mbridge pretrain ... | head -1`: the pipe's reader ends after one line; the run goes on to
+    its checkpoint, saying once on stderr that its console lines are dropped."""
+    cmd = [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "--dir", str(tmp_path),
+           "train.train_iters=3", "logger.log_interval=1", "validation.eval_iters=1", "~logger.tensorboard_dir"]  # fmt: skip
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        job.stdout.readline()
+        job.stdout.close()  # as `head -1` exits
+        _, stderr = job.communicate(timeout=200)
+    finally:
+        _kill_session(job)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "Logging error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "stdout was closed (the reader of its pipe ended); going on without console lines" in stderr
+    assert read_tracker(str(tmp_path / "tiny_gpt_pretrain" / "checkpoints")) == 3
 
 
 @pytest.mark.slow

@@ -10,9 +10,11 @@ import math
 import os
 import re
 import struct
+import subprocess
 import sys
 import time
 import zipfile
+from multiprocessing.connection import Connection
 
 import pytest
 from factories import needs, on_cpu, tiny_config
@@ -489,3 +491,29 @@ def test_tracker_settings_without_their_tracker_are_named(caplog):
         "logger.mlflow_tags set, but logger.mlflow_experiment is not: no MLflow logging "
         "(set logger.mlflow_experiment to turn it on)",
     ]
+
+
+@pytest.mark.timeout(120)
+def test_tracker_process_whose_trainer_is_gone_before_it_started_exits_quietly(tmp_path):
+    """A training process stopped by a signal while its trackers start: the tracker process
+    finds no one to tell that it is ready, and exits without a traceback on the user's terminal."""
+    from megatron_bridge.training.loggers.process import _child_env
+
+    spec = TrackerSpec(
+        "tensorboard", "megatron_bridge.training.loggers.tensorboard", "TensorBoardTracker", {"log_dir": str(tmp_path)}
+    )
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    os.close(from_child_r)  # the trainer is gone before the tracker process can answer
+    child = subprocess.Popen(
+        [sys.executable, "-m", "megatron_bridge.training.loggers.worker", str(to_child_r), str(from_child_w)],
+        pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=_child_env(),
+    )  # fmt: skip
+    os.close(to_child_r)
+    os.close(from_child_w)
+    with Connection(to_child_w, readable=False) as to_child:
+        to_child.send(("specs", [spec]))
+    _, stderr = child.communicate(timeout=100)
+    assert "Traceback" not in stderr, stderr
+    assert child.returncode == 0

@@ -18,6 +18,7 @@ from megatron_bridge.config.errors import Problems
 from megatron_bridge.config.secrets import conceal_argv
 from megatron_bridge.launch.slurm import SlurmJob, render
 from megatron_bridge.planning import PlanningError, plan
+from megatron_bridge.runtime.writable import unwritable_reason
 
 
 def _command(args: argparse.Namespace, mode: str, extra: list[str]) -> list[str]:
@@ -172,10 +173,19 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     path = args.output or f"{job_name}.sbatch"
-    os.makedirs(args.log_dir, exist_ok=True)  # Slurm opens --output before the script runs
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o755)
+    unwritable = unwritable_reason(args.log_dir, create=True)  # Slurm opens --output before the script runs
+    if unwritable:
+        raise UsageError(
+            f"--log-dir: {unwritable} (give a directory this user can write, on a filesystem the nodes share)"
+        )
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+    except OSError as exc:
+        raise UsageError(
+            f"--output: cannot write the script to {path}: {exc.strerror} (give a writable file path, or - for stdout)"
+        ) from None
     print(f"wrote {path}; submit it with: sbatch {path}")
     return 0
 

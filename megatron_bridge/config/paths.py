@@ -5,7 +5,9 @@ A field named like a path (`save`, `load`, `tensorboard_dir`, `save_config_filep
 default is None takes None for "off"; an empty string there is not a path (it would name the
 current directory, or nothing, depending on who reads it), so it is refused. A path component
 longer than `NAME_MAX` bytes is refused too: no common filesystem stores such a name, and the
-run would fail where it first creates the file. So is a control character (see `_CONTROL`).
+run would fail where it first creates the file. So is a control character (see `_CONTROL`), and
+a byte that is not UTF-8 (a Latin-1 directory name): the checkpoint's run_config.yaml could not
+be written, and the first save would fail after the training before it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def check(obj: Any, problems: Problems) -> None:
                 "use a path without control characters (they would reach terminals and logs as they are)",
             )
             continue
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a byte the OS gave that is not UTF-8 (a lone surrogate here)
+                byte = value[exc.start].encode(errors="surrogateescape")
+                problems.add(
+                    name,
+                    f"{show(value)} has a byte that is not UTF-8 text ({byte!r})",
+                    "use a path in UTF-8: the run writes its paths into UTF-8 files (run_config.yaml, tracker logs)",
+                )
+                continue
         if value and short and not value[0].isspace():
             continue
         if not value.strip():

@@ -12,6 +12,7 @@ is moved into place only when complete.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ from megatron_bridge.runtime.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron_bridge.runtime.tokenizers.config import SENTENCEPIECE_TYPES, TEXT_TOKENIZER_TYPES, TokenizerConfig
 from megatron_bridge.runtime.tokenizers.tokenizer import HuggingFaceTokenizer, build_tokenizer
 from megatron_bridge.runtime import json_input
+from megatron_bridge.runtime.writable import unwritable_reason
 
 CHUNK_BYTES = 1 << 20
 """Bytes of JSONL per chunk."""
@@ -359,6 +361,10 @@ def output_prefix(options: PreprocessOptions, key: str) -> str:
     return f"{options.output_prefix}_{key}_{level}"
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""Write errors that mean the output's filesystem (or the user's quota, or file size limit) is full."""
+
+
 class _Terminated(Exception):
     """SIGTERM arrived: stop and clean up as for Ctrl-C."""
 
@@ -375,12 +381,22 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError(f"--output-prefix: {out_dir!r} is not a directory (choose a prefix in a directory)")
     source = input_split(options.input, options.split)
     chunks = plan_chunks(source)
-    try:
-        os.makedirs(out_dir, exist_ok=True)  # made only once the input and tokenizer are known good
-    except OSError as exc:
-        raise PreprocessError(f"--output-prefix: cannot create the directory {out_dir!r}: {exc.strerror}") from None
+    # made (and a file written there) only once the input and tokenizer are known good
+    unwritable = unwritable_reason(out_dir, create=True)
+    if unwritable:
+        raise PreprocessError(f"--output-prefix: {unwritable} (choose a prefix in a directory you can write)")
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {key: IndexedDatasetWriter(output_prefix(options, key), dtype) for key in options.json_keys}
+    writers: dict[str, IndexedDatasetWriter] = {}
+    try:
+        for key in options.json_keys:
+            writers[key] = IndexedDatasetWriter(output_prefix(options, key), dtype)
+    except OSError as exc:  # e.g. a prefix whose file names (with their temporary suffix) are too long
+        for writer in writers.values():
+            writer.abort()
+        raise PreprocessError(
+            f"--output-prefix: cannot create {exc.filename!r}: {exc.strerror} "
+            "(choose a shorter prefix, in a directory you can write)"
+        ) from None
     skipped = dict.fromkeys(options.json_keys, 0)
     unit = "rows" if source.dataset_dir or any(c[0] in ("parquet", "arrow") for c in chunks) else "bytes"
     bar = ProgressBar(sum(c[4] for c in chunks), unit, options.progress)
@@ -416,9 +432,14 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
             pool.shutdown(wait=True, cancel_futures=True)
         for writer in writers.values():
             writer.finalize()
-    except BaseException:
+    except BaseException as exc:
         for writer in writers.values():
             writer.abort()
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            raise PreprocessError(
+                f"writing {options.output_prefix}_*.bin/.idx failed: {exc.strerror}; nothing was written under the "
+                "output names (free space on that filesystem, or choose another --output-prefix)"
+            ) from None
         raise
     finally:
         if previous is not None:

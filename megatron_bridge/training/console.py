@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 import sys
 from typing import Mapping, Optional
 
@@ -21,12 +22,35 @@ def log_to_console(level: Optional[int], logging_rank: bool) -> None:
     level = level if level is not None else logging.INFO
     logger.setLevel(level if logging_rank else max(level, logging.WARNING))
     if not logging.getLogger().handlers and not any(getattr(h, "_mb_console", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = ConsoleHandler(sys.stdout)
         # Timestamped like Megatron-LM's console lines, so a log can be lined up with other logs.
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt=CONSOLE_TIME_FORMAT))
         handler._mb_console = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """The logging rank's lines on stdout. When the reader of a pipe goes away (`mbridge pretrain
+    | head`), the run goes on without them (its checkpoints and trackers are what it leaves),
+    instead of printing a logging traceback for every line: stdout then writes to /dev/null,
+    which also keeps later prints from failing."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stream without a file descriptor
+            self.setStream(open(os.devnull, "w"))
+        try:
+            print("megatron_bridge: stdout was closed (the reader of its pipe ended); going on "
+                  "without console lines", file=sys.stderr)  # fmt: skip
+        except OSError:
+            pass  # stderr went the same way
 
 
 def format_duration(seconds: float) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_bridge.training.gpt_step import check_step_losses, defer_loss_checks
 from megatron_bridge.training.loss_reduction import LossAccumulator
+from megatron_bridge.training.signals import exit_requested
 from megatron_bridge.training.state import GlobalState
+
+logger = logging.getLogger("megatron_bridge")
 
 
 def evaluate(
@@ -19,7 +23,7 @@ def evaluate(
     num_iters: int,
 ) -> Optional[dict[str, float]]:
     """Average losses over `num_iters` evaluation batches; None on ranks that hold no loss
-    (not the last pipeline stage)."""
+    (not the last pipeline stage), and on every rank when the exit signal stopped it early."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
@@ -36,9 +40,15 @@ def evaluate(
     for chunk in model:
         chunk.eval()
     totals = LossAccumulator()
+    stopped = False
     try:
         with torch.no_grad():
-            for _ in range(num_iters):
+            for done in range(num_iters):
+                if exit_requested(state.signal_handler, state.device):
+                    stopped = True
+                    if state.is_logging_rank:
+                        logger.info("evaluation stopped after %d of %d batches: exit signal received", done, num_iters)
+                    break
                 defer_loss_checks(state)
                 reports = fwd_bwd(
                     forward_step_func=forward_step,
@@ -58,7 +68,7 @@ def evaluate(
         for chunk in model:
             chunk.train()
         rerun.set_mode(mode)
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if stopped or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return totals.average(parallel_state.get_data_parallel_group(with_context_parallel=True))
 

@@ -13,13 +13,12 @@ import errno
 import logging
 import os
 import shutil
-import stat
-import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.config.paths import file_kind
 from megatron_bridge.runtime.checkpointing import layout
+from megatron_bridge.runtime.writable import unwritable_reason
 from megatron_bridge.training.config.architecture import loaded_checkpoints
 from megatron_bridge.training.profiling import default_profile_dir
 from megatron_bridge.models import count_parameters
@@ -53,59 +52,6 @@ def output_dirs(cfg: "ConfigContainer", logging_rank: bool = True) -> list[tuple
     if cfg.profiling.use_pytorch_profiler:
         out.append(("profiling.profile_dir", default_profile_dir(cfg)))
     return out
-
-
-def unwritable_reason(path: str, create: bool) -> Optional[str]:
-    """Why files cannot be written into directory `path`, or None. With `create`, the directory
-    is created and a probe file written and removed (the only test that is exact, e.g. for root on
-    a read-only filesystem); otherwise only permissions and mount flags are inspected."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path):
-        mode = os.stat(path).st_mode
-        if not stat.S_ISDIR(mode):
-            kind = "a file" if stat.S_ISREG(mode) else "a device or special file" if not stat.S_ISLNK(mode) else "a link"
-            return f"{path} is {kind}, not a directory"
-        existing = path
-    else:
-        existing = os.path.dirname(path)
-        while existing and not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if existing and not os.path.isdir(existing):
-            return f"{path} lies under {existing}, which is a file, not a directory"
-    long_name = _name_too_long(path, existing)
-    if long_name:
-        return long_name
-    if not create:
-        if not os.access(existing, os.W_OK | os.X_OK):
-            return f"{existing} is not writable by this user"
-        try:
-            if os.statvfs(existing).f_flag & os.ST_RDONLY:
-                return f"{existing} is on a read-only filesystem"
-        except OSError:
-            pass
-        return None
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"{path} cannot be written: {exc.strerror or exc}"
-    return None
-
-
-def _name_too_long(path: str, existing: str) -> Optional[str]:
-    """Why a name in `path` is longer than the filesystem of its nearest existing directory
-    `existing` stores, or None."""
-    try:
-        limit = os.pathconf(existing or "/", "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    for part in path.split(os.sep):
-        size = len(os.fsencode(part))
-        if size > limit:
-            return f"{path}: the name {part[:40]!r}... is {size} bytes, over the {limit} bytes its filesystem allows"
-    return None
 
 
 def check_outputs(cfg: "ConfigContainer", create: bool, logging_rank: bool = True) -> list[ConfigProblem]:
@@ -199,7 +145,8 @@ def checkpoint_bytes(cfg: "ConfigContainer") -> int:
 
 
 def free_space_warning(cfg: "ConfigContainer") -> Optional[str]:
-    """A warning when the save directory's filesystem has less free space than one checkpoint."""
+    """A warning when the save directory's filesystem has less free space than the new
+    checkpoints this run holds there at once (`new_checkpoints_at_once`)."""
     save = cfg.checkpoint.save
     if not save:
         return None
@@ -209,14 +156,39 @@ def free_space_warning(cfg: "ConfigContainer") -> Optional[str]:
     try:
         free = shutil.disk_usage(existing).free
         needed = checkpoint_bytes(cfg)
+        count, why = new_checkpoints_at_once(cfg)
     except (OSError, ValueError):
         return None
-    if needed and free < needed:
+    if not needed or free >= needed * count:
+        return None
+    if free < needed:
         return (
             f"checkpoint.save: {save} has {human_bytes(free)} free, but one checkpoint of this model takes "
             f"about {human_bytes(needed)}; saves will fail unless space is freed"
         )
-    return None
+    return (
+        f"checkpoint.save: {save} has {human_bytes(free)} free, but this run holds up to {count} new checkpoints "
+        f"of about {human_bytes(needed)} each there at once ({why}), {human_bytes(needed * count)} in all; "
+        "a save partway through the run will fail unless space is freed or checkpoint.most_recent_k is lowered"
+    )
+
+
+def new_checkpoints_at_once(cfg: "ConfigContainer") -> tuple[int, str]:
+    """(the most checkpoints this run adds to its save directory that exist at the same time, why).
+    A checkpoint is written before the old ones beyond `most_recent_k` are deleted, so k kept
+    ones plus the one being written exist at once; the complete checkpoints already there count
+    towards the k. With most_recent_k=-1 every save of the run is kept."""
+    c, t = cfg.checkpoint, cfg.train
+    start = layout.read_tracker(c.save) or 0  # a run resumes where its own checkpoints end
+    interval = c.save_interval
+    saves = 1
+    if interval and t.train_iters:  # interval saves, and one at the end when it is not one of them
+        saves = max(t.train_iters // interval - start // interval + (1 if t.train_iters % interval else 0), 1)
+    if c.most_recent_k is None or c.most_recent_k < 1:
+        return saves, f"checkpoint.most_recent_k={c.most_recent_k} keeps all {saves} saves"
+    present = len(layout.complete_iterations(c.save))
+    count = max(1, min(saves, c.most_recent_k + 1 - present))
+    return count, f"checkpoint.most_recent_k={c.most_recent_k} kept, plus the one being written"
 
 
 def human_bytes(n: float) -> str:
@@ -256,6 +228,7 @@ def out_of_space_error(cfg: "ConfigContainer", iteration: int, exc: BaseExceptio
     return CheckpointSpaceError(
         errno.ENOSPC,
         f"saving the checkpoint of iteration {iteration} to {save} failed: no space left on the device "
-        f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact; "
-        f"free space or point checkpoint.save elsewhere, then resume. ({type(exc).__name__}: {str(exc)[:200]})",
+        f"({space}; one checkpoint takes about {human_bytes(needed)}). The previous checkpoint is intact and the "
+        f"partly written one removed; free space or point checkpoint.save elsewhere, then resume. "
+        f"({type(exc).__name__}: {str(exc)[:200]})",
     )

@@ -17,6 +17,7 @@ from megatron_bridge.training.checkpointing import lock
 from megatron_bridge.training.comm_overlap import destroy_tp_communicators
 from megatron_bridge.training.resiliency.inprocess import run_with_inprocess_restart
 from megatron_bridge.training.setup import setup
+from megatron_bridge.training.signals import exit_requested
 
 logger = logging.getLogger("megatron_bridge")
 
@@ -72,6 +73,8 @@ def _train_and_evaluate(run: Run) -> None:
         stop = Stop("validation.skip_train is set" if v.skip_train else "no training data", True)
     elif ts.step >= total:
         stop = Stop(f"already at train.train_iters={total}", True)
+    elif exit_requested(state.signal_handler, state.device):  # arrived while the run was set up
+        stop = Stop("exit signal received before the first iteration", False, save=False)
     else:
         stop = train(run)
     if state.is_logging_rank:
@@ -85,7 +88,7 @@ def _train_and_evaluate(run: Run) -> None:
             test_iters = v.test_iters if v.test_iters is not None else v.eval_iters
             run_evaluation(run, run.test_iterator, test_iters, "test")
     if run.checkpointer is not None:
-        run.checkpointer.finalize(run)
+        run.checkpointer.finalize(run, save=stop.save)
 
 
 def _close_tracker(state: GlobalState, failed: bool) -> None:

@@ -1,10 +1,17 @@
-"""Save-and-exit on a signal (SIGTERM by default, and Ctrl-C), at the next iteration boundary."""
+"""Save-and-exit on a signal (SIGTERM by default, and Ctrl-C), at the next iteration boundary.
+
+Evaluation stops at its next batch, and a signal that arrives before the first iteration stops
+the run before it trains: a preemption's grace period is short, and a run must not spend it on
+a long evaluation or on training one more step to have something to save.
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 
 class ExitSignalHandler:
@@ -40,3 +47,14 @@ class ExitSignalHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+def exit_requested(handler: Optional[ExitSignalHandler], device: str) -> bool:
+    """Whether any rank received the exit signal. A collective over all ranks when a handler is
+    installed (every rank has one or none: it follows `train.exit_signal_handler`)."""
+    if handler is None:
+        return False
+    vote = torch.tensor([int(handler.received())], dtype=torch.int32, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX)
+    return bool(vote.item())

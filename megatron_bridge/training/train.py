@@ -91,6 +91,8 @@ class Stop:
     reason: str
     completed: bool
     """True when training reached `train.train_iters` (the final evaluation follows)."""
+    save: bool = True
+    """False when the state is the one the run started from (nothing to save)."""
 
 
 def train_step(run: Run, fwd_bwd: Callable) -> StepResult:

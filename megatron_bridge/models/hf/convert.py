@@ -143,7 +143,7 @@ def export_checkpoint(ckpt: str, out_dir: str, dtype: Optional[str] = None, step
     checkpoint are folded into the base weights they record (or those in `base`). `backend`: see
     `runtime.model_parallel`."""
     directory, _ = resolve(ckpt, step)
-    check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX)
+    check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX, staged_beside=True)
     provider = checkpoint_provider(directory)
     peft, base_dir = _adapters_of(directory, base)
     origin = hf_origin(directory) or hf_origin(base_dir)

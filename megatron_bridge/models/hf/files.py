@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional, Union
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
 from megatron_bridge.runtime import json_input
-from megatron_bridge.runtime.checkpointing.layout import resolve
+from megatron_bridge.runtime.checkpointing.layout import INCOMPLETE_SUFFIX, resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
+from megatron_bridge.runtime.writable import unwritable_reason
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,15 +56,26 @@ def written_by_export(name: str) -> bool:
 EXPORT_FIX = "give a new or empty directory: an export replaces the whole directory"
 
 
-def check_replaceable(out_dir: str, ours: Callable[[str], bool], what: str, fix: str) -> None:
+def check_replaceable(
+    out_dir: str, ours: Callable[[str], bool], what: str, fix: str, staged_beside: bool = False
+) -> None:
     """Refuse (`ConfigValidationError` naming `out_dir`, with `fix`) an output directory that
     holds entries `ours` does not accept, or symbolic links: the writer replaces what it writes,
     and would delete or hide anything else there (a directory of the user's, a checkpoint of
-    other iterations). A missing or empty directory, or one an earlier such write left, is fine."""
+    other iterations). A missing or empty directory, or one an earlier such write left, is fine.
+    So is only a place this user can write: `out_dir` (or where it would be created), and with
+    `staged_beside` (the writer stages `out_dir` beside it, then renames it) the staging
+    directory too (its name, one suffix longer, must fit the filesystem)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigValidationError(ConfigProblem(out_dir, "exists and is not a directory", f"give a new directory for {what}"))
+    targets = [out_dir.rstrip("/") + INCOMPLETE_SUFFIX] if staged_beside else []
+    for target in targets + [out_dir]:
+        why = unwritable_reason(target, create=False)
+        if why:
+            fix_place = f"give a directory this user can write, with names the filesystem can store, for {what}"
+            raise ConfigValidationError(ConfigProblem(out_dir, why, fix_place))
     if not os.path.lexists(out_dir):
         return
-    if not os.path.isdir(out_dir):
-        raise ConfigValidationError(ConfigProblem(out_dir, "exists and is not a directory", f"give a new directory for {what}"))
     foreign = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(out_dir) if not ours(e.name) or e.is_symlink())
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -235,7 +235,7 @@ def write_hf_weights(chunks: list[Any], out_dir: str, hf_config: dict, dtype: An
     out_dir = os.path.realpath(out_dir) if os.path.islink(out_dir.rstrip("/")) else out_dir  # replace what the link names
     staging = out_dir.rstrip("/") + INCOMPLETE_SUFFIX
     if rank == 0:
-        check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX)
+        check_replaceable(out_dir, written_by_export, "an export", EXPORT_FIX, staged_beside=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     items = _items(chunks, hf_config)

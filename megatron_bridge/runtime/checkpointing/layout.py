@@ -95,6 +95,8 @@ PEFT_LIBRARY_CONFIG = "adapter_config.json"
 
 def no_checkpoint_message(path: str) -> str:
     """Why `path` holds no checkpoint to load, and where one is when the mistake is plain."""
+    if not os.path.lexists(path):
+        return f"no checkpoint in {path!r}: it does not exist (a typo, or a path relative to another directory?)"
     message = f"no checkpoint in {path!r}: no {TRACKER_FILE} and not an iter_* directory"
     below = checkpoint_below(path)
     if below is not None:

@@ -327,12 +327,19 @@ def _spread_note(load_strategy: Any) -> str:
 
 @contextlib.contextmanager
 def _space_errors(config: "ConfigContainer", iteration: Optional[int]):
-    """Re-raise a write that failed for lack of space as one that says so, with the numbers."""
+    """Re-raise a write that failed for lack of space as one that says so, with the numbers. The
+    partly written checkpoint is removed: left there, it would hold on to the space that the
+    user frees to resume."""
     try:
         yield
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and preflight.is_out_of_space(exc):
-            raise preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc) from exc
+            # the error states the free space when the save failed, before the partial save is removed
+            error = preflight.out_of_space_error(config, iteration if iteration is not None else -1, exc)
+            if iteration is not None:
+                staging = layout.iteration_dir(config.checkpoint.save, iteration) + layout.INCOMPLETE_SUFFIX
+                shutil.rmtree(staging, ignore_errors=True)
+            raise error from exc
         raise
 
 
@@ -387,10 +394,10 @@ class Checkpointer:
         if self.config.checkpoint.async_save:
             self.manager.finalize_async_saves(blocking=False)
 
-    def finalize(self, run: "Run") -> None:
-        """Save the final state (if not saved yet) and wait for background saves; with
+    def finalize(self, run: "Run", save: bool = True) -> None:
+        """Save the final state (if not saved yet, and `save`) and wait for background saves; with
         `checkpoint.save_hf`, write the trained model as a Hugging Face directory too."""
-        if run.state.train_state.do_train:
+        if save and run.state.train_state.do_train:
             self.manager.save(run, "end of training")
         self.manager.finalize_async_saves(blocking=True)
         if self.config.checkpoint.save_hf and run.state.train_state.step >= self.config.train.train_iters:

@@ -77,7 +77,9 @@ class TrainingConfig(ConfigBase):
     """Save and exit after this many minutes of training."""
 
     exit_signal_handler: bool = False
-    """On `exit_signal`, save a checkpoint and exit cleanly at the next iteration boundary."""
+    """On `exit_signal`, save a checkpoint and exit cleanly at the next iteration boundary (an
+    evaluation under way stops at its next batch; a signal during setup stops the run before it
+    trains, with nothing to save)."""
 
     exit_signal: signal.Signals = signal.SIGTERM
     """The signal that triggers a save-and-exit when exit_signal_handler is on: SIGTERM, SIGINT,

@@ -127,7 +127,7 @@ def serve(inbox: Connection, outbox: Connection, hosted: _Hosted) -> None:
             if kind == "config":
                 hosted.each("logging the config", "log_config", payload)
             elif kind == "close":
-                outbox.send(("closed", hosted.close(failed=payload)))
+                _reply(outbox, ("closed", hosted.close(failed=payload)))
                 return
         if records:
             hosted.each("logging", "log_many", records)
@@ -162,11 +162,23 @@ def main(argv: list[str]) -> int:
     except StartFailed as exc:  # reported to the training process, which raises it
         if type(exc.error).__module__ != "builtins":  # a backend's own error: its traceback helps
             traceback.print_exception(exc.error)
-        outbox.send(("error", type(exc.error).__name__, str(exc)))
+        _reply(outbox, ("error", type(exc.error).__name__, str(exc)))
         return 1
-    outbox.send(("ready",))
+    if not _reply(outbox, ("ready",)):
+        hosted.close(failed=True)
+        return 0
     serve(inbox, outbox, hosted)
     return 0
+
+
+def _reply(outbox: Connection, message: tuple) -> bool:
+    """Send `message` to the training process; False if it is gone (killed or stopped by a signal
+    while this process started): then there is no one to tell, and nothing to report."""
+    try:
+        outbox.send(message)
+    except OSError:  # BrokenPipeError: the training process's end of the pipe is closed
+        return False
+    return True
 
 
 if __name__ == "__main__":
