@@ -73,6 +73,7 @@ def test_a_run_reads_the_launch_from_its_environment(monkeypatch):
     assert run_backend(cfg.dist) == "gloo"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_local_rank_minus_one_means_a_single_process(tmp_path):
     """The Hugging Face and DeepSpeed tools export LOCAL_RANK=-1 for "not one of several

@@ -246,6 +246,7 @@ def test_slurm_script_for_gpus_with_container(tmp_path, capsys, caplog):
     assert f"#SBATCH --chdir={os.getcwd()}\n" in text  # relative paths mean paths here, wherever sbatch runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_slurm_script_runs_where_it_was_written_or_says_to_submit_from_there(tmp_path):
     """`#SBATCH --chdir` pins the directory the script's relative paths (runs/, slurm_logs/) were

@@ -432,6 +432,7 @@ def test_ctrl_c_without_the_handler_ends_the_cli_with_a_short_message(tmp_path):
     assert "mbridge pretrain: interrupted." in output and "Traceback" not in output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_whose_stdout_reader_ends_trains_on_without_tracebacks(tmp_path):
     """`mbridge pretrain ... | head -1`: the pipe's reader ends after one line; the run goes on to
