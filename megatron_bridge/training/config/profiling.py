@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -71,7 +72,7 @@ class ProfilingConfig(ConfigBase):
         """The window, ranks and outputs are read only by the profilers that use them: set while
         those are off, nothing would be profiled and nothing would say why."""
         any_profiler = ("use_pytorch_profiler", "use_nsys_profiler", "record_memory_history")
-        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(self)}
+        defaults = _defaults(type(self))
         for name, switches in (
             ("profile_step_start", any_profiler),
             ("profile_step_end", any_profiler),
@@ -89,6 +90,12 @@ class ProfilingConfig(ConfigBase):
                 f"{value!r} has no effect: no profiler that reads it is on ({named})",
                 f"turn on {named}, or remove profiling.{name}",
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict[str, Any]:
+    """The default of every field of `cls` (compared with, never changed)."""
+    return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(cls)}
 
 
 def check_profiled_window(cfg: Any, problems: Problems) -> None:
