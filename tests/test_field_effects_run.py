@@ -517,6 +517,10 @@ def test_finetuning_samples_whose_answer_is_truncated_away(tmp_path, caplog):
     ) in caplog.text
     # a step of such samples alone has no loss: shown as NaN, and so is its perplexity (not e^20)
     assert eval_line(2, "validation", {"lm loss": math.nan}) == "validation at iteration 2 | lm loss NAN | lm loss PPL NAN"
+    from megatron_bridge.training.metrics import eval_metrics
+
+    tracked = eval_metrics({"lm loss": math.nan}, "validation", with_ppl=True)  # the trackers get the same
+    assert math.isnan(tracked["lm loss validation"]) and math.isnan(tracked["lm loss validation ppl"])
 
 
 def test_tokenizer_special_tokens_and_extra_ids(tmp_path):

@@ -53,6 +53,11 @@ class ConsoleHandler(logging.StreamHandler):
             pass  # stderr went the same way
 
 
+def perplexity(loss: float) -> float:
+    """e^loss, capped at e^20 as Megatron-LM shows it; NaN for a NaN loss (no loss tokens)."""
+    return math.nan if math.isnan(loss) else math.exp(min(20.0, loss))
+
+
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
@@ -108,6 +113,5 @@ def eval_line(step: int, split: str, metrics: Mapping[str, float]) -> str:
     parts = [f"{split} at iteration {step}"]
     for key, value in metrics.items():
         parts.append(f"{key} {value:.4E}")
-        # capped at e^20 as Megatron-LM shows it; a NaN loss (no loss tokens) has no perplexity
-        parts.append(f"{key} PPL {math.exp(min(20.0, value)) if not math.isnan(value) else math.nan:.4E}")
+        parts.append(f"{key} PPL {perplexity(value):.4E}")
     return " | ".join(parts)

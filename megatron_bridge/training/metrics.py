@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 from megatron_bridge.extras import require
 from megatron_bridge.models.param_count import flops_per_token
 from megatron_bridge.runtime.gpu_peaks import peak_tflops_for
+from megatron_bridge.training.console import perplexity
 
 TIMER_NAMES = (
     # the train loop and checkpointing (this package)
@@ -321,5 +322,5 @@ def eval_metrics(losses: Mapping[str, float], split: str, with_ppl: bool) -> dic
     for key, value in losses.items():
         out[f"{key} {split}"] = value
         if with_ppl:
-            out[f"{key} {split} ppl"] = math.exp(min(20.0, value))
+            out[f"{key} {split} ppl"] = perplexity(value)
     return out
