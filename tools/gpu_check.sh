@@ -16,7 +16,8 @@
 # (for --cpu-smoke on another Python, the same with that --python-version: pip takes the wheel
 # that fits the interpreter). Steps, each under `timeout`, in this order, with what is left of a
 # deadline of 470 s (DEADLINE_S) so that the whole run fits 8 minutes:
-#   1. install the wheels into a temporary directory, put it and the repository on PYTHONPATH;
+#   1. install the wheels into a temporary directory, put it and the repository on PYTHONPATH
+#      (wheels in .whl/optional/ too, kept only if OPTIONAL_IMPORTS, default "datasets", import);
 #   2. the README main job: mbridge pretrain --recipe tiny_gpt_pretrain_config;
 #   3. tools/bench_gpu.py (BENCH_VARIANTS, BENCH_ITERS): SDPA, the hand-written loop, fused SwiGLU and
 #      cross-entropy, unfused attention, LoRA, each with measured and planned memory;
@@ -24,6 +25,9 @@
 #   5. the GPU test lane: pytest -m gpu -q -rs -p no:cacheprovider tests/ (skips listed with reasons);
 #   6. with RETEST set (test ids), those tests alone, with full tracebacks;
 #   7. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
+# STEPS chooses steps 2-7 and their order, by name (default: "readme_job bench profile gpu_tests
+# retest suite"), e.g. STEPS="suite bench" to give the suite the time first; the suite then leaves
+# SUITE_RESERVE_S seconds of the deadline to the steps after it. SUITE_WORKERS: xdist workers (12).
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
 # Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing or the
@@ -44,6 +48,17 @@ if [ $# -gt 1 ] || case "${1:-}" in -*) true ;; *) false ;; esac; then
     echo "usage: bash tools/gpu_check.sh [--cpu-smoke] [LOG_DIR]   (--help describes the steps)" >&2
     exit 2
 fi
+STEPS="${STEPS:-readme_job bench profile gpu_tests retest suite}"
+[ "${PROFILE:-1}" = 0 ] && STEPS="${STEPS//profile/}"
+for name in $STEPS; do
+    case "$name" in
+        readme_job | bench | profile | gpu_tests | retest | suite) ;;
+        *)
+            echo "gpu_check.sh: unknown step in STEPS: $name (the steps: readme_job bench profile gpu_tests retest suite)" >&2
+            exit 2
+            ;;
+    esac
+done
 LOG_DIR="${1:-${OUT:-./gpu_check_logs}}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WHL_DIR="${WHL_DIR:-$REPO/.whl}"
@@ -62,7 +77,7 @@ else
     BENCH_ARGS="--rounds 1 --iters ${BENCH_ITERS:-10} --warmup 4"
     PROFILE_ARGS="--steps 2 --warmup 2"
     JOB_ARGS=""
-    SUITE_WORKERS=12
+    SUITE_WORKERS="${SUITE_WORKERS:-12}"
     SUITE_ARGS=""
 fi
 
@@ -123,6 +138,25 @@ step install 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile -
     exit 2
 }
 export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1
+# Optional packages the machine lacks (datasets, say) travel in .whl/optional/; they stay on the
+# path only if OPTIONAL_IMPORTS import with them, so a wheel that does not fit the machine's own
+# packages makes tests skip, as without it, rather than fail.
+if ls "$WHL_DIR"/optional/*.whl > /dev/null 2>&1; then
+    mkdir -p "$SITE/optional"
+    failed_before=$FAILED  # an optional wheel that does not fit fails no step of the check
+    if step optional_install 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE/optional" "$WHL_DIR"/optional/*.whl &&
+        PYTHONPATH="$PYTHONPATH:$SITE/optional" step optional_imports 60 "$PYTHON" -c "
+import importlib
+for name in '${OPTIONAL_IMPORTS:-datasets}'.split():
+    print(name, getattr(importlib.import_module(name), '__version__', '?'))
+"; then
+        export PYTHONPATH="$PYTHONPATH:$SITE/optional"
+    else
+        echo "optional wheels left out: see optional_install.log and optional_imports.log" | tee -a "$SUMMARY"
+        FAILED=$failed_before
+    fi
+fi
 step environment 60 "$PYTHON" -c "
 import torch, megatron.core, omegaconf, sys
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
@@ -131,51 +165,64 @@ print('megatron-core', megatron.core.__version__, 'from', megatron.core.__file__
 "
 command -v nvidia-smi > /dev/null && nvidia-smi > "$LOG_DIR/nvidia-smi.log" 2>&1
 
-# 2. the README main job
-# shellcheck disable=SC2086
-step readme_job 120 "$PYTHON" -m megatron_bridge pretrain --recipe tiny_gpt_pretrain_config --dir "$JOB_DIR" $JOB_ARGS
+# The steps, as functions; STEPS chooses which run and in what order.
+readme_job() {
+    # shellcheck disable=SC2086
+    step readme_job 120 "$PYTHON" -m megatron_bridge pretrain --recipe tiny_gpt_pretrain_config --dir "$JOB_DIR" $JOB_ARGS
+}
 
-# 3. the benchmark (its lines land in the log as each variant ends)
-# shellcheck disable=SC2086
-step bench 300 "$PYTHON" tools/bench_gpu.py --variants "$BENCH_VARIANTS" $BENCH_ARGS
-grep -E "^(device|[a-z+]+ +(median|FAILED)|ratio|trackers|unfused/|LoRA/)" "$LOG_DIR/bench.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+bench() {
+    # its lines land in the log as each variant ends
+    # shellcheck disable=SC2086
+    step bench 300 "$PYTHON" tools/bench_gpu.py --variants "$BENCH_VARIANTS" $BENCH_ARGS
+    grep -E "^(device|[a-z+]+ +(median|FAILED)|ratio|trackers|unfused/|LoRA/)" "$LOG_DIR/bench.log" 2>/dev/null |
+        sed 's/^/  /' | tee -a "$SUMMARY"
+}
 
-# 4. the step's time by part of the model
-if [ "${PROFILE:-1}" != 0 ]; then
+profile() {
     # shellcheck disable=SC2086
     step profile 150 "$PYTHON" tools/profile_step.py $PROFILE_ARGS
     grep -E "^(device|[0-9]+ steps profiled)| ms/step " "$LOG_DIR/profile.log" 2>/dev/null | sed 's/^/  /' |
         tee -a "$SUMMARY"
-fi
+}
 
-# 5. the GPU test lane
-step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
-tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+gpu_tests() {
+    step gpu_tests 150 "$PYTHON" -m pytest -m gpu -q -rs -p no:cacheprovider tests/
+    tail -n 3 "$LOG_DIR/gpu_tests.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+}
 
-# 6. chosen tests with full tracebacks (RETEST="tests/a.py::test_x tests/b.py"), before the suite
-if [ -n "${RETEST:-}" ]; then
+retest() {
+    # chosen tests with full tracebacks (RETEST="tests/a.py::test_x tests/b.py")
+    [ -n "${RETEST:-}" ] || return 0
     # shellcheck disable=SC2086
     step retest 240 "$PYTHON" -m pytest -q --tb=long -rfEs -p no:cacheprovider $RETEST
     tail -n 1 "$LOG_DIR/retest.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
-fi
+}
 
-# 7. the whole suite, when there is time for it
-if "$PYTHON" -c "import xdist" 2> /dev/null; then
-    SUITE_ARGS="-n $SUITE_WORKERS $SUITE_ARGS"
-else
-    echo "suite: pytest-xdist is not installed, the suite runs in one process" | tee -a "$SUMMARY"
-fi
-if [ "$(left)" -ge "$SUITE_MIN_S" ]; then
-    # shellcheck disable=SC2086
+suite() {
+    local args="$SUITE_ARGS"
+    if "$PYTHON" -c "import xdist" 2> /dev/null; then
+        args="-n $SUITE_WORKERS $args"
+    else
+        echo "suite: pytest-xdist is not installed, the suite runs in one process" | tee -a "$SUMMARY"
+    fi
+    if [ "$(left)" -lt "$SUITE_MIN_S" ]; then
+        echo "suite: skipped ($(left) s left, it needs ${SUITE_MIN_S} s)" | tee -a "$SUMMARY"
+        return 0
+    fi
     # -v names each failure as it happens, so a run cut short still says which tests failed;
-    # -rfEs lists failures, errors and skips (with their reasons) at the end
-    step suite "$(left)" "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider $SUITE_ARGS
-    grep -E "(FAILED|ERROR) tests/" "$LOG_DIR/suite.log" 2>/dev/null | sed -E 's/^.*(FAILED|ERROR) (tests\/[^ ]+).*$/  \1 \2/' | sort -u |
-        tee -a "$SUMMARY"
+    # -rfEs lists failures, errors and skips (with their reasons) at the end; --tb=short keeps
+    # every traceback in the log without drowning it
+    # shellcheck disable=SC2086
+    step suite "$(( $(left) - ${SUITE_RESERVE_S:-0} ))" "$PYTHON" -m pytest -v --tb=short -rfEs -p no:cacheprovider $args
+    grep -E "(FAILED|ERROR) tests/" "$LOG_DIR/suite.log" 2>/dev/null |
+        sed -E 's/^.*(FAILED|ERROR) (tests\/[^ ]+).*$/  \1 \2/' | sort -u | tee -a "$SUMMARY"
     tail -n 1 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
-else
-    echo "suite: skipped ($(left) s left, it needs ${SUITE_MIN_S} s)" | tee -a "$SUMMARY"
-fi
+}
+
+for name in $STEPS; do
+    "$name"
+done
 
 echo "total: $(( $(date +%s) - START )) s; $([ $FAILED = 0 ] && echo 'every step that ran passed' || echo 'some steps failed')" | tee -a "$SUMMARY"
 exit $FAILED
