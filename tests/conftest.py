@@ -4,6 +4,9 @@ TEST_CPU_TIMES=N (N > 0: the N most expensive tests; 0: all of them) prints, at 
 run, each test's CPU seconds (this process, its threads included, plus the children it waited
 for: subprocesses, torchrun and its ranks), its wall seconds, and the totals per file. Setup and
 teardown count with the test that ran them (a session fixture counts where it is first built).
+
+TEST_FAILURE_LOG=FILE appends each failure's traceback to FILE as soon as the test ends (pytest
+prints them only at the end of the run, which a run cut short by a time limit never reaches).
 """
 
 from __future__ import annotations
@@ -59,3 +62,14 @@ if _LIMIT is not None:
         write(f"total: {total_cpu:.1f} CPU s, {total_wall:.1f} wall s over {len(_times)} tests")
         whole_cpu = time.process_time() - _START[0] + _children_cpu()
         write(f"whole run: {whole_cpu:.1f} CPU s, {time.perf_counter() - _START[1]:.1f} wall s (with collection)")
+
+
+_FAILURE_LOG = os.environ.get("TEST_FAILURE_LOG")
+
+if _FAILURE_LOG:
+
+    def pytest_runtest_logreport(report):
+        # with xdist this runs in the controller as each worker's report arrives
+        if report.failed:
+            with open(_FAILURE_LOG, "a", encoding="utf-8") as log:
+                log.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

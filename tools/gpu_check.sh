@@ -27,7 +27,9 @@
 #   7. the whole suite with pytest-xdist, if at least SUITE_MIN_S seconds are left.
 # STEPS chooses steps 2-7 and their order, by name (default: "readme_job bench profile gpu_tests
 # retest suite"), e.g. STEPS="suite bench" to give the suite the time first; the suite then leaves
-# SUITE_RESERVE_S seconds of the deadline to the steps after it. SUITE_WORKERS: xdist workers (12).
+# SUITE_RESERVE_S seconds of the deadline to the steps after it. SUITE_WORKERS: xdist workers (12);
+# SUITE_ARGS: what pytest runs (default: all of tests/). Failures' tracebacks go to failures.log as
+# they happen. ENVIRONMENT=0 leaves out the version check and nvidia-smi (22 s).
 # Each step writes its log into LOG_DIR (default: $OUT when set, else ./gpu_check_logs) as it runs,
 # and appends its outcome to LOG_DIR/summary.txt, so a run cut short still returns what it got.
 # Exit status: 0 if every step that ran passed, 1 otherwise, 2 if the wheels are missing or the
@@ -78,7 +80,7 @@ else
     PROFILE_ARGS="--steps 2 --warmup 2"
     JOB_ARGS=""
     SUITE_WORKERS="${SUITE_WORKERS:-12}"
-    SUITE_ARGS=""
+    SUITE_ARGS="${SUITE_ARGS:-}"
 fi
 
 mkdir -p "$LOG_DIR" || exit 2
@@ -157,13 +159,13 @@ for name in '${OPTIONAL_IMPORTS:-datasets}'.split():
         FAILED=$failed_before
     fi
 fi
-step environment 60 "$PYTHON" -c "
+[ "${ENVIRONMENT:-1}" = 0 ] || step environment 60 "$PYTHON" -c "
 import torch, megatron.core, omegaconf, sys
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
 print('megatron-core', megatron.core.__version__, 'from', megatron.core.__file__)
 "
-command -v nvidia-smi > /dev/null && nvidia-smi > "$LOG_DIR/nvidia-smi.log" 2>&1
+[ "${ENVIRONMENT:-1}" = 0 ] || ! command -v nvidia-smi > /dev/null || nvidia-smi > "$LOG_DIR/nvidia-smi.log" 2>&1
 
 # The steps, as functions; STEPS chooses which run and in what order.
 readme_job() {
@@ -195,7 +197,7 @@ retest() {
     # chosen tests with full tracebacks (RETEST="tests/a.py::test_x tests/b.py")
     [ -n "${RETEST:-}" ] || return 0
     # shellcheck disable=SC2086
-    step retest 240 "$PYTHON" -m pytest -q --tb=long -rfEs -p no:cacheprovider $RETEST
+    TEST_FAILURE_LOG="$LOG_DIR/failures.log" step retest 240 "$PYTHON" -m pytest -q --tb=long -rfEs -p no:cacheprovider $RETEST
     tail -n 1 "$LOG_DIR/retest.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
@@ -214,7 +216,7 @@ suite() {
     # -rfEs lists failures, errors and skips (with their reasons) at the end; --tb=short keeps
     # every traceback in the log without drowning it
     # shellcheck disable=SC2086
-    step suite "$(( $(left) - ${SUITE_RESERVE_S:-0} ))" "$PYTHON" -m pytest -v --tb=short -rfEs -p no:cacheprovider $args
+    TEST_FAILURE_LOG="$LOG_DIR/failures.log" step suite "$(( $(left) - ${SUITE_RESERVE_S:-0} ))" "$PYTHON" -m pytest -v --tb=short -rfEs -p no:cacheprovider $args
     grep -E "(FAILED|ERROR) tests/" "$LOG_DIR/suite.log" 2>/dev/null |
         sed -E 's/^.*(FAILED|ERROR) (tests\/[^ ]+).*$/  \1 \2/' | sort -u | tee -a "$SUMMARY"
     tail -n 1 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"

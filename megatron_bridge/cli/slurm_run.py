@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--container-mounts needs --container IMAGE")
     _check_script_values(args, args.job_name or args.name or (args.recipe or "mbridge").removesuffix("_config"))
     _refuse_literal_credentials(args)
+    # before the config is built, whose own checks (an optional package missing here) would
+    # otherwise answer first and hide the refusal
+    _check_printable([*args.overrides, *args.recipe_args])
     mode = args.mode or ("finetune" if (args.recipe or "").endswith("_finetune_config") else "pretrain")
     shortcuts = {k: v for k, v in (("dir", args.dir), ("name", args.name)) if v is not None}
     cfg = source.build_config(args.recipe, args.recipe_args, shortcuts, args.config_file, args.overrides)

@@ -147,6 +147,10 @@ def init_process_group(cfg: "ConfigContainer", store: Optional[dist.Store] = Non
     Returns (device, created): device is "cuda" or "cpu"; created tells whether this call made
     the group (and so the caller must destroy it).
     """
+    if os.environ.get("LOCAL_RANK", "").strip() == "-1":
+        # "not one of several processes" to the tools that export it; torch would take it as a
+        # device index (its NCCL barrier and device meshes read LOCAL_RANK themselves)
+        del os.environ["LOCAL_RANK"]
     backend = run_backend(cfg.dist)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
