@@ -196,6 +196,8 @@ gpu_tests() {
 retest() {
     # chosen tests with full tracebacks (RETEST="tests/a.py::test_x tests/b.py")
     [ -n "${RETEST:-}" ] || return 0
+    local -
+    set -f  # test ids hold brackets: words, not patterns
     # shellcheck disable=SC2086
     TEST_FAILURE_LOG="$LOG_DIR/failures.log" step retest 240 "$PYTHON" -m pytest -q --tb=long -rfEs -p no:cacheprovider $RETEST
     tail -n 1 "$LOG_DIR/retest.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
@@ -203,6 +205,8 @@ retest() {
 
 suite() {
     local args="$SUITE_ARGS"
+    local -
+    set -f  # test ids hold brackets: words, not patterns
     if "$PYTHON" -c "import xdist" 2> /dev/null; then
         args="-n $SUITE_WORKERS $args"
     else
