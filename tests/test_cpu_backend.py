@@ -59,6 +59,27 @@ def test_cuda_device_arguments_run_on_cpu_while_active():
     assert torch.randn(2).type() == "torch.FloatTensor"
 
 
+@pytest.mark.parametrize("gpu_machine", [True, False], ids=["gpu-machine", "cpu-machine"])
+def test_compiled_functions_run_as_written_only_in_a_cpu_run_on_a_gpu_machine(monkeypatch, gpu_machine):
+    """On a GPU machine, torch.compile's code generation asked the stand-in current_device() for
+    GPU properties ("Expected a cuda device, but got: cpu", DeepSeek-V3's expert-bias update in a
+    2-process gloo run); there the compiled functions run eagerly while the backend is active."""
+    compiled = []
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    fn = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_machine)
+    with cpu_backend.active("cpu"):
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 3.0))
+    assert len(compiled) == (0 if gpu_machine else 1)
+    monkeypatch.undo()
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))  # compiled again once inactive
+    assert len(compiled) >= 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour: without a GPU, CUDA tensors fail")
 def test_cuda_device_arguments_fail_again_after_deactivation():
     with cpu_backend.active():

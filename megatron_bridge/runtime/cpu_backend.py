@@ -221,6 +221,7 @@ class _Backend:
         self.saved_masks: list[tuple[Any, str, Any]] = []
         self.mode: Optional[CudaToCpuMode] = None
         self.thread: Optional[int] = None
+        self.eager: Any = None  # the compiler stance set while active on a GPU machine
 
 
 _BACKEND = _Backend()
@@ -269,6 +270,11 @@ def activate(device: Optional[str] = None) -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER = None
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
+    if torch.cuda.is_available():
+        # A CPU run on a GPU machine: torch.compile's code generation (megatron-core compiles
+        # its MoE expert-bias update and fused activations) still sees the GPU and asks the
+        # stand-in current_device() for its properties. The compiled functions run as written.
+        b.eager = torch.compiler.set_stance("force_eager")
     b.saved_cuda = {name: getattr(torch.cuda, name, _MISSING) for name in CUDA_STAND_INS}
     for name, stand_in in CUDA_STAND_INS.items():
         setattr(torch.cuda, name, stand_in)
@@ -304,6 +310,9 @@ def deactivate() -> None:
         setattr(owner, name, original)
     b.saved_masks = []
     b.saved_cuda, b.saved_random = {}, {}
+    if b.eager is not None:
+        b.eager.__exit__(None, None, None)  # back to the stance from before activate()
+        b.eager = None
     b.active = False
 
 
