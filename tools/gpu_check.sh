@@ -220,7 +220,9 @@ suite() {
     # -rfEs lists failures, errors and skips (with their reasons) at the end; --tb=short keeps
     # every traceback in the log without drowning it
     # shellcheck disable=SC2086
-    TEST_FAILURE_LOG="$LOG_DIR/failures.log" step suite "$(( $(left) - ${SUITE_RESERVE_S:-0} ))" "$PYTHON" -m pytest -v --tb=short -rfEs -p no:cacheprovider $args
+    # one thread per process: SUITE_WORKERS workers each starting torch with every core's worth of
+    # threads (and their training subprocesses too) would oversubscribe the machine many times over
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TEST_FAILURE_LOG="$LOG_DIR/failures.log" step suite "$(( $(left) - ${SUITE_RESERVE_S:-0} ))" "$PYTHON" -m pytest -v --tb=short -rfEs -p no:cacheprovider $args
     grep -E "(FAILED|ERROR) tests/" "$LOG_DIR/suite.log" 2>/dev/null |
         sed -E 's/^.*(FAILED|ERROR) (tests\/[^ ]+).*$/  \1 \2/' | sort -u | tee -a "$SUMMARY"
     tail -n 1 "$LOG_DIR/suite.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
