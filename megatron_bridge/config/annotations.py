@@ -66,11 +66,6 @@ class DecodeError(Exception):
             problems.add(".".join(p for p in (path, sub) if p), f"{message} [{source}]" if source else message, fix)
 
 
-def is_placeholder(raw: Any) -> bool:
-    """Whether `raw` is the `{_unserializable_: ...}` stand-in for a runtime object."""
-    return isinstance(raw, Mapping) and len(raw) == 1 and UNSERIALIZABLE in raw
-
-
 def is_value_tag(raw: Any) -> bool:
     """Whether `raw` is a one-key mapping tagged `_tuple_`, `_path_` or `_unserializable_`."""
     return isinstance(raw, Mapping) and len(raw) == 1 and next(iter(raw)) in VALUE_TAGS

@@ -35,7 +35,6 @@ from megatron_bridge.config.annotations import (
     UNSERIALIZABLE,
     DecodeError,
     FlowList,
-    is_placeholder,
     is_value_tag,
     real_arms,
     section_classes,
@@ -284,7 +283,7 @@ class ConfigDecoder(Decoder):
                 errors.append((str(key), *unknown_key(cls, key)))
             elif f.name in values:
                 errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-            elif f.name in tags[IMPLICIT] and is_placeholder(item):
+            elif f.name in tags[IMPLICIT] and is_value_tag(item) and UNSERIALIZABLE in item:
                 logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
             else:
                 try:
