@@ -158,7 +158,12 @@ def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any
         data = _read(text, source, loader)
         return yaml.load(text, Loader=loader) if data is _INEXACT else data
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source) from None
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if getattr(exc, "context", None) == "while scanning a quoted scalar" and "end of stream" in problem:
+            problem = "unterminated quote"
+        line = mark.line + 1 if mark is not None else None
+        raise _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line) from None
     except ConfigValidationError:  # a limit `_read` enforces
         raise
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
@@ -168,15 +173,6 @@ def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any
 def load_file(path: Union[str, os.PathLike]) -> Any:
     """`parse(read_text(path))`, errors naming the file."""
     return parse(read_text(path), os.fspath(path))
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if getattr(exc, "context", None) == "while scanning a quoted scalar" and "end of stream" in problem:
-        problem = "unterminated quote"
-    line = mark.line + 1 if mark is not None else None
-    return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
 
 
 class _Open:
