@@ -63,7 +63,7 @@ class DecodeError(Exception):
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
         """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""
         for sub, message, fix in self.items:
-            problems.add(".".join(p for p in (path, sub) if p), f"{message} [{source}]" if source else message, fix)
+            problems.add(".".join(p for p in (path, sub) if p), message, fix, source=source)
 
 
 def is_value_tag(raw: Any) -> bool:

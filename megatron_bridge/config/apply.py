@@ -59,7 +59,7 @@ class Applier:
         self.loader = ConfigDecoder()
 
     def error(self, path: str, message: str, fix: str, source: str) -> None:
-        self.problems.add(path, f"{message} [{source}]" if source else message, fix)
+        self.problems.add(path, message, fix, source=source)
 
     def merge(self, data: Mapping, source: str) -> None:
         """Merge mapping `data` (a file, a recipe's options) into the config, reporting problems

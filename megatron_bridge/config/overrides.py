@@ -162,7 +162,7 @@ def process_config_with_overrides(
     applier = Applier(config, problems)
     file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
     if has_interpolation(data, overrides):
-        data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        data, overrides = resolve_interpolations(config, data, overrides, problems, file_label)
     if data:
         applier.merge(data, file_label)
     for override in overrides:

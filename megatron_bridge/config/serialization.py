@@ -352,11 +352,7 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
     problems = Problems()
     if has_interpolation(data, []):  # a written config holds `${oc.env:VAR}` where a value came from the environment
-
-        def report(path: str, message: str, fix: str, where: str) -> None:
-            problems.add(path, f"{message} [{where}]" if where else message, fix)
-
-        data, _ = resolve_interpolations(None, data, [], report, source)
+        data, _ = resolve_interpolations(None, data, [], problems, source)
     if not problems:
         try:
             return ConfigDecoder().section(data, (cls,) if cls is not None else ())
