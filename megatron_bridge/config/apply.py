@@ -122,8 +122,6 @@ class Applier:
 
     def sections_with_field(self, name: str, besides: Any) -> list[str]:
         """`section.name` for each section of the config (other than `besides`) with a field `name`."""
-        if not dataclasses.is_dataclass(self.config):
-            return []
         found = []
         for f in dataclasses.fields(self.config):
             section = getattr(self.config, f.name, None)
