@@ -39,10 +39,6 @@ _OPS = {"++": "force", "+": "add", "~": "delete", "": "set"}
 """Override prefix -> operation (longest prefix first)."""
 
 
-def _short(text: str) -> str:
-    return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
-
-
 class OverrideSyntaxError(ValueError):
     """An override that does not follow the grammar; `.fix` says what to write instead."""
 
@@ -55,20 +51,20 @@ def parse_override(text: str) -> Override:
     """Parse one override string; raises OverrideSyntaxError."""
     if not isinstance(text, str):
         fix = "pass strings like 'train.train_iters=100'"
-        raise OverrideSyntaxError(f"override {_short(text)} is not a string", fix)
+        raise OverrideSyntaxError(f"override {show(text)} is not a string", fix)
     body = text.strip()
     prefix = next(p for p in _OPS if body.startswith(p))
     op, (key_text, eq, value_text) = _OPS[prefix], body[len(prefix) :].partition("=")
     key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
         named = key_text and len(key_text) <= 200 and all(_KEY_PART.fullmatch(p) for p in key_text.split("."))
-        raise OverrideSyntaxError(f"override {_short(text)} has no '='", f"write {key_text}=VALUE" if named else fix)
+        raise OverrideSyntaxError(f"override {show(text)} has no '='", f"write {key_text}=VALUE" if named else fix)
     if not key_text:
-        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
+        raise OverrideSyntaxError(f"override {show(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
     if not all(_KEY_PART.fullmatch(p) for p in key):
         raise OverrideSyntaxError(
-            f"override {_short(text)}: {_short(key_text)} is not a dotted key",
+            f"override {show(text)}: {show(key_text)} is not a dotted key",
             "use names and list indices joined by dots, e.g. a.b.0",
         )
     value = parse_value(value_text) if eq else NO_VALUE
@@ -137,7 +133,7 @@ def process_config_with_overrides(
     if isinstance(cli_overrides, (str, bytes)):  # iterating it would make an override of each character
         raise TypeError(
             f"cli_overrides must be a list of override strings, got the {type(cli_overrides).__name__} "
-            f"{_short(str(cli_overrides))}; pass [{_short(str(cli_overrides))}]"
+            f"{show(str(cli_overrides))}; pass [{show(str(cli_overrides))}]"
         )
     problems = Problems()
     data: Any = None
