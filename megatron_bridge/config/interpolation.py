@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.apply import Override
 from megatron_bridge.config.errors import Problems, show
-from megatron_bridge.config.schema import specs
 from megatron_bridge.config.secrets import remember_environment_reads
 from megatron_bridge.config.serialization import ConfigEncoder, field_of
 
@@ -126,7 +125,7 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     section is included."""
     encoder = ConfigEncoder()
     if any(ref.startswith(".") for ref in refs):
-        return {f.name: encoder.value(getattr(config, f.name), f.type) for f in specs(type(config)).values()}
+        return encoder.section(config)
     tree: dict = {}
     for ref in set(refs):
         obj, node, parts = config, tree, ref.split(".")
