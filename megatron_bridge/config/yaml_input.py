@@ -119,9 +119,10 @@ def _error(source: str, message: str, fix: str, line: int | None = None) -> Conf
     return ConfigValidationError(ConfigProblem(where, message, fix))
 
 
-def read_text(path: Union[str, os.PathLike]) -> str:
-    """The text of config file `path`, refused (as a `ConfigValidationError` naming the file) if
-    it is missing, not a regular file, too large, or not UTF-8."""
+def load_file(path: Union[str, os.PathLike]) -> Any:
+    """The data of config file `path`, read by `parse` (errors name the file). A file that is not a
+    regular file, too large or not UTF-8 is refused as a `ConfigValidationError`; a missing one raises
+    FileNotFoundError."""
     name = os.fspath(path)
     if not os.path.exists(name):
         raise FileNotFoundError(f"config file {name!r} does not exist")
@@ -140,7 +141,7 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     except OSError as exc:
         raise _error(name, f"cannot be read: {exc.strerror or exc}", "check the path and its permissions") from None
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise _error(
@@ -149,6 +150,7 @@ def read_text(path: Union[str, os.PathLike]) -> str:
             "save the file as UTF-8",
             line,
         ) from None
+    return parse(text, name)
 
 
 def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any:
@@ -168,11 +170,6 @@ def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any
         raise
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
         raise _error(source, f"holds a value that cannot be read: {str(exc)[:120]}", "fix the value") from None
-
-
-def load_file(path: Union[str, os.PathLike]) -> Any:
-    """`parse(read_text(path))`, errors naming the file."""
-    return parse(read_text(path), os.fspath(path))
 
 
 class _Open:
