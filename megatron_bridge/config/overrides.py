@@ -28,7 +28,6 @@ from megatron_bridge.config import yaml_input
 from megatron_bridge.config.apply import NO_VALUE, Applier, Override
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
 from megatron_bridge.config.interpolation import has_interpolation, map_strings, resolve_interpolations
-from megatron_bridge.config.serialization import load_yaml_file
 
 _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
 
@@ -139,7 +138,7 @@ def process_config_with_overrides(
     data: Any = None
     if config_filepath is not None:
         try:
-            data = load_yaml_file(config_filepath)
+            data = yaml_input.load_file(config_filepath)
         except ConfigValidationError as exc:
             problems.absorb(exc)
         if data is not None and not isinstance(data, Mapping):

@@ -47,8 +47,7 @@ from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, 
 from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of, register_target, resolve
-from megatron_bridge.config.yaml_input import load_file as load_yaml_file
-from megatron_bridge.config.yaml_input import read_exponent_floats
+from megatron_bridge.config.yaml_input import load_file, read_exponent_floats
 
 __all__ = ["from_dict", "from_yaml", "register_target", "resolve", "to_dict", "to_yaml"]
 
@@ -363,7 +362,7 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     """Load a config from a YAML file written by `to_yaml` (or by hand); see `from_dict`."""
-    data = load_yaml_file(path)
+    data = load_file(path)
     if data is None:
         raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
     return from_dict(data, cls, f"file {os.fspath(path)}")
