@@ -393,6 +393,13 @@ def test_all_errors_are_reported_together():
     assert "override 'noequals' has no '='" in errors[0]
 
 
+def test_an_override_that_is_not_a_string_and_a_long_one_are_named_as_in_their_source_tag():
+    errors = errors_of(5, "train." + "x" * 100)
+    assert errors[0] == "5: override 5 is not a string [override '5'] (pass strings like 'train.train_iters=100')"
+    shown = "'train." + "x" * 70 + "..."  # the override as its source tag shows it, cut at 80 characters
+    assert f"override {shown} has no '=' [override {shown}]" in errors[1]
+
+
 def test_file_and_override_errors_are_reported_together(tmp_path):
     path = write(tmp_path, "train:\n  train_iters: many\n")
     errors = errors_of("optimizer.lr=fast", path=path)

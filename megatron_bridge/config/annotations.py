@@ -63,12 +63,7 @@ class DecodeError(Exception):
     def report(self, problems: Any, path: str = "", source: str = "") -> None:
         """Add each problem to `problems` (a `Problems`) below `path`, tagged with `source` if given."""
         for sub, message, fix in self.items:
-            problems.add(".".join(p for p in (path, sub) if p), f"{message} [{source}]" if source else message, fix)
-
-
-def is_placeholder(raw: Any) -> bool:
-    """Whether `raw` is the `{_unserializable_: ...}` stand-in for a runtime object."""
-    return isinstance(raw, Mapping) and len(raw) == 1 and UNSERIALIZABLE in raw
+            problems.add(".".join(p for p in (path, sub) if p), message, fix, source=source)
 
 
 def is_value_tag(raw: Any) -> bool:

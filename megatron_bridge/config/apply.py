@@ -59,7 +59,7 @@ class Applier:
         self.loader = ConfigDecoder()
 
     def error(self, path: str, message: str, fix: str, source: str) -> None:
-        self.problems.add(path, f"{message} [{source}]" if source else message, fix)
+        self.problems.add(path, message, fix, source=source)
 
     def merge(self, data: Mapping, source: str) -> None:
         """Merge mapping `data` (a file, a recipe's options) into the config, reporting problems
@@ -122,8 +122,6 @@ class Applier:
 
     def sections_with_field(self, name: str, besides: Any) -> list[str]:
         """`section.name` for each section of the config (other than `besides`) with a field `name`."""
-        if not dataclasses.is_dataclass(self.config):
-            return []
         found = []
         for f in dataclasses.fields(self.config):
             section = getattr(self.config, f.name, None)

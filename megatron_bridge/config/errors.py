@@ -91,7 +91,9 @@ class Problems:
             return self.prefix
         return f"{self.prefix}.{name}" if self.prefix else name
 
-    def add(self, path: str, message: str, fix: str = "", missing_module: str = "") -> None:
+    def add(self, path: str, message: str, fix: str = "", missing_module: str = "", source: str = "") -> None:
+        """Add a problem at `path` below the prefix; a `source` (`file my.yaml`) is named after the message."""
+        message = f"{message} [{source}]" if source else message
         self.items.append(ConfigProblem(self._join(path), message, fix, missing_module))
 
     def require_package(self, module: str, path: str, why: str) -> bool:

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 from megatron_bridge.config.apply import Override
-from megatron_bridge.config.errors import show
-from megatron_bridge.config.schema import specs
+from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.config.secrets import remember_environment_reads
 from megatron_bridge.config.serialization import ConfigEncoder, field_of
 
@@ -51,13 +50,13 @@ def resolve_interpolations(
     config: Any,
     data: Any,
     overrides: list[Override],
-    report: Callable[[str, str, str, str], None],
+    problems: Problems,
     file_label: str = "config file",
 ) -> tuple[Any, list[Override]]:
     """The file data and overrides with `${...}` resolved by OmegaConf against the config
     sections they refer to, the file and the overrides (so a later override of a referenced key
     is seen, as with Hydra); with `config` None, `data` is a whole config and refers to itself.
-    An unresolvable value is reported as (path, message, fix, source) and dropped; so is one
+    An unresolvable value is reported into `problems` (tagged with its source) and dropped; so is one
     whose interpolations nest too deeply (OmegaConf recurses over them). Data OmegaConf cannot
     hold is reported at path '' and nothing is kept: (None, [])."""
     from omegaconf import OmegaConf
@@ -66,7 +65,7 @@ def resolve_interpolations(
     def shallow(path: str, value: Any, source: str = file_label) -> Any:
         if any("${" in s and _nesting(s) > MAX_NESTING for s in strings(value)):
             message = f"interpolations nest deeper than {MAX_NESTING} levels"
-            report(path, message, "simplify the ${...} expression", source)
+            problems.add(path, message, "simplify the ${...} expression", source=source)
             return _UNRESOLVED
         return value
 
@@ -78,7 +77,7 @@ def resolve_interpolations(
             return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
         except (OmegaConfBaseException, RecursionError, ValueError) as exc:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
+            problems.add(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source=source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
     try:
@@ -99,10 +98,10 @@ def resolve_interpolations(
                 except (OmegaConfBaseException, ValueError, KeyError, IndexError):
                     pass  # applying the override reports what is wrong with it
     except RecursionError:  # OmegaConf recurses over nested data
-        report("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions", "")
+        problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
         return None, []
     except (OmegaConfBaseException, ValueError, TypeError) as exc:  # values OmegaConf cannot hold
-        report("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}", "")
+        problems.add("", f"cannot resolve its interpolations: {str(exc).splitlines()[0][:200]}", "fix the ${...}")
         return None, []
     overrides = [
         o if o.op == "delete" else dataclasses.replace(o, value=resolved(o.dotted, o.value, o.source))
@@ -126,7 +125,7 @@ def _referenced(config: Any, refs: list[str]) -> dict:
     section is included."""
     encoder = ConfigEncoder()
     if any(ref.startswith(".") for ref in refs):
-        return {f.name: encoder.value(getattr(config, f.name), f.type) for f in specs(type(config)).values()}
+        return encoder.section(config)
     tree: dict = {}
     for ref in set(refs):
         obj, node, parts = config, tree, ref.split(".")

@@ -28,7 +28,6 @@ from megatron_bridge.config import yaml_input
 from megatron_bridge.config.apply import NO_VALUE, Applier, Override
 from megatron_bridge.config.errors import ConfigValidationError, Problems, show
 from megatron_bridge.config.interpolation import has_interpolation, map_strings, resolve_interpolations
-from megatron_bridge.config.serialization import load_yaml_file
 
 _KEY_PART = re.compile(r"[A-Za-z0-9_\-]+")
 
@@ -37,10 +36,6 @@ MAX_VALUE_LENGTH = 100_000
 
 _OPS = {"++": "force", "+": "add", "~": "delete", "": "set"}
 """Override prefix -> operation (longest prefix first)."""
-
-
-def _short(text: str) -> str:
-    return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
 
 
 class OverrideSyntaxError(ValueError):
@@ -55,20 +50,20 @@ def parse_override(text: str) -> Override:
     """Parse one override string; raises OverrideSyntaxError."""
     if not isinstance(text, str):
         fix = "pass strings like 'train.train_iters=100'"
-        raise OverrideSyntaxError(f"override {_short(text)} is not a string", fix)
+        raise OverrideSyntaxError(f"override {show(text)} is not a string", fix)
     body = text.strip()
     prefix = next(p for p in _OPS if body.startswith(p))
     op, (key_text, eq, value_text) = _OPS[prefix], body[len(prefix) :].partition("=")
     key_text, fix = key_text.strip(), "write key=value, e.g. train.train_iters=100"
     if not eq and op != "delete":
         named = key_text and len(key_text) <= 200 and all(_KEY_PART.fullmatch(p) for p in key_text.split("."))
-        raise OverrideSyntaxError(f"override {_short(text)} has no '='", f"write {key_text}=VALUE" if named else fix)
+        raise OverrideSyntaxError(f"override {show(text)} has no '='", f"write {key_text}=VALUE" if named else fix)
     if not key_text:
-        raise OverrideSyntaxError(f"override {_short(text)} has an empty key", fix)
+        raise OverrideSyntaxError(f"override {show(text)} has an empty key", fix)
     key = tuple(key_text.split("."))
     if not all(_KEY_PART.fullmatch(p) for p in key):
         raise OverrideSyntaxError(
-            f"override {_short(text)}: {_short(key_text)} is not a dotted key",
+            f"override {show(text)}: {show(key_text)} is not a dotted key",
             "use names and list indices joined by dots, e.g. a.b.0",
         )
     value = parse_value(value_text) if eq else NO_VALUE
@@ -137,13 +132,13 @@ def process_config_with_overrides(
     if isinstance(cli_overrides, (str, bytes)):  # iterating it would make an override of each character
         raise TypeError(
             f"cli_overrides must be a list of override strings, got the {type(cli_overrides).__name__} "
-            f"{_short(str(cli_overrides))}; pass [{_short(str(cli_overrides))}]"
+            f"{show(str(cli_overrides))}; pass [{show(str(cli_overrides))}]"
         )
     problems = Problems()
     data: Any = None
     if config_filepath is not None:
         try:
-            data = load_yaml_file(config_filepath)
+            data = yaml_input.load_file(config_filepath)
         except ConfigValidationError as exc:
             problems.absorb(exc)
         if data is not None and not isinstance(data, Mapping):
@@ -162,7 +157,7 @@ def process_config_with_overrides(
     applier = Applier(config, problems)
     file_label = f"file {os.fspath(config_filepath)}" if config_filepath is not None else ""
     if has_interpolation(data, overrides):
-        data, overrides = resolve_interpolations(config, data, overrides, applier.error, file_label)
+        data, overrides = resolve_interpolations(config, data, overrides, problems, file_label)
     if data:
         applier.merge(data, file_label)
     for override in overrides:

@@ -35,7 +35,6 @@ from megatron_bridge.config.annotations import (
     UNSERIALIZABLE,
     DecodeError,
     FlowList,
-    is_placeholder,
     is_value_tag,
     real_arms,
     section_classes,
@@ -48,8 +47,7 @@ from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError, 
 from megatron_bridge.config.schema import FieldSpec, specs
 from megatron_bridge.config.secrets import conceal
 from megatron_bridge.config.targets import name_of, register_target, resolve
-from megatron_bridge.config.yaml_input import load_file as load_yaml_file
-from megatron_bridge.config.yaml_input import read_exponent_floats
+from megatron_bridge.config.yaml_input import load_file, read_exponent_floats
 
 __all__ = ["from_dict", "from_yaml", "register_target", "resolve", "to_dict", "to_yaml"]
 
@@ -284,7 +282,7 @@ class ConfigDecoder(Decoder):
                 errors.append((str(key), *unknown_key(cls, key)))
             elif f.name in values:
                 errors.append((str(key), f"{f.name!r} is given twice (once through an alias)", "keep one"))
-            elif f.name in tags[IMPLICIT] and is_placeholder(item):
+            elif f.name in tags[IMPLICIT] and is_value_tag(item) and UNSERIALIZABLE in item:
                 logger.info("%s.%s: the saved run had a runtime object here; using the default", cls.__name__, f.name)
             else:
                 try:
@@ -353,11 +351,7 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
         raise ConfigValidationError(ConfigProblem("", f"expected a mapping of sections, got {show(data)}"))
     problems = Problems()
     if has_interpolation(data, []):  # a written config holds `${oc.env:VAR}` where a value came from the environment
-
-        def report(path: str, message: str, fix: str, where: str) -> None:
-            problems.add(path, f"{message} [{where}]" if where else message, fix)
-
-        data, _ = resolve_interpolations(None, data, [], report, source)
+        data, _ = resolve_interpolations(None, data, [], problems, source)
     if not problems:
         try:
             return ConfigDecoder().section(data, (cls,) if cls is not None else ())
@@ -368,7 +362,7 @@ def from_dict(data: Mapping, cls: Optional[type] = None, source: str = "") -> An
 
 def from_yaml(path: Union[str, os.PathLike], cls: Optional[type] = None) -> Any:
     """Load a config from a YAML file written by `to_yaml` (or by hand); see `from_dict`."""
-    data = load_yaml_file(path)
+    data = load_file(path)
     if data is None:
         raise ConfigValidationError(ConfigProblem("", f"{os.fspath(path)} is empty", "write the config into it"))
     return from_dict(data, cls, f"file {os.fspath(path)}")

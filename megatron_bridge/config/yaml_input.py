@@ -119,9 +119,10 @@ def _error(source: str, message: str, fix: str, line: int | None = None) -> Conf
     return ConfigValidationError(ConfigProblem(where, message, fix))
 
 
-def read_text(path: Union[str, os.PathLike]) -> str:
-    """The text of config file `path`, refused (as a `ConfigValidationError` naming the file) if
-    it is missing, not a regular file, too large, or not UTF-8."""
+def load_file(path: Union[str, os.PathLike]) -> Any:
+    """The data of config file `path`, read by `parse` (errors name the file). A file that is not a
+    regular file, too large or not UTF-8 is refused as a `ConfigValidationError`; a missing one raises
+    FileNotFoundError."""
     name = os.fspath(path)
     if not os.path.exists(name):
         raise FileNotFoundError(f"config file {name!r} does not exist")
@@ -140,7 +141,7 @@ def read_text(path: Union[str, os.PathLike]) -> str:
     except OSError as exc:
         raise _error(name, f"cannot be read: {exc.strerror or exc}", "check the path and its permissions") from None
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise _error(
@@ -149,6 +150,7 @@ def read_text(path: Union[str, os.PathLike]) -> str:
             "save the file as UTF-8",
             line,
         ) from None
+    return parse(text, name)
 
 
 def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any:
@@ -158,25 +160,16 @@ def parse(text: str, source: str = "<config>", loader: type = YamlLoader) -> Any
         data = _read(text, source, loader)
         return yaml.load(text, Loader=loader) if data is _INEXACT else data
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, source) from None
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if getattr(exc, "context", None) == "while scanning a quoted scalar" and "end of stream" in problem:
+            problem = "unterminated quote"
+        line = mark.line + 1 if mark is not None else None
+        raise _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line) from None
     except ConfigValidationError:  # a limit `_read` enforces
         raise
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
         raise _error(source, f"holds a value that cannot be read: {str(exc)[:120]}", "fix the value") from None
-
-
-def load_file(path: Union[str, os.PathLike]) -> Any:
-    """`parse(read_text(path))`, errors naming the file."""
-    return parse(read_text(path), os.fspath(path))
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str) -> ConfigValidationError:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if getattr(exc, "context", None) == "while scanning a quoted scalar" and "end of stream" in problem:
-        problem = "unterminated quote"
-    line = mark.line + 1 if mark is not None else None
-    return _error(source, f"invalid YAML: {problem}", "fix the YAML syntax", line)
 
 
 class _Open:
