@@ -115,11 +115,22 @@ def test_sample_based_scheduler_steps():
     assert (s.lr_decay_steps, s.lr_warmup_steps, s.wd_incr_steps, s.wsd_decay_steps) == (160, 16, 160, 32)
 
 
-def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
-    assert (
-        "scheduler.lr_wsd_decay_iters: the WSD schedule needs the length of its final decay phase "
-        "(set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples))"
-    ) in problems_of(tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD")))
+def test_wsd_decay_phase_defaults_to_the_whole_decay_and_must_fit_it():
+    """As in NVIDIA Megatron Bridge, an unset lr_wsd_decay_iters is the decay length (the
+    final phase is the whole decay); in samples alike. A set one must fit in the decay."""
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_decay_iters=15))
+    runtime_config_update(cfg)
+    s = cfg.scheduler
+    assert (s.lr_wsd_decay_iters, s.wsd_decay_steps, s.lr_decay_steps) == (15, 15 * 8, 15 * 8)
+    s.lr_decay_iters = 12  # derived again after an edit
+    runtime_config_update(cfg)
+    assert (s.lr_wsd_decay_iters, s.wsd_decay_steps) == (12, 12 * 8)
+    cfg = tiny_config(
+        train=TrainingConfig(train_samples=100, global_batch_size=8, micro_batch_size=2),
+        scheduler=SchedulerConfig(lr_decay_style="WSD"),
+    )
+    runtime_config_update(cfg)
+    assert (cfg.scheduler.lr_wsd_decay_samples, cfg.scheduler.wsd_decay_steps) == (100, 100)
     cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=50))
     assert "the WSD decay phase (50 iterations) is longer than the whole decay (20 iterations)" in only_problem(cfg)
 
@@ -151,6 +162,22 @@ def test_a_constant_lr_is_warmed_up_too_so_its_warmup_must_be_shorter_than_the_r
         "scheduler.lr_warmup_iters: warmup (20 iterations) is not shorter than the decay (20 iterations) "
         "(shorten the warmup or lengthen lr_decay_iters / the training run)"
     )
+
+
+@pytest.mark.parametrize(
+    "train_iters, gbs, fraction", [(1, 8, 0.1), (1, 8, 0.99), (7, 3, 0.33), (13, 5, 0.5), (10, 8, 0.0), (4, 8, 0.3)]
+)
+def test_a_warmup_fraction_is_that_fraction_of_the_decay_samples_unrounded(train_iters, gbs, fraction):
+    """Megatron-LM's (and NVIDIA Megatron Bridge's) warmup is fraction x decay samples, not
+    rounded: 0.1 of one batch of 8 is a warmup of 0.8 samples (the first LR is lr_warmup_init),
+    not none."""
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=train_iters, global_batch_size=gbs, micro_batch_size=1),
+        scheduler=SchedulerConfig(lr_warmup_fraction=fraction),
+    )
+    runtime_config_update(cfg)
+    assert cfg.scheduler.lr_decay_steps == train_iters * gbs
+    assert cfg.scheduler.lr_warmup_steps == fraction * (train_iters * gbs)
 
 
 def test_a_warmup_fraction_leaving_no_decay_is_reported_at_the_fraction():

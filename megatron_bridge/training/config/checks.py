@@ -416,7 +416,10 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     decay_field = f"lr_decay_{suffix}"
     if getattr(s, decay_field) is None and not s.is_explicit(decay_field):  # unset: shows the one in use
         s._derive(decay_field, decay_length)
-    warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, f"lr_wsd_decay_{suffix}")
+    wsd_field = f"lr_wsd_decay_{suffix}"
+    if s.lr_decay_style == "WSD" and getattr(s, wsd_field) is None and not s.is_explicit(wsd_field):
+        s._derive(wsd_field, decay_length)  # unset: the whole decay is WSD's final phase
+    warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, wsd_field)
     if sample_based:
         total, decay, warmup, wsd = length, decay_length, warmup_length, wsd_length
     else:
@@ -425,7 +428,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         # WSD's final phase is the end of the decay: the samples of its last lr_wsd_decay_iters iterations
         wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
-        warmup = int(s.lr_warmup_fraction * decay)
+        # not rounded: megatron-core's scheduler takes a fractional warmup (Megatron-LM passes
+        # fraction x decay samples as is), and rounding down would change every warmup LR
+        warmup = s.lr_warmup_fraction * decay
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)
