@@ -469,6 +469,21 @@ def test_nvrx_straggler_thresholds_and_interval():
     assert "nvrx_straggler.report_time_interval: 0 is outside the allowed range (0, inf) (choose a value in that range)" in errors
 
 
+def test_nvrx_straggler_detection_needs_a_score_to_compute():
+    off = dict(calc_relative_gpu_perf=False, calc_individual_gpu_perf=False)
+    cfg = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(enabled=True, **off))
+    problems = problems_of(cfg)
+    assert (
+        "nvrx_straggler.calc_relative_gpu_perf: calc_relative_gpu_perf and calc_individual_gpu_perf are both False: "
+        "the detector would compute no score and so never find a straggler (set nvrx_straggler.calc_relative_gpu_perf=True "
+        "(or calc_individual_gpu_perf=True), or enabled=False)"
+    ) in problems
+    runtime_config_update(tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(**off)), world_size=1)  # off: no check
+    if extras.is_installed("nvidia_resiliency_ext"):
+        one = NVRxStragglerDetectionConfig(enabled=True, calc_relative_gpu_perf=False)
+        runtime_config_update(tiny_config(nvrx_straggler=one), world_size=1)
+
+
 def test_inprocess_restart_needs_at_least_one_iteration():
     from megatron_bridge.training.config import InProcessRestartConfig
 
