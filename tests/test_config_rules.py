@@ -269,6 +269,29 @@ def test_distributed_optimizer_contradiction_is_reported():
     )
 
 
+def test_te_rng_tracker_is_one_setting_in_rng_and_model(caplog):
+    """model.use_te_rng_tracker (megatron-core's name) turns on rng.te_rng_tracker, which the
+    run's seeding reads, and the other way round, as in NVIDIA Megatron Bridge."""
+    from megatron_bridge.training.config import RNGConfig
+
+    cfg = tiny_config(model=tiny_model(use_te_rng_tracker=True))
+    with caplog.at_level(logging.INFO):
+        runtime_config_update(cfg)
+    assert cfg.rng.te_rng_tracker is True
+    assert "setting rng.te_rng_tracker=True to match the other section" in caplog.text
+    cfg = tiny_config(rng=RNGConfig(te_rng_tracker=True))
+    runtime_config_update(cfg)
+    assert cfg.model.use_te_rng_tracker is True
+    cfg.rng.te_rng_tracker = False  # the user's later choice wins over the synced value
+    runtime_config_update(cfg)
+    assert (cfg.rng.te_rng_tracker, cfg.model.use_te_rng_tracker) == (False, False)
+    cfg = tiny_config(rng=RNGConfig(te_rng_tracker=True), model=tiny_model(use_te_rng_tracker=False))
+    assert only_problem(cfg) == (
+        "model.use_te_rng_tracker: model.use_te_rng_tracker=False but rng.te_rng_tracker=True "
+        "(set both to the same value (or only one of them))"
+    )
+
+
 # ---------------------------------------------------------------------- precision
 def test_mixed_precision_consistency_between_model_and_optimizer():
     cfg = tiny_config(model=tiny_model(bf16=True, params_dtype=torch.bfloat16))

@@ -62,22 +62,37 @@ def sync_overlap_param_gather(cfg: "ConfigContainer", problems: Problems) -> Non
     _sync_ddp_and_optimizer(cfg, problems, "overlap_param_gather")
 
 
+def sync_te_rng_tracker(cfg: "ConfigContainer", problems: Problems) -> None:
+    """TransformerEngine's RNG tracker is one setting in two sections: rng.te_rng_tracker (what
+    the run's seeding reads) and model.use_te_rng_tracker (megatron-core's name for it). As in
+    NVIDIA Megatron Bridge, turning on either turns on both; the side set explicitly wins."""
+    _sync_pair(cfg, problems, ("rng", "te_rng_tracker"), ("model", "use_te_rng_tracker"))
+
+
 def _sync_ddp_and_optimizer(cfg: "ConfigContainer", problems: Problems, name: str) -> None:
-    ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
-    if ddp_value == opt_value:
+    _sync_pair(cfg, problems, ("ddp", name), ("optimizer", name))
+
+
+def _sync_pair(cfg: "ConfigContainer", problems: Problems, first: tuple[str, str], second: tuple[str, str]) -> None:
+    """Make two fields holding one setting agree: a side the user set explicitly wins (both set
+    and different is an error); if neither was set explicitly, "on" wins. Each change is logged."""
+    (a_section, a_name), (b_section, b_name) = first, second
+    a, b = getattr(cfg, a_section), getattr(cfg, b_section)
+    a_value, b_value = getattr(a, a_name), getattr(b, b_name)
+    if a_value == b_value:
         return
-    ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
-    if ddp_explicit and opt_explicit:
+    a_explicit, b_explicit = a.is_explicit(a_name), b.is_explicit(b_name)
+    if a_explicit and b_explicit:
         problems.add(
-            f"optimizer.{name}",
-            f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
+            f"{b_section}.{b_name}",
+            f"{b_section}.{b_name}={b_value} but {a_section}.{a_name}={a_value}",
             "set both to the same value (or only one of them)",
         )
         return
-    if ddp_explicit or (not opt_explicit and ddp_value):
-        value, target, changed = ddp_value, cfg.optimizer, "optimizer"
+    if a_explicit or (not b_explicit and a_value):
+        value, target, name, changed = a_value, b, b_name, b_section
     else:
-        value, target, changed = opt_value, cfg.ddp, "ddp"
+        value, target, name, changed = b_value, a, a_name, a_section
     logger.info("setting %s.%s=%s to match the other section", changed, name, value)
     target.apply_default(name, value)
 

@@ -224,6 +224,7 @@ RULES: tuple[Rule, ...] = (
     Rule("CPU adaptation", "adapt", adapt_to_cpu, validate=False, device="cpu"),
     Rule("expert MLP", "adapt", adapt_expert_mlp, validate=False, device="cuda"),
     Rule("distributed optimizer", "sync", checks.sync_distributed_optimizer),
+    Rule("TransformerEngine RNG tracker", "sync", checks.sync_te_rng_tracker),
     Rule("mixed precision", "preset", apply_mixed_precision, validate=False),
     Rule("data-parallel size", "derive", derive_data_parallel_size, inputs=("world_size",)),
     Rule("communication overlap", "preset", apply_comm_overlap, validate=False),
