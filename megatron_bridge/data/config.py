@@ -209,6 +209,21 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
                 f"{len(self.blend[0])} prefixes but {len(self.blend[1])} weights",
                 "give one weight per prefix",
             )
+        per_split = self.blend_per_split
+        if per_split is not None and any(per_split) and p.check(
+            len(per_split) == 3,
+            "blend_per_split",
+            f"has {len(per_split)} entries",
+            "give three blends, [train, valid, test] (null for a split without data)",
+        ):
+            for split, blend in zip(("train", "valid", "test"), per_split):
+                if blend is not None and blend[1] is not None:
+                    p.check(
+                        len(blend[0]) == len(blend[1]),
+                        "blend_per_split",
+                        f"the {split} blend has {len(blend[0])} prefixes but {len(blend[1])} weights",
+                        "give one weight per prefix (or null weights)",
+                    )
         if self.blend_phases is not None:
             blend = self.blend
             if p.check(
