@@ -167,6 +167,11 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
     skip_getting_attention_mask_from_dataset: bool = True
     """Pass no attention mask from the dataset; the attention backend builds the causal mask."""
 
+    split: Optional[str] = None
+    """Weights of the train, valid and test splits of the data in `blend`, e.g. '969,30,1'
+    (normalized; missing trailing weights are 0). With a blend but no split: '99,1,0' (NVIDIA
+    Megatron Bridge requires one). Not used with `blend_per_split`; mock data splits evenly."""
+
     blend_phases: Optional[list[dict[str, Any]]] = None
     """Phases of the blend's training mixture: a list of {weights: [one per prefix],
     start_iteration: N (or start_fraction: 0.9), name: ...}; the weights change at each start

@@ -59,7 +59,8 @@ class SchedulerConfig(ConfigBase):
 
     max_steps: Optional[int] = field(None, range=STEPS)
     """Length of the schedule in iterations when it should differ from train_iters, e.g. a job that
-    runs the first part of a longer planned run. Defaults to train_iters."""
+    runs the first part of a longer planned run. Defaults to train_iters. A set lr_decay_iters
+    still sets the decay (NVIDIA Megatron Bridge replaces it with max_steps)."""
 
     override_opt_param_scheduler: bool = False
     """On resume, use this config's schedule instead of the one in the checkpoint."""
