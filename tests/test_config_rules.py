@@ -360,12 +360,21 @@ def test_deterministic_mode_rules(monkeypatch):
         "(set model.cross_entropy_loss_fusion=False in deterministic mode)"
     ) in errors
     assert (
-        "env_vars.NCCL_ALGO: deterministic mode needs NCCL_ALGO in ['Ring', 'Tree'], got None "
-        "(set env_vars={'NCCL_ALGO': 'Ring'})"
+        "env_vars.NCCL_ALGO: deterministic mode needs NCCL_ALGO in ['Tree', 'Ring', 'CollnetDirect', "
+        "'CollnetChain', '^NVLS'], got None (set env_vars={'NCCL_ALGO': 'Ring'})"
     ) in errors
     ok = tiny_config(model=tiny_model(deterministic_mode=True), env_vars={"NCCL_ALGO": "Ring"})
     runtime_config_update(ok)
     assert os.environ["NCCL_ALGO"] == "Ring"
+
+
+@pytest.mark.parametrize("algo", ["Tree", "CollnetDirect", "CollnetChain", "^NVLS"])
+def test_deterministic_mode_takes_megatron_lms_nccl_algorithms(monkeypatch, algo):
+    """Megatron-LM and NVIDIA Megatron Bridge accept these five; only Ring was accepted besides Tree."""
+    monkeypatch.setenv("NCCL_ALGO", algo)
+    runtime_config_update(tiny_config(model=tiny_model(deterministic_mode=True)))
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")
+    assert "deterministic mode needs NCCL_ALGO in" in only_problem(tiny_config(model=tiny_model(deterministic_mode=True)))
 
 
 def test_fine_grained_activation_offloading_needs_transformer_engine():

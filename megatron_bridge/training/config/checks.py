@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+"""NCCL_ALGO values deterministic mode accepts: Megatron-LM's list (NVLS reductions are not
+reproducible; '^NVLS' lets NCCL choose among the others)."""
 
 
 # ---------------------------------------------------------------------- before sections finalize
