@@ -253,6 +253,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data blends and phases", "check", check_data_rules),
     Rule("fp8 parameter gather", "check", run_schedule.check_fp8_param_sync),
     Rule("fp8 parameter gather optimizer", "check", run_schedule.check_fp8_param_gather_optimizer),
+    Rule("mxfp8 parameter gather buffer", "check", run_schedule.check_mxfp8_param_gather_reuse),
     Rule("parameter gather in the optimizer step", "check", run_schedule.check_param_gather_with_optimizer_step),
     Rule("context-parallel fine-tuning", "check", run_schedule.check_context_parallel_finetuning),
     Rule("schedule length", "check", run_schedule.check_schedule_length),
