@@ -351,6 +351,18 @@ def test_cp_comm_type_and_hierarchical_sizes():
     assert "set to [2] but cp_comm_type is 'p2p'" in only_problem(cfg, world_size=2)
 
 
+def test_a_per_layer_cp_comm_type_of_the_wrong_length_is_reported_once():
+    """megatron-core checks the length when context parallelism is on; ours covers the rest, and
+    the two do not both report it."""
+    cfg = tiny_config(model=tiny_model(context_parallel_size=2, cp_comm_type=["p2p"]))
+    assert "Length of cp_comm_type (1) should equal to the total number of transformer layers (2)" in only_problem(
+        cfg, world_size=2
+    )
+    assert only_problem(tiny_config(model=tiny_model(cp_comm_type=["p2p"]))) == (
+        "model.cp_comm_type: a per-layer list needs 2 entries, got 1 (give one entry per layer or a single string)"
+    )
+
+
 def test_deterministic_mode_rules(monkeypatch):
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     cfg = tiny_config(model=tiny_model(deterministic_mode=True, cross_entropy_loss_fusion=True))

@@ -285,7 +285,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
         )
     kinds = m.cp_comm_type
     kind_list = [] if kinds is None else kinds if isinstance(kinds, list) else [kinds]
-    if isinstance(kinds, list):
+    if isinstance(kinds, list) and not problems.at("model.cp_comm_type"):  # not again after megatron-core's check
         problems.check(
             len(kinds) == m.num_layers,
             "model.cp_comm_type",
