@@ -386,7 +386,8 @@ def test_deterministic_mode_takes_megatron_lms_nccl_algorithms(monkeypatch, algo
     monkeypatch.setenv("NCCL_ALGO", algo)
     runtime_config_update(tiny_config(model=tiny_model(deterministic_mode=True)))
     monkeypatch.setenv("NCCL_ALGO", "NVLS")
-    assert "deterministic mode needs NCCL_ALGO in" in only_problem(tiny_config(model=tiny_model(deterministic_mode=True)))
+    refused = tiny_config(model=tiny_model(deterministic_mode=True))
+    assert "deterministic mode needs NCCL_ALGO in" in only_problem(refused)
 
 
 def test_fine_grained_activation_offloading_needs_transformer_engine():
@@ -518,11 +519,12 @@ def test_nvrx_straggler_detection_needs_a_score_to_compute():
     cfg = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(enabled=True, **off))
     problems = problems_of(cfg)
     assert (
-        "nvrx_straggler.calc_relative_gpu_perf: calc_relative_gpu_perf and calc_individual_gpu_perf are both False: "
-        "the detector would compute no score and so never find a straggler (set nvrx_straggler.calc_relative_gpu_perf=True "
-        "(or calc_individual_gpu_perf=True), or enabled=False)"
+        "nvrx_straggler.calc_relative_gpu_perf: calc_relative_gpu_perf and calc_individual_gpu_perf are both "
+        "False: the detector would compute no score and so never find a straggler "
+        "(set nvrx_straggler.calc_relative_gpu_perf=True (or calc_individual_gpu_perf=True), or enabled=False)"
     ) in problems
-    runtime_config_update(tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(**off)), world_size=1)  # off: no check
+    disabled = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(**off))
+    runtime_config_update(disabled, world_size=1)  # off: not checked
     if extras.is_installed("nvidia_resiliency_ext"):
         one = NVRxStragglerDetectionConfig(enabled=True, calc_relative_gpu_perf=False)
         runtime_config_update(tiny_config(nvrx_straggler=one), world_size=1)

@@ -136,13 +136,15 @@ def test_per_split_blends_are_checked_at_blend_per_split():
         return err.value.errors
 
     assert problems([(["a", "b"], [1.0]), None, None]) == [
-        "dataset.blend_per_split: the train blend has 2 prefixes but 1 weights (give one weight per prefix (or null weights))"
+        "dataset.blend_per_split: the train blend has 2 prefixes but 1 weights "
+        "(give one weight per prefix (or null weights))"
     ]
     assert "dataset.blend_per_split: the test blend has 1 prefixes but 2 weights" in problems(
         [(["a"], None), (["b"], None), (["c"], [0.5, 0.5])]
     )[0]
     assert problems([(["a"], None), (["b"], None)]) == [
-        "dataset.blend_per_split: has 2 entries (give three blends, [train, valid, test] (null for a split without data))"
+        "dataset.blend_per_split: has 2 entries "
+        "(give three blends, [train, valid, test] (null for a split without data))"
     ]
 
 

@@ -112,9 +112,8 @@ def check_mxfp8_param_gather_reuse(cfg: "ConfigContainer", problems: Problems) -
     """MXFP8 parameters gathered in FP8 reuse the gradient buffer for the all-gather (NVIDIA
     Megatron Bridge requires it; without it megatron-core keeps a second buffer, a large amount
     of extra GPU memory). The mxfp8 presets set it."""
-    if not (cfg.ddp.fp8_param_gather and getattr(cfg.model, "fp8", None) and getattr(cfg.model, "fp8_recipe", None) == "mxfp8"):
-        return
-    if cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag:
+    mxfp8 = getattr(cfg.model, "fp8", None) and getattr(cfg.model, "fp8_recipe", None) == "mxfp8"
+    if not (mxfp8 and cfg.ddp.fp8_param_gather) or cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag:
         return
     where = "ddp.reuse_grad_buf_for_mxfp8_param_ag"
     mp = cfg.mixed_precision
