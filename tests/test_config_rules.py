@@ -115,11 +115,22 @@ def test_sample_based_scheduler_steps():
     assert (s.lr_decay_steps, s.lr_warmup_steps, s.wd_incr_steps, s.wsd_decay_steps) == (160, 16, 160, 32)
 
 
-def test_wsd_needs_its_decay_length_and_it_fits_the_decay():
-    assert (
-        "scheduler.lr_wsd_decay_iters: the WSD schedule needs the length of its final decay phase "
-        "(set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples))"
-    ) in problems_of(tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD")))
+def test_wsd_decay_phase_defaults_to_the_whole_decay_and_must_fit_it():
+    """As in NVIDIA Megatron Bridge, an unset lr_wsd_decay_iters is the decay length (the
+    final phase is the whole decay); in samples alike. A set one must fit in the decay."""
+    cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_decay_iters=15))
+    runtime_config_update(cfg)
+    s = cfg.scheduler
+    assert (s.lr_wsd_decay_iters, s.wsd_decay_steps, s.lr_decay_steps) == (15, 15 * 8, 15 * 8)
+    s.lr_decay_iters = 12  # derived again after an edit
+    runtime_config_update(cfg)
+    assert (s.lr_wsd_decay_iters, s.wsd_decay_steps) == (12, 12 * 8)
+    cfg = tiny_config(
+        train=TrainingConfig(train_samples=100, global_batch_size=8, micro_batch_size=2),
+        scheduler=SchedulerConfig(lr_decay_style="WSD"),
+    )
+    runtime_config_update(cfg)
+    assert (cfg.scheduler.lr_wsd_decay_samples, cfg.scheduler.wsd_decay_steps) == (100, 100)
     cfg = tiny_config(scheduler=SchedulerConfig(lr_decay_style="WSD", lr_wsd_decay_iters=50))
     assert "the WSD decay phase (50 iterations) is longer than the whole decay (20 iterations)" in only_problem(cfg)
 
@@ -151,6 +162,22 @@ def test_a_constant_lr_is_warmed_up_too_so_its_warmup_must_be_shorter_than_the_r
         "scheduler.lr_warmup_iters: warmup (20 iterations) is not shorter than the decay (20 iterations) "
         "(shorten the warmup or lengthen lr_decay_iters / the training run)"
     )
+
+
+@pytest.mark.parametrize(
+    "train_iters, gbs, fraction", [(1, 8, 0.1), (1, 8, 0.99), (7, 3, 0.33), (13, 5, 0.5), (10, 8, 0.0), (4, 8, 0.3)]
+)
+def test_a_warmup_fraction_is_that_fraction_of_the_decay_samples_unrounded(train_iters, gbs, fraction):
+    """Megatron-LM's (and NVIDIA Megatron Bridge's) warmup is fraction x decay samples, not
+    rounded: 0.1 of one batch of 8 is a warmup of 0.8 samples (the first LR is lr_warmup_init),
+    not none."""
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=train_iters, global_batch_size=gbs, micro_batch_size=1),
+        scheduler=SchedulerConfig(lr_warmup_fraction=fraction),
+    )
+    runtime_config_update(cfg)
+    assert cfg.scheduler.lr_decay_steps == train_iters * gbs
+    assert cfg.scheduler.lr_warmup_steps == fraction * (train_iters * gbs)
 
 
 def test_a_warmup_fraction_leaving_no_decay_is_reported_at_the_fraction():
@@ -242,6 +269,29 @@ def test_distributed_optimizer_contradiction_is_reported():
     )
 
 
+def test_te_rng_tracker_is_one_setting_in_rng_and_model(caplog):
+    """model.use_te_rng_tracker (megatron-core's name) turns on rng.te_rng_tracker, which the
+    run's seeding reads, and the other way round, as in NVIDIA Megatron Bridge."""
+    from megatron_bridge.training.config import RNGConfig
+
+    cfg = tiny_config(model=tiny_model(use_te_rng_tracker=True))
+    with caplog.at_level(logging.INFO):
+        runtime_config_update(cfg)
+    assert cfg.rng.te_rng_tracker is True
+    assert "setting rng.te_rng_tracker=True to match the other section" in caplog.text
+    cfg = tiny_config(rng=RNGConfig(te_rng_tracker=True))
+    runtime_config_update(cfg)
+    assert cfg.model.use_te_rng_tracker is True
+    cfg.rng.te_rng_tracker = False  # the user's later choice wins over the synced value
+    runtime_config_update(cfg)
+    assert (cfg.rng.te_rng_tracker, cfg.model.use_te_rng_tracker) == (False, False)
+    cfg = tiny_config(rng=RNGConfig(te_rng_tracker=True), model=tiny_model(use_te_rng_tracker=False))
+    assert only_problem(cfg) == (
+        "model.use_te_rng_tracker: model.use_te_rng_tracker=False but rng.te_rng_tracker=True "
+        "(set both to the same value (or only one of them))"
+    )
+
+
 # ---------------------------------------------------------------------- precision
 def test_mixed_precision_consistency_between_model_and_optimizer():
     cfg = tiny_config(model=tiny_model(bf16=True, params_dtype=torch.bfloat16))
@@ -301,6 +351,18 @@ def test_cp_comm_type_and_hierarchical_sizes():
     assert "set to [2] but cp_comm_type is 'p2p'" in only_problem(cfg, world_size=2)
 
 
+def test_a_per_layer_cp_comm_type_of_the_wrong_length_is_reported_once():
+    """megatron-core checks the length when context parallelism is on; ours covers the rest, and
+    the two do not both report it."""
+    cfg = tiny_config(model=tiny_model(context_parallel_size=2, cp_comm_type=["p2p"]))
+    assert "Length of cp_comm_type (1) should equal to the total number of transformer layers (2)" in only_problem(
+        cfg, world_size=2
+    )
+    assert only_problem(tiny_config(model=tiny_model(cp_comm_type=["p2p"]))) == (
+        "model.cp_comm_type: a per-layer list needs 2 entries, got 1 (give one entry per layer or a single string)"
+    )
+
+
 def test_deterministic_mode_rules(monkeypatch):
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     cfg = tiny_config(model=tiny_model(deterministic_mode=True, cross_entropy_loss_fusion=True))
@@ -310,12 +372,22 @@ def test_deterministic_mode_rules(monkeypatch):
         "(set model.cross_entropy_loss_fusion=False in deterministic mode)"
     ) in errors
     assert (
-        "env_vars.NCCL_ALGO: deterministic mode needs NCCL_ALGO in ['Ring', 'Tree'], got None "
-        "(set env_vars={'NCCL_ALGO': 'Ring'})"
+        "env_vars.NCCL_ALGO: deterministic mode needs NCCL_ALGO in ['Tree', 'Ring', 'CollnetDirect', "
+        "'CollnetChain', '^NVLS'], got None (set env_vars={'NCCL_ALGO': 'Ring'})"
     ) in errors
     ok = tiny_config(model=tiny_model(deterministic_mode=True), env_vars={"NCCL_ALGO": "Ring"})
     runtime_config_update(ok)
     assert os.environ["NCCL_ALGO"] == "Ring"
+
+
+@pytest.mark.parametrize("algo", ["Tree", "CollnetDirect", "CollnetChain", "^NVLS"])
+def test_deterministic_mode_takes_megatron_lms_nccl_algorithms(monkeypatch, algo):
+    """Megatron-LM and NVIDIA Megatron Bridge accept these five; only Ring was accepted besides Tree."""
+    monkeypatch.setenv("NCCL_ALGO", algo)
+    runtime_config_update(tiny_config(model=tiny_model(deterministic_mode=True)))
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")
+    refused = tiny_config(model=tiny_model(deterministic_mode=True))
+    assert "deterministic mode needs NCCL_ALGO in" in only_problem(refused)
 
 
 def test_fine_grained_activation_offloading_needs_transformer_engine():
@@ -440,6 +512,22 @@ def test_nvrx_straggler_thresholds_and_interval():
     errors = problems_of(cfg)
     assert "nvrx_straggler.gpu_relative_perf_threshold: 1.5 is outside the allowed range [0, 1] (choose a value in that range)" in errors
     assert "nvrx_straggler.report_time_interval: 0 is outside the allowed range (0, inf) (choose a value in that range)" in errors
+
+
+def test_nvrx_straggler_detection_needs_a_score_to_compute():
+    off = dict(calc_relative_gpu_perf=False, calc_individual_gpu_perf=False)
+    cfg = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(enabled=True, **off))
+    problems = problems_of(cfg)
+    assert (
+        "nvrx_straggler.calc_relative_gpu_perf: calc_relative_gpu_perf and calc_individual_gpu_perf are both "
+        "False: the detector would compute no score and so never find a straggler "
+        "(set nvrx_straggler.calc_relative_gpu_perf=True (or calc_individual_gpu_perf=True), or enabled=False)"
+    ) in problems
+    disabled = tiny_config(nvrx_straggler=NVRxStragglerDetectionConfig(**off))
+    runtime_config_update(disabled, world_size=1)  # off: not checked
+    if extras.is_installed("nvidia_resiliency_ext"):
+        one = NVRxStragglerDetectionConfig(enabled=True, calc_relative_gpu_perf=False)
+        runtime_config_update(tiny_config(nvrx_straggler=one), world_size=1)
 
 
 def test_inprocess_restart_needs_at_least_one_iteration():

@@ -126,6 +126,28 @@ def test_a_split_without_documents(tmp_path):
     ]
 
 
+def test_per_split_blends_are_checked_at_blend_per_split():
+    """megatron-core's message about a per-split blend ("blend per split prefixes and weights
+    ...") named dataset.blend; the problem is reported at the field the user set."""
+    def problems(blend_per_split):
+        cfg = tiny_config(dataset=GPTDatasetConfig(seq_length=32, blend_per_split=blend_per_split, num_workers=0))
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(cfg, world_size=1)
+        return err.value.errors
+
+    assert problems([(["a", "b"], [1.0]), None, None]) == [
+        "dataset.blend_per_split: the train blend has 2 prefixes but 1 weights "
+        "(give one weight per prefix (or null weights))"
+    ]
+    assert "dataset.blend_per_split: the test blend has 1 prefixes but 2 weights" in problems(
+        [(["a"], None), (["b"], None), (["c"], [0.5, 0.5])]
+    )[0]
+    assert problems([(["a"], None), (["b"], None)]) == [
+        "dataset.blend_per_split: has 2 entries "
+        "(give three blends, [train, valid, test] (null for a split without data))"
+    ]
+
+
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
     cfg = gpt(indexed(tmp_path / "d"), model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
     assert problems(cfg)[0] == [

@@ -16,6 +16,7 @@ from megatron_bridge.training.config import (
     GPTDatasetConfig,
     LoggerConfig,
     OptimizerConfigOverrideProvider,
+    SchedulerConfig,
     TrainingConfig,
     ValidationConfig,
 )
@@ -310,6 +311,30 @@ def test_tensorboard_scalars_are_written(tmp_path):
     for tag in ("lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second", "lm loss validation"):
         assert tag in tags, tags
     assert [e.step for e in events.Scalars("lm loss")] == [2, 4, 6]
+
+
+def test_learning_rates_in_tensorboard_follow_a_fractional_warmup_and_a_default_wsd_decay(tmp_path):
+    """The LR after each of 4 steps of 8 samples, read back from TensorBoard: a warmup of
+    0.3 x 32 = 9.6 samples (not rounded to 9), then WSD whose final phase, left unset, is the
+    whole decay (NVIDIA Megatron Bridge's default), linear from the peak to min_lr at 32 samples."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    top, low = 3e-3, 3e-4
+    tb = tmp_path / "tb"
+    cfg = tiny_config(
+        train=TrainingConfig(train_iters=4, global_batch_size=8, micro_batch_size=4),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        scheduler=SchedulerConfig(lr_warmup_fraction=0.3, lr_decay_style="WSD", lr_wsd_decay_style="linear"),
+        logger=LoggerConfig(log_interval=1, tensorboard_dir=str(tb)),
+    )
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr) == (top, low)
+    pretrain(cfg, forward_step)
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("learning-rate")}
+    # after 8 samples: warming up (8 / 9.6); after 16, 24, 32: WSD at 16/32, 24/32, 32/32 of its phase
+    expected = {1: top * 8 / 9.6, 2: low + (top - low) * 0.5, 3: low + (top - low) * 0.25, 4: low}
+    assert logged == pytest.approx(expected, rel=1e-6)
 
 
 def test_training_set_smaller_than_a_global_batch_is_a_clear_error():

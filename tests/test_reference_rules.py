@@ -98,6 +98,21 @@ def test_fp8_param_gather_the_user_asked_for_needs_the_distributed_optimizer(ask
     assert cfg.ddp.fp8_param_gather and cfg.model.fp8_param
 
 
+def test_mxfp8_parameters_gathered_in_fp8_reuse_the_gradient_buffer():
+    """NVIDIA Megatron Bridge's rule: fp8_param_gather with the mxfp8 recipe needs
+    reuse_grad_buf_for_mxfp8_param_ag (megatron-core would keep a second buffer instead)."""
+    distributed = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    mp = get_mixed_precision_config("bf16_with_mxfp8_mixed")
+    mp.reuse_grad_buf_for_mxfp8_param_ag = False
+    assert errors_of(tiny_config(mixed_precision=mp, ddp=distributed), world_size=1) == [
+        "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag: False, but MXFP8 parameters are gathered in FP8 "
+        "(fp8_param_gather=True, fp8_recipe='mxfp8'), which reuses the gradient buffer for the all-gather "
+        "(set mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=True, or fp8_param_gather=False)"
+    ]
+    mp.fp8_param_gather = mp.fp8_param = False  # not gathered in FP8: nothing to reuse
+    runtime_config_update(tiny_config(mixed_precision=mp, ddp=distributed), world_size=1)
+
+
 def test_model_fp8_param_and_ddp_fp8_param_gather_must_agree():
     cfg = tiny_config(model=tiny_model(fp8_param=True), mixed_precision="bf16_mixed")
     message = next(e for e in errors_of(cfg) if e.startswith("ddp.fp8_param_gather"))

@@ -167,6 +167,11 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
     skip_getting_attention_mask_from_dataset: bool = True
     """Pass no attention mask from the dataset; the attention backend builds the causal mask."""
 
+    split: Optional[str] = None
+    """Weights of the train, valid and test splits of the data in `blend`, e.g. '969,30,1'
+    (normalized; missing trailing weights are 0). With a blend but no split: '99,1,0' (NVIDIA
+    Megatron Bridge requires one). Not used with `blend_per_split`; mock data splits evenly."""
+
     blend_phases: Optional[list[dict[str, Any]]] = None
     """Phases of the blend's training mixture: a list of {weights: [one per prefix],
     start_iteration: N (or start_fraction: 0.9), name: ...}; the weights change at each start
@@ -209,6 +214,21 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
                 f"{len(self.blend[0])} prefixes but {len(self.blend[1])} weights",
                 "give one weight per prefix",
             )
+        per_split = self.blend_per_split
+        if per_split is not None and any(per_split) and p.check(
+            len(per_split) == 3,
+            "blend_per_split",
+            f"has {len(per_split)} entries",
+            "give three blends, [train, valid, test] (null for a split without data)",
+        ):
+            for split, blend in zip(("train", "valid", "test"), per_split):
+                if blend is not None and blend[1] is not None:
+                    p.check(
+                        len(blend[0]) == len(blend[1]),
+                        "blend_per_split",
+                        f"the {split} blend has {len(blend[0])} prefixes but {len(blend[1])} weights",
+                        "give one weight per prefix (or null weights)",
+                    )
         if self.blend_phases is not None:
             blend = self.blend
             if p.check(

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree")
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+"""NCCL_ALGO values deterministic mode accepts: Megatron-LM's list (NVLS reductions are not
+reproducible; '^NVLS' lets NCCL choose among the others)."""
 
 
 # ---------------------------------------------------------------------- before sections finalize
@@ -62,22 +64,37 @@ def sync_overlap_param_gather(cfg: "ConfigContainer", problems: Problems) -> Non
     _sync_ddp_and_optimizer(cfg, problems, "overlap_param_gather")
 
 
+def sync_te_rng_tracker(cfg: "ConfigContainer", problems: Problems) -> None:
+    """TransformerEngine's RNG tracker is one setting in two sections: rng.te_rng_tracker (what
+    the run's seeding reads) and model.use_te_rng_tracker (megatron-core's name for it). As in
+    NVIDIA Megatron Bridge, turning on either turns on both; the side set explicitly wins."""
+    _sync_pair(cfg, problems, ("rng", "te_rng_tracker"), ("model", "use_te_rng_tracker"))
+
+
 def _sync_ddp_and_optimizer(cfg: "ConfigContainer", problems: Problems, name: str) -> None:
-    ddp_value, opt_value = getattr(cfg.ddp, name), getattr(cfg.optimizer, name)
-    if ddp_value == opt_value:
+    _sync_pair(cfg, problems, ("ddp", name), ("optimizer", name))
+
+
+def _sync_pair(cfg: "ConfigContainer", problems: Problems, first: tuple[str, str], second: tuple[str, str]) -> None:
+    """Make two fields holding one setting agree: a side the user set explicitly wins (both set
+    and different is an error); if neither was set explicitly, "on" wins. Each change is logged."""
+    (a_section, a_name), (b_section, b_name) = first, second
+    a, b = getattr(cfg, a_section), getattr(cfg, b_section)
+    a_value, b_value = getattr(a, a_name), getattr(b, b_name)
+    if a_value == b_value:
         return
-    ddp_explicit, opt_explicit = cfg.ddp.is_explicit(name), cfg.optimizer.is_explicit(name)
-    if ddp_explicit and opt_explicit:
+    a_explicit, b_explicit = a.is_explicit(a_name), b.is_explicit(b_name)
+    if a_explicit and b_explicit:
         problems.add(
-            f"optimizer.{name}",
-            f"optimizer.{name}={opt_value} but ddp.{name}={ddp_value}",
+            f"{b_section}.{b_name}",
+            f"{b_section}.{b_name}={b_value} but {a_section}.{a_name}={a_value}",
             "set both to the same value (or only one of them)",
         )
         return
-    if ddp_explicit or (not opt_explicit and ddp_value):
-        value, target, changed = ddp_value, cfg.optimizer, "optimizer"
+    if a_explicit or (not b_explicit and a_value):
+        value, target, name, changed = a_value, b, b_name, b_section
     else:
-        value, target, changed = opt_value, cfg.ddp, "ddp"
+        value, target, name, changed = b_value, a, a_name, a_section
     logger.info("setting %s.%s=%s to match the other section", changed, name, value)
     target.apply_default(name, value)
 
@@ -268,7 +285,7 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
         )
     kinds = m.cp_comm_type
     kind_list = [] if kinds is None else kinds if isinstance(kinds, list) else [kinds]
-    if isinstance(kinds, list):
+    if isinstance(kinds, list) and not problems.at("model.cp_comm_type"):  # not again after megatron-core's check
         problems.check(
             len(kinds) == m.num_layers,
             "model.cp_comm_type",
@@ -416,7 +433,10 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
     decay_field = f"lr_decay_{suffix}"
     if getattr(s, decay_field) is None and not s.is_explicit(decay_field):  # unset: shows the one in use
         s._derive(decay_field, decay_length)
-    warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, f"lr_wsd_decay_{suffix}")
+    wsd_field = f"lr_wsd_decay_{suffix}"
+    if s.lr_decay_style == "WSD" and getattr(s, wsd_field) is None and not s.is_explicit(wsd_field):
+        s._derive(wsd_field, decay_length)  # unset: the whole decay is WSD's final phase
+    warmup_length, wsd_length = getattr(s, f"lr_warmup_{suffix}"), getattr(s, wsd_field)
     if sample_based:
         total, decay, warmup, wsd = length, decay_length, warmup_length, wsd_length
     else:
@@ -425,7 +445,9 @@ def derive_scheduler_steps(cfg: "ConfigContainer", problems: Problems) -> None:
         # WSD's final phase is the end of the decay: the samples of its last lr_wsd_decay_iters iterations
         wsd = decay - samples_after(decay_length - wsd_length, gbs, rampup) if wsd_length else None
     if s.lr_warmup_fraction is not None:
-        warmup = int(s.lr_warmup_fraction * decay)
+        # not rounded: megatron-core's scheduler takes a fractional warmup (Megatron-LM passes
+        # fraction x decay samples as is), and rounding down would change every warmup LR
+        warmup = s.lr_warmup_fraction * decay
     s._derive("lr_decay_steps", decay)
     s._derive("lr_warmup_steps", warmup)
     s._derive("wd_incr_steps", total)

@@ -46,7 +46,9 @@ class LoggerConfig(ConfigBase):
     """Write TensorBoard event files here (None: no TensorBoard)."""
 
     tensorboard_log_interval: int = field(1, range=INTERVAL)
-    """Write to TensorBoard every N logged iterations."""
+    """Write to TensorBoard every N logged iterations (every N x log_interval iterations), each
+    record the averages of its log interval, as on the console. NVIDIA Megatron Bridge instead
+    writes every N iterations whatever log_interval is: set log_interval=1 for every iteration."""
 
     tensorboard_queue_size: int = field(1000, range=SIZE)
     """Events queued before TensorBoard flushes to disk."""

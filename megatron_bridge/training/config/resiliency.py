@@ -118,6 +118,13 @@ class NVRxStragglerDetectionConfig(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         if self.enabled:
             problems.require_package("nvidia_resiliency_ext", "enabled", "NVRx straggler detection")
+            problems.check(
+                self.calc_relative_gpu_perf or self.calc_individual_gpu_perf,
+                "calc_relative_gpu_perf",
+                "calc_relative_gpu_perf and calc_individual_gpu_perf are both False: the detector would compute "
+                "no score and so never find a straggler",
+                "set nvrx_straggler.calc_relative_gpu_perf=True (or calc_individual_gpu_perf=True), or enabled=False",
+            )
 
 
 @config_dataclass(kw_only=True)

@@ -108,6 +108,25 @@ def check_fp8_param_gather_optimizer(cfg: "ConfigContainer", problems: Problems)
     )
 
 
+def check_mxfp8_param_gather_reuse(cfg: "ConfigContainer", problems: Problems) -> None:
+    """MXFP8 parameters gathered in FP8 reuse the gradient buffer for the all-gather (NVIDIA
+    Megatron Bridge requires it; without it megatron-core keeps a second buffer, a large amount
+    of extra GPU memory). The mxfp8 presets set it."""
+    mxfp8 = getattr(cfg.model, "fp8", None) and getattr(cfg.model, "fp8_recipe", None) == "mxfp8"
+    if not (mxfp8 and cfg.ddp.fp8_param_gather) or cfg.ddp.reuse_grad_buf_for_mxfp8_param_ag:
+        return
+    where = "ddp.reuse_grad_buf_for_mxfp8_param_ag"
+    mp = cfg.mixed_precision
+    if isinstance(mp, ConfigBase) and not cfg.ddp.is_explicit("reuse_grad_buf_for_mxfp8_param_ag"):
+        where = "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag"
+    problems.add(
+        where,
+        "False, but MXFP8 parameters are gathered in FP8 (fp8_param_gather=True, fp8_recipe='mxfp8'), which "
+        "reuses the gradient buffer for the all-gather",
+        f"set {where}=True, or fp8_param_gather=False",
+    )
+
+
 def check_param_gather_with_optimizer_step(cfg: "ConfigContainer", problems: Problems) -> None:
     """Starting the parameter all-gather inside the optimizer step (Megatron-LM's rule): the
     distributed optimizer gathers the parameters, overlapped, and the first model chunk gathers

@@ -37,13 +37,16 @@ class SchedulerConfig(ConfigBase):
     """Shape of the final decay phase of the warmup-stable-decay (WSD) schedule."""
 
     lr_wsd_decay_iters: Optional[int] = field(None, range=STEPS)
-    """Iterations of the final decay phase of WSD."""
+    """Iterations of the final decay phase of WSD (unset: the whole decay, lr_decay_iters, which
+    validate() fills in, as NVIDIA Megatron Bridge does)."""
 
     lr_wsd_decay_samples: Optional[int] = field(None, range=STEPS)
-    """Samples of the final decay phase of WSD (sample-based training)."""
+    """Samples of the final decay phase of WSD (sample-based training; unset: the whole decay,
+    lr_decay_samples, which validate() fills in)."""
 
     lr_warmup_fraction: Optional[float] = field(None, range=PROBABILITY)
-    """Warmup length as a fraction of the decay length; excludes lr_warmup_iters/samples."""
+    """Warmup length as a fraction of the decay length; excludes lr_warmup_iters/samples. The
+    warmup is that fraction of the decay's samples, not rounded (as in Megatron-LM)."""
 
     lr_warmup_iters: int = field(0, range=STEPS)
     """Iterations of linear LR warmup."""
@@ -56,7 +59,8 @@ class SchedulerConfig(ConfigBase):
 
     max_steps: Optional[int] = field(None, range=STEPS)
     """Length of the schedule in iterations when it should differ from train_iters, e.g. a job that
-    runs the first part of a longer planned run. Defaults to train_iters."""
+    runs the first part of a longer planned run. Defaults to train_iters. A set lr_decay_iters
+    still sets the decay (NVIDIA Megatron Bridge replaces it with max_steps)."""
 
     override_opt_param_scheduler: bool = False
     """On resume, use this config's schedule instead of the one in the checkpoint."""
@@ -76,8 +80,8 @@ class SchedulerConfig(ConfigBase):
     lr_decay_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: decay length in samples."""
 
-    lr_warmup_steps: Optional[int] = field(init=False, default=None, range=STEPS)
-    """Derived: warmup length in samples."""
+    lr_warmup_steps: Optional[float] = field(init=False, default=None, range=STEPS)
+    """Derived: warmup length in samples (a fraction of one when lr_warmup_fraction gives it)."""
 
     wd_incr_steps: Optional[int] = field(init=False, default=None, range=STEPS)
     """Derived: weight-decay ramp length in samples."""
@@ -115,10 +119,3 @@ class SchedulerConfig(ConfigBase):
                     f"{getattr(self, name)!r} has no effect: lr_decay_style is {self.lr_decay_style!r}, not 'WSD'",
                     f"set scheduler.lr_decay_style=WSD, or remove scheduler.{name}",
                 )
-        else:
-            problems.check(
-                bool(self.lr_wsd_decay_iters or self.lr_wsd_decay_samples),
-                "lr_wsd_decay_iters",
-                "the WSD schedule needs the length of its final decay phase",
-                "set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples)",
-            )
