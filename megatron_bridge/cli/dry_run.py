@@ -98,9 +98,11 @@ def layers_note(cfg: "ConfigContainer", options: "PlanOptions") -> str:
 
 
 def human(n: float) -> str:
-    """1234567 -> '1.23M'."""
+    """1234567 -> '1.23M'; 999885952 -> '1B' (the unit is chosen after rounding to three digits,
+    so a count just under a unit does not print as '1e+03M')."""
+    rounded = abs(float(f"{n:.3g}"))
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
+        if rounded >= size:
             return f"{n / size:.3g}{unit}"
     return str(n)
 
