@@ -111,6 +111,10 @@ REFUSED = [
     ("llama", {"hidden_act": "gelu"}, "field hidden_act = 'gelu' cannot be converted"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "field quantization_config = quantized weights"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "field mlp_only_layers = [1] cannot be converted"),
+    # normalized top-1 routing weighs the expert by 1; megatron-core's top-1 by its probability
+    ("mixtral", {"num_experts_per_tok": 1}, "field num_experts_per_tok = 1 cannot be converted"),
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True},
+     "field norm_topk_prob = True with num_experts_per_tok = 1 cannot be converted"),
 ]  # fmt: skip
 
 

@@ -131,16 +131,22 @@ class MixtralFamily(MistralFamily):
 
     def read_mlp(self, read, kw):
         jitter = read.float("router_jitter_noise", default=0.0)
+        topk = read.int("num_experts_per_tok")
+        if topk == 1:
+            read.refuse("num_experts_per_tok", "1 cannot be converted (transformers' Mixtral weighs the one expert "
+                        "chosen by 1, megatron-core's top-1 routing by its softmax probability)",
+                        "convert a model choosing more than one expert")  # fmt: skip
         return dict(
             num_moe_experts=read.int("num_local_experts"),
-            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_router_topk=topk,
             moe_ffn_hidden_size=kw["ffn_hidden_size"],
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=0.02),
             moe_input_jitter_eps=jitter or None,
         )
 
     def settings(self):
-        return {**super().settings(), "num_moe_experts": has_experts}
+        # Mixtral's router renormalizes the top-k softmax weights: softmax over the chosen experts
+        return {**super().settings(), "num_moe_experts": has_experts, "moe_router_pre_softmax": False}
 
     def hf_config(self, p, dtype):
         return {

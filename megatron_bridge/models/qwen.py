@@ -214,13 +214,18 @@ class Qwen3MoeFamily(Qwen3Family):
 
     def read_mlp(self, read, kw):
         experts = "num_experts" if "num_experts" in read.hf else "num_local_experts"  # transformers 4 / 5
+        topk, normalized = read.int("num_experts_per_tok"), read.bool("norm_topk_prob", default=False)
+        if topk == 1 and normalized:
+            read.refuse("norm_topk_prob", "True with num_experts_per_tok = 1 cannot be converted (transformers weighs "
+                        "the one expert chosen by 1, megatron-core's top-1 routing by its softmax probability)",
+                        "convert a model with norm_topk_prob=false, or choosing more than one expert")  # fmt: skip
         out = dict(
             num_moe_experts=read.int(experts),
-            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_router_topk=topk,
             moe_ffn_hidden_size=read.int("moe_intermediate_size"),
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=1e-3),
             # normalized top-k: softmax over the chosen experts; otherwise over all of them
-            moe_router_pre_softmax=not read.bool("norm_topk_prob", default=False),
+            moe_router_pre_softmax=not normalized,
         )
         read.expect("decoder_sparse_step", 1, "every layer must be a mixture-of-experts layer")
         read.expect("mlp_only_layers", [], "every layer must be a mixture-of-experts layer")
