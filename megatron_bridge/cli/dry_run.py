@@ -31,6 +31,7 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     for CPU: the config is checked as written, for the machines it targets, which have
     TransformerEngine if `target_te`. With `finetuning`, what `finetune()` requires is reported
     with the config's problems, in one report."""
+    from megatron_bridge.models.experts import adapt_expert_mlp
     from megatron_bridge.training.config import runtime_config_update
 
     problem_prefix = f"the config does not resolve at world size {world_size}: "
@@ -40,6 +41,10 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
             runtime_config_update(cfg, world_size=world_size)
         except ConfigValidationError as err:
             problems.absorb(err)
+        else:
+            # what a GPU run decides for grouped-GEMM experts (a rule taken on CUDA only): a default
+            # gives way to sequential experts, with its note; a refusal is a `machine_problems` line
+            adapt_expert_mlp(cfg, Problems())
         if finetuning:
             from megatron_bridge.training.finetune import check_pretrained_weights
 
