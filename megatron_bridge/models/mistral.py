@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Tuple, Union
 
 from megatron_bridge.config.base import config_dataclass
-from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, scalar
+from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, read_renormalized_topk, scalar
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
 
@@ -131,14 +131,9 @@ class MixtralFamily(MistralFamily):
 
     def read_mlp(self, read, kw):
         jitter = read.float("router_jitter_noise", default=0.0)
-        topk = read.int("num_experts_per_tok")
-        if topk == 1:
-            read.refuse("num_experts_per_tok", "1 cannot be converted (transformers' Mixtral weighs the one expert "
-                        "chosen by 1, megatron-core's top-1 routing by its softmax probability)",
-                        "convert a model choosing more than one expert")  # fmt: skip
         return dict(
             num_moe_experts=read.int("num_local_experts"),
-            moe_router_topk=topk,
+            moe_router_topk=read_renormalized_topk(read),
             moe_ffn_hidden_size=kw["ffn_hidden_size"],
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=0.02),
             moe_input_jitter_eps=jitter or None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Union
 
 from megatron_bridge.config.base import config_dataclass
-from megatron_bridge.models.hf.family import HFFamily, has_experts, scalar
+from megatron_bridge.models.hf.family import HFFamily, has_experts, read_renormalized_topk, scalar
 from megatron_bridge.models.hf.mapping import Copy, Mapped
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
@@ -214,11 +214,11 @@ class Qwen3MoeFamily(Qwen3Family):
 
     def read_mlp(self, read, kw):
         experts = "num_experts" if "num_experts" in read.hf else "num_local_experts"  # transformers 4 / 5
-        topk, normalized = read.int("num_experts_per_tok"), read.bool("norm_topk_prob", default=False)
-        if topk == 1 and normalized:
-            read.refuse("norm_topk_prob", "True with num_experts_per_tok = 1 cannot be converted (transformers weighs "
-                        "the one expert chosen by 1, megatron-core's top-1 routing by its softmax probability)",
-                        "convert a model with norm_topk_prob=false, or choosing more than one expert")  # fmt: skip
+        normalized = read.bool("norm_topk_prob", default=False)
+        if normalized:
+            topk = read_renormalized_topk(read, "norm_topk_prob", why="True with num_experts_per_tok = 1")
+        else:
+            topk = read.int("num_experts_per_tok")
         out = dict(
             num_moe_experts=read.int(experts),
             moe_router_topk=topk,

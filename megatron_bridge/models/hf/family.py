@@ -69,6 +69,18 @@ def rope_scaling_of(read: "ConfigReader") -> tuple[dict, str, str]:
     return scaling, field, scaling.get("rope_type", scaling.get("type", "default"))
 
 
+def read_renormalized_topk(read: "ConfigReader", field: str = "num_experts_per_tok", why: str = "") -> Optional[int]:
+    """`num_experts_per_tok` of a router whose top-k weights sum to 1 (softmax over the chosen
+    experts, megatron-core's `moe_router_pre_softmax=False`). One expert is refused, naming
+    `field`: such a router weighs it by 1, megatron-core's top-1 routing by its probability."""
+    topk = read.int("num_experts_per_tok")
+    if topk == 1:
+        read.refuse(field, f"{why or 1} cannot be converted (transformers weighs the one expert chosen by 1, "
+                    "megatron-core's top-1 routing by its softmax probability)",
+                    "convert a model choosing more than one expert")  # fmt: skip
+    return topk
+
+
 def scalar(value: Any) -> float:
     """A per-layer list's first value, or the value."""
     return float(value[0] if isinstance(value, (list, tuple)) else value)
