@@ -111,6 +111,12 @@ REFUSED = [
     ("llama", {"hidden_act": "gelu"}, "field hidden_act = 'gelu' cannot be converted"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "field quantization_config = quantized weights"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "field mlp_only_layers = [1] cannot be converted"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+     "field rope_parameters.factor = None is not a positive number (linear rope scaling needs one)"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_theta": 5e5}},
+     "field rope_parameters.factor = None is not a positive number (llama3 rope scaling needs one)"),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": "2"}}, "field rope_scaling.factor = '2' is not a positive number"),
     # normalized top-1 routing weighs the expert by 1; megatron-core's top-1 by its probability
     ("mixtral", {"num_experts_per_tok": 1}, "field num_experts_per_tok = 1 cannot be converted"),
     ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True},

@@ -213,13 +213,19 @@ class HFFamily:
         scaling, field, kind = rope_scaling_of(read)
         if kind == "default":
             return out
+        if kind in ("linear", "llama3"):
+            factor = scaling.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                read.refuse(f"{field}.factor", f"{show(factor)} is not a positive number ({kind} rope scaling needs one)",
+                            f"give {field}.factor as the model was trained")  # fmt: skip
+                return out
         if kind == "linear":
-            out["seq_len_interpolation_factor"] = float(scaling["factor"])
+            out["seq_len_interpolation_factor"] = float(factor)
         elif kind == "llama3":
             for key, expected in LLAMA3_ROPE.items():
-                if float(scaling.get(key, expected)) != expected:
+                if scaling.get(key, expected) != expected:
                     read.refuse(f"{field}.{key}", f"{scaling.get(key)!r} (megatron-core implements {expected})", "")
-            out.update(rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+            out.update(rope_scaling=True, rope_scaling_factor=float(factor))
         else:
             read.refuse(f"{field}.rope_type", f"{kind!r} is not implemented (default, linear and llama3 are)", "")
         return out
