@@ -249,6 +249,28 @@ def test_model_config_must_match_the_pretrained_hugging_face_model(tmp_path):
     assert "GPTModelProvider.from_hf(" in str(err.value)
 
 
+def test_a_model_of_the_same_shapes_that_computes_otherwise_is_refused_unless_set_on_purpose(tmp_path, caplog):
+    """Llama 3.1 weights (llama3 rope scaling) in a model without the scaling have every shape
+    right and compute something else: refused by field, unless the field was set explicitly."""
+    import logging
+
+    directory = write_config(tmp_path / "hf", config_dict("llama"))  # rope_theta 5e5, llama3 scaling x8
+    shapes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  vocab_size=256, seq_length=32, layernorm_epsilon=1e-5)  # fmt: skip
+    cfg = tiny_config(model=M.LlamaModelProvider(**shapes))
+    cfg.checkpoint.pretrained_checkpoint = directory
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    assert sorted(p.path for p in err.value.problems) == ["model.rope_scaling", "model.rotary_base"]
+    assert f"model.rope_scaling: False, but the Hugging Face model in {directory} has True" in str(err.value)
+    assert f"--recipe-arg pretrained={directory}" in str(err.value) and "or set model.rope_scaling" in str(err.value)
+    cfg = tiny_config(model=M.LlamaModelProvider(**shapes, rope_scaling=True, rope_scaling_factor=8.0, rotary_base=1_000_000))
+    cfg.checkpoint.pretrained_checkpoint = directory
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        runtime_config_update(cfg)  # a longer context on purpose: kept, and said
+    assert f"model.rotary_base: 1000000, but the Hugging Face model in {directory} has 500000" in caplog.text
+
+
 def test_index_must_list_the_tensors_config_json_implies(tmp_path):
     data = config_dict("llama")
     directory = write_config(tmp_path / "hf", data)
