@@ -37,14 +37,14 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     problem_prefix = f"the config does not resolve at world size {world_size}: "
     with config_errors_are_usage_errors(problem_prefix), for_target(target_te):
         problems = Problems()
+        # what a GPU run decides for grouped-GEMM experts, where its rule runs (before validation;
+        # a rule taken on CUDA only): a default gives way to sequential experts, with its note, so
+        # the checks that follow (LoRA on experts) see them; a refusal is a `machine_problems` line
+        adapt_expert_mlp(cfg, Problems())
         try:
             runtime_config_update(cfg, world_size=world_size)
         except ConfigValidationError as err:
             problems.absorb(err)
-        else:
-            # what a GPU run decides for grouped-GEMM experts (a rule taken on CUDA only): a default
-            # gives way to sequential experts, with its note; a refusal is a `machine_problems` line
-            adapt_expert_mlp(cfg, Problems())
         if finetuning:
             from megatron_bridge.training.finetune import check_pretrained_weights
 
