@@ -150,6 +150,15 @@ def test_dry_run_of_gpu_recipe_uses_its_world_size(capsys):
     assert printed_config(out)["model"]["bf16"] is True
 
 
+def test_parameter_counts_just_under_a_unit_print_in_the_next_unit():
+    from megatron_bridge.cli.dry_run import human
+
+    # Gemma 3 1B has 999,885,952 parameters: '1B', not '1e+03M'
+    assert [human(n) for n in (999_885_952, 999_499, 999_500, 1_234_567, 8_030_261_248, 950, 0)] == [
+        "1B", "999K", "1M", "1.23M", "8.03B", "950", "0"
+    ]
+
+
 def test_dry_run_with_world_size_and_moe_active_parameters(capsys):
     code, out, err = cli(capsys, "pretrain", "--recipe", "qwen3_30b_a3b_pretrain_config", "--dry-run", "--world-size", "64")
     assert code == 0, err

@@ -97,6 +97,8 @@ REFUSED = [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 16,
                           "partial_rotary_factor": 0.5}},
      "field partial_rotary_factor = 0.5: megatron-core's YaRN rotates whole heads", ""),
+    ({"num_experts_per_tok": 1}, "field num_experts_per_tok = 1 cannot be converted (transformers weighs the one expert",
+     "convert a model choosing more than one expert"),
 ]  # fmt: skip
 
 

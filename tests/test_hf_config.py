@@ -111,6 +111,16 @@ REFUSED = [
     ("llama", {"hidden_act": "gelu"}, "field hidden_act = 'gelu' cannot be converted"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "field quantization_config = quantized weights"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "field mlp_only_layers = [1] cannot be converted"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+     "field rope_parameters.factor = None is not a positive number (linear rope scaling needs one)"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_theta": 5e5}},
+     "field rope_parameters.factor = None is not a positive number (llama3 rope scaling needs one)"),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": "2"}}, "field rope_scaling.factor = '2' is not a positive number"),
+    # normalized top-1 routing weighs the expert by 1; megatron-core's top-1 by its probability
+    ("mixtral", {"num_experts_per_tok": 1}, "field num_experts_per_tok = 1 cannot be converted"),
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True},
+     "field norm_topk_prob = True with num_experts_per_tok = 1 cannot be converted"),
 ]  # fmt: skip
 
 
@@ -237,6 +247,28 @@ def test_model_config_must_match_the_pretrained_hugging_face_model(tmp_path):
         runtime_config_update(other)
     assert f"model.hidden_size: 32, but the Hugging Face model in {directory} has 64" in str(err.value)
     assert "GPTModelProvider.from_hf(" in str(err.value)
+
+
+def test_a_model_of_the_same_shapes_that_computes_otherwise_is_refused_unless_set_on_purpose(tmp_path, caplog):
+    """Llama 3.1 weights (llama3 rope scaling) in a model without the scaling have every shape
+    right and compute something else: refused by field, unless the field was set explicitly."""
+    import logging
+
+    directory = write_config(tmp_path / "hf", config_dict("llama"))  # rope_theta 5e5, llama3 scaling x8
+    shapes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  vocab_size=256, seq_length=32, layernorm_epsilon=1e-5)  # fmt: skip
+    cfg = tiny_config(model=M.LlamaModelProvider(**shapes))
+    cfg.checkpoint.pretrained_checkpoint = directory
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    assert sorted(p.path for p in err.value.problems) == ["model.rope_scaling", "model.rotary_base"]
+    assert f"model.rope_scaling: False, but the Hugging Face model in {directory} has True" in str(err.value)
+    assert f"--recipe-arg pretrained={directory}" in str(err.value) and "or set model.rope_scaling" in str(err.value)
+    cfg = tiny_config(model=M.LlamaModelProvider(**shapes, rope_scaling=True, rope_scaling_factor=8.0, rotary_base=1_000_000))
+    cfg.checkpoint.pretrained_checkpoint = directory
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        runtime_config_update(cfg)  # a longer context on purpose: kept, and said
+    assert f"model.rotary_base: 1000000, but the Hugging Face model in {directory} has 500000" in caplog.text
 
 
 def test_index_must_list_the_tensors_config_json_implies(tmp_path):

@@ -89,6 +89,17 @@ def test_providers_export_as_the_family_that_computes_them():
     assert "True has no Hugging Face counterpart among " in str(list(problems)[0])
 
 
+def test_a_mixtral_router_without_renormalized_top_k_is_not_exported_as_mixtral():
+    """transformers' Mixtral renormalizes the top-k softmax weights (megatron-core's
+    moe_router_pre_softmax=False); Qwen3-MoE writes either as norm_topk_prob."""
+    moe = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    assert family_of_provider(M.MixtralModelProvider(**moe)).architecture == "MixtralForCausalLM"
+    problems = Problems()
+    assert family_of_provider(M.MixtralModelProvider(**moe, moe_router_pre_softmax=True), problems) is None
+    assert [p.path for p in problems] == ["model.moe_router_pre_softmax"]
+    assert family_of_provider(M.Qwen3MoEModelProvider(**moe, moe_router_pre_softmax=True)).architecture == "Qwen3MoeForCausalLM"
+
+
 REFUSED = [
     ("olmo2", {"attention_bias": True}, "field attention_bias = True cannot be converted"),
     ("olmo2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},

@@ -296,6 +296,43 @@ def test_weight_files_that_disagree_with_their_index_or_config_name_file_and_ten
     assert any(f"{shard}: tensor 'model.layers.0.mlp.down_proj.weight' has dtype I32" in e for e in errors)
 
 
+@pytest.mark.timeout(120)
+def test_tied_config_json_with_a_different_lm_head_in_the_weights_is_refused_by_field(tmp_path):
+    """transformers leaves embeddings untied when the files also hold an lm_head.weight that
+    differs from them: converting such a model tied would change its logits. The same matrix
+    twice converts as config.json says; untied, the model is transformers' again."""
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+    from safetensors.torch import load_file, save_file
+
+    from megatron_bridge.config.errors import Problems
+    from megatron_bridge.models.hf.load import check_hf_directory
+
+    directory = save_tiny("llama_tied", str(tmp_path / "hf"))
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert check_hf_directory(directory, Problems()) is not None
+    tensors["lm_head.weight"][-1] += 1.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    argv = [sys.executable, "-m", "megatron_bridge", "hf", "import", directory, str(tmp_path / "ckpt")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=source_tree_env())
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        f"{directory}/config.json: field tie_word_embeddings = true, but the weights also hold an lm_head.weight that "
+        "differs from model.embed_tokens.weight" in done.stderr
+    )
+    assert 'set "tie_word_embeddings": false in config.json' in done.stderr and not (tmp_path / "ckpt").exists()
+    config = json.loads(open(os.path.join(directory, "config.json")).read())
+    config["tie_word_embeddings"] = False
+    open(os.path.join(directory, "config.json"), "w").write(json.dumps(config))
+    tokens = random_tokens(256)
+    assert torch.allclose(megatron_logits(directory, tokens), hf_logits(directory, tokens), atol=1e-4)
+
+
 def test_export_needs_a_checkpoint_of_ours(tmp_path, capsys):
     (tmp_path / "iter_0000003").mkdir()
     assert main(["hf", "export", str(tmp_path / "iter_0000003"), str(tmp_path / "out")]) == 2

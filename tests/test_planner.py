@@ -457,6 +457,64 @@ def test_dry_run_of_a_gpu_recipe_says_which_layers_it_planned_and_how_to_choose(
     assert "SDPA attention (no scores kept)" in out.stdout
 
 
+@pytest.mark.timeout(300)
+def test_dry_run_without_te_shows_the_sequential_experts_a_gpu_run_takes(capsys, tmp_path):
+    """Grouped-GEMM experts are decided for a GPU run only (a default True without TE layers or
+    the grouped_gemm package becomes sequential experts): `--dry-run --no-te` of a MoE recipe
+    shows that decision and its note (a fresh process); with TE layers the recipe's True stays."""
+    from factories import source_tree_env
+
+    from megatron_bridge.models.experts import grouped_gemm_installed
+
+    if grouped_gemm_installed():
+        pytest.skip("the grouped_gemm package is installed: grouped experts need no fallback")
+    argv = ["pretrain", "--recipe", "mixtral_8x7b_pretrain_config", "--dry-run", "--dir", str(tmp_path)]
+    assert mbridge(argv) == 0
+    out = capsys.readouterr().out
+    assert "\n  moe_grouped_gemm: true\n" in out and "SequentialMLP" not in out
+    cmd = [sys.executable, "-m", "megatron_bridge", *argv, "--no-te"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=source_tree_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\n  moe_grouped_gemm: false\n" in out.stdout
+    assert (
+        "# note: model.moe_grouped_gemm=False: the grouped_gemm package is not installed and the layers are not "
+        "TransformerEngine's; the experts run one GEMM each (SequentialMLP)\n"
+    ) in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_of_lora_on_a_moe_model_takes_the_sequential_experts_it_will_train(tmp_path):
+    """LoRA wraps sequential experts only; a GPU run without a grouped GEMM turns the model's
+    default grouped experts into sequential ones before its checks, and so does the dry run of a
+    LoRA recipe on a Qwen3-MoE directory (config.json and index only): it resolves (a fresh
+    process)."""
+    from factories import source_tree_env
+    from hf_models import family_configs
+
+    from megatron_bridge.models.experts import grouped_gemm_installed
+    from megatron_bridge.models.hf.load import expected_weights
+
+    if grouped_gemm_installed():
+        pytest.skip("the grouped_gemm package is installed: the experts stay grouped, and LoRA refuses them")
+    hf = tmp_path / "qwen3-moe"
+    hf.mkdir()
+    config = {**family_configs()["qwen3_moe"].to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+    (hf / "config.json").write_text(json.dumps(config))
+    weight_map = {name: "model.safetensors" for name in expected_weights(config)[1]}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    data = tmp_path / "sft"
+    data.mkdir()
+    for split in ("training", "validation"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"input": "5 6 7", "output": "8 9"}) + "\n")
+    cmd = [sys.executable, "-m", "megatron_bridge", "finetune", "--recipe", "qwen3_8b_lora_finetune_config",
+           "--recipe-arg", f"pretrained={hf}", "--recipe-arg", f"dataset_root={data}", "--dir", str(tmp_path),
+           "--dry-run"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=source_tree_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\n  moe_grouped_gemm: false\n" in out.stdout
+    assert "# note: model.moe_grouped_gemm=False: the grouped_gemm package is not installed" in out.stdout
+
+
 def test_plan_of_a_model_without_input_norms_offers_no_transformer_engine_layers(capsys, tmp_path):
     """OLMo 2 (no norms before attention and MLP) is built on local layers only: its plan does not
     suggest TE layers."""

@@ -31,11 +31,16 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     for CPU: the config is checked as written, for the machines it targets, which have
     TransformerEngine if `target_te`. With `finetuning`, what `finetune()` requires is reported
     with the config's problems, in one report."""
+    from megatron_bridge.models.experts import adapt_expert_mlp
     from megatron_bridge.training.config import runtime_config_update
 
     problem_prefix = f"the config does not resolve at world size {world_size}: "
     with config_errors_are_usage_errors(problem_prefix), for_target(target_te):
         problems = Problems()
+        # what a GPU run decides for grouped-GEMM experts, where its rule runs (before validation;
+        # a rule taken on CUDA only): a default gives way to sequential experts, with its note, so
+        # the checks that follow (LoRA on experts) see them; a refusal is a `machine_problems` line
+        adapt_expert_mlp(cfg, Problems())
         try:
             runtime_config_update(cfg, world_size=world_size)
         except ConfigValidationError as err:
@@ -98,9 +103,11 @@ def layers_note(cfg: "ConfigContainer", options: "PlanOptions") -> str:
 
 
 def human(n: float) -> str:
-    """1234567 -> '1.23M'."""
+    """1234567 -> '1.23M'; 999885952 -> '1B' (the unit is chosen after rounding to three digits,
+    so a count just under a unit does not print as '1e+03M')."""
+    rounded = abs(float(f"{n:.3g}"))
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
+        if rounded >= size:
             return f"{n / size:.3g}{unit}"
     return str(n)
 

@@ -26,7 +26,9 @@ from typing import Callable, List, Literal, Optional, Tuple, Union
 from megatron_bridge.config.base import config_dataclass
 from megatron_bridge.models.activations import quick_gelu
 from megatron_bridge.models.gpt_provider import GPTModelProvider
-from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, read_rope_theta, rope_scaling_of, scalar
+from megatron_bridge.models.hf.family import (
+    HFFamily, causal_window, has_experts, read_renormalized_topk, read_rope_theta, rope_scaling_of, scalar,
+)  # fmt: skip
 from megatron_bridge.models.hf.mapping import Copy, Mapped
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.hf.stacked import ExpertSlice
@@ -278,7 +280,7 @@ class GptOssFamily(HFFamily):
             read.refuse("swiglu_limit", f"{limit!r} is not a positive clamp", "fix config.json")
         return dict(
             num_moe_experts=read.int("num_local_experts"),
-            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_router_topk=read_renormalized_topk(read),  # softmax over the chosen experts' logits
             moe_ffn_hidden_size=kw["ffn_hidden_size"],
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=0.9),
             activation_func_clamp_value=float(limit) if isinstance(limit, (int, float)) else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Tuple, Union
 
 from megatron_bridge.config.base import config_dataclass
-from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, scalar
+from megatron_bridge.models.hf.family import HFFamily, causal_window, has_experts, read_renormalized_topk, scalar
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
 
@@ -133,14 +133,15 @@ class MixtralFamily(MistralFamily):
         jitter = read.float("router_jitter_noise", default=0.0)
         return dict(
             num_moe_experts=read.int("num_local_experts"),
-            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_router_topk=read_renormalized_topk(read),
             moe_ffn_hidden_size=kw["ffn_hidden_size"],
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=0.02),
             moe_input_jitter_eps=jitter or None,
         )
 
     def settings(self):
-        return {**super().settings(), "num_moe_experts": has_experts}
+        # Mixtral's router renormalizes the top-k softmax weights: softmax over the chosen experts
+        return {**super().settings(), "num_moe_experts": has_experts, "moe_router_pre_softmax": False}
 
     def hf_config(self, p, dtype):
         return {

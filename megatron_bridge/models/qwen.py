@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List, Literal, Optional, Union
 
 from megatron_bridge.config.base import config_dataclass
-from megatron_bridge.models.hf.family import HFFamily, has_experts, scalar
+from megatron_bridge.models.hf.family import HFFamily, has_experts, read_renormalized_topk, scalar
 from megatron_bridge.models.hf.mapping import Copy, Mapped
 from megatron_bridge.models.hf.registry import register
 from megatron_bridge.models.llama import LlamaModelProvider
@@ -214,13 +214,18 @@ class Qwen3MoeFamily(Qwen3Family):
 
     def read_mlp(self, read, kw):
         experts = "num_experts" if "num_experts" in read.hf else "num_local_experts"  # transformers 4 / 5
+        normalized = read.bool("norm_topk_prob", default=False)
+        if normalized:
+            topk = read_renormalized_topk(read, "norm_topk_prob", why="True with num_experts_per_tok = 1")
+        else:
+            topk = read.int("num_experts_per_tok")
         out = dict(
             num_moe_experts=read.int(experts),
-            moe_router_topk=read.int("num_experts_per_tok"),
+            moe_router_topk=topk,
             moe_ffn_hidden_size=read.int("moe_intermediate_size"),
             moe_aux_loss_coeff=read.float("router_aux_loss_coef", default=1e-3),
             # normalized top-k: softmax over the chosen experts; otherwise over all of them
-            moe_router_pre_softmax=not read.bool("norm_topk_prob", default=False),
+            moe_router_pre_softmax=not normalized,
         )
         read.expect("decoder_sparse_step", 1, "every layer must be a mixture-of-experts layer")
         read.expect("mlp_only_layers", [], "every layer must be a mixture-of-experts layer")

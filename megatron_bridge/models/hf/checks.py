@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.models.hf.files import has_tokenizer, hf_origin, is_hf_directory
-from megatron_bridge.models.hf.config import architecture_differences, family_of_provider
+from megatron_bridge.models.hf.config import architecture_differences, computation_differences, family_of_provider
 from megatron_bridge.models.hf.load import check_hf_directory
 from megatron_bridge.runtime.checkpointing.layout import has_checkpoint
 
@@ -61,6 +61,19 @@ def check_pretrained(cfg: "ConfigContainer", problems: Problems) -> None:
             f"model.{name}",
             f"{show(mine)}, but the Hugging Face model in {directory} has {show(theirs)}",
             f"build the model with GPTModelProvider.from_hf({directory!r}) (or set model.{name}={theirs!r})",
+        )
+    # Same shapes, other math (Llama 3.1's rope scaling in a Llama 3 recipe's model): refused unless
+    # the field was set on purpose (a context extension, say), which is only logged.
+    for name, mine, theirs in computation_differences(cfg.model, reference):
+        message = f"{show(mine)}, but the Hugging Face model in {directory} has {show(theirs)}"
+        if cfg.model.is_explicit(name):
+            logger.warning("model.%s: %s; the run computes with the value set", name, message)
+            continue
+        problems.add(
+            f"model.{name}",
+            message,
+            f"build the model from it (mbridge: --recipe-arg pretrained={directory}; Python: "
+            f"GPTModelProvider.from_hf({directory!r})), or set model.{name} to choose the value",
         )
     if cfg.model.seq_length > reference.seq_length:
         logger.warning(

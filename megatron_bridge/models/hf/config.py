@@ -171,6 +171,32 @@ def architecture_differences(model: Any, reference: Any) -> list[tuple[str, Any,
     return out
 
 
+NOT_COMPUTATION_FIELDS = frozenset(
+    {
+        "seq_length", "attention_dropout", "hidden_dropout", "init_method_std", "make_vocab_size_divisible_by",
+        "moe_aux_loss_coeff", "moe_input_jitter_eps", "moe_router_load_balancing_type",
+    }
+)  # fmt: skip
+"""Fields `from_hf` sets that do not change what a trained model computes (training settings, or
+checked on their own: `seq_length`)."""
+
+
+def computation_differences(model: Any, reference: Any) -> list[tuple[str, Any, Any]]:
+    """(field, model value, reference value) for each field `from_hf` set on `reference`, other
+    than the architecture's shapes, that `model` has otherwise: rotary settings, windows, norms,
+    caps, activation, routing. Weights loaded into such a model compute something else."""
+    out = []
+    for name in sorted(reference.explicit_fields() - set(ARCHITECTURE_FIELDS) - NOT_COMPUTATION_FIELDS):
+        if not hasattr(model, name):
+            continue
+        mine, theirs = getattr(model, name), getattr(reference, name)
+        if callable(mine) and callable(theirs):
+            mine, theirs = getattr(mine, "__name__", mine), getattr(theirs, "__name__", theirs)
+        if mine != theirs:
+            out.append((name, mine, theirs))
+    return out
+
+
 def _effective(p: Any, name: str) -> Any:
     value = getattr(p, name, None)  # MLA sizes: only multi-latent attention providers have them
     if value is not None or not p.hidden_size or not p.num_attention_heads:

@@ -69,6 +69,18 @@ def rope_scaling_of(read: "ConfigReader") -> tuple[dict, str, str]:
     return scaling, field, scaling.get("rope_type", scaling.get("type", "default"))
 
 
+def read_renormalized_topk(read: "ConfigReader", field: str = "num_experts_per_tok", why: str = "") -> Optional[int]:
+    """`num_experts_per_tok` of a router whose top-k weights sum to 1 (softmax over the chosen
+    experts, megatron-core's `moe_router_pre_softmax=False`). One expert is refused, naming
+    `field`: such a router weighs it by 1, megatron-core's top-1 routing by its probability."""
+    topk = read.int("num_experts_per_tok")
+    if topk == 1:
+        read.refuse(field, f"{why or 1} cannot be converted (transformers weighs the one expert chosen by 1, "
+                    "megatron-core's top-1 routing by its softmax probability)",
+                    "convert a model choosing more than one expert")  # fmt: skip
+    return topk
+
+
 def scalar(value: Any) -> float:
     """A per-layer list's first value, or the value."""
     return float(value[0] if isinstance(value, (list, tuple)) else value)
@@ -201,13 +213,19 @@ class HFFamily:
         scaling, field, kind = rope_scaling_of(read)
         if kind == "default":
             return out
+        if kind in ("linear", "llama3"):
+            factor = scaling.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                read.refuse(f"{field}.factor", f"{show(factor)} is not a positive number ({kind} rope scaling needs one)",
+                            f"give {field}.factor as the model was trained")  # fmt: skip
+                return out
         if kind == "linear":
-            out["seq_len_interpolation_factor"] = float(scaling["factor"])
+            out["seq_len_interpolation_factor"] = float(factor)
         elif kind == "llama3":
             for key, expected in LLAMA3_ROPE.items():
-                if float(scaling.get(key, expected)) != expected:
+                if scaling.get(key, expected) != expected:
                     read.refuse(f"{field}.{key}", f"{scaling.get(key)!r} (megatron-core implements {expected})", "")
-            out.update(rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+            out.update(rope_scaling=True, rope_scaling_factor=float(factor))
         else:
             read.refuse(f"{field}.rope_type", f"{kind!r} is not implemented (default, linear and llama3 are)", "")
         return out

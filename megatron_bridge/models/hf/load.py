@@ -62,10 +62,37 @@ def check_hf_directory(directory: str, problems: Problems, weights: bool = True)
     provider = provider_from_hf_config(hf, problems, where=f"{directory}/config.json")
     if provider is None or len(problems) > start:
         return None
-    _, expected, optional = expected_weights(hf)
+    arch, expected, optional = expected_weights(hf)
     check = check_weights if weights else check_index
-    check(directory, expected, problems.at(""), optional, ignored_tensors(hf))
+    found = check(directory, expected, problems.at(""), optional, ignored_tensors(hf))
+    if weights and found is not None and arch.tied and "lm_head.weight" in found:
+        check_tied_output(directory, arch, problems)
     return provider if len(problems) == start else None
+
+
+def check_tied_output(directory: str, arch: mapping.Architecture, problems: Problems, rows: int = 8192) -> None:
+    """A config.json with `tie_word_embeddings` whose files also hold an `lm_head.weight` that
+    differs from the embedding: transformers then leaves the two untied (the file's lm_head
+    computes the logits), which a tied conversion would silently not reproduce. Compared
+    `rows` rows at a time, so a large vocabulary is never read whole."""
+    import torch
+
+    embedding = mapping.rule_for(arch, "embedding.word_embeddings.weight").name
+    reader = SafetensorsReader(directory)
+    vocab = reader.info(embedding).shape[0]
+    same = reader.info("lm_head.weight").shape == reader.info(embedding).shape
+    for start in range(0, vocab, rows):
+        if not same:
+            break
+        stop = min(start + rows, vocab)
+        same = torch.equal(reader.read("lm_head.weight", 0, start, stop), reader.read(embedding, 0, start, stop))
+    if not same:
+        problems.add(
+            "",
+            f"{directory}/config.json: field tie_word_embeddings = true, but the weights also hold an lm_head.weight "
+            f"that differs from {embedding} (transformers then unties them: that lm_head computes the logits)",
+            "set \"tie_word_embeddings\": false in config.json to convert both, or remove lm_head.weight from the weights",
+        )
 
 
 def named_global_parameters(chunk: Any, hf: dict) -> list[tuple[str, Any, mapping.Rule, mapping.Partition]]:
