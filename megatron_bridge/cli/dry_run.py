@@ -31,8 +31,8 @@ def resolve(cfg: "ConfigContainer", world_size: int, finetuning: bool = False, t
     for CPU: the config is checked as written, for the machines it targets, which have
     TransformerEngine if `target_te`. With `finetuning`, what `finetune()` requires is reported
     with the config's problems, in one report."""
-    from megatron_bridge.models.experts import adapt_expert_mlp
-    from megatron_bridge.training.config import runtime_config_update
+    # the expert rule as the GPU run takes it (runtime_config_update takes it on CUDA only)
+    from megatron_bridge.training.config.runtime import adapt_expert_mlp, runtime_config_update
 
     problem_prefix = f"the config does not resolve at world size {world_size}: "
     with config_errors_are_usage_errors(problem_prefix), for_target(target_te):
