@@ -126,6 +126,29 @@ def test_a_split_without_documents(tmp_path):
     ]
 
 
+def test_blend_weights_that_megatron_core_would_assert_on(tmp_path):
+    """A weight of 0, a negative, inf (1e309) or NaN, in data_path, blend or blend_per_split, is a
+    config problem; megatron-core's BlendedDataset asserted on them after the model was built."""
+    a, b = indexed(tmp_path / "a"), indexed(tmp_path / "b")
+    fix = "(give each prefix a weight > 0, or leave it out (dataset.blend_phases can bring a prefix in at a later iteration))"
+    for data_path, shown in [(f"0 {a} 1 {b}", f"0.0 for {a}"), (f"0 {a} 0 {b}", f"0.0 for {a}, 0.0 for {b}"),
+                             (f"1e309 {a} 1 {b}", f"inf for {a}"), (f"1 {a} -2 {b}", f"-2.0 for {b}")]:  # fmt: skip
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(gpt(data_path))
+        assert err.value.errors == [f"dataset.data_path: blend weights must be finite numbers > 0, got {shown} {fix}"]
+    blend = GPTDatasetConfig(seq_length=32, blend=([a, b], [1.0, float("nan")]), split="90,10,0", num_workers=0)
+    per_split = GPTDatasetConfig(seq_length=32, blend_per_split=[([a, b], [1.0, 0.0]), ([b], [1.0, 2.0]), None], num_workers=0)
+    for data, expected in [
+        (blend, [f"dataset.blend: blend weights must be finite numbers > 0, got nan for {b} {fix}"]),
+        (per_split, [f"dataset.blend_per_split.train: blend weights must be finite numbers > 0, got 0.0 for {b} {fix}",
+                     "dataset.blend_per_split.valid: 1 prefixes but 2 weights (give one weight per prefix)"]),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(tiny_config(dataset=data))
+        assert err.value.errors == expected
+    assert problems(gpt(f"0.25 {a} 0.75 {a}")) == ([], [])  # the same prefix twice is a valid blend
+
+
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
     cfg = gpt(indexed(tmp_path / "d"), model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
     assert problems(cfg)[0] == [
