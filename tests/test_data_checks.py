@@ -77,6 +77,22 @@ def test_indexed_dataset_problems(tmp_path, tok_dir):
     ]
 
 
+def test_a_directory_or_a_link_loop_given_as_prefix(tmp_path):
+    """The directory that holds the data is named with the prefixes in it (it read as "dir.bin/.idx
+    does not exist"); a .bin that is a link to itself is a broken link, not a missing file."""
+    data = tmp_path / "data"
+    data.mkdir()
+    first, second = indexed(data / "web_text_document"), indexed(data / "books_text_document")
+    (tmp_path / "empty").mkdir()
+    os.symlink("loop.bin", tmp_path / "loop.bin")
+    what = "is a directory, not a prefix (a prefix is the path of a .bin/.idx pair without the suffix)"
+    assert problems(gpt(f"{data} {tmp_path}/empty {tmp_path}/loop"))[0] == [
+        f"dataset.data_path: {data} {what} (the prefixes in it are {second}, {first})",
+        f"dataset.data_path: {tmp_path}/empty {what} (it holds no .bin/.idx pairs)",
+        f"dataset.data_path: {tmp_path}/loop.bin is a broken link, not a regular file (point the prefix at a .bin/.idx pair of files)",
+    ]
+
+
 def test_index_arrays_that_lie(tmp_path):
     """An .idx whose header matches the .bin but whose arrays do not: refused before megatron-core
     reads them (a negative length made its epoch count loop forever, an offset past the .bin

@@ -169,9 +169,14 @@ def check_indexed_prefix(
 ) -> None:
     p = report.problems
     have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
-    odd = next((prefix + s for s, regular in have.items() if not regular and os.path.exists(prefix + s)), None)
-    if odd is not None:  # a directory or a pipe there would otherwise read as "does not exist"
+    odd = next((prefix + s for s, regular in have.items() if not regular and os.path.lexists(prefix + s)), None)
+    if odd is not None:  # a directory, a pipe or a broken link there would otherwise read as "does not exist"
         p.add(path, f"{odd} is {file_kind(odd)}, not a regular file", "point the prefix at a .bin/.idx pair of files")
+        return
+    if not any(have.values()) and os.path.isdir(prefix):
+        inside = _prefixes_in(prefix)
+        hint = f"the prefixes in it are {', '.join(inside)}" if inside else "it holds no .bin/.idx pairs"
+        p.add(path, f"{prefix} is a directory, not a prefix (a prefix is the path of a .bin/.idx pair without the suffix)", hint)
         return
     if not any(have.values()):
         report.missing(path, f"{prefix}.bin/.idx", dry_run, "run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx)")
@@ -214,6 +219,16 @@ def check_indexed_prefix(
         f"{prefix} holds token id {largest:,}, outside the tokenizer's vocabulary of {vocab:,}",
         "it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with)",
     )
+
+
+def _prefixes_in(directory: str, shown: int = 4) -> list[str]:
+    """The first `shown` prefixes of .bin/.idx pairs in `directory` (and '...' if there are more)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    pairs = [os.path.join(directory, n[: -len(".idx")]) for n in names if n.endswith(".idx") and n[: -len(".idx")] + ".bin" in names]
+    return pairs[:shown] + (["..."] if len(pairs) > shown else [])
 
 
 def _check_splits_have_tokens(prefix: str, path: str, header: Any, splits: tuple[SplitShare, ...], p: Problems) -> None:
