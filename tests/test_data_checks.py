@@ -2,10 +2,13 @@
 on a machine without the data notes it as not found instead of failing."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
-from factories import tiny_config, tiny_model
+from factories import source_tree_env, tiny_config, tiny_model
 from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.config.errors import ConfigValidationError
@@ -91,6 +94,47 @@ def test_a_directory_or_a_link_loop_given_as_prefix(tmp_path):
         f"dataset.data_path: {tmp_path}/empty {what} (it holds no .bin/.idx pairs)",
         f"dataset.data_path: {tmp_path}/loop.bin is a broken link, not a regular file (point the prefix at a .bin/.idx pair of files)",
     ]
+
+
+@pytest.mark.timeout(60)
+def test_a_blend_of_more_prefixes_than_the_open_file_limit_allows(tmp_path):
+    """megatron-core keeps ~9 files open per prefix (train and valid splits): 150 prefixes passed a
+    soft limit of 1,024 and building the datasets failed with "Too many open files" after the model
+    was built. The soft limit is raised up to the hard one; past the hard one it is a config problem.
+    In a fresh process: the limits are the process's."""
+    prefix = indexed(tmp_path / "shard")
+    script = textwrap.dedent(f"""
+        import resource
+        from factories import tiny_config
+        from megatron_bridge.config.errors import ConfigValidationError
+        from megatron_bridge.data.checks import check_before_build
+        from megatron_bridge.training.config import GPTDatasetConfig, runtime_config_update
+        data = GPTDatasetConfig(seq_length=32, data_path=" ".join([{prefix!r}] * 150), split="90,10,0", num_workers=0)
+        cfg = tiny_config(dataset=data)
+        runtime_config_update(cfg)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard >= 4096:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+            check_before_build(cfg, None)
+            print("raised to the hard limit:", resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        try:
+            check_before_build(cfg, None)
+        except ConfigValidationError as exc:
+            print(exc.errors)
+    """)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = source_tree_env(PYTHONPATH=os.pathsep.join([tests, source_tree_env()["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == str([
+        "dataset.data_path: its 150 prefixes keep about 1,350 files open while training (3 for each prefix, 3 more "
+        "for each split drawn from it); with the rest of the run that is over this process's limit of 1,024 open files "
+        "(raise the limit where the job starts (`ulimit -n`; a scheduler's or container's own setting), or merge small "
+        "prefixes into fewer, larger ones (`mbridge data preprocess` over their source files))"
+    ]), out.stdout
+    assert lines[:-1] in ([], ["raised to the hard limit: True"]), out.stdout
 
 
 def test_index_arrays_that_lie(tmp_path):

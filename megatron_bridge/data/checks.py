@@ -21,6 +21,7 @@ from megatron_bridge.config.secrets import scrub
 from megatron_bridge.data.builders import sample_counts
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data.file_limit import make_room_for_data_files
 from megatron_bridge.data.hf_local import DataSourceError
 from megatron_bridge.data.indexed import check_index_arrays, largest_token_id, read_index_header, sequence_tokens
 from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
@@ -109,8 +110,11 @@ def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = Fa
 
 
 def check_before_build(cfg: "ConfigContainer", tokenizer: Any) -> None:
-    """`check_data` for a real run: raise every problem at once."""
-    check_data(cfg, tokenizer).problems.raise_if_any()
+    """`check_data` for a real run, with room made for the files its datasets keep open: raise
+    every problem at once."""
+    report = check_data(cfg, tokenizer)
+    make_room_for_data_files(cfg, report.problems)
+    report.problems.raise_if_any()
 
 
 def check_vocab_fits(cfg: "ConfigContainer", tokenizer: Any, problems: Problems) -> None:
