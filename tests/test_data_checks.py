@@ -137,6 +137,19 @@ def test_a_blend_of_more_prefixes_than_the_open_file_limit_allows(tmp_path):
     assert lines[:-1] in ([], ["raised to the hard limit: True"]), out.stdout
 
 
+def test_an_indexed_dataset_of_floats_is_not_token_ids(tmp_path):
+    """megatron-core's writer also stores floats: such a prefix failed with "cannot convert float
+    NaN to integer" while its token ids were checked."""
+    writer = IndexedDatasetWriter(str(tmp_path / "features"), np.float64)
+    for _ in range(20):
+        writer.add_document(np.array([1.5, np.nan, 3.0]), [3])
+    writer.finalize()
+    assert problems(gpt(str(tmp_path / "features")))[0] == [
+        f"dataset.data_path: {tmp_path}/features stores float64 values, not token ids (point the prefix at a token "
+        "dataset (`mbridge data preprocess` writes one))"
+    ]
+
+
 def test_index_arrays_that_lie(tmp_path):
     """An .idx whose header matches the .bin but whose arrays do not: refused before megatron-core
     reads them (a negative length made its epoch count loop forever, an offset past the .bin

@@ -199,6 +199,9 @@ def check_indexed_prefix(
     except ValueError as exc:
         p.add(path, str(exc), "preprocess the data again")
         return
+    if not np.issubdtype(header.dtype, np.integer):
+        p.add(path, f"{prefix} stores {np.dtype(header.dtype).name} values, not token ids", "point the prefix at a token dataset (`mbridge data preprocess` writes one)")
+        return
     size = os.path.getsize(prefix + ".bin")
     if size != header.bin_bytes:
         p.add(path, f"{prefix}.bin has {size:,} bytes but its .idx describes {header.bin_bytes:,}", "the two files come from different runs or a copy was cut short; preprocess again")
@@ -212,8 +215,8 @@ def check_indexed_prefix(
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is None:
         return
-    limit = int(np.iinfo(header.dtype).max) + 1 if np.issubdtype(header.dtype, np.integer) else None
-    if limit is not None and vocab > limit:
+    limit = int(np.iinfo(header.dtype).max) + 1
+    if vocab > limit:
         p.add(path, f"{prefix} stores {np.dtype(header.dtype).name} token ids (at most {limit:,} ids) but the tokenizer has {vocab:,}", "it was made with a smaller vocabulary: preprocess with this tokenizer")
         return
     largest = largest_token_id(prefix, header.dtype)
