@@ -222,6 +222,22 @@ def test_blend_weights_that_megatron_core_would_assert_on(tmp_path):
     assert problems(gpt(f"0.25 {a} 0.75 {a}")) == ([], [])  # the same prefix twice is a valid blend
 
 
+def test_a_split_or_per_split_blend_without_training_data(tmp_path):
+    """'0,100,0' or a per-split blend whose train entry is null build no training set: found only
+    after the model was built, with a fix about build_datasets; now named at the setting."""
+    few = indexed(tmp_path / "few")
+    assert problems(gpt(few, split="0,100,0"))[0] == [
+        "dataset.split: '0,100,0' gives the train split no share, but train.train_iters=20 asks for training (give the "
+        "train split a share, e.g. dataset.split='99,1,0' (or set validation.skip_train=true to only evaluate))"
+    ]
+    per_split = tiny_config(dataset=GPTDatasetConfig(seq_length=32, blend_per_split=[None, ([few], None), None], num_workers=0))
+    assert problems(per_split)[0] == [
+        "dataset.blend_per_split: has no train blend (its first entry is null), but the run trains (give the first "
+        "entry the training data (or set validation.skip_train=true to only evaluate))"
+    ]
+    assert problems(gpt(few, split="0,100,0", validation=ValidationConfig(skip_train=True)))[0] == []
+
+
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):
     cfg = gpt(indexed(tmp_path / "d"), model=tiny_model(vocab_size=256), tokenizer=hf_tokenizer(tok_dir))
     assert problems(cfg)[0] == [

@@ -102,6 +102,7 @@ def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = Fa
     data = cfg.dataset
     if isinstance(data, GPTDatasetConfig) and not data.mock:
         needed = needed_splits(cfg)
+        _check_training_split(cfg, report.problems)
         for path, prefix in data_prefixes(data):
             check_indexed_prefix(prefix, path, tokenizer, report, dry_run, needed.get(path, ()))
     if isinstance(data, FinetuningDatasetConfig) and data.dataset_root is not None:
@@ -141,6 +142,20 @@ def data_prefixes(data: Any) -> list[tuple[str, str]]:
         if blend is not None:
             found += [(f"dataset.blend_per_split.{split}", p) for p in blend[0]]
     return found
+
+
+def _check_training_split(cfg: "ConfigContainer", p: Problems) -> None:
+    """A run that trains gets a training split: `dataset.split` gives it a share, or
+    `blend_per_split` a blend (else no training set is built, found only after the model)."""
+    data = cfg.dataset
+    if cfg.validation.skip_train or sample_counts(cfg).train == 0:
+        return
+    if data.blend is not None and data.split is not None and not (getattr(data, "split_matrix", None) or [None])[0]:
+        p.add("dataset.split", f"{data.split!r} gives the train split no share, but train.train_iters={cfg.train.train_iters} asks for training",
+              "give the train split a share, e.g. dataset.split='99,1,0' (or set validation.skip_train=true to only evaluate)")  # fmt: skip
+    elif data.blend is None and data.blend_per_split is not None and data.blend_per_split[0] is None:
+        p.add("dataset.blend_per_split", "has no train blend (its first entry is null), but the run trains",
+              "give the first entry the training data (or set validation.skip_train=true to only evaluate)")  # fmt: skip
 
 
 class SplitShare(NamedTuple):
