@@ -443,6 +443,11 @@ def test_interpolations_that_double_at_each_step_are_refused_before_resolving(tm
     cfg = apply("logger.wandb_project=p", *(f"+env_vars.V{i}=${{logger.wandb_project}}/{i}" for i in range(200)),
                 "logger.wandb_exp_name=${env_vars.V199}-${env_vars.V0}")  # fmt: skip
     assert cfg.env_vars["V7"] == "p/7" and cfg.logger.wandb_exp_name == "p/199-p/0"
+    # beside a large value, resolvers around an interpolation count only what they refer to
+    # (and a reference nested in a resolver's argument finds the config's field: it was "not found")
+    decoded = "".join(f"  {k}: \"${{oc.decode:'${{train.train_iters}}'}}\"\n" for k in ("A", "B", "C"))
+    cfg = apply(path=write(tmp_path, "logger:\n  wandb_project: " + "x" * 7_000_000 + "\nenv_vars:\n" + decoded))
+    assert cfg.env_vars == {"A": 20, "B": 20, "C": 20}, cfg.env_vars
 
 
 def test_a_saved_run_with_runtime_hooks_used_as_config_file(tmp_path):

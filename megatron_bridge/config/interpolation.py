@@ -20,7 +20,7 @@ from megatron_bridge.config.schema import specs
 from megatron_bridge.config.secrets import remember_environment_reads
 from megatron_bridge.config.serialization import ConfigEncoder, field_of
 
-_INTERPOLATION = re.compile(r"\$\{([^{}]*)")
+_INTERPOLATION = re.compile(r"\$\{([^{}$]*)")  # `$` ends it: `${oc.decode:${x}}` names x
 _UNRESOLVED = object()
 
 MAX_NESTING = 16
@@ -172,7 +172,8 @@ def _too_large(tree: Any, paths: list[str]) -> str | None:
             base, ref = where[: len(where) + 1 - up], ref.lstrip(".")
         else:
             base = ()
-        return base + tuple(p for p in ref.split(".") if p)
+        parts = tuple(p for p in ref.split(".") if p)
+        return base + parts if parts else None  # `${oc.decode:${x}}`: the outer one names nothing itself
 
     def cost(parts: tuple) -> tuple[int, int]:
         if parts in costs:
@@ -205,7 +206,7 @@ def _too_large(tree: Any, paths: list[str]) -> str | None:
 
     references, length = 0, 0
     for path in paths:
-        r, n = cost(target(path, ()) or ())
+        r, n = cost(tuple(path.split(".")) if path else ())
         references, length = references + r, length + n
         if references > MAX_REFERENCES or length > MAX_RESOLVED_LENGTH:
             return path
