@@ -251,6 +251,16 @@ def test_unresolvable_interpolation_is_an_error():
     assert len(errors) == 1 and errors[0].startswith("train.train_iters: cannot resolve '${nope.value}'")
 
 
+def test_an_unset_environment_variable_names_the_variable_to_set(monkeypatch):
+    monkeypatch.delenv("MB_TEST_UNSET_VAR", raising=False)
+    errors = errors_of("checkpoint.save=${oc.env:MB_TEST_UNSET_VAR}/run")
+    assert errors == [
+        "checkpoint.save: cannot resolve '${oc.env:MB_TEST_UNSET_VAR}/run': KeyError raised while resolving interpolation: "
+        "\"Environment variable 'MB_TEST_UNSET_VAR' not found\" [override 'checkpoint.save=${oc.env:MB_TEST_UNSET_VAR}/run'] "
+        "(set MB_TEST_UNSET_VAR in the environment, or give a default: ${oc.env:MB_TEST_UNSET_VAR,DEFAULT})"
+    ]
+
+
 def test_interpolations_in_a_yaml_list_resolve_and_fail_as_the_whole_list(tmp_path):
     cfg = apply(path=write(tmp_path, "logger:\n  wandb_project: proj\n  comet_tags: [a, '${logger.wandb_project}']\n"))
     assert cfg.logger.comet_tags == ["a", "proj"]

@@ -86,7 +86,9 @@ def resolve_interpolations(
             return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
         except (OmegaConfBaseException, RecursionError, ValueError) as exc:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            report(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source)
+            unset = re.search(r"Environment variable '([^']*)' not found", reason)
+            fix = f"set {unset.group(1)} in the environment, or give a default: ${{oc.env:{unset.group(1)},DEFAULT}}" if unset else "fix the interpolation"
+            report(path, f"cannot resolve {show(value)}: {reason}", fix, source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
     try:
