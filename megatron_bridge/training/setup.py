@@ -298,8 +298,7 @@ def setup(
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
     field_status.refuse_on_this_machine(cfg, device)  # settings that need a GPU or TransformerEngine
     refuse_what_the_layers_cannot_run(cfg)
-    if device == "cpu":
-        refuse_what_host_memory_cannot_hold(cfg)  # before the first large allocation fails or swaps
+    refuse_what_host_memory_cannot_hold(cfg, on_cpu=device == "cpu")  # before the first large allocation fails or swaps
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
