@@ -290,9 +290,10 @@ def test_hostile_configs_exit_2_from_the_cli_without_running_anything(tmp_path, 
         "laughs": "a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
         "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n",
         "deep": "env_vars: " + "[" * 50000 + "]" * 50000 + "\n",
+        "doubling": "env_vars:\n  X0: abc\n" + "".join(f"  X{i}: ${{env_vars.X{i - 1}}}${{env_vars.X{i - 1}}}\n" for i in range(1, 60)),
     }
     benign = tmp_path / "benign.yaml"
-    benign.write_text("train: {train_iters: 70}\n")
+    benign.write_text("train: {train_iters: 70}\nvalidation: {eval_iters: '${train.train_iters}'}\n")  # imports OmegaConf
     for argv in (["config", "show", str(benign)], ["pretrain", "--recipe", "tiny_gpt_pretrain_config", "--config-file", str(benign), "--dry-run"]):
         assert mbridge(argv) in (0, 2)  # warm up: the first use of a command imports its modules
     capsys.readouterr()

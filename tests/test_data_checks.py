@@ -2,10 +2,13 @@
 on a machine without the data notes it as not found instead of failing."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
-from factories import tiny_config, tiny_model
+from factories import source_tree_env, tiny_config, tiny_model
 from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.config.errors import ConfigValidationError
@@ -77,6 +80,76 @@ def test_indexed_dataset_problems(tmp_path, tok_dir):
     ]
 
 
+def test_a_directory_or_a_link_loop_given_as_prefix(tmp_path):
+    """The directory that holds the data is named with the prefixes in it (it read as "dir.bin/.idx
+    does not exist"); a .bin that is a link to itself is a broken link, not a missing file."""
+    data = tmp_path / "data"
+    data.mkdir()
+    first, second = indexed(data / "web_text_document"), indexed(data / "books_text_document")
+    (tmp_path / "empty").mkdir()
+    os.symlink("loop.bin", tmp_path / "loop.bin")
+    what = "is a directory, not a prefix (a prefix is the path of a .bin/.idx pair without the suffix)"
+    assert problems(gpt(f"{data} {tmp_path}/empty {tmp_path}/loop"))[0] == [
+        f"dataset.data_path: {data} {what} (the prefixes in it are {second}, {first})",
+        f"dataset.data_path: {tmp_path}/empty {what} (it holds no .bin/.idx pairs)",
+        f"dataset.data_path: {tmp_path}/loop.bin is a broken link, not a regular file (point the prefix at a .bin/.idx pair of files)",
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_a_blend_of_more_prefixes_than_the_open_file_limit_allows(tmp_path):
+    """megatron-core keeps ~9 files open per prefix (train and valid splits): 150 prefixes passed a
+    soft limit of 1,024 and building the datasets failed with "Too many open files" after the model
+    was built. The soft limit is raised up to the hard one; past the hard one it is a config problem.
+    In a fresh process: the limits are the process's."""
+    prefix = indexed(tmp_path / "shard")
+    script = textwrap.dedent(f"""
+        import resource
+        from factories import tiny_config
+        from megatron_bridge.config.errors import ConfigValidationError
+        from megatron_bridge.data.checks import check_before_build
+        from megatron_bridge.training.config import GPTDatasetConfig, runtime_config_update
+        data = GPTDatasetConfig(seq_length=32, data_path=" ".join([{prefix!r}] * 150), split="90,10,0", num_workers=0)
+        cfg = tiny_config(dataset=data)
+        runtime_config_update(cfg)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard >= 4096:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+            check_before_build(cfg, None)
+            print("raised to the hard limit:", resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        try:
+            check_before_build(cfg, None)
+        except ConfigValidationError as exc:
+            print(exc.errors)
+    """)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = source_tree_env(PYTHONPATH=os.pathsep.join([tests, source_tree_env()["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == str([
+        "dataset.data_path: its 150 prefixes keep about 1,350 files open while training (3 for each prefix, 3 more "
+        "for each split drawn from it); with the rest of the run that is over this process's limit of 1,024 open files "
+        "(raise the limit where the job starts (`ulimit -n`; a scheduler's or container's own setting), or merge small "
+        "prefixes into fewer, larger ones (`mbridge data preprocess` over their source files))"
+    ]), out.stdout
+    assert lines[:-1] in ([], ["raised to the hard limit: True"]), out.stdout
+
+
+def test_an_indexed_dataset_of_floats_is_not_token_ids(tmp_path):
+    """megatron-core's writer also stores floats: such a prefix failed with "cannot convert float
+    NaN to integer" while its token ids were checked."""
+    writer = IndexedDatasetWriter(str(tmp_path / "features"), np.float64)
+    for _ in range(20):
+        writer.add_document(np.array([1.5, np.nan, 3.0]), [3])
+    writer.finalize()
+    assert problems(gpt(str(tmp_path / "features")))[0] == [
+        f"dataset.data_path: {tmp_path}/features stores float64 values, not token ids (point the prefix at a token "
+        "dataset (`mbridge data preprocess` writes one))"
+    ]
+
+
 def test_index_arrays_that_lie(tmp_path):
     """An .idx whose header matches the .bin but whose arrays do not: refused before megatron-core
     reads them (a negative length made its epoch count loop forever, an offset past the .bin
@@ -136,16 +209,54 @@ def test_per_split_blends_are_checked_at_blend_per_split():
         return err.value.errors
 
     assert problems([(["a", "b"], [1.0]), None, None]) == [
-        "dataset.blend_per_split: the train blend has 2 prefixes but 1 weights "
-        "(give one weight per prefix (or null weights))"
+        "dataset.blend_per_split.train: 2 prefixes but 1 weights (give one weight per prefix)"
     ]
-    assert "dataset.blend_per_split: the test blend has 1 prefixes but 2 weights" in problems(
+    assert "dataset.blend_per_split.test: 1 prefixes but 2 weights" in problems(
         [(["a"], None), (["b"], None), (["c"], [0.5, 0.5])]
     )[0]
     assert problems([(["a"], None), (["b"], None)]) == [
         "dataset.blend_per_split: has 2 entries "
         "(give three blends, [train, valid, test] (null for a split without data))"
     ]
+
+
+def test_blend_weights_that_megatron_core_would_assert_on(tmp_path):
+    """A weight of 0, a negative, inf (1e309) or NaN, in data_path, blend or blend_per_split, is a
+    config problem; megatron-core's BlendedDataset asserted on them after the model was built."""
+    a, b = indexed(tmp_path / "a"), indexed(tmp_path / "b")
+    fix = "(give each prefix a weight > 0, or leave it out (dataset.blend_phases can bring a prefix in at a later iteration))"
+    for data_path, shown in [(f"0 {a} 1 {b}", f"0.0 for {a}"), (f"0 {a} 0 {b}", f"0.0 for {a}, 0.0 for {b}"),
+                             (f"1e309 {a} 1 {b}", f"inf for {a}"), (f"1 {a} -2 {b}", f"-2.0 for {b}")]:  # fmt: skip
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(gpt(data_path))
+        assert err.value.errors == [f"dataset.data_path: blend weights must be finite numbers > 0, got {shown} {fix}"]
+    blend = GPTDatasetConfig(seq_length=32, blend=([a, b], [1.0, float("nan")]), split="90,10,0", num_workers=0)
+    per_split = GPTDatasetConfig(seq_length=32, blend_per_split=[([a, b], [1.0, 0.0]), ([b], [1.0, 2.0]), None], num_workers=0)
+    for data, expected in [
+        (blend, [f"dataset.blend: blend weights must be finite numbers > 0, got nan for {b} {fix}"]),
+        (per_split, [f"dataset.blend_per_split.train: blend weights must be finite numbers > 0, got 0.0 for {b} {fix}",
+                     "dataset.blend_per_split.valid: 1 prefixes but 2 weights (give one weight per prefix)"]),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigValidationError) as err:
+            runtime_config_update(tiny_config(dataset=data))
+        assert err.value.errors == expected
+    assert problems(gpt(f"0.25 {a} 0.75 {a}")) == ([], [])  # the same prefix twice is a valid blend
+
+
+def test_a_split_or_per_split_blend_without_training_data(tmp_path):
+    """'0,100,0' or a per-split blend whose train entry is null build no training set: found only
+    after the model was built, with a fix about build_datasets; now named at the setting."""
+    few = indexed(tmp_path / "few")
+    assert problems(gpt(few, split="0,100,0"))[0] == [
+        "dataset.split: '0,100,0' gives the train split no share, but train.train_iters=20 asks for training (give the "
+        "train split a share, e.g. dataset.split='99,1,0' (or set validation.skip_train=true to only evaluate))"
+    ]
+    per_split = tiny_config(dataset=GPTDatasetConfig(seq_length=32, blend_per_split=[None, ([few], None), None], num_workers=0))
+    assert problems(per_split)[0] == [
+        "dataset.blend_per_split: has no train blend (its first entry is null), but the run trains (give the first "
+        "entry the training data (or set validation.skip_train=true to only evaluate))"
+    ]
+    assert problems(gpt(few, split="0,100,0", validation=ValidationConfig(skip_train=True)))[0] == []
 
 
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):

@@ -251,6 +251,16 @@ def test_unresolvable_interpolation_is_an_error():
     assert len(errors) == 1 and errors[0].startswith("train.train_iters: cannot resolve '${nope.value}'")
 
 
+def test_an_unset_environment_variable_names_the_variable_to_set(monkeypatch):
+    monkeypatch.delenv("MB_TEST_UNSET_VAR", raising=False)
+    errors = errors_of("checkpoint.save=${oc.env:MB_TEST_UNSET_VAR}/run")
+    assert errors == [
+        "checkpoint.save: cannot resolve '${oc.env:MB_TEST_UNSET_VAR}/run': KeyError raised while resolving interpolation: "
+        "\"Environment variable 'MB_TEST_UNSET_VAR' not found\" [override 'checkpoint.save=${oc.env:MB_TEST_UNSET_VAR}/run'] "
+        "(set MB_TEST_UNSET_VAR in the environment, or give a default: ${oc.env:MB_TEST_UNSET_VAR,DEFAULT})"
+    ]
+
+
 def test_interpolations_in_a_yaml_list_resolve_and_fail_as_the_whole_list(tmp_path):
     cfg = apply(path=write(tmp_path, "logger:\n  wandb_project: proj\n  comet_tags: [a, '${logger.wandb_project}']\n"))
     assert cfg.logger.comet_tags == ["a", "proj"]
@@ -433,6 +443,28 @@ def test_relative_and_item_interpolations(tmp_path):
     )
     assert cfg.checkpoint.load == "/ckpt"
     assert cfg.logger.wandb_exp_name == "second" and cfg.logger.wandb_project == "proj"
+
+
+@pytest.mark.timeout(60)
+def test_interpolations_that_double_at_each_step_are_refused_before_resolving(tmp_path):
+    # each key refers twice to the one before: resolving the last would take 2**40 steps
+    chain = "".join(f"x{i}: ${{x{i - 1}}}${{x{i - 1}}}\n" for i in range(1, 41))
+    errors = errors_of(path=write(tmp_path, "x0: abc\n" + chain))
+    assert len(errors) == 1 and errors[0].startswith("x11: interpolations expand to more than 4096 references"), errors
+    assert "[file " in errors[0] and "refer to each value once" in errors[0]
+    # the same through overrides, by length: 90k characters tripled five times
+    errors = errors_of("+env_vars.V0=" + "a" * 90_000, *(f"+env_vars.V{i}=" + f"${{env_vars.V{i - 1}}}" * 3 for i in range(1, 6)))
+    assert len(errors) == 1 and errors[0].startswith("env_vars.V5: interpolations expand to more than"), errors
+    assert "16,000,000 characters" in errors[0] and "[override '+env_vars.V5=" in errors[0]
+    # a value used many times, and a chain used once at each step, resolve
+    cfg = apply("logger.wandb_project=p", *(f"+env_vars.V{i}=${{logger.wandb_project}}/{i}" for i in range(200)),
+                "logger.wandb_exp_name=${env_vars.V199}-${env_vars.V0}")  # fmt: skip
+    assert cfg.env_vars["V7"] == "p/7" and cfg.logger.wandb_exp_name == "p/199-p/0"
+    # beside a large value, resolvers around an interpolation count only what they refer to
+    # (and a reference nested in a resolver's argument finds the config's field: it was "not found")
+    decoded = "".join(f"  {k}: \"${{oc.decode:'${{train.train_iters}}'}}\"\n" for k in ("A", "B", "C"))
+    cfg = apply(path=write(tmp_path, "logger:\n  wandb_project: " + "x" * 7_000_000 + "\nenv_vars:\n" + decoded))
+    assert cfg.env_vars == {"A": 20, "B": 20, "C": 20}, cfg.env_vars
 
 
 def test_a_saved_run_with_runtime_hooks_used_as_config_file(tmp_path):

@@ -569,3 +569,42 @@ def test_dry_run_appends_the_plan_as_comments(capsys):
 def test_plan_option_errors(capsys, argv, message):
     assert mbridge(["pretrain", "--recipe", "llama3_8b_pretrain_config", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_cpu_run_that_cannot_fit_in_host_memory_is_refused_before_allocating(monkeypatch):
+    """A micro batch, sequence or vocabulary too large for this machine failed at its first large
+    allocation ("can't allocate memory") after the model was built, or swapped until the OOM killer
+    came; the plan of the resolved config is held against the memory available."""
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.training.host_memory import WORKER_BYTES, dataloader_workers, refuse_what_host_memory_cannot_hold
+    from recipes import tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config()
+    process_config_with_overrides(cfg, cli_overrides=["train.micro_batch_size=1000", "train.global_batch_size=1000", "dataset.num_workers=2"])
+    runtime_config_update(cfg, device="cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    worst = plan(cfg, with_fixes=False).worst
+    needed = worst.state.params + worst.state.grads + worst.state.optimizer + worst.activations.total
+    assert 2**30 < needed < 2**31  # activations of 1000 sequences of 512 tokens
+    workers = dataloader_workers(cfg) * WORKER_BYTES
+    assert dataloader_workers(cfg) == 3 * cfg.dataset.num_workers > 0  # train, validation and test loaders
+    refuse_what_host_memory_cannot_hold(cfg, available=int(needed) + workers)  # fits exactly
+    with pytest.raises(ConfigValidationError) as err:
+        refuse_what_host_memory_cannot_hold(cfg, available=2**30)
+    (message,) = err.value.errors
+    assert message.startswith(f"<config>: this CPU run needs about {needed / 2**30:,.1f} GiB of memory per process (parameters 0.00, ")
+    assert message.endswith("and this machine has 1.0 GiB available (`--plan-only` shows where it goes; make the model, "
+                            "train.micro_batch_size or model.seq_length smaller)")  # fmt: skip
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes on this machine need twice as much
+    with pytest.raises(ConfigValidationError, match=" x 2 processes on this machine, and this machine has "):
+        refuse_what_host_memory_cannot_hold(cfg, available=int(needed) + workers)
+    refuse_what_host_memory_cannot_hold(cfg, on_cpu=False, available=2**30)  # a GPU run: only the workers count here
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    cfg.dataset.num_workers = 5000  # 15,000 forked processes
+    with pytest.raises(ConfigValidationError) as err:
+        refuse_what_host_memory_cannot_hold(cfg, on_cpu=False, available=64 * 2**30)
+    assert err.value.errors == [
+        "dataset.num_workers: 5000 workers for each of the run's data loaders fork 15,000 processes per training process, "
+        "at least 8 MiB each: more than the 64.0 GiB this machine has available (use a few workers per loader (2 to 8 "
+        "is usual; 0 loads in the training process))"
+    ]

@@ -19,11 +19,19 @@ from megatron_bridge.config.errors import Problems, show
 from megatron_bridge.config.secrets import remember_environment_reads
 from megatron_bridge.config.serialization import ConfigEncoder, field_of
 
-_INTERPOLATION = re.compile(r"\$\{([^{}]*)")
+_INTERPOLATION = re.compile(r"\$\{([^{}$]*)")  # `$` ends it: `${oc.decode:${x}}` names x
 _UNRESOLVED = object()
 
 MAX_NESTING = 16
 """Deepest nesting of `${...}` inside one another that is resolved."""
+
+MAX_REFERENCES = 4096
+"""Most `${...}` a config's values may expand to in all, counting each time a referenced value's
+own `${...}` are expanded again (OmegaConf resolves a reference anew each time it is used, at
+~0.2 ms each: `b: ${a}${a}`, `c: ${b}${b}`, ... doubles the work with each key)."""
+
+MAX_RESOLVED_LENGTH = 16_000_000
+"""Most characters a config's interpolated values may resolve to in all."""
 
 
 def _nesting(text: str) -> int:
@@ -77,7 +85,9 @@ def resolve_interpolations(
             return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
         except (OmegaConfBaseException, RecursionError, ValueError) as exc:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            problems.add(path, f"cannot resolve {show(value)}: {reason}", "fix the interpolation", source=source)
+            unset = re.search(r"Environment variable '([^']*)' not found", reason)
+            fix = f"set {unset.group(1)} in the environment, or give a default: ${{oc.env:{unset.group(1)},DEFAULT}}" if unset else "fix the interpolation"
+            problems.add(path, f"cannot resolve {show(value)}: {reason}", fix, source=source)
             return _UNRESOLVED  # reported once here, not again as a type error
 
     try:
@@ -97,6 +107,12 @@ def resolve_interpolations(
                     OmegaConf.update(tree, o.dotted, o.value, merge=True, force_add=True)
                 except (OmegaConfBaseException, ValueError, KeyError, IndexError):
                     pass  # applying the override reports what is wrong with it
+        interpolated = [(path, file_label) for path, value in _leaves(data) if any("${" in s for s in strings(value))]
+        interpolated += [(o.dotted, o.source) for o in overrides if o.op != "delete" and has_interpolation(o.value, [])]
+        too_large = _too_large(OmegaConf.to_container(tree, resolve=False), [path for path, _ in interpolated])
+        if too_large is not None:
+            problems.add(too_large, *_TOO_LARGE, source=dict(interpolated)[too_large])
+            return None, []
     except RecursionError:  # OmegaConf recurses over nested data
         problems.add("", "interpolations nest too deeply to resolve", "simplify the ${...} expressions")
         return None, []
@@ -108,6 +124,94 @@ def resolve_interpolations(
         for o in overrides
     ]
     return _walk(data, "", resolved), [o for o in overrides if o.value is not _UNRESOLVED]
+
+
+_TOO_LARGE = (
+    f"interpolations expand to more than {MAX_REFERENCES} references or {MAX_RESOLVED_LENGTH:,} characters "
+    "(a value refers to another more than once, which refers to another more than once, ...)",
+    "refer to each value once, or write the value out",
+)
+
+
+def _leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
+    """(dotted path, value) of every value below `value` that is not a mapping (as `_walk`)."""
+    if not isinstance(value, Mapping):
+        yield path, value
+        return
+    for k, v in value.items():
+        yield from _leaves(v, f"{path}.{k}" if path else str(k))
+
+
+def _too_large(tree: Any, paths: list[str]) -> str | None:
+    """The first of `paths` (dotted, into plain data `tree`) whose value pushes the work of resolving
+    them all past `MAX_REFERENCES` or `MAX_RESOLVED_LENGTH`; None when within both. Counts without
+    resolving: each `${...}` is one reference, and a reference to a value costs that value's own
+    (counted once, however often it is referred to). Resolver arguments that name a value
+    (`${oc.select:a.b,x}`) count as references to it; a cycle counts nothing (OmegaConf reports it)."""
+    costs: dict[tuple, tuple[int, int]] = {}
+
+    def node(parts: tuple) -> tuple[bool, Any]:
+        value = tree
+        for part in parts:
+            if isinstance(value, Mapping):
+                match = [v for k, v in value.items() if str(k) == part]
+                if not match:
+                    return False, None
+                value = match[0]
+            elif isinstance(value, list) and part.lstrip("-").isdigit() and -len(value) <= int(part) < len(value):
+                value = value[int(part)]
+            else:
+                return False, None
+        return True, value
+
+    def target(ref: str, where: tuple) -> tuple | None:
+        ref = re.sub(r"\[([^\]]*)\]", r".\1", ref.strip())
+        if ref.startswith("."):
+            up = len(ref) - len(ref.lstrip("."))
+            if up > len(where) + 1:
+                return None
+            base, ref = where[: len(where) + 1 - up], ref.lstrip(".")
+        else:
+            base = ()
+        parts = tuple(p for p in ref.split(".") if p)
+        return base + parts if parts else None  # `${oc.decode:${x}}`: the outer one names nothing itself
+
+    def cost(parts: tuple) -> tuple[int, int]:
+        if parts in costs:
+            return costs[parts]
+        costs[parts] = (0, 0)  # in progress: a cycle adds nothing
+        found, value = node(parts)
+        references, length = 0, 0
+        if isinstance(value, Mapping):
+            for k in value:
+                r, n = cost(parts + (str(k),))
+                references, length = references + r, length + n + len(str(k))
+        elif isinstance(value, list):
+            for i in range(len(value)):
+                r, n = cost(parts + (str(i),))
+                references, length = references + r, length + n
+        elif found:
+            text = str(value)
+            length = len(text)
+            for ref in _INTERPOLATION.findall(text) if "${" in text else ():
+                references += 1
+                for name in [ref] if ":" not in ref else ref.split(":", 1)[1].split(","):
+                    linked = target(name, parts[:-1])
+                    if linked is not None and linked != parts and node(linked)[0]:
+                        r, n = cost(linked)
+                        references, length = references + r, length + n
+                if references > MAX_REFERENCES or length > MAX_RESOLVED_LENGTH:
+                    break
+        costs[parts] = (references, length)
+        return costs[parts]
+
+    references, length = 0, 0
+    for path in paths:
+        r, n = cost(tuple(path.split(".")) if path else ())
+        references, length = references + r, length + n
+        if references > MAX_REFERENCES or length > MAX_RESOLVED_LENGTH:
+            return path
+    return None
 
 
 def _walk(value: Any, path: str, leaf: Callable[[str, Any], Any]) -> Any:

@@ -21,6 +21,7 @@ from megatron_bridge.config.secrets import scrub
 from megatron_bridge.data.builders import sample_counts
 from megatron_bridge.data.chat import ChatFormatError, ChatRenderer
 from megatron_bridge.data.config import FinetuningDatasetConfig, GPTDatasetConfig
+from megatron_bridge.data import file_limit
 from megatron_bridge.data.hf_local import DataSourceError
 from megatron_bridge.data.indexed import check_index_arrays, largest_token_id, read_index_header, sequence_tokens
 from megatron_bridge.data.sft_records import CHAT, column_mapping, detect_format, first_problem, split_sources
@@ -101,6 +102,7 @@ def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = Fa
     data = cfg.dataset
     if isinstance(data, GPTDatasetConfig) and not data.mock:
         needed = needed_splits(cfg)
+        _check_training_split(cfg, report.problems)
         for path, prefix in data_prefixes(data):
             check_indexed_prefix(prefix, path, tokenizer, report, dry_run, needed.get(path, ()))
     if isinstance(data, FinetuningDatasetConfig) and data.dataset_root is not None:
@@ -109,8 +111,11 @@ def check_data(cfg: "ConfigContainer", tokenizer: Any = None, dry_run: bool = Fa
 
 
 def check_before_build(cfg: "ConfigContainer", tokenizer: Any) -> None:
-    """`check_data` for a real run: raise every problem at once."""
-    check_data(cfg, tokenizer).problems.raise_if_any()
+    """`check_data` for a real run, with room made for the files its datasets keep open: raise
+    every problem at once."""
+    report = check_data(cfg, tokenizer)
+    file_limit.make_room_for_data_files(files_needed(cfg), report.problems)
+    report.problems.raise_if_any()
 
 
 def check_vocab_fits(cfg: "ConfigContainer", tokenizer: Any, problems: Problems) -> None:
@@ -139,6 +144,20 @@ def data_prefixes(data: Any) -> list[tuple[str, str]]:
     return found
 
 
+def _check_training_split(cfg: "ConfigContainer", p: Problems) -> None:
+    """A run that trains gets a training split: `dataset.split` gives it a share, or
+    `blend_per_split` a blend (else no training set is built, found only after the model)."""
+    data = cfg.dataset
+    if cfg.validation.skip_train or sample_counts(cfg).train == 0:
+        return
+    if data.blend is not None and data.split is not None and not (getattr(data, "split_matrix", None) or [None])[0]:
+        p.add("dataset.split", f"{data.split!r} gives the train split no share, but train.train_iters={cfg.train.train_iters} asks for training",
+              "give the train split a share, e.g. dataset.split='99,1,0' (or set validation.skip_train=true to only evaluate)")  # fmt: skip
+    elif data.blend is None and data.blend_per_split is not None and data.blend_per_split[0] is None:
+        p.add("dataset.blend_per_split", "has no train blend (its first entry is null), but the run trains",
+              "give the first entry the training data (or set validation.skip_train=true to only evaluate)")  # fmt: skip
+
+
 class SplitShare(NamedTuple):
     """A split the run draws samples from, and the share of a prefix's sequences it reads."""
 
@@ -164,14 +183,32 @@ def needed_splits(cfg: "ConfigContainer") -> dict[str, tuple[SplitShare, ...]]:
     return needed
 
 
+def files_needed(cfg: "ConfigContainer") -> dict[str, tuple[int, int]]:
+    """By config path (`dataset.data_path`, `dataset.blend_per_split.valid`, ...): its number of
+    prefixes and the files their datasets keep open (a prefix named twice counts twice)."""
+    if not isinstance(cfg.dataset, GPTDatasetConfig) or cfg.dataset.mock:
+        return {}
+    needed = needed_splits(cfg)
+    found: dict[str, tuple[int, int]] = {}
+    for path, _ in data_prefixes(cfg.dataset):
+        prefixes, files = found.get(path, (0, 0))
+        found[path] = (prefixes + 1, files + file_limit.FILES_PER_PREFIX + file_limit.FILES_PER_SPLIT * len(needed.get(path, ())))
+    return found
+
+
 def check_indexed_prefix(
     prefix: str, path: str, tokenizer: Any, report: DataReport, dry_run: bool, splits: tuple[SplitShare, ...] = ()
 ) -> None:
     p = report.problems
     have = {suffix: os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx")}
-    odd = next((prefix + s for s, regular in have.items() if not regular and os.path.exists(prefix + s)), None)
-    if odd is not None:  # a directory or a pipe there would otherwise read as "does not exist"
+    odd = next((prefix + s for s, regular in have.items() if not regular and os.path.lexists(prefix + s)), None)
+    if odd is not None:  # a directory, a pipe or a broken link there would otherwise read as "does not exist"
         p.add(path, f"{odd} is {file_kind(odd)}, not a regular file", "point the prefix at a .bin/.idx pair of files")
+        return
+    if not any(have.values()) and os.path.isdir(prefix):
+        inside = _prefixes_in(prefix)
+        hint = f"the prefixes in it are {', '.join(inside)}" if inside else "it holds no .bin/.idx pairs"
+        p.add(path, f"{prefix} is a directory, not a prefix (a prefix is the path of a .bin/.idx pair without the suffix)", hint)
         return
     if not any(have.values()):
         report.missing(path, f"{prefix}.bin/.idx", dry_run, "run `mbridge data preprocess` to make it, or fix the prefix (the path without .bin/.idx)")
@@ -190,6 +227,9 @@ def check_indexed_prefix(
     except ValueError as exc:
         p.add(path, str(exc), "preprocess the data again")
         return
+    if not np.issubdtype(header.dtype, np.integer):
+        p.add(path, f"{prefix} stores {np.dtype(header.dtype).name} values, not token ids", "point the prefix at a token dataset (`mbridge data preprocess` writes one)")
+        return
     size = os.path.getsize(prefix + ".bin")
     if size != header.bin_bytes:
         p.add(path, f"{prefix}.bin has {size:,} bytes but its .idx describes {header.bin_bytes:,}", "the two files come from different runs or a copy was cut short; preprocess again")
@@ -203,8 +243,8 @@ def check_indexed_prefix(
     vocab = getattr(tokenizer, "vocab_size", None)
     if vocab is None:
         return
-    limit = int(np.iinfo(header.dtype).max) + 1 if np.issubdtype(header.dtype, np.integer) else None
-    if limit is not None and vocab > limit:
+    limit = int(np.iinfo(header.dtype).max) + 1
+    if vocab > limit:
         p.add(path, f"{prefix} stores {np.dtype(header.dtype).name} token ids (at most {limit:,} ids) but the tokenizer has {vocab:,}", "it was made with a smaller vocabulary: preprocess with this tokenizer")
         return
     largest = largest_token_id(prefix, header.dtype)
@@ -214,6 +254,16 @@ def check_indexed_prefix(
         f"{prefix} holds token id {largest:,}, outside the tokenizer's vocabulary of {vocab:,}",
         "it was made with another tokenizer: preprocess with this one (or use the tokenizer it was made with)",
     )
+
+
+def _prefixes_in(directory: str, shown: int = 4) -> list[str]:
+    """The first `shown` prefixes of .bin/.idx pairs in `directory` (and '...' if there are more)."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    pairs = [os.path.join(directory, n[: -len(".idx")]) for n in names if n.endswith(".idx") and n[: -len(".idx")] + ".bin" in names]
+    return pairs[:shown] + (["..."] if len(pairs) > shown else [])
 
 
 def _check_splits_have_tokens(prefix: str, path: str, header: Any, splits: tuple[SplitShare, ...], p: Problems) -> None:

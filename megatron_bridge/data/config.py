@@ -6,6 +6,7 @@ written and read with those names."""
 from __future__ import annotations
 
 import abc
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,13 +124,27 @@ def parse_data_path(data_path: Union[str, list[str]]) -> Tuple[list[str], Option
 
     weights = [as_weight(x) for x in items[0::2]]
     if len(items) % 2 == 0 and all(w is not None for w in weights):
-        prefixes = items[1::2]
-        if any(w < 0 for w in weights):
-            raise ValueError(f"blend weights must be >= 0, got {weights}")
-        return prefixes, weights
+        return items[1::2], weights  # check_blend checks the weights
     if any(as_weight(x) is not None for x in items):
         raise ValueError(f"cannot tell weights from paths in {items}; give a weight before every path or none")
     return items, None
+
+
+def check_blend(blend: Tuple[list[str], Optional[list[float]]], path: str, problems: Problems) -> None:
+    """One weight per prefix, each a finite number > 0: megatron-core's blended dataset draws from
+    every prefix and fails on a weight of 0 (its assertion, after the model is built)."""
+    prefixes, weights = blend
+    if weights is None:
+        return
+    if not problems.check(len(prefixes) == len(weights), path, f"{len(prefixes)} prefixes but {len(weights)} weights", "give one weight per prefix"):
+        return
+    bad = [(prefix, w) for prefix, w in zip(prefixes, weights) if not (math.isfinite(w) and w > 0)]
+    problems.check(
+        not bad,
+        path,
+        "blend weights must be finite numbers > 0, got " + ", ".join(f"{w} for {prefix}" for prefix, w in bad),
+        "give each prefix a weight > 0, or leave it out (dataset.blend_phases can bring a prefix in at a later iteration)",
+    )
 
 
 @config_dataclass(kw_only=True)
@@ -207,13 +222,8 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
                 f"{self.split!r} is not a train,valid,test weighting",
                 "use e.g. '969,30,1'",
             )
-        if self.blend is not None and self.blend[1] is not None:
-            p.check(
-                len(self.blend[0]) == len(self.blend[1]),
-                "blend",
-                f"{len(self.blend[0])} prefixes but {len(self.blend[1])} weights",
-                "give one weight per prefix",
-            )
+        if self.blend is not None:
+            check_blend(self.blend, "data_path" if self.data_path is not None else "blend", p)
         per_split = self.blend_per_split
         if per_split is not None and any(per_split) and p.check(
             len(per_split) == 3,
@@ -221,14 +231,9 @@ class GPTDatasetConfig(MCoreGPTDatasetConfig, DataloaderConfig):
             f"has {len(per_split)} entries",
             "give three blends, [train, valid, test] (null for a split without data)",
         ):
-            for split, blend in zip(("train", "valid", "test"), per_split):
-                if blend is not None and blend[1] is not None:
-                    p.check(
-                        len(blend[0]) == len(blend[1]),
-                        "blend_per_split",
-                        f"the {split} blend has {len(blend[0])} prefixes but {len(blend[1])} weights",
-                        "give one weight per prefix (or null weights)",
-                    )
+            for name, blend in zip(("train", "valid", "test"), per_split):
+                if blend is not None:
+                    check_blend(blend, f"blend_per_split.{name}", p)
         if self.blend_phases is not None:
             blend = self.blend
             if p.check(

@@ -27,6 +27,7 @@ from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
 from megatron_bridge.data.builders import build_datasets, resolved_phases, resumed_sample_counts
 from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
+from megatron_bridge.training.host_memory import refuse_what_host_memory_cannot_hold
 from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
 from megatron_bridge.models.attention import layer_problems
@@ -297,6 +298,7 @@ def setup(
     hf_checks.preflight(cfg)  # Hugging Face weight files, before anything is built
     field_status.refuse_on_this_machine(cfg, device)  # settings that need a GPU or TransformerEngine
     refuse_what_the_layers_cannot_run(cfg)
+    refuse_what_host_memory_cannot_hold(cfg, on_cpu=device == "cpu")  # before the first large allocation fails or swaps
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
