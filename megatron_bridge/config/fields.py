@@ -99,7 +99,6 @@ POSITIVE = "(0, inf)"
 ANY = "(-inf, inf)"
 SIZE = "[1, 2**31)"  # larger model sizes and counts are not real configurations (and overflow int32 kernels)
 COUNT = "[0, 2**31)"
-LAYERS = "[1, 10000]"  # the deepest real models have a few hundred; per-layer plans and specs grow with it
 SEED = "[0, 2**32)"
 STEPS = "[0, 2**63)"  # iterations, samples, steps
 INTERVAL = "[1, 2**63)"  # every N iterations

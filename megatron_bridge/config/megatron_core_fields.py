@@ -13,7 +13,6 @@ from megatron_bridge.config.fields import (
     FACTOR,
     LEARNING_RATE,
     LOSS_WEIGHT,
-    LAYERS,
     POSITIVE,
     PROBABILITY,
     SEED,
@@ -34,8 +33,7 @@ _RANGES_BY_CLASS: dict[str, tuple[tuple[str, str], ...]] = {  # class -> (range,
         (STEPS, "hierarchical_context_parallel_sizes max_seqlen_per_dp_cp_rank microbatch_group_size_per_vp_stage"),
     ),
     "TransformerConfig": (
-        (LAYERS, "num_layers"),
-        (SIZE, "hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels "
+        (SIZE, "num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels "
         "num_moe_experts moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_router_topk "
         "moe_router_num_groups moe_latent_size moe_deepep_num_sms moe_hybridep_num_sms "
         "dsa_indexer_n_heads dsa_indexer_head_dim linear_conv_kernel_dim linear_key_head_dim "
