@@ -105,6 +105,7 @@ def cases(work) -> dict[str, Future]:
                         f"checkpoint.load={a_file}"],
         "too large for host memory": ["pretrain", "--recipe", TINY, "train.train_iters=2", "--dir", os.path.join(d, "runs-memory"),
                                       "train.micro_batch_size=10000000", "train.global_batch_size=10000000"],
+        "plan of a billion layers": ["pretrain", "--recipe", TINY, "--plan-only", "model.num_layers=1000000000"],
         "signal and empty save": ["pretrain", "--recipe", TINY, *fast, "train.exit_signal=SIGCHLD", "checkpoint.save="],
         "fifo config": ["pretrain", "--config-file", os.path.join(d, "fifo.yaml")],
         "directory config": ["config", "show", os.path.join(d, "dir.yaml")],
@@ -243,6 +244,13 @@ def test_a_cpu_run_too_large_for_this_machines_memory_is_refused_before_building
     err = refused(cases, "too large for host memory", "<config>: this CPU run needs about ", " GiB of memory per process (")
     assert "`--plan-only` shows where it goes; make the model, train.micro_batch_size or model.seq_length smaller" in err
     assert not os.path.exists(work / "runs-memory"), "the refused run wrote outputs"
+
+
+@pytest.mark.timeout(600)
+def test_a_plan_of_a_billion_layers_is_refused_not_built_layer_by_layer(cases):
+    """--plan-only built per-layer tuples for a billion layers until MemoryError (a traceback)."""
+    refused(cases, "plan of a billion layers", "mbridge: no plan: model.num_layers=1,000,000,000 is deeper than the "
+            "planner models (at most 10,000 layers", "the planner cannot plan this config")
 
 
 @pytest.mark.timeout(600)

@@ -15,6 +15,10 @@ from megatron_bridge.peft import targets as tg
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+MAX_LAYERS = 10_000
+"""The deepest model the planner plans: a billion layers built per-layer tuples until MemoryError."""
+
+
 class PlanningError(ValueError):
     """The config uses a feature the planner does not model (the message names it)."""
 
@@ -224,6 +228,11 @@ class PlanInputs:
     def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "PlanInputs":
         """Read a config resolved by `runtime_config_update` (`data_parallel_size` set)."""
         m, ddp, opt, t = cfg.model, cfg.ddp, cfg.optimizer, cfg.train
+        if m.num_layers > MAX_LAYERS:
+            raise PlanningError(
+                f"model.num_layers={m.num_layers:,} is deeper than the planner models (at most {MAX_LAYERS:,} layers: "
+                "its plans hold each layer, and the deepest real models have a few hundred)"
+            )
         if getattr(m, "pipeline_model_parallel_layout", None) is not None:
             raise PlanningError(
                 "model.pipeline_model_parallel_layout (custom stage layouts) is not modeled by the planner"
