@@ -301,6 +301,7 @@ def test_multi_turn_chat_with_qwen3s_template_trains(tok_dir, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_encoding_in_worker_processes_gives_the_samples_of_one_process(tok_dir):
     """`dataset.memmap_workers` > 1 encodes in spawned workers (1000 rows or more); the samples
     are the same, in the same order, for chat and prompt/answer rows."""

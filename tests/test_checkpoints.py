@@ -180,6 +180,7 @@ def test_loading_a_different_architecture_lists_the_differences(tmp_path):
     assert "model.ffn_hidden_size: checkpoint 256, config 128" in str(err.value)
 
 
+@pytest.mark.slow
 def test_ckpt_step_and_iteration_directory(tmp_path):
     ckpt = tmp_path / "ckpt"
     run(config(save=str(ckpt), iters=4, save_interval=2))

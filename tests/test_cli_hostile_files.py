@@ -204,6 +204,7 @@ def test_hf_export_refuses_tampered_metadata(cases):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_json_nested_past_the_recursion_limit(cases):
     err = _refused(cases, "deep config.json")
     assert "config.json is not valid JSON (arrays or objects nested too deeply" in err, err
@@ -256,6 +257,7 @@ def test_data_inspect_of_a_damaged_index(cases):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_outputs_under_a_file_or_with_too_long_names_are_refused_before_any_work(cases):
     err = _refused(cases, "export under a file")
     assert "a-file/hf.incomplete lies under" in err and "a-file, which is a file, not a directory (give a directory" in err, err

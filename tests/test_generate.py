@@ -217,6 +217,7 @@ def test_chat_prompts_are_rendered_with_the_template(models):
 
 
 # ---------------------------------------------------------------------- the command line
+@pytest.mark.slow
 def test_cli_json_and_text_output_and_user_errors(models, checkpoints, tmp_path):
     prompts_file = tmp_path / "prompts.jsonl"
     conversation = [{"role": "user", "content": "Hi!"}]
