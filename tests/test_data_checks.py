@@ -257,6 +257,9 @@ def test_a_split_or_per_split_blend_without_training_data(tmp_path):
         "entry the training data (or set validation.skip_train=true to only evaluate))"
     ]
     assert problems(gpt(few, split="0,100,0", validation=ValidationConfig(skip_train=True)))[0] == []
+    by_samples = gpt(few, split="0,100,0")
+    by_samples.train.train_iters, by_samples.train.train_samples = None, 160
+    assert "but train.train_samples=160 asks for training" in problems(by_samples)[0][0]
 
 
 def test_a_tokenizer_larger_than_the_model(tok_dir, tmp_path):

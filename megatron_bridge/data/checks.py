@@ -151,7 +151,9 @@ def _check_training_split(cfg: "ConfigContainer", p: Problems) -> None:
     if cfg.validation.skip_train or sample_counts(cfg).train == 0:
         return
     if data.blend is not None and data.split is not None and not (getattr(data, "split_matrix", None) or [None])[0]:
-        p.add("dataset.split", f"{data.split!r} gives the train split no share, but train.train_iters={cfg.train.train_iters} asks for training",
+        t = cfg.train  # name the setting the user gave: train_iters is derived from train_samples
+        asked = f"train.train_samples={t.train_samples}" if t.train_samples is not None else f"train.train_iters={t.train_iters}"
+        p.add("dataset.split", f"{data.split!r} gives the train split no share, but {asked} asks for training",
               "give the train split a share, e.g. dataset.split='99,1,0' (or set validation.skip_train=true to only evaluate)")  # fmt: skip
     elif data.blend is None and data.blend_per_split is not None and data.blend_per_split[0] is None:
         p.add("dataset.blend_per_split", "has no train blend (its first entry is null), but the run trains",
