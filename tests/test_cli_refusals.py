@@ -104,7 +104,8 @@ def cases(work) -> dict[str, Future]:
         "load a file": ["pretrain", "--recipe", TINY, "train.train_iters=2", "--dir", os.path.join(d, "runs-load"),
                         f"checkpoint.load={a_file}"],
         "too large for host memory": ["pretrain", "--recipe", TINY, "train.train_iters=2", "--dir", os.path.join(d, "runs-memory"),
-                                      "train.micro_batch_size=10000000", "train.global_batch_size=10000000"],
+                                      "train.micro_batch_size=10000000", "train.global_batch_size=10000000",
+                                      "dist.distributed_backend=gloo"],  # a CPU run on any machine
         "plan of a billion layers": ["pretrain", "--recipe", TINY, "--plan-only", "model.num_layers=1000000000"],
         "signal and empty save": ["pretrain", "--recipe", TINY, *fast, "train.exit_signal=SIGCHLD", "checkpoint.save="],
         "fifo config": ["pretrain", "--config-file", os.path.join(d, "fifo.yaml")],

@@ -209,6 +209,19 @@ def test_planner_peak_memory_against_the_gpu():
     assert abs(ratio - 1) <= PEAK_MEMORY_TOLERANCE, message
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(600)
+def test_a_run_larger_than_the_gpu_is_refused_before_anything_is_written(tmp_path):
+    from megatron_bridge.config.errors import ConfigValidationError
+
+    cfg = training_config(save=str(tmp_path / "ckpt"))
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = 10_000_000
+    with pytest.raises(ConfigValidationError, match=r"GiB of GPU memory per process \(parameters .* of its GPU \("):
+        pretrain(cfg, forward_step)
+    assert not (tmp_path / "ckpt").exists()
+
+
 # ---------------------------------------------------------------------- on every machine
 def test_gpu_lane_configs_resolve_and_plan_on_any_machine(tmp_path):
     """What the lane trains is a valid config here too, and the planner plans the memory test's."""

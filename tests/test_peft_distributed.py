@@ -46,6 +46,7 @@ def base(tmp_path_factory):
         validation=ValidationConfig(eval_interval=None, eval_iters=0),
         checkpoint=CheckpointConfig(save=path),
     )
+    cfg.dist.distributed_backend = backend_for(2)  # the runs compared start from weights trained where they run
     pretrain(cfg, forward_step)
     return path
 

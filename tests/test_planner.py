@@ -576,7 +576,7 @@ def test_a_cpu_run_that_cannot_fit_in_host_memory_is_refused_before_allocating(m
     allocation ("can't allocate memory") after the model was built, or swapped until the OOM killer
     came; the plan of the resolved config is held against the memory available."""
     from megatron_bridge.config.errors import ConfigValidationError
-    from megatron_bridge.training.host_memory import WORKER_BYTES, dataloader_workers, refuse_what_host_memory_cannot_hold
+    from megatron_bridge.training.memory_fit import WORKER_BYTES, dataloader_workers, refuse_what_host_memory_cannot_hold
     from recipes import tiny_gpt_pretrain_config
 
     cfg = tiny_gpt_pretrain_config()
@@ -608,3 +608,28 @@ def test_a_cpu_run_that_cannot_fit_in_host_memory_is_refused_before_allocating(m
         "at least 8 MiB each: more than the 64.0 GiB this machine has available (use a few workers per loader (2 to 8 "
         "is usual; 0 loads in the training process))"
     ]
+
+
+def test_a_gpu_run_larger_than_its_gpu_is_refused_before_its_batches_are_built():
+    """On a GPU the run only took minutes building batches of 10 million sequences before it
+    failed; the plan is held against the whole memory of the process's GPU (given here: the
+    check reads the current CUDA device's where one is)."""
+    from megatron_bridge.config.errors import ConfigValidationError
+    from megatron_bridge.training.memory_fit import refuse_what_the_gpu_cannot_hold
+    from recipes import tiny_gpt_pretrain_config
+
+    cfg = tiny_gpt_pretrain_config()
+    process_config_with_overrides(cfg, cli_overrides=["train.micro_batch_size=1000", "train.global_batch_size=1000"])
+    runtime_config_update(cfg, world_size=1)
+    worst = plan(cfg, with_fixes=False).worst
+    needed = int(worst.state.params + worst.state.grads + worst.state.optimizer + worst.activations.total)
+    refuse_what_the_gpu_cannot_hold(cfg, total=needed, gpu="NVIDIA H100 80GB HBM3")  # fits exactly
+    with pytest.raises(ConfigValidationError) as err:
+        refuse_what_the_gpu_cannot_hold(cfg, total=2**30, gpu="NVIDIA H100 80GB HBM3")
+    (message,) = err.value.errors
+    assert message.startswith(f"<config>: this run needs about {needed / 2**30:,.1f} GiB of GPU memory per process (parameters 0.00, ")
+    assert message.endswith(
+        "more than the 1.0 GiB of its GPU (NVIDIA H100 80GB HBM3) (`--plan-only` shows where it goes; make the model, "
+        "train.micro_batch_size or model.seq_length smaller, or split the model over more GPUs "
+        "(model.tensor_model_parallel_size, model.pipeline_model_parallel_size))"
+    )

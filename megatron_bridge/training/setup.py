@@ -27,7 +27,7 @@ from megatron_bridge.training.state import GlobalState
 from megatron_bridge.training.train import Run
 from megatron_bridge.data.builders import build_datasets, resolved_phases, resumed_sample_counts
 from megatron_bridge.data.checks import build_checked_tokenizer, check_before_build
-from megatron_bridge.training.host_memory import refuse_what_host_memory_cannot_hold
+from megatron_bridge.training.memory_fit import refuse_what_host_memory_cannot_hold, refuse_what_the_gpu_cannot_hold
 from megatron_bridge.data.loaders import build_iterator
 from megatron_bridge.data.phases import PhaseAnnouncer
 from megatron_bridge.models.attention import layer_problems
@@ -301,6 +301,8 @@ def setup(
     refuse_what_host_memory_cannot_hold(cfg, on_cpu=device == "cpu")  # before the first large allocation fails or swaps
     state = state if state is not None else GlobalState(cfg=cfg)
     state.device, state.created_process_group = init_process_group(cfg, store)
+    if state.device == "cuda":
+        refuse_what_the_gpu_cannot_hold(cfg)  # before batches larger than the GPU are built
     state.rank, state.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     state.logging_rank = state.world_size - 1
     configure_logging(state)

@@ -1,12 +1,14 @@
-"""A run that cannot fit in this machine's memory is refused before anything is allocated.
+"""A run that cannot fit in memory is refused before anything large is allocated.
 
 The planner knows what a config allocates (parameters, gradient buffers and optimizer state byte
-for byte, activations per layer): a CPU run whose processes on this machine need more than the
+for byte, activations per layer). A CPU run whose processes on this machine need more than the
 memory the kernel reports available would fail at its first large allocation, or be killed by
-the kernel's OOM killer after swapping for minutes. GPU runs are planned against their GPU with
-`--plan-only` (the allocator reports the device's memory only once CUDA is up on each rank); on
-every run, the dataloader workers (processes forked from each training process) are held
-against this machine's memory too: thousands of them forked for minutes, then exhausted it.
+the kernel's OOM killer after swapping for minutes; it is refused before the process group is
+set up. A GPU run is held against its GPU once each process has one (the device's memory is known
+only then): a plan larger than the whole GPU cannot run, and building its batches could take
+minutes before the first allocation failed. On every run, the dataloader workers (processes
+forked from each training process) are held against this machine's memory too: thousands of
+them forked for minutes, then exhausted it.
 """
 
 from __future__ import annotations
@@ -91,4 +93,26 @@ def refuse_what_host_memory_cannot_hold(cfg: "ConfigContainer", on_cpu: bool = T
         f"this CPU run needs about {per_process / GIB:,.1f} GiB of memory per process ({parts} GiB){times}, "
         f"and this machine has {available / GIB:,.1f} GiB available",
         "`--plan-only` shows where it goes; make the model, train.micro_batch_size or model.seq_length smaller",
+    ))  # fmt: skip
+
+
+def refuse_what_the_gpu_cannot_hold(cfg: "ConfigContainer", total: Optional[int] = None, gpu: str = "") -> None:
+    """Raise `ConfigValidationError` when one training process's planned parameters, gradients,
+    optimizer state and activations exceed `total` bytes (by default the whole memory of this
+    process's current CUDA device, named `gpu`)."""
+    if total is None:
+        import torch
+
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        total, gpu = properties.total_memory, properties.name
+    model = _model_bytes(cfg)
+    if model is None or model[0] <= total:
+        return
+    per_process, parts = model
+    raise ConfigValidationError(ConfigProblem(
+        "",
+        f"this run needs about {per_process / GIB:,.1f} GiB of GPU memory per process ({parts} GiB), "
+        f"more than the {total / GIB:,.1f} GiB of its GPU{f' ({gpu})' if gpu else ''}",
+        "`--plan-only` shows where it goes; make the model, train.micro_batch_size or model.seq_length smaller, "
+        "or split the model over more GPUs (model.tensor_model_parallel_size, model.pipeline_model_parallel_size)",
     ))  # fmt: skip
