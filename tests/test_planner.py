@@ -633,3 +633,18 @@ def test_a_gpu_run_larger_than_its_gpu_is_refused_before_its_batches_are_built()
         "train.micro_batch_size or model.seq_length smaller, or split the model over more GPUs "
         "(model.tensor_model_parallel_size, model.pipeline_model_parallel_size))"
     )
+
+
+def test_a_model_of_more_elements_than_a_float_holds_exactly_is_planned_not_crashed():
+    """Bucket padding computed in floats came out smaller than the bucket past 2**53 elements, and
+    the optimizer shards then indexed a data-parallel rank that does not exist (IndexError)."""
+    from megatron_bridge.planning.buffers import _pad
+    from recipes import tiny_gpt_pretrain_config
+
+    n = 2**60 + 1
+    assert _pad(n, 128) == 2**60 + 128 and _pad(2**20, 128) == 2**20
+    cfg = tiny_gpt_pretrain_config()
+    process_config_with_overrides(cfg, cli_overrides=["model.num_layers=10000", "model.hidden_size=10000000"])
+    runtime_config_update(cfg, world_size=1)
+    result = plan(cfg)
+    assert not result.fits and result.worst.state.params > 2**60

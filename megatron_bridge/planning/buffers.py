@@ -33,7 +33,9 @@ class Buffer:
 
 
 def _pad(n: int, divisor: int) -> int:
-    return int(math.ceil(n / divisor) * divisor)
+    # megatron-core divides in floats; in integers the result is the same below 2**53 elements and
+    # still a multiple of `divisor` (never smaller than `n`) above
+    return -(-n // divisor) * divisor
 
 
 def build_buffer(
