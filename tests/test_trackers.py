@@ -280,6 +280,33 @@ def test_comet_online_without_api_key_fails_at_setup_with_the_fix(offline):
     )
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "package, settings, message",
+    [
+        ("wandb", ["logger.wandb_project=p"],
+         "mbridge pretrain: error: could not start the wandb tracker: logger.wandb_project='p': W&B refused to start: "),
+        ("comet_ml", ["logger.comet_project=p", "logger.comet_experiment_name=e"],
+         "mbridge pretrain: error: could not start the comet tracker: logger.comet_project='p': Comet needs an API key"),
+    ],
+    ids=["wandb", "comet"],
+)
+def test_an_online_tracker_without_credentials_stops_the_command_with_the_fix_not_a_traceback(tmp_path, package, settings, message):
+    from factories import source_tree_env
+
+    needs(package)
+    env = {k: v for k, v in source_tree_env(HOME=str(tmp_path)).items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "COMET_API_KEY")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge", "pretrain", "--recipe", "tiny_gpt_pretrain_config", "train.train_iters=2",
+         "--dir", str(tmp_path / "runs"), "dist.distributed_backend=gloo", *settings],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "to log offline)" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "module, cls, kwargs, extra",
     [

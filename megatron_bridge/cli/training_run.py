@@ -14,7 +14,7 @@ from megatron_bridge.cli.errors import UsageError
 from megatron_bridge.cli.help_config import help_text
 from megatron_bridge.cli.recipe_loader import world_size_of
 from megatron_bridge.cli.training import GPU_CHOICES
-from megatron_bridge.config.errors import ConfigValidationError
+from megatron_bridge.config.errors import ConfigValidationError, RunStartError
 from megatron_bridge.config.secrets import scrub
 from megatron_bridge.training.console import log_to_console
 
@@ -74,7 +74,7 @@ def train(cfg: Any, cmd: str) -> None:
         from megatron_bridge.training.pretrain import pretrain as entry
     try:
         entry(cfg, forward_step)
-    except ConfigValidationError as exc:  # found while resolving the config for this machine
+    except (ConfigValidationError, RunStartError) as exc:  # found resolving the config here, or starting the run
         raise UsageError(str(exc)) from exc
     if is_logging_rank():
         print(outputs_line(cfg), flush=True)

@@ -55,6 +55,13 @@ class ConfigValidationError(ValueError):
         return (type(self), (self.problems,))
 
 
+class RunStartError(Exception):
+    """A run that could not start for a reason its config's validation cannot see (an experiment
+    tracker without its credentials, say). Raised as a subclass that is also the original
+    exception's type; its message says what to do, and the command line prints it without a
+    traceback."""
+
+
 class MissingPackageError(ConfigValidationError, ModuleNotFoundError):
     """A config asks for an optional package that is not installed (the message names the extra).
 

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
+from megatron_bridge.config.errors import RunStartError
 from megatron_bridge.training.loggers.base import Record, Tracker, plain
 
 logger = logging.getLogger("megatron_bridge")
@@ -136,14 +137,15 @@ class TrackerProcess(Tracker):
 
 
 def _rebuild(type_name: str, message: str) -> Exception:
-    """The child's exception as the same built-in type (else RuntimeError), with its message."""
+    """The child's exception as the same built-in type (else RuntimeError), with its message; it is
+    a `RunStartError` too."""
     kind = getattr(builtins, type_name, None)
     if isinstance(kind, type) and issubclass(kind, Exception):
         try:
-            return kind(message)
+            return type(kind.__name__, (kind, RunStartError), {})(message)
         except TypeError:
             pass
-    return RuntimeError(f"{type_name}: {message}")
+    return type("RuntimeError", (RuntimeError, RunStartError), {})(f"{type_name}: {message}")
 
 
 def _enlarge_pipe(fd: int) -> None:

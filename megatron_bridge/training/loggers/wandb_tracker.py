@@ -18,8 +18,14 @@ class WandbTracker(Tracker):
         wandb = require("wandb", "logger.wandb_project")
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
-        # A run of its own: neither returns nor finishes a run the calling program has active.
-        self.run = wandb.init(project=project, name=name, entity=entity, dir=save_dir, reinit="create_new")
+        try:
+            # A run of its own: neither returns nor finishes a run the calling program has active.
+            self.run = wandb.init(project=project, name=name, entity=entity, dir=save_dir, reinit="create_new")
+        except wandb.errors.UsageError as exc:  # no API key, say
+            raise ValueError(
+                f"logger.wandb_project={project!r}: W&B refused to start: {exc} "
+                "(set WANDB_API_KEY or run `wandb login`, or set WANDB_MODE=offline to log offline)"
+            ) from None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
