@@ -180,6 +180,20 @@ def test_loading_a_different_architecture_lists_the_differences(tmp_path):
     assert "model.ffn_hidden_size: checkpoint 256, config 128" in str(err.value)
 
 
+def test_checkpoints_and_hugging_face_weights_are_compared_on_one_list_of_fields():
+    """The fields that shape the weights are one list: a saved run's checkpoint compared only a
+    subset of them (not the latent-attention sizes or the MoE layer pattern)."""
+    from megatron_bridge.models.hf.config import WEIGHT_SHAPE_FIELDS
+    from megatron_bridge.models.saved_architecture import ARCHITECTURE_FIELDS, differing_fields
+
+    assert ARCHITECTURE_FIELDS == (*WEIGHT_SHAPE_FIELDS, "activation_func")
+    saved = {"num_layers": 2, "multi_latent_attention": True, "q_lora_rank": 64, "kv_lora_rank": 32, "moe_layer_freq": 1}
+    config = {**saved, "q_lora_rank": 96, "moe_layer_freq": [0, 1]}
+    assert differing_fields(saved, config, "checkpoint", "config") == (
+        "q_lora_rank: checkpoint 64, config 96; moe_layer_freq: checkpoint 1, config [0, 1]"
+    )
+
+
 @pytest.mark.slow
 def test_ckpt_step_and_iteration_directory(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -11,33 +11,12 @@ from typing import Optional
 from megatron_bridge.config.errors import show
 from megatron_bridge.config.serialization import to_dict
 from megatron_bridge.models.gpt_provider import GPTModelProvider
+from megatron_bridge.models.hf.config import WEIGHT_SHAPE_FIELDS
 from megatron_bridge.models.hf.files import is_hf_directory
 from megatron_bridge.runtime.checkpointing.layout import resolve
 from megatron_bridge.runtime.checkpointing.run_config import read_run_config
 
-ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "ffn_hidden_size",
-    "normalization",
-    "gated_linear_unit",
-    "activation_func",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "position_embedding_type",
-    "vocab_size",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "input_layernorms",
-    "output_layernorms",
-    "qk_layernorm_per_head",
-)
+ARCHITECTURE_FIELDS = (*WEIGHT_SHAPE_FIELDS, "activation_func")
 """Model fields that decide the shapes and meaning of the weights."""
 
 

@@ -147,7 +147,7 @@ def hf_config_from_provider(provider: Any, dtype: str) -> dict:
     return family.hf_config(provider, dtype)
 
 
-ARCHITECTURE_FIELDS = (
+WEIGHT_SHAPE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
     "vocab_size", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "position_embedding_type", "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
@@ -155,7 +155,8 @@ ARCHITECTURE_FIELDS = (
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "moe_shared_expert_intermediate_size",
     "moe_layer_freq",
 )  # fmt: skip
-"""Provider fields that decide which weights exist and their shapes."""
+"""Provider fields that decide which weights exist and their shapes (the checkpoints of runs compare
+them too, with the activation: `megatron_bridge.models.saved_architecture`)."""
 
 
 def architecture_differences(model: Any, reference: Any) -> list[tuple[str, Any, Any]]:
@@ -163,7 +164,7 @@ def architecture_differences(model: Any, reference: Any) -> list[tuple[str, Any,
     left to derive (None) count as what megatron-core derives; `model.vocab_size` left unset
     counts as the reference's."""
     out = []
-    for name in ARCHITECTURE_FIELDS:
+    for name in WEIGHT_SHAPE_FIELDS:
         mine, theirs = _effective(model, name), _effective(reference, name)
         if mine is None or mine == theirs:
             continue
@@ -186,7 +187,7 @@ def computation_differences(model: Any, reference: Any) -> list[tuple[str, Any, 
     than the architecture's shapes, that `model` has otherwise: rotary settings, windows, norms,
     caps, activation, routing. Weights loaded into such a model compute something else."""
     out = []
-    for name in sorted(reference.explicit_fields() - set(ARCHITECTURE_FIELDS) - NOT_COMPUTATION_FIELDS):
+    for name in sorted(reference.explicit_fields() - set(WEIGHT_SHAPE_FIELDS) - NOT_COMPUTATION_FIELDS):
         if not hasattr(model, name):
             continue
         mine, theirs = getattr(model, name), getattr(reference, name)
