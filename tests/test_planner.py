@@ -480,6 +480,12 @@ def test_dry_run_without_te_shows_the_sequential_experts_a_gpu_run_takes(capsys,
         "# note: model.moe_grouped_gemm=False: the grouped_gemm package is not installed and the layers are not "
         "TransformerEngine's; the experts run one GEMM each (SequentialMLP)\n"
     ) in out.stdout
+    # the plan alone says so too, as its last line does for the layers
+    argv[argv.index("--dry-run")] = "--plan-only"
+    out = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv, "--no-te"], capture_output=True, text=True,
+                         timeout=280, env=source_tree_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.rstrip().endswith("; the experts run one GEMM each (SequentialMLP: model.moe_grouped_gemm=False))")
 
 
 @pytest.mark.timeout(300)

@@ -86,6 +86,13 @@ def for_target(target_te: bool) -> Any:
 
 def layers_note(cfg: "ConfigContainer", options: "PlanOptions") -> str:
     """Which layers the config was resolved for, and why: one line for the output."""
+    note = _layers(cfg, options)
+    if getattr(cfg.model, "num_moe_experts", None) and not cfg.model.moe_grouped_gemm:
+        note += "; the experts run one GEMM each (SequentialMLP: model.moe_grouped_gemm=False)"
+    return note
+
+
+def _layers(cfg: "ConfigContainer", options: "PlanOptions") -> str:
     from megatron_bridge.planning.devices import GPUS
 
     impl = cfg.model.transformer_impl
