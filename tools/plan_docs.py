@@ -70,6 +70,11 @@ peak also weighs the last depth's core-attention backward (measured on CPU). FLO
 depth's layer and output layer. Not planned with MTP: LoRA/DoRA, full uniform recompute of more
 than one layer per unit.
 
+A real run is held against the same plan before it builds anything large: on CPU, its processes
+against the memory this machine has available; on a GPU, each process's plan against the whole
+memory of its GPU, once it has one. A plan larger than that is a configuration problem (exit 2
+from `mbridge`), not minutes of building batches before an out-of-memory error.
+
 Not modeled: communication time, TransformerEngine's FP8 caches, the optimizer's transient
 buffers (inside the workspace allowance). With TE layers the parameter order, and so a few
 elements of alignment padding, is TE's as far as it is known here, and the activations are those
