@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 from megatron_bridge.models import GPTModelProvider
 from megatron_bridge.training.config import (
@@ -196,3 +198,32 @@ def tiny_deepseek_model(**kw) -> GPTModelProvider:
     )  # fmt: skip
     args.update(kw)
     return DeepSeekModelProvider(**args)
+
+
+class _OnDemand(Mapping):
+    """`start(name)` for each of `names`, called when a test first asks for that name."""
+
+    def __init__(self, names: Iterable[str], start: Callable[[str], Any]):
+        self._names, self._start, self._started = list(names), start, {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._started:
+            if name not in self._names:
+                raise KeyError(name)
+            self._started[name] = self._start(name)
+        return self._started[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def started(names: Iterable[str], start: Callable[[str], Any]) -> Mapping[str, Any]:
+    """`{name: start(name)}` for a module fixture that starts all its tests' processes at once, so
+    that they overlap. Under pytest-xdist each starts when a test first asks for it instead: every
+    worker that runs one of the module's tests builds the fixture, and would start them all."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return _OnDemand(names, start)
+    return {name: start(name) for name in names}

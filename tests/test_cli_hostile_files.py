@@ -17,10 +17,12 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from factories import started
 from text_data import train_tokenizer, write_jsonl
 
 from megatron_bridge.data.indexed import IndexedDatasetWriter, write_index
@@ -74,8 +76,9 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cases(work) -> dict[str, tuple[Future, str]]:
-    """name -> (future of its CompletedProcess, marker file a tampered checkpoint would create)."""
+def cases(work) -> Mapping[str, tuple[Future, str]]:
+    """name -> (future of its CompletedProcess, marker file a tampered checkpoint would create), each
+    started at once (under pytest-xdist when first asked for: `factories.started`)."""
     runs = os.path.join(str(work), "runs")
     trained = _mbridge(["pretrain", "--recipe", TINY, "--dir", runs, "train.train_iters=1", "validation.eval_iters=0"])
     assert trained.returncode == 0, trained.stderr[-3000:]
@@ -125,9 +128,8 @@ def cases(work) -> dict[str, tuple[Future, str]]:
         **_output_cases(str(work), clean),
     }  # fmt: skip
     pool = ThreadPoolExecutor(PARALLEL)
-    started = {name: (pool.submit(_mbridge, argv, env), mark.get(name)) for name, (argv, env) in argvs.items()}
+    yield started(argvs, lambda name: (pool.submit(_mbridge, *argvs[name]), mark.get(name)))
     pool.shutdown(wait=False)
-    return started
 
 
 _NO_ROOT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from factories import started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "tiny_gpt_pretrain_config"
@@ -57,8 +59,9 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cases(work) -> dict[str, Future]:
-    """Every case started: name -> future of its CompletedProcess."""
+def cases(work) -> Mapping[str, Future]:
+    """Every case started (under pytest-xdist when first asked for: `factories.started`): name -> future
+    of its CompletedProcess."""
     d = str(work)
     mark = {n: os.path.join(d, f"ran-{n}") for n in ("env", "kwargs", "merged", "show", "diff", "dry", "site")}
     # A file that merges over a recipe, and complete configs (for config show / diff) naming a refused target.
@@ -120,14 +123,13 @@ def cases(work) -> dict[str, Future]:
         "secret help": ["pretrain", "--recipe", TINY, "+env_vars.API_TOKEN=${oc.env:MB_TEST_SECRET}",
                         "++env_vars.DB_PASSWORD=literal-credential", "--help-config"],
     }  # fmt: skip
-    env = _env(MB_TEST_SECRET=SECRET)
-    pool = ThreadPoolExecutor(PARALLEL)
-    futures = {name: pool.submit(_mbridge, argv, REPO, env) for name, argv in argvs.items()}
+    envs = {name: _env(MB_TEST_SECRET=SECRET) for name in argvs}
     # a launcher variable exported empty (WORLD_SIZE=$SLURM_NTASKS outside an allocation)
-    futures["empty WORLD_SIZE"] = pool.submit(_mbridge, ["pretrain", "--recipe", TINY, *fast], REPO, _env(WORLD_SIZE=""))
-    futures["marks"] = Future()
-    futures["marks"].set_result(mark)
-    yield futures
+    argvs["empty WORLD_SIZE"], envs["empty WORLD_SIZE"] = ["pretrain", "--recipe", TINY, *fast], _env(WORLD_SIZE="")
+    marks: Future = Future()
+    marks.set_result(mark)
+    pool = ThreadPoolExecutor(PARALLEL)
+    yield started([*argvs, "marks"], lambda name: marks if name == "marks" else pool.submit(_mbridge, argvs[name], REPO, envs[name]))
     pool.shutdown(wait=True)
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from factories import source_tree_env
+from factories import source_tree_env, started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -39,14 +39,15 @@ def _arguments(key: str, directory) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every example started at once, two at a time (they are independent): key -> (its
-    directory, a future of its output)."""
+    """Every example started at once, two at a time (they are independent; under pytest-xdist each
+    when first asked for: `factories.started`): key -> (its directory, a future of its output)."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    jobs = {}
-    for key in ("custom_dataset", "optimizer_groups", "extra_metric", "callback", "eval_callback"):
+
+    def start(key: str) -> tuple:
         directory = tmp_path_factory.mktemp(key)
-        jobs[key] = (directory, pool.submit(run_example, *_arguments(key, directory)))
-    yield jobs
+        return directory, pool.submit(run_example, *_arguments(key, directory))
+
+    yield started(("custom_dataset", "optimizer_groups", "extra_metric", "callback", "eval_callback"), start)
     pool.shutdown(wait=True)
 
 

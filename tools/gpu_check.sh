@@ -30,8 +30,11 @@
 # SUITE_RESERVE_S seconds of the deadline to the steps after it. SUITE_WORKERS: xdist workers (12);
 # SUITE_ARGS: what pytest runs (default: all of tests/). Failures' tracebacks go to failures.log as
 # they happen. ENVIRONMENT=0 leaves out the version check and nvidia-smi (22 s).
-# The whole suite takes about 12 minutes on 16 cores with `SUITE_ARGS="--dist worksteal tests/"`
-# (1,337 tests on an H100). Where one command may run for less than that, start the check detached
+# The suite runs with `--dist worksteal` (idle workers take tests queued on busy ones). It took
+# about 12 minutes on 16 cores (1,337 tests on an H100), before the module fixtures that start all
+# their cases at once learned to start each case on demand under xdist (tests/factories.started):
+# every worker that ran one of their tests had started them all. Where one command may run for
+# less than the suite needs, start the check detached
 # from a copy of the repository and read its log directory from a later command:
 #   cp -a . /tmp/r && cd /tmp/r && STEPS=suite DEADLINE_S=740 SUITE_MIN_S=60 SUITE_WORKERS=16 \
 #     setsid nohup bash tools/gpu_check.sh /tmp/gc > /dev/null 2>&1 < /dev/null &
@@ -214,7 +217,7 @@ suite() {
     local -
     set -f  # test ids hold brackets: words, not patterns
     if "$PYTHON" -c "import xdist" 2> /dev/null; then
-        args="-n $SUITE_WORKERS $args"
+        args="-n $SUITE_WORKERS --dist worksteal $args"
     else
         echo "suite: pytest-xdist is not installed, the suite runs in one process" | tee -a "$SUMMARY"
     fi
