@@ -641,6 +641,24 @@ def test_a_gpu_run_larger_than_its_gpu_is_refused_before_its_batches_are_built()
     )
 
 
+
+def test_a_planner_failure_leaves_the_memory_checks_to_the_run_with_a_warning(monkeypatch, caplog):
+    """The checks only guard a run: a config the planner fails on trains unchecked, and says so."""
+    from megatron_bridge.training import memory_fit
+    from recipes import tiny_gpt_pretrain_config
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    cfg = tiny_gpt_pretrain_config()
+    runtime_config_update(cfg, world_size=1)
+    monkeypatch.setattr(memory_fit, "plan", broken)
+    with caplog.at_level(logging.WARNING, logger="megatron_bridge"):
+        memory_fit.refuse_what_the_gpu_cannot_hold(cfg, total=1)
+        memory_fit.refuse_what_host_memory_cannot_hold(cfg, available=2**40)
+    assert caplog.text.count("the memory check could not plan this run (IndexError: list index out of range); it runs unchecked") == 2
+
+
 def test_a_model_of_more_elements_than_a_float_holds_exactly_is_planned_not_crashed():
     """Bucket padding computed in floats came out smaller than the bucket past 2**53 elements, and
     the optimizer shards then indexed a data-parallel rank that does not exist (IndexError)."""

@@ -13,6 +13,7 @@ them forked for minutes, then exhausted it.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Optional
 
 from megatron_bridge.config.errors import ConfigProblem, ConfigValidationError
@@ -22,6 +23,8 @@ from megatron_bridge.runtime.launcher_env import launcher_int
 
 if TYPE_CHECKING:
     from megatron_bridge.training.config import ConfigContainer
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -52,12 +55,15 @@ def dataloader_workers(cfg: "ConfigContainer") -> int:
 
 
 def _model_bytes(cfg: "ConfigContainer") -> Optional[tuple[int, str]]:
-    """Planned bytes of one CPU training process and their parts, as text; None where the planner
-    does not model the config."""
+    """Planned bytes of one training process and their parts, as text; None where the planner
+    does not model the config (or fails on it: logged)."""
     try:
         worst = plan(cfg, with_fixes=False).worst
     except PlanningError:
         return None  # a feature the planner does not model: the run finds out itself
+    except Exception as exc:  # noqa: BLE001 - the check must not stop a run the planner cannot plan
+        logger.warning("the memory check could not plan this run (%s: %s); it runs unchecked", type(exc).__name__, exc)
+        return None
     s = worst.state
     parts = (("parameters", s.params), ("gradients", s.grads), ("optimizer state", s.optimizer), ("activations", worst.activations.total))
     return int(sum(size for _, size in parts)), ", ".join(f"{name} {size / GIB:,.2f}" for name, size in parts)
