@@ -380,6 +380,21 @@ def test_deterministic_mode_rules(monkeypatch):
     assert os.environ["NCCL_ALGO"] == "Ring"
 
 
+def test_deterministic_mode_refuses_transformer_engine_flash_attention(monkeypatch):
+    """As Megatron-LM and NVIDIA Megatron Bridge: TE's flash attention backward is not
+    deterministic. On local layers `flash` is PyTorch SDPA, as `auto` is, and stays allowed."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    te = dict(deterministic_mode=True, attention_backend=AttnBackend.flash, transformer_impl="transformer_engine")
+    assert only_problem(tiny_config(model=tiny_model(**te))) == (
+        "model.attention_backend: TransformerEngine's flash attention is not deterministic "
+        "(set model.attention_backend='fused', 'unfused' or 'auto' in deterministic mode)"
+    )
+    runtime_config_update(tiny_config(model=tiny_model(**{**te, "attention_backend": AttnBackend.auto})))
+    runtime_config_update(tiny_config(model=tiny_model(**{**te, "transformer_impl": "local"})))
+
+
 @pytest.mark.parametrize("algo", ["Tree", "CollnetDirect", "CollnetChain", "^NVLS"])
 def test_deterministic_mode_takes_megatron_lms_nccl_algorithms(monkeypatch, algo):
     """Megatron-LM and NVIDIA Megatron Bridge accept these five; only Ring was accepted besides Tree."""

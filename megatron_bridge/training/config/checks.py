@@ -16,6 +16,7 @@ import torch
 
 from megatron_bridge.config.errors import Problems
 from megatron_bridge.data.config import FinetuningDatasetConfig
+from megatron_bridge.models.attention import backend_name
 from megatron_bridge.models.vocab import null_tokenizer_vocab
 from megatron_bridge.training.config.scheduler import ITERATION_FIELDS, SAMPLE_FIELDS
 from megatron_bridge.training.mixed_precision import check_low_precision
@@ -321,7 +322,9 @@ def check_context_parallel(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Deterministic mode: no fused cross entropy, a deterministic NCCL algorithm."""
+    """Deterministic mode: no fused cross entropy, no TransformerEngine flash attention (as
+    Megatron-LM: its backward pass is not deterministic), a deterministic NCCL algorithm. On local
+    layers `flash` means PyTorch SDPA, as `auto` does, so it is kept there."""
     m = cfg.model
     if not m.deterministic_mode:
         return
@@ -330,6 +333,12 @@ def check_deterministic_mode(cfg: "ConfigContainer", problems: Problems) -> None
         "model.cross_entropy_loss_fusion",
         "the fused cross entropy is not deterministic",
         "set model.cross_entropy_loss_fusion=False in deterministic mode",
+    )
+    problems.check(
+        not (backend_name(m) == "flash" and m.transformer_impl == "transformer_engine"),
+        "model.attention_backend",
+        "TransformerEngine's flash attention is not deterministic",
+        "set model.attention_backend='fused', 'unfused' or 'auto' in deterministic mode",
     )
     algo = os.environ.get("NCCL_ALGO", cfg.env_vars.get("NCCL_ALGO"))
     problems.check(
