@@ -440,6 +440,23 @@ def test_checkpoint_rules(tmp_path):
     )
 
 
+def test_loading_settings_without_a_load_directory_are_refused(tmp_path):
+    ignored = tiny_config(checkpoint=CheckpointConfig(finetune=True, exit_on_missing_checkpoint=True))
+    assert problems_of(ignored) == [
+        "checkpoint.finetune: True has no effect: it loads the checkpoint in checkpoint.load as weights only, "
+        "and load is not set (set checkpoint.load to the checkpoint directory, or remove checkpoint.finetune)",
+        "checkpoint.exit_on_missing_checkpoint: True has no effect: it is about a checkpoint missing from "
+        "checkpoint.load, and load is not set (set checkpoint.load to the checkpoint directory, or remove "
+        "checkpoint.exit_on_missing_checkpoint)",
+    ]
+    # pretrained_checkpoint is read as weights only anyway: finetune adds nothing there
+    weights = CheckpointConfig(finetune=True, pretrained_checkpoint=str(tmp_path))
+    assert "checkpoint.finetune: True has no effect" in only_problem(tiny_config(checkpoint=weights))
+    runtime_config_update(
+        tiny_config(checkpoint=CheckpointConfig(load=str(tmp_path), finetune=True, exit_on_missing_checkpoint=True))
+    )
+
+
 def test_saving_settings_without_a_save_directory_are_refused():
     forgotten = tiny_config(checkpoint=CheckpointConfig(save_interval=5, most_recent_k=2))
     assert problems_of(forgotten) == [

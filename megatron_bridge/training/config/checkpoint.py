@@ -175,6 +175,7 @@ class CheckpointConfig(ConfigBase):
     def _finalize(self, problems: Problems) -> None:
         p = problems
         self._check_saving_settings(p)
+        self._check_loading_settings(p)
         if self.async_save:
             p.check(self.save is not None, "async_save", "async_save needs a save directory", "set checkpoint.save")
             p.check(
@@ -216,6 +217,23 @@ class CheckpointConfig(ConfigBase):
                     f"{self.custom_manager_class!r} is not a class",
                     "name a class implementing save / load / finalize_async_saves",
                 )
+
+    def _check_loading_settings(self, problems: Problems) -> None:
+        """`finetune` and `exit_on_missing_checkpoint` act only on the checkpoint in `load`
+        (`pretrained_checkpoint` is always read as weights only): without `load` they would be
+        ignored."""
+        if self.load:
+            return
+        for name, why in (
+            ("finetune", "it loads the checkpoint in checkpoint.load as weights only, and load is not set"),
+            ("exit_on_missing_checkpoint", "it is about a checkpoint missing from checkpoint.load, and load is not set"),
+        ):
+            problems.check(
+                not getattr(self, name),
+                name,
+                f"True has no effect: {why}",
+                f"set checkpoint.load to the checkpoint directory, or remove checkpoint.{name}",
+            )
 
     def _check_saving_settings(self, problems: Problems) -> None:
         """How often to save and how many saves to keep mean nothing without a save directory.
