@@ -137,6 +137,25 @@ def test_wrong_type_on_assignment_is_refused_and_not_stored():
     assert cfg.train.train_iters == 20
 
 
+def test_wrong_types_inside_a_mapping_are_refused_and_not_stored():
+    """A dict field checks its keys and values against the declaration, as a list field checks its
+    items: an int tag would be stored as given, and read back from YAML as a string."""
+    from megatron_bridge.training.config import ConfigContainer, LoggerConfig
+
+    with pytest.raises(TypeError, match=r"LoggerConfig.mlflow_tags: expected Optional\[dict\[str, str\]\], got dict \{'team': 1\}"):
+        LoggerConfig(mlflow_tags={"team": 1})
+    logger = LoggerConfig(mlflow_tags={"team": "llm"})
+    with pytest.raises(TypeError, match="expected Optional"):
+        logger.mlflow_tags = {"team": 1}
+    assert logger.mlflow_tags == {"team": "llm"}
+    with pytest.raises(TypeError, match=r"ConfigContainer.env_vars: key 1: expected str, got int 1"):
+        tiny_config(env_vars={1: "x"})
+    with pytest.raises(TypeError, match=r"sequences_per_dataset: expected .*, got dict \{'a': 'many'\}"):
+        GPTDatasetConfig(seq_length=8, sequences_per_dataset={"a": "many"})
+    cfg = tiny_config(logger=logger, env_vars={"A": 1})
+    assert ConfigContainer.from_dict(cfg.to_dict()) == cfg
+
+
 def test_dataset_seq_length_alias():
     data = GPTDatasetConfig(seq_length=128)
     assert data.sequence_length == 128 and data.seq_length == 128

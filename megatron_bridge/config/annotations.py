@@ -226,9 +226,26 @@ def checker_for(tp: Any) -> Checker:
         return check_sequence
     if kind == "callable":
         return lambda v: None if callable(v) else f"expected a callable, {got(v)}"
-    accepted = Mapping if kind == "mapping" else tp
-    if kind == "mapping" or (kind != "any" and isinstance(tp, type)):  # also a class not named above
-        return lambda v: None if isinstance(v, accepted) else f"expected {name}, {got(v)}"
+    if kind == "mapping":
+        key, value_of = (checker_for(a) for a in (args if len(args) == 2 else (Any, Any)))
+
+        def check_mapping(value: Any) -> Optional[str]:
+            if not isinstance(value, Mapping):
+                return f"expected {name}, {got(value)}"
+            if key is _ok and value_of is _ok:
+                return None
+            for k, v in value.items():
+                why = key(k)
+                if why:
+                    return f"key {k!r}: {why}"
+                why = value_of(v)
+                if why:
+                    return f"value of {k!r}: {why}"
+            return None
+
+        return check_mapping
+    if kind != "any" and isinstance(tp, type):  # also a class not named above
+        return lambda v: None if isinstance(v, tp) else f"expected {name}, {got(v)}"
     return _ok
 
 
