@@ -229,6 +229,13 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             f"{groups} query groups and tensor_model_parallel_size={tp}: neither divides the other",
             "choose a TP size that divides (or is a multiple of) num_query_groups",
         )
+        if self.kv_channels is None:
+            p.check(
+                self.hidden_size % self.num_attention_heads == 0,
+                "hidden_size",
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}",
+                "set model.kv_channels explicitly or change the sizes",
+            )
         if not self.multi_latent_attention:  # multi-latent attention has no query groups
             p.check(
                 self.num_attention_heads % groups == 0,
@@ -236,13 +243,6 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
                 f"{self.num_attention_heads} attention heads do not split into {groups} query groups "
                 "(megatron-core fails on it at the first forward pass)",
                 "choose num_query_groups that divides num_attention_heads",
-            )
-        if self.kv_channels is None:
-            p.check(
-                self.hidden_size % self.num_attention_heads == 0,
-                "hidden_size",
-                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}",
-                "set model.kv_channels explicitly or change the sizes",
             )
         p.check(
             not self.sequence_parallel or tp > 1,
