@@ -824,6 +824,10 @@ def test_expert_settings_megatron_core_fails_on_at_the_build():
         "model.moe_token_dispatcher_type: 'flex' dispatches through DeepEP or HybridEP kernels, which need CUDA, but "
         "this run trains on CPU (use 'alltoall' or 'allgather' on CPU)"
     ]
+    assert only_problem(tiny_config(model=tiny_model(moe_router_topk=5, **moe))) == (
+        "model.moe_router_topk: 5 experts per token, but the model has num_moe_experts=4 (the router's top-k fails "
+        "at the first forward pass) (set model.moe_router_topk to at most 4)"
+    )
     assert only_problem(tiny_config(model=tiny_model(moe_apply_probs_on_input=True, **moe))) == (
         "model.moe_apply_probs_on_input: megatron-core applies the routing probability to the expert input only with "
         "one expert per token, but moe_router_topk=2 (set model.moe_router_topk=1, or "

@@ -130,6 +130,13 @@ def check_experts(m: Any, p: Problems) -> None:
     first forward."""
     if not m.num_moe_experts:
         return
+    p.check(
+        m.moe_router_topk <= m.num_moe_experts,
+        "moe_router_topk",
+        f"{m.moe_router_topk} experts per token, but the model has num_moe_experts={m.num_moe_experts} "
+        "(the router's top-k fails at the first forward pass)",
+        f"set model.moe_router_topk to at most {m.num_moe_experts}",
+    )
     if m.moe_token_dispatcher_type == "flex":
         etp = m.expert_tensor_parallel(m.tensor_model_parallel_size) or m.tensor_model_parallel_size
         p.check(
