@@ -828,6 +828,11 @@ def test_expert_settings_megatron_core_fails_on_at_the_build():
         "model.moe_router_topk: 5 experts per token, but the model has num_moe_experts=4 (the router's top-k fails "
         "at the first forward pass) (set model.moe_router_topk to at most 4)"
     )
+    assert only_problem(tiny_config(model=tiny_model(moe_layer_freq=[1, 0, 1], **moe))) == (
+        "model.moe_layer_freq: lists 3 layers, the model has num_layers=2 (megatron-core fails on it at the model "
+        "build) (give one 0/1 per layer (1: a mixture-of-experts layer), or an int N (every Nth layer))"
+    )
+    runtime_config_update(tiny_config(model=tiny_model(moe_layer_freq=[0, 1], **moe)))
     assert only_problem(tiny_config(model=tiny_model(moe_apply_probs_on_input=True, **moe))) == (
         "model.moe_apply_probs_on_input: megatron-core applies the routing probability to the expert input only with "
         "one expert per token, but moe_router_topk=2 (set model.moe_router_topk=1, or "

@@ -137,6 +137,15 @@ def check_experts(m: Any, p: Problems) -> None:
         "(the router's top-k fails at the first forward pass)",
         f"set model.moe_router_topk to at most {m.num_moe_experts}",
     )
+    freq = m.moe_layer_freq
+    if isinstance(freq, list) and m.num_layers is not None:
+        p.check(
+            len(freq) == m.num_layers,
+            "moe_layer_freq",
+            f"lists {len(freq)} layers, the model has num_layers={m.num_layers} (megatron-core fails on it at the "
+            "model build)",
+            "give one 0/1 per layer (1: a mixture-of-experts layer), or an int N (every Nth layer)",
+        )
     if m.moe_token_dispatcher_type == "flex":
         etp = m.expert_tensor_parallel(m.tensor_model_parallel_size) or m.tensor_model_parallel_size
         p.check(
