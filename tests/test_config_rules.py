@@ -984,6 +984,15 @@ def test_a_field_whose_feature_is_off_is_refused(fields, text):
     assert text in err.value.errors
 
 
+def test_shared_experts_without_experts_are_refused():
+    """megatron-core builds shared experts only in a mixture-of-experts layer; a dense model ignored the size."""
+    assert only_problem(tiny_config(model=tiny_model(moe_shared_expert_intermediate_size=32))) == (
+        "model.moe_shared_expert_intermediate_size: 32 has no effect without experts (model.num_moe_experts: "
+        "megatron-core reads it only then) (set model.num_moe_experts, or leave "
+        "model.moe_shared_expert_intermediate_size at None)"
+    )
+
+
 def test_a_field_whose_feature_is_on_is_accepted():
     from factories import tiny_llama_model
 

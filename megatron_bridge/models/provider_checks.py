@@ -262,6 +262,7 @@ _ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("mrope_section", lambda m: m.position_embedding_type == "mrope", "multimodal rope",
      "model.position_embedding_type='mrope'"),
     ("moe_ffn_hidden_size", lambda m: bool(m.num_moe_experts), "experts", "model.num_moe_experts"),
+    ("moe_shared_expert_intermediate_size", lambda m: bool(m.num_moe_experts), "experts", "model.num_moe_experts"),
     ("moe_shared_expert_gate", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
      "model.moe_shared_expert_intermediate_size"),
     ("moe_shared_expert_overlap", lambda m: bool(m.moe_shared_expert_intermediate_size), "shared experts",
