@@ -12,6 +12,7 @@ from megatron_bridge import extras
 from megatron_bridge.training.config import (
     CheckpointConfig,
     ConfigValidationError,
+    DistributedDataParallelConfig,
     FinetuningDatasetConfig,
     LoggerConfig,
     MissingPackageError,
@@ -896,6 +897,21 @@ def test_distributed_optimizer_instances_split_the_data_parallel_ranks():
     assert only_problem(cfg) == (
         "ddp.num_distributed_optimizer_instances: 2 instances do not split the DP x CP = 1 ranks evenly "
         "(choose a number of instances that divides DP x CP)"
+    )
+
+
+def test_distributed_optimizer_instances_need_the_distributed_optimizer():
+    """Several instances are several distributed optimizers; without one, megatron-core all-reduces
+    the gradients as usual, only without overlapping it."""
+    cfg = tiny_config(ddp=DistributedDataParallelConfig(num_distributed_optimizer_instances=2))
+    assert only_problem(cfg, world_size=4) == (
+        "ddp.num_distributed_optimizer_instances: 2 instances of the distributed optimizer, but it is off "
+        "(ddp.use_distributed_optimizer=False) (set ddp.use_distributed_optimizer=True, or leave "
+        "ddp.num_distributed_optimizer_instances at 1)"
+    )
+    runtime_config_update(
+        tiny_config(ddp=DistributedDataParallelConfig(num_distributed_optimizer_instances=2, use_distributed_optimizer=True)),
+        world_size=4,
     )
 
 

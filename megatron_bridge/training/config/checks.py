@@ -183,9 +183,18 @@ def check_pipeline_layout(cfg: "ConfigContainer", problems: Problems) -> None:
 
 
 def check_distributed_optimizer_instances(cfg: "ConfigContainer", problems: Problems) -> None:
-    """Each distributed-optimizer instance shards the state over an equal part of the DP x CP ranks."""
+    """Each distributed-optimizer instance shards the state over an equal part of the DP x CP ranks;
+    without the distributed optimizer there are no instances (megatron-core would only lose the
+    overlap of its gradient all-reduce)."""
     instances, dp = cfg.ddp.num_distributed_optimizer_instances, cfg.data_parallel_size
     if instances == 1 or dp is None:
+        return
+    if not problems.check(
+        cfg.ddp.use_distributed_optimizer,
+        "ddp.num_distributed_optimizer_instances",
+        f"{instances} instances of the distributed optimizer, but it is off (ddp.use_distributed_optimizer=False)",
+        "set ddp.use_distributed_optimizer=True, or leave ddp.num_distributed_optimizer_instances at 1",
+    ):
         return
     ranks = dp * cfg.model.context_parallel_size
     problems.check(
