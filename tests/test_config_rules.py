@@ -915,6 +915,22 @@ def test_distributed_optimizer_instances_need_the_distributed_optimizer():
     )
 
 
+def test_overlapped_parameter_gather_needs_the_distributed_optimizer():
+    """Only the distributed optimizer gathers parameters: megatron-core reads overlap_param_gather only with it."""
+    cfg = tiny_config(ddp=DistributedDataParallelConfig(overlap_param_gather=True, overlap_grad_reduce=True))
+    assert only_problem(cfg, world_size=2) == (
+        "ddp.overlap_param_gather: True overlaps the distributed optimizer's parameter all-gather, and the "
+        "distributed optimizer is off (megatron-core ignores it then) (set ddp.use_distributed_optimizer=True, or "
+        "turn overlap_param_gather off)"
+    )
+    from megatron_bridge.training.comm_overlap import CommOverlapConfig
+
+    asked = tiny_config(comm_overlap=CommOverlapConfig(overlap_param_gather=True))
+    assert only_problem(asked, world_size=2).startswith("ddp.overlap_param_gather: True overlaps")
+    on = DistributedDataParallelConfig(overlap_param_gather=True, overlap_grad_reduce=True, use_distributed_optimizer=True)
+    runtime_config_update(tiny_config(ddp=on), world_size=2)
+
+
 def test_nccl_user_buffers_are_refused_on_cpu():
     cfg = tiny_config()
     cfg.ddp.nccl_ub = True

@@ -124,4 +124,11 @@ class DistributedDataParallelConfig(MCoreDistributedDataParallelConfig, ConfigBa
             "reusing the grad buffer for the param all-gather needs fp8_param_gather",
             "set ddp.fp8_param_gather=True or turn reuse_grad_buf_for_mxfp8_param_ag off",
         )
+        problems.check(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "overlap_param_gather",
+            "True overlaps the distributed optimizer's parameter all-gather, and the distributed optimizer is off "
+            "(megatron-core ignores it then)",
+            "set ddp.use_distributed_optimizer=True, or turn overlap_param_gather off",
+        )
         self._run_parent_post_init(MCoreDistributedDataParallelConfig, problems)
