@@ -931,6 +931,22 @@ def test_overlapped_parameter_gather_needs_the_distributed_optimizer():
     runtime_config_update(tiny_config(ddp=on), world_size=2)
 
 
+def test_overlapped_p2p_with_batched_p2p_is_refused_with_interleaved_pipelining():
+    """megatron-core's interleaved schedule raises on the two together at the first step; the
+    communication-overlap preset turns batching off when it turns the overlap on."""
+    from megatron_bridge.training.comm_overlap import CommOverlapConfig
+
+    layout = dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert only_problem(tiny_config(model=tiny_model(overlap_p2p_comm=True, **layout)), world_size=2) == (
+        "model.overlap_p2p_comm: True with batch_p2p_comm=True: megatron-core's interleaved pipeline schedule "
+        "refuses the two together (at the first training step) (set model.batch_p2p_comm=False, or "
+        "model.overlap_p2p_comm=False)"
+    )
+    preset = tiny_config(model=tiny_model(**layout), comm_overlap=CommOverlapConfig(overlap_p2p_comm=True))
+    runtime_config_update(preset, world_size=2)
+    assert (preset.model.overlap_p2p_comm, preset.model.batch_p2p_comm) == (True, False)
+
+
 def test_nccl_user_buffers_are_refused_on_cpu():
     cfg = tiny_config()
     cfg.ddp.nccl_ub = True

@@ -250,6 +250,14 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             "sequence parallelism needs tensor_model_parallel_size > 1",
             "set model.sequence_parallel=False or raise the TP size",
         )
+        interleaved = self.pipeline_model_parallel_size > 1 and (self.virtual_pipeline_model_parallel_size or 1) > 1
+        p.check(
+            not (interleaved and self.overlap_p2p_comm and self.batch_p2p_comm),
+            "overlap_p2p_comm",
+            "True with batch_p2p_comm=True: megatron-core's interleaved pipeline schedule refuses the two together "
+            "(at the first training step)",
+            "set model.batch_p2p_comm=False, or model.overlap_p2p_comm=False",
+        )
         if self.symmetric_ar_type is not None:  # megatron-core's check of it reads TransformerEngine's version
             p.require_package("transformer_engine", "symmetric_ar_type", "symmetric-memory all-reduce")
         if self.multi_latent_attention:
