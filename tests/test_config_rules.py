@@ -805,7 +805,7 @@ def test_training_keeps_the_logits_split():
 def test_attention_heads_must_split_into_the_query_groups():
     """megatron-core's config takes 4 heads in 3 groups; its attention fails at the first forward."""
     assert only_problem(tiny_config(model=tiny_model(num_query_groups=3))) == (
-        "model.num_query_groups: 4 attention heads do not split into 3 query groups (megatron-core fails on it at "
+        "model.num_query_groups: 3 query groups do not divide num_attention_heads=4 (megatron-core fails on it at "
         "the first forward pass) (choose num_query_groups that divides num_attention_heads)"
     )
     runtime_config_update(tiny_config(model=tiny_model(num_query_groups=2)))

@@ -36,6 +36,8 @@ RELATED = {
     "GPTModelProvider.rope_scaling_factor": "rope_scaling",
     "GPTModelProvider.mtp_loss_scaling_factor": "mtp_num_layers",
     "GPTModelProvider.moe_ffn_hidden_size": "num_moe_experts",
+    "GPTModelProvider.moe_shared_expert_intermediate_size": "num_moe_experts",
+    "GPTModelProvider.num_query_groups": "num_attention_heads",
     **{f"OptimizerConfig.{n}": "fp16" for n in (
         "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")},
     "GPTModelProvider.moe_router_bias_update_rate": "moe_router_enable_expert_bias",

@@ -240,7 +240,7 @@ class GPTModelProvider(TransformerConfig, ConfigBase):
             p.check(
                 self.num_attention_heads % groups == 0,
                 "num_query_groups",
-                f"{self.num_attention_heads} attention heads do not split into {groups} query groups "
+                f"{groups} query groups do not divide num_attention_heads={self.num_attention_heads} "
                 "(megatron-core fails on it at the first forward pass)",
                 "choose num_query_groups that divides num_attention_heads",
             )
