@@ -91,8 +91,8 @@ def recipe(world_size: int, **defaults: Any) -> Callable[[Callable], Callable[..
                 raise TypeError(f"{fn.__name__}(): {exc}") from None
             _check_run_name(opts.name)
             cfg = fn(opts)
-            if cfg.recipe_world_size is None:  # survives to_yaml / --config-file
-                cfg.apply_default("recipe_world_size", world_size)
+            if cfg.dist.recipe_world_size is None:  # survives to_yaml / --config-file
+                cfg.dist.apply_default("recipe_world_size", world_size)
             return cfg
 
         build.world_size = world_size

@@ -110,7 +110,7 @@ def test_recipe_world_size_survives_yaml(tmp_path, capsys):
     cfg = recipes.llama3_8b_pretrain_config(dir=str(tmp_path / "runs"))
     path = tmp_path / "llama.yaml"
     path.write_text(cfg.to_yaml())
-    assert ConfigContainer.from_yaml(str(path)).recipe_world_size == 8
+    assert ConfigContainer.from_yaml(str(path)).dist.recipe_world_size == 8
     code, out, err = cli(capsys, "pretrain", "--config-file", str(path), "--plan-only")
     assert code == 0, err
     assert "on 8 x H100" in out

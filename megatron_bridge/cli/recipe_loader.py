@@ -78,10 +78,10 @@ def _load_file(spec: str, path: str) -> Any:
 
 def world_size_of(fn: Any, cfg: Any = None) -> Optional[int]:
     """The world size a recipe is laid out for: its `@recipe(world_size=...)`, else the one its
-    config records (`recipe_world_size`), else None."""
+    config records (`dist.recipe_world_size`), else None."""
     size = getattr(fn, "world_size", None)
     if size is None and cfg is not None:
-        size = getattr(cfg, "recipe_world_size", None)
+        size = cfg.dist.recipe_world_size
     return size
 
 

@@ -105,6 +105,10 @@ class ConfigBase(metaclass=_ConfigMeta):
     _field_aliases: ClassVar[dict[str, str]] = {}
     """Alternative constructor/override names for fields, e.g. `seq_length` for `sequence_length`."""
 
+    _moved_fields: ClassVar[dict[str, str]] = {}
+    """Fields that moved into a section: the old key -> "section.field". A config saved with the
+    old key still loads (see `serialization`)."""
+
     _positional_fields: ClassVar[Optional[tuple[str, ...]]] = None
     """The names positional constructor arguments stand for, in order (None: the dataclass's)."""
 

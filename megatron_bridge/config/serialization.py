@@ -184,6 +184,7 @@ class ConfigDecoder(Decoder):
     def section(self, raw: Mapping, declared: tuple[type, ...]) -> Any:
         """A new section of the class `raw` describes (`section_class`), built from `raw`."""
         cls = self.section_class(raw, declared)
+        raw = _with_moved_fields(cls, raw)
         tags, values, errors = self.read_section(cls, raw)
         present = {getattr(cls, "_field_aliases", {}).get(k, k) for k in raw if k not in SECTION_TAGS}
         fields = _fields(cls)
@@ -234,6 +235,7 @@ class ConfigDecoder(Decoder):
         do not; the problems are then raised together as one DecodeError."""
         if TARGET in raw and self.section_class(raw, ()) is not type(obj):
             return self.section(raw, ())
+        raw = _with_moved_fields(type(obj), raw)
         tags, values, errors = self.read_section(type(obj), raw, obj)
         for name, value in values.items():
             try:
@@ -328,6 +330,27 @@ def _as_is(f: FieldSpec) -> Optional[type]:
     or None. (Cached by field: hashing a typing annotation costs more than the lookup saves.)"""
     arms = real_arms(f.type)
     return arms[0] if len(arms) == 1 and arms[0] in (str, int, float, bool) else None
+
+
+def _with_moved_fields(cls: type, raw: Mapping) -> Mapping:
+    """`raw` with each key of `cls._moved_fields` (a field that moved into a section) put into that
+    section's mapping, with the bookkeeping tags that name it."""
+    moved = [key for key in getattr(cls, "_moved_fields", {}) if key in raw]
+    if not moved:
+        return raw
+    raw = dict(raw)
+    for key in moved:
+        section, name = cls._moved_fields[key].split(".")
+        inner = raw.get(section, {})
+        if not isinstance(inner, Mapping):
+            continue  # reported where the section is read
+        inner = raw[section] = {**inner, name: raw.pop(key)}
+        for tag in (EXPLICIT, IMPLICIT, DERIVED):
+            listed = raw.get(tag)
+            if isinstance(listed, list) and key in listed:
+                raw[tag] = [n for n in listed if n != key]
+                inner[tag] = [*inner.get(tag, ()), name]
+    return raw
 
 
 def merge_dicts(base: dict, update: Mapping) -> dict:

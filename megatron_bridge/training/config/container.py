@@ -125,12 +125,10 @@ class ConfigContainer(ConfigBase):
     the launching environment. Values named like credentials (`*_TOKEN`, `*_KEY`, ...) are
     written to saved configs as `<redacted>`; give them as `${oc.env:VAR}` to keep a reference."""
 
-    recipe_world_size: Optional[int] = field(None, range=SIZE)
-    """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use
-    it when no world size is given."""
-
     data_parallel_size: Optional[int] = field(init=False, default=None, range=SIZE)
     """Derived: world size // (TP x PP x CP), set by runtime_config_update."""
+
+    _moved_fields = {"recipe_world_size": "dist.recipe_world_size"}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:

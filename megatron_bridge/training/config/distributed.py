@@ -80,6 +80,10 @@ class DistributedInitConfig(ConfigBase):
     )
     """Pass process groups through functions instead of megatron-core's global parallel state."""
 
+    recipe_world_size: Optional[int] = field(None, range=SIZE)
+    """Processes (GPUs) the config is laid out for, recorded by its recipe; dry runs and plans use
+    it when no world size is given."""
+
     _field_aliases = {"lazy_init": "lazy_mpu_init"}
 
 
