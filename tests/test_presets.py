@@ -97,6 +97,20 @@ def test_preset_never_overwrites_an_explicit_user_value_and_reports_the_contradi
     assert cfg.model.params_dtype == torch.float32
 
 
+@pytest.mark.parametrize("preset, other", [("fp16_mixed", "bf16"), ("bf16_mixed", "fp16")])
+def test_the_other_half_precision_set_by_the_user_contradicts_the_preset_by_name(preset, other):
+    """A preset chooses its dtype as a whole: the user's explicit model.bf16=True under fp16_mixed
+    was reported as "model.bf16 and model.fp16 are both on", without naming the preset."""
+    cfg = tiny_config(model=tiny_model(**{other: True}), mixed_precision=preset)
+    with pytest.raises(ConfigValidationError) as err:
+        runtime_config_update(cfg)
+    assert err.value.errors[0] == (
+        f"model.{other}: True was set explicitly but mixed_precision {preset!r} sets False "
+        f"(remove the explicit model.{other} or choose another mixed_precision preset)"
+    )
+    assert not any("are both on" in e for e in err.value.errors)
+
+
 def test_user_values_where_the_preset_only_carries_a_default_stand():
     """fp16_mixed chooses fp16 and its dtypes, not the loss scaling: the user's static loss scale,
     or the dynamic scaler's hysteresis, on the optimizer are kept (megatron-core's --loss-scale,

@@ -293,13 +293,14 @@ def fp32() -> MixedPrecisionConfig:
 
 def bf16_mixed() -> MixedPrecisionConfig:
     """bf16 parameters and compute, fp32 main weights and gradient reduction."""
-    cfg = MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
+    # fp16=False is a choice too: a user's explicit fp16=True contradicts this preset by name
+    cfg = MixedPrecisionConfig(bf16=True, fp16=False, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, grad_reduce_in_fp32=True)
     return _as_preset(cfg)
 
 
 def fp16_mixed() -> MixedPrecisionConfig:
     """fp16 parameters and compute with dynamic loss scaling."""
-    cfg = MixedPrecisionConfig(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
+    cfg = MixedPrecisionConfig(fp16=True, bf16=False, params_dtype=torch.half, pipeline_dtype=torch.half, grad_reduce_in_fp32=False)
     return _as_preset(cfg)
 
 
