@@ -280,9 +280,9 @@ _ENABLED_BY: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
 )  # fmt: skip
 """(field, whether its feature is on, the feature, the setting that turns it on): `check_enabled_by`."""
 
-_NONE_WHEN_OFF = frozenset({"moe_ffn_hidden_size"})
+_NONE_WHEN_OFF = frozenset({"moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"})
 """Fields of `_ENABLED_BY` megatron-core wants None while their feature is off (a provider's
-default may be set: DeepSeek's expert width)."""
+default may be set: DeepSeek's expert widths)."""
 
 
 @functools.cache
