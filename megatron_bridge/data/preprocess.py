@@ -375,6 +375,9 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError(f"--workers must be at least 1, got {options.workers}")
     if not options.json_keys:
         raise PreprocessError("--json-keys: give at least one key")
+    repeated = sorted({key for key in options.json_keys if options.json_keys.count(key) > 1})
+    if repeated:  # each key has one output: a repeated key would write its documents twice into it
+        raise PreprocessError(f"--json-keys: {', '.join(map(repr, repeated))} given more than once (name each key once)")
     tokenizer = load_tokenizer(options)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
