@@ -269,3 +269,20 @@ def test_a_key_given_twice_is_refused_instead_of_writing_its_documents_twice(tok
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert "--json-keys: 'text' given more than once (name each key once)" in refused.stderr
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.timeout(120)
+def test_an_input_without_documents_is_refused_and_leaves_no_output(tok_dir, tmp_path):
+    """An empty file, or a key empty in every row, gave a 0-document dataset (exit status 0) that
+    no training can draw from: now exit status 2, nothing under the output names."""
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "blank.jsonl", [{"text": "", "title": "A title."}, {"text": "", "title": "Another."}])
+    (tmp_path / "out").mkdir()
+    empty = _preprocess_process(tmp_path, "--input", "empty.jsonl", "--output-prefix", "out/e", "--tokenizer", tok_dir)
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr
+    assert "--input 'empty.jsonl' holds no documents; nothing was written (give a non-empty input)" in empty.stderr
+    blank = _preprocess_process(tmp_path, "--input", "blank.jsonl", "--output-prefix", "out/b", "--tokenizer", tok_dir, "--json-keys", "title", "text")
+    assert blank.returncode == 2 and "Traceback" not in blank.stderr, blank.stderr
+    assert "--input 'blank.jsonl': 'text' empty in all 2 rows (megatron-core's datasets need a document with tokens); " \
+           "nothing was written (choose --json-keys with text)" in blank.stderr  # fmt: skip
+    assert os.listdir(tmp_path / "out") == []
