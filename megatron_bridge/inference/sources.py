@@ -115,6 +115,7 @@ def check_complete(directory: str) -> None:
         raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
     try:
         metadata = read_metadata(directory)
+        load_common(directory)
     except UnsafeCheckpointError as exc:  # torn, foreign, or naming code to run
         raise SourceError(f"the checkpoint {directory!r} cannot be used: {exc}") from None
     needed: dict[str, int] = {}
