@@ -128,6 +128,8 @@ def cases(work) -> Mapping[str, tuple[Future, str]]:
         "cut common generate": (["generate", cut, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
         "cut common resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "cut", "train.train_iters=2"], None),
         "cut common export": (["hf", "export", cut, os.path.join(str(work), "hf-cut")], None),
+        "step not saved": (["generate", clean, "--prompt", "1 2", "--step", "7"], None),
+        "step of an iteration directory": (["eval", os.path.join(clean, "iter_0000001"), "--data", prompts, "--step", "7"], None),
         "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
         "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
         "endless prompts": (["generate", clean, "--prompts", os.devnull.replace("null", "zero")], None),
@@ -234,6 +236,18 @@ def test_a_damaged_common_state_is_one_message_in_every_command(cases):
     assert "checkpoint.load:" in resume and damaged in resume and fix in resume, resume
     export = _refused(cases, "cut common export")
     assert damaged in export and fix in export, export
+
+
+@pytest.mark.timeout(400)
+def test_a_step_that_names_no_saved_iteration_is_named_by_its_flag(cases):
+    """`--step 7` where no iteration 7 was saved named the config field (`ckpt_step=7`), and an
+    `iter_N` directory was loaded whatever `--step` said."""
+    missing = _refused(cases, "step not saved")
+    assert "--step 7: " in missing and "holds no checkpoint of iteration 7 (complete iterations: [1]; give one of " \
+        "them, or leave --step out for the latest)" in missing and "ckpt_step" not in missing, missing  # fmt: skip
+    other = _refused(cases, "step of an iteration directory")
+    assert "--step 7: " in other and "iter_0000001' is the checkpoint of iteration 1 (leave --step out, or give the " \
+        "directory that holds its iterations)" in other, other  # fmt: skip
 
 
 @pytest.mark.timeout(400)

@@ -96,8 +96,13 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
 
 def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
     try:
-        return layout.resolve(path, step)
+        directory, iteration = layout.resolve(path, step)
     except (FileNotFoundError, ValueError) as exc:
+        if step is not None and os.path.isdir(path):
+            raise SourceError(
+                f"--step {step}: {path!r} holds no checkpoint of iteration {step} (complete iterations: "
+                f"{layout.complete_iterations(path)}; give one of them, or leave --step out for the latest)"
+            ) from None
         unfinished = sorted(n for n in os.listdir(path) if n.startswith("iter_") and n.endswith(layout.INCOMPLETE_SUFFIX))
         if unfinished and step is None and layout.read_tracker(path) is None:
             raise SourceError(
@@ -105,6 +110,12 @@ def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
                 "(the run stopped while writing it)"
             ) from None
         raise SourceError(f"{exc} (a model source is a Hugging Face directory with config.json, or a checkpoint directory)") from None
+    if step is not None and iteration != step:  # an iter_N directory is that iteration whatever --step says
+        raise SourceError(
+            f"--step {step}: {path!r} is the checkpoint of iteration {iteration} (leave --step out, or give the "
+            "directory that holds its iterations)"
+        )
+    return directory, iteration
 
 
 def check_complete(directory: str) -> None:
