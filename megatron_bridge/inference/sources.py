@@ -129,6 +129,13 @@ def check_complete(directory: str) -> None:
         load_common(directory)
     except UnsafeCheckpointError as exc:  # torn, foreign, or naming code to run
         raise SourceError(f"the checkpoint {directory!r} cannot be used: {exc}") from None
+    except OSError as exc:
+        if not os.path.isdir(directory):  # a run still training, keeping its latest checkpoints only, removed it
+            raise SourceError(
+                f"the checkpoint {directory!r} was removed while it was read (a run still saving removes its older "
+                "checkpoints: checkpoint.most_recent_k); run again for its latest one"
+            ) from None
+        raise SourceError(f"the checkpoint {directory!r} cannot be read: {exc}") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
