@@ -337,6 +337,18 @@ def test_a_checkpoint_removed_while_it_is_read_is_one_message(tmp_path, monkeypa
     )
 
 
+def test_a_first_save_under_way_is_not_called_a_stopped_run(tmp_path):
+    """Only `iter_N.incomplete` in the directory: a run saving its first checkpoint right now as
+    well as one killed while saving; the message said the run had stopped."""
+    (tmp_path / "iter_0000002.incomplete").mkdir()
+    with pytest.raises(SourceError) as caught:
+        resolve(str(tmp_path))
+    assert str(caught.value) == (
+        f"no complete checkpoint in {str(tmp_path)!r}: only iter_0000002.incomplete, a save that did not finish "
+        "(a run still writing it, or one stopped while it did)"
+    )
+
+
 def test_truncated_shard_is_reported(checkpoints, tmp_path):
     copy = shutil.copytree(checkpoints["qwen3"], tmp_path / "truncated")
     shard = sorted(p for p in (copy / "iter_0000000").iterdir() if p.suffix == ".distcp")[0]

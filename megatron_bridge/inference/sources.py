@@ -107,7 +107,7 @@ def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
         if unfinished and step is None and layout.read_tracker(path) is None:
             raise SourceError(
                 f"no complete checkpoint in {path!r}: only {', '.join(unfinished)}, a save that did not finish "
-                "(the run stopped while writing it)"
+                "(a run still writing it, or one stopped while it did)"
             ) from None
         raise SourceError(f"{exc} (a model source is a Hugging Face directory with config.json, or a checkpoint directory)") from None
     if step is not None and iteration != step:  # an iter_N directory is that iteration whatever --step says
