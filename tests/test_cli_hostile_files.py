@@ -70,6 +70,17 @@ def _tampered(runs: str, name: str, file: str, marker: str) -> str:
     return checkpoints
 
 
+def _truncated(runs: str, name: str, file: str) -> str:
+    """A copy of the trained run `runs/tiny_gpt_pretrain` as `runs/name`, its `file` cut to 50
+    bytes (a damaged copy); returns the copy's checkpoint directory."""
+    source = os.path.join(runs, "tiny_gpt_pretrain")
+    shutil.copytree(source, os.path.join(runs, name))
+    checkpoints = os.path.join(runs, name, "checkpoints")
+    (iteration,) = [d for d in os.listdir(checkpoints) if d.startswith("iter_")]
+    os.truncate(os.path.join(checkpoints, iteration, file), 50)
+    return checkpoints
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("hostile")
@@ -87,6 +98,7 @@ def cases(work) -> Mapping[str, tuple[Future, str]]:
     meta = _tampered(runs, "meta", ".metadata", mark["generate"])
     common = _tampered(runs, "common", "common.pt", mark["resume"])
     export = _tampered(runs, "export", ".metadata", mark["export"])
+    cut = _truncated(runs, "cut", "common.pt")
     deep = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit
     hf_dir = os.path.join(str(work), "hf-deep")
     os.makedirs(hf_dir)
@@ -113,6 +125,11 @@ def cases(work) -> Mapping[str, tuple[Future, str]]:
         "generate": (["generate", meta, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
         "resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "common", "train.train_iters=2"], None),
         "export": (["hf", "export", export, os.path.join(str(work), "hf-out")], None),
+        "cut common generate": (["generate", cut, "--prompt", "1 2 3", "--max-new-tokens", "1"], None),
+        "cut common resume": (["pretrain", "--recipe", TINY, "--dir", runs, "--name", "cut", "train.train_iters=2"], None),
+        "cut common export": (["hf", "export", cut, os.path.join(str(work), "hf-cut")], None),
+        "step not saved": (["generate", clean, "--prompt", "1 2", "--step", "7"], None),
+        "step of an iteration directory": (["eval", os.path.join(clean, "iter_0000001"), "--data", prompts, "--step", "7"], None),
         "deep config.json": (["hf", "import", hf_dir, os.path.join(str(work), "imported")], None),
         "deep prompts": (["generate", clean, "--prompts", prompts, "--max-new-tokens", "1"], None),
         "endless prompts": (["generate", clean, "--prompts", os.devnull.replace("null", "zero")], None),
@@ -203,6 +220,34 @@ def test_resume_refuses_tampered_common_state(cases):
 def test_hf_export_refuses_tampered_metadata(cases):
     err = _refused(cases, "export")
     assert ".metadata is not loaded: it names pathlib.Path.touch" in err, err
+
+
+@pytest.mark.timeout(400)
+def test_a_damaged_common_state_is_one_message_in_every_command(cases):
+    """A `common.pt` cut short: generate refuses it before building the model (it said the weights
+    did not fit the model), resume and hf export with exit status 2 (they ended in torch's
+    traceback)."""
+    damaged = "common.pt cannot be read (PytorchStreamReader failed reading zip archive: failed finding central directory)"
+    fix = "(the checkpoint is damaged or incomplete: load another one, or save it again)"
+    generate = _refused(cases, "cut common generate")
+    assert "the checkpoint" in generate and "cannot be used: " in generate and damaged in generate and fix in generate, generate
+    assert "do not fit its model" not in generate
+    resume = _refused(cases, "cut common resume")
+    assert "checkpoint.load:" in resume and damaged in resume and fix in resume, resume
+    export = _refused(cases, "cut common export")
+    assert damaged in export and fix in export, export
+
+
+@pytest.mark.timeout(400)
+def test_a_step_that_names_no_saved_iteration_is_named_by_its_flag(cases):
+    """`--step 7` where no iteration 7 was saved named the config field (`ckpt_step=7`), and an
+    `iter_N` directory was loaded whatever `--step` said."""
+    missing = _refused(cases, "step not saved")
+    assert "--step 7: " in missing and "holds no checkpoint of iteration 7 (complete iterations: [1]; give one of " \
+        "them, or leave --step out for the latest)" in missing and "ckpt_step" not in missing, missing  # fmt: skip
+    other = _refused(cases, "step of an iteration directory")
+    assert "--step 7: " in other and "iter_0000001' is the checkpoint of iteration 1 (leave --step out, or give the " \
+        "directory that holds its iterations)" in other, other  # fmt: skip
 
 
 @pytest.mark.timeout(400)

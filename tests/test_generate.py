@@ -312,6 +312,43 @@ def test_other_user_errors_are_one_message(models, tmp_path):
             pass
 
 
+def test_a_checkpoint_removed_while_it_is_read_is_one_message(tmp_path, monkeypatch):
+    """A run still training with `most_recent_k` removes an older checkpoint as `generate` reads
+    it: the metadata vanished between the check that it exists and its reading, a traceback."""
+    import errno
+
+    from megatron_bridge.inference import sources
+
+    directory = tmp_path / "iter_0000002"
+    directory.mkdir()
+    for name in (*sources.CHECKPOINT_FILES, sources.RUN_CONFIG_FILE):
+        (directory / name).write_bytes(b"")
+
+    def removed_meanwhile(path):
+        shutil.rmtree(path)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.path.join(path, ".metadata"))
+
+    monkeypatch.setattr(sources, "read_metadata", removed_meanwhile)
+    with pytest.raises(SourceError) as caught:
+        sources.check_complete(str(directory))
+    assert str(caught.value) == (
+        f"the checkpoint {str(directory)!r} was removed while it was read (a run still saving removes its older "
+        "checkpoints: checkpoint.most_recent_k); run again for its latest one"
+    )
+
+
+def test_a_first_save_under_way_is_not_called_a_stopped_run(tmp_path):
+    """Only `iter_N.incomplete` in the directory: a run saving its first checkpoint right now as
+    well as one killed while saving; the message said the run had stopped."""
+    (tmp_path / "iter_0000002.incomplete").mkdir()
+    with pytest.raises(SourceError) as caught:
+        resolve(str(tmp_path))
+    assert str(caught.value) == (
+        f"no complete checkpoint in {str(tmp_path)!r}: only iter_0000002.incomplete, a save that did not finish "
+        "(a run still writing it, or one stopped while it did)"
+    )
+
+
 def test_truncated_shard_is_reported(checkpoints, tmp_path):
     copy = shutil.copytree(checkpoints["qwen3"], tmp_path / "truncated")
     shard = sorted(p for p in (copy / "iter_0000000").iterdir() if p.suffix == ".distcp")[0]

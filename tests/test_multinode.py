@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from factories import backend_for
+from factories import backend_for, source_tree_env
 
 from megatron_bridge.cli.main import main as mbridge
 from megatron_bridge.runtime.distributed import free_port
@@ -252,7 +252,6 @@ def test_slurm_script_runs_where_it_was_written_or_says_to_submit_from_there(tmp
     """`#SBATCH --chdir` pins the directory the script's relative paths (runs/, slurm_logs/) were
     meant in; `cd jobs && sbatch ../t.sbatch` put them elsewhere. A directory an #SBATCH value
     cannot hold is named in a comment instead."""
-    from factories import source_tree_env
 
     for name in ("plain", "with space"):
         here = tmp_path / name
@@ -342,3 +341,19 @@ def test_slurm_refuses_values_that_would_break_out_of_their_line(tmp_path):
         assert done.returncode == 2 and message in done.stderr, (extra, done.stderr[-2000:])
         assert "Traceback" not in done.stderr
         assert not script.exists() and not (tmp_path.parent / "x.sbatch").exists()
+
+
+@pytest.mark.timeout(120)
+def test_slurm_refuses_a_time_limit_no_longer_than_the_checkpoint_warning(tmp_path):
+    """`--time 00:01:00` with the default `--signal-seconds 120`: Slurm would warn the job as it
+    starts, so it would checkpoint and requeue at once, on every requeue; the script was written."""
+    script = tmp_path / "x.sbatch"
+    argv = ["slurm", "--recipe", "tiny_gpt_pretrain_config", "--nodes", "1", "--gpus-per-node", "2", "--cpu",
+            "--dir", str(tmp_path / "runs"), "-o", str(script), "--time", "00:01:00"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], capture_output=True, text=True,
+                          env=source_tree_env(OMP_NUM_THREADS="1"), timeout=100, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "--signal-seconds 120 is not shorter than --time 00:01:00 (60 s): the job would be told to checkpoint and " \
+        "requeue as it starts, and again each time it is requeued (give a longer --time, or a smaller " \
+        "--signal-seconds)" in done.stderr  # fmt: skip
+    assert not script.exists()

@@ -353,6 +353,28 @@ def test_a_base_of_another_architecture_is_refused_by_each_command(lora_run, tmp
     assert str(err.value) == expected
 
 
+def test_adapters_whose_base_is_gone_name_the_flag_that_gives_it(base, tmp_path):
+    """`peft merge` of adapters whose recorded base was moved away said to give the base's
+    directory "explicitly", without naming `--base`."""
+    import shutil
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+
+    moved = shutil.copytree(base, tmp_path / "base")
+    path = str(tmp_path / "adapters")
+    train(on_cpu(config(iters=2, peft=LoRA(dim=8, alpha=16), pretrained=str(moved), save=path)))
+    shutil.rmtree(moved)
+    argv = ["peft", "merge", path, str(tmp_path / "merged")]
+    proc = subprocess.run([sys.executable, "-m", "megatron_bridge", *argv], env=source_tree_env(),
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"the base weights of these adapters ('{moved}/iter_0000010') are not there; give their directory with " \
+        "--base DIR" in proc.stderr  # fmt: skip
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_keeps_what_it_did_not_write(lora_run, tmp_path):
     """A merge into the adapters' own save directory, or one holding files of the user's, is
     refused before anything loads (it replaced the adapter checkpoint, or hid other iterations

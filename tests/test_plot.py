@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from factories import needs, tiny_config
+from factories import needs, source_tree_env, tiny_config
 
 from megatron_bridge.cli.main import main
 from megatron_bridge.cli.plot import short_labels
@@ -156,3 +156,30 @@ def test_an_output_in_a_missing_directory_is_refused_before_reading_the_runs(tmp
         f"mbridge plot: error: --output {output!r}: its directory {str(tmp_path / 'plots')!r} does not exist "
         "(create it, or write the image elsewhere)"
     )
+
+
+@pytest.mark.timeout(120)
+def test_reading_a_missing_mlflow_store_creates_nothing(tmp_path):
+    """A tracking URI naming no store: MLflow created the database (and its directory) that the
+    plot was to read from."""
+    needs("mlflow")
+    for uri, made in ((f"sqlite:///{tmp_path}/new/m.db", tmp_path / "new"), (f"sqlite:///{tmp_path}/m.db", tmp_path / "m.db")):
+        done = subprocess.run([sys.executable, "-m", "megatron_bridge", "plot", "--mlflow-uri", uri, "--run", "a", "-o", str(tmp_path / "x.png")],
+                              capture_output=True, text=True, timeout=100, env=source_tree_env(MLFLOW_DISABLE_TELEMETRY="true"))  # fmt: skip
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1] == f"mbridge plot: error: no MLflow run named 'a' at {uri}"
+        assert not made.exists()
+
+
+@pytest.mark.timeout(120)
+def test_an_mlruns_directory_given_as_a_file_uri_is_read_like_its_path(tmp_path):
+    """`--mlflow-uri file:///.../mlruns` ended in MLflow 3's refusal of file stores (a traceback);
+    the directory's plain path was read."""
+    needs("mlflow")
+    (tmp_path / "mlruns").mkdir()
+    uri = f"file://{tmp_path}/mlruns"
+    env = {k: v for k, v in source_tree_env(MLFLOW_DISABLE_TELEMETRY="true").items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    done = subprocess.run([sys.executable, "-m", "megatron_bridge", "plot", "--mlflow-uri", uri, "--run", "a", "-o", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, timeout=100, env=env)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == f"mbridge plot: error: no MLflow run named 'a' at {uri}"

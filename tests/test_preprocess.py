@@ -248,3 +248,41 @@ def test_a_prefix_too_long_and_a_full_disk_are_reported_and_leave_nothing(tok_di
     assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
     assert "writing out/corpus_*.bin/.idx failed: File too large; nothing was written under the output names" in full.stderr
     assert os.listdir(tmp_path / "out") == []
+
+
+def _preprocess_process(tmp_path, *argv):
+    """`mbridge data preprocess` in a fresh process, in `tmp_path`."""
+    import subprocess
+    import sys
+
+    from factories import source_tree_env
+
+    return subprocess.run([sys.executable, "-m", "megatron_bridge", "data", "preprocess", *argv, "--no-progress"],
+                          cwd=tmp_path, env=source_tree_env(), capture_output=True, text=True, timeout=100)  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_key_given_twice_is_refused_instead_of_writing_its_documents_twice(tok_dir, tmp_path):
+    """Each key has one output: `--json-keys text text` wrote every document twice into it."""
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in documents(5)])
+    refused = _preprocess_process(tmp_path, "--input", "corpus.jsonl", "--output-prefix", "out/c", "--tokenizer", tok_dir, "--json-keys", "text", "text")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "--json-keys: 'text' given more than once (name each key once)" in refused.stderr
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.timeout(120)
+def test_an_input_without_documents_is_refused_and_leaves_no_output(tok_dir, tmp_path):
+    """An empty file, or a key empty in every row, gave a 0-document dataset (exit status 0) that
+    no training can draw from: now exit status 2, nothing under the output names."""
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "blank.jsonl", [{"text": "", "title": "A title."}, {"text": "", "title": "Another."}])
+    (tmp_path / "out").mkdir()
+    empty = _preprocess_process(tmp_path, "--input", "empty.jsonl", "--output-prefix", "out/e", "--tokenizer", tok_dir)
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr
+    assert "--input 'empty.jsonl' holds no documents; nothing was written (give a non-empty input)" in empty.stderr
+    blank = _preprocess_process(tmp_path, "--input", "blank.jsonl", "--output-prefix", "out/b", "--tokenizer", tok_dir, "--json-keys", "title", "text")
+    assert blank.returncode == 2 and "Traceback" not in blank.stderr, blank.stderr
+    assert "--input 'blank.jsonl': 'text' empty in all 2 rows (megatron-core's datasets need a document with tokens); " \
+           "nothing was written (choose --json-keys with text)" in blank.stderr  # fmt: skip
+    assert os.listdir(tmp_path / "out") == []

@@ -69,8 +69,9 @@ def short_labels(paths: list[str]) -> list[str]:
 def mlflow_uri(uri: str) -> str:
     """A directory (an `mlruns` folder) as a file: URI; anything else as given."""
     if "://" not in uri and os.path.isdir(uri):
+        uri = "file://" + os.path.abspath(uri)
+    if uri.startswith("file:"):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses file stores otherwise
-        return "file://" + os.path.abspath(uri)
     return uri
 
 

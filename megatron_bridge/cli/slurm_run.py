@@ -66,6 +66,31 @@ def _check_script_values(args: argparse.Namespace, job_name: str) -> None:
         raise UsageError(f"job name {job_name!r} names the script file {job_name}.sbatch: give one without '/' (--job-name)")
     if args.time is not None and not SLURM_TIME.fullmatch(args.time):
         raise UsageError(f"--time {args.time!r}: not a Slurm time limit (give MM, HH:MM:SS, D-HH:MM:SS or UNLIMITED)")
+    limit = time_limit_seconds(args.time) if args.time is not None else None
+    if limit is not None and args.signal_seconds >= limit:  # Slurm would signal at once, every requeue again
+        raise UsageError(
+            f"--signal-seconds {args.signal_seconds} is not shorter than --time {args.time} ({limit} s): the job would "
+            "be told to checkpoint and requeue as it starts, and again each time it is requeued (give a longer --time, "
+            "or a smaller --signal-seconds)"
+        )
+
+
+def time_limit_seconds(text: str) -> Optional[int]:
+    """Seconds of a Slurm time limit in one of `SLURM_TIME`'s forms; None for no limit (UNLIMITED, 0)."""
+    if not text[0].isdigit():
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    elif len(parts) == 2:  # MM:SS
+        hours, minutes, seconds = 0, *parts
+    else:  # MM
+        hours, minutes, seconds = 0, parts[0], 0
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return total or None
 
 
 def _check_printable(values: list[Any]) -> None:

@@ -375,6 +375,9 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
         raise PreprocessError(f"--workers must be at least 1, got {options.workers}")
     if not options.json_keys:
         raise PreprocessError("--json-keys: give at least one key")
+    repeated = sorted({key for key in options.json_keys if options.json_keys.count(key) > 1})
+    if repeated:  # each key has one output: a repeated key would write its documents twice into it
+        raise PreprocessError(f"--json-keys: {', '.join(map(repr, repeated))} given more than once (name each key once)")
     tokenizer = load_tokenizer(options)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
@@ -430,6 +433,7 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
                 bar.update(done, first.documents, first.tokens)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+        _refuse_keys_without_documents(options, writers, skipped)
         for writer in writers.values():
             writer.finalize()
     except BaseException as exc:
@@ -447,6 +451,21 @@ def preprocess(options: PreprocessOptions) -> dict[str, KeyResult]:
     first = writers[options.json_keys[0]]
     bar.close(done, first.documents, first.tokens)
     return {key: KeyResult(w.prefix, w.documents, w.tokens, skipped[key]) for key, w in writers.items()}
+
+
+def _refuse_keys_without_documents(options: PreprocessOptions, writers: dict, skipped: dict[str, int]) -> None:
+    """An output without a document is no dataset megatron-core can draw from: refuse it before
+    anything is written under the output names."""
+    empty = [key for key, writer in writers.items() if writer.documents == 0]
+    if not empty:
+        return
+    if not any(skipped.values()):
+        raise PreprocessError(f"--input {options.input!r} holds no documents; nothing was written (give a non-empty input)")
+    rows = skipped[empty[0]]  # every row was empty under these keys
+    raise PreprocessError(
+        f"--input {options.input!r}: {' and '.join(map(repr, empty))} empty in all {rows:,} rows (megatron-core's "
+        "datasets need a document with tokens); nothing was written (choose --json-keys with text)"
+    )
 
 
 def _locate(message: str, chunk: tuple) -> str:

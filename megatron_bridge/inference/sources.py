@@ -96,15 +96,26 @@ def resolve(path: str, step: Optional[int] = None, base: Optional[str] = None) -
 
 def _iteration(path: str, step: Optional[int]) -> tuple[str, int]:
     try:
-        return layout.resolve(path, step)
+        directory, iteration = layout.resolve(path, step)
     except (FileNotFoundError, ValueError) as exc:
+        if step is not None and os.path.isdir(path):
+            raise SourceError(
+                f"--step {step}: {path!r} holds no checkpoint of iteration {step} (complete iterations: "
+                f"{layout.complete_iterations(path)}; give one of them, or leave --step out for the latest)"
+            ) from None
         unfinished = sorted(n for n in os.listdir(path) if n.startswith("iter_") and n.endswith(layout.INCOMPLETE_SUFFIX))
         if unfinished and step is None and layout.read_tracker(path) is None:
             raise SourceError(
                 f"no complete checkpoint in {path!r}: only {', '.join(unfinished)}, a save that did not finish "
-                "(the run stopped while writing it)"
+                "(a run still writing it, or one stopped while it did)"
             ) from None
         raise SourceError(f"{exc} (a model source is a Hugging Face directory with config.json, or a checkpoint directory)") from None
+    if step is not None and iteration != step:  # an iter_N directory is that iteration whatever --step says
+        raise SourceError(
+            f"--step {step}: {path!r} is the checkpoint of iteration {iteration} (leave --step out, or give the "
+            "directory that holds its iterations)"
+        )
+    return directory, iteration
 
 
 def check_complete(directory: str) -> None:
@@ -115,8 +126,16 @@ def check_complete(directory: str) -> None:
         raise SourceError(f"the checkpoint {directory!r} is incomplete: {', '.join(missing)} missing")
     try:
         metadata = read_metadata(directory)
+        load_common(directory)
     except UnsafeCheckpointError as exc:  # torn, foreign, or naming code to run
         raise SourceError(f"the checkpoint {directory!r} cannot be used: {exc}") from None
+    except OSError as exc:
+        if not os.path.isdir(directory):  # a run still training, keeping its latest checkpoints only, removed it
+            raise SourceError(
+                f"the checkpoint {directory!r} was removed while it was read (a run still saving removes its older "
+                "checkpoints: checkpoint.most_recent_k); run again for its latest one"
+            ) from None
+        raise SourceError(f"the checkpoint {directory!r} cannot be read: {exc}") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

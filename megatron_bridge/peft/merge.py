@@ -57,7 +57,7 @@ def base_of(cfg: Any, common: dict, base: Optional[str] = None) -> str:
     if cfg.checkpoint.pretrained_checkpoint and os.path.isdir(cfg.checkpoint.pretrained_checkpoint):
         return cfg.checkpoint.pretrained_checkpoint
     raise FileNotFoundError(
-        f"the base weights of these adapters ({recorded!r}) are not there; give their directory explicitly"
+        f"the base weights of these adapters ({recorded!r}) are not there; give their directory with --base DIR"
     )
 
 

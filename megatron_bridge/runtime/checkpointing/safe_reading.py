@@ -105,7 +105,7 @@ def check_pickled_files(directory: str) -> None:
 def load_common(directory: str) -> dict:
     """The `common.pt` state of checkpoint iteration `directory` (megatron-core's
     `load_common_state_dict`, which unpickles weights only); `UnsafeCheckpointError` for a file
-    that names anything else, said in one line."""
+    that names anything else, or one that cannot be read (damaged), said in one line."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -116,4 +116,10 @@ def load_common(directory: str) -> dict:
         raise UnsafeCheckpointError(
             f"{os.path.join(directory, COMMON_FILE)} is not loaded: it holds more than tensors and plain data, "
             "and loading it could run code from the file"
+        ) from None
+    except (RuntimeError, EOFError) as exc:  # a torn or truncated file, in torch's zip reader or unpickler
+        reason = str(exc).split(". ")[0] or "it ends too early"  # torch goes on about what may have corrupted it
+        raise UnsafeCheckpointError(
+            f"{os.path.join(directory, COMMON_FILE)} cannot be read ({reason})",
+            "the checkpoint is damaged or incomplete: load another one, or save it again",
         ) from None

@@ -69,6 +69,9 @@ def read_mlflow(tracking_uri: str, run: str, experiment: Optional[str] = None) -
     require("mlflow", "reading MLflow runs")
     from mlflow import MlflowClient
 
+    store = _local_store(tracking_uri)
+    if store is not None and not os.path.exists(store):  # no run there; MLflow would create an empty store
+        raise ValueError(f"no MLflow run named {run!r} at {tracking_uri}")
     client = MlflowClient(tracking_uri=tracking_uri)
     if experiment is not None:
         found = client.get_experiment_by_name(experiment)
@@ -93,6 +96,15 @@ def read_mlflow(tracking_uri: str, run: str, experiment: Optional[str] = None) -
     for key in matches[0].data.metrics:
         series[key] = _merged((m.step, m.value) for m in client.get_metric_history(run_id, key))
     return RunMetrics(run, series)
+
+
+def _local_store(tracking_uri: str) -> Optional[str]:
+    """The file or directory of a local MLflow store (sqlite:///PATH, file://PATH, a path); None
+    for a server."""
+    for scheme in ("sqlite:///", "file://"):
+        if tracking_uri.startswith(scheme):
+            return tracking_uri[len(scheme) :] or None
+    return None if "://" in tracking_uri else tracking_uri
 
 
 def _quoted(text: str) -> str:
