@@ -23,7 +23,8 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    """An environment that imports this source tree, outside any launcher or Slurm job."""
+    env = {k: v for k, v in source_tree_env().items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
